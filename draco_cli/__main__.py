@@ -1,0 +1,3 @@
+from draco_cli.cli import main
+
+main()

@@ -1,0 +1,59 @@
+"""The command layer: thin typer commands over library functions.
+
+Library errors are mapped here, once, to a message on stderr and an exit code
+(1 = failure, 2 = usage). Set DRACO_DEBUG=1 to see the traceback instead.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+
+import typer
+
+from draco_cli.cli import ingest as ingest_cmd
+from draco_cli.cli import schema as schema_cmd
+from draco_cli.cli import validate as validate_cmd
+from draco_cli.cli.console import err_console
+
+app = typer.Typer(
+    name="draco",
+    help="Dynamic rubrics and step-level credit for RL on LLM agents: "
+    "rollout logs in, per-token advantages out.",
+    no_args_is_help=True,
+    add_completion=False,
+    pretty_exceptions_enable=False,
+    context_settings={"help_option_names": ["-h", "--help"]},
+)
+app.command("ingest")(ingest_cmd.ingest)
+app.command("validate")(validate_cmd.validate)
+app.add_typer(schema_cmd.app, name="schema")
+
+
+@app.callback(invoke_without_command=True)
+def _root(
+    ctx: typer.Context,
+    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+) -> None:
+    if version:
+        from draco_cli import __version__
+
+        typer.echo(__version__)
+        raise typer.Exit()
+    if ctx.invoked_subcommand is None:
+        typer.echo(ctx.get_help())
+        raise typer.Exit(2)
+
+
+def main() -> None:
+    from draco_cli.errors import DracoError
+
+    try:
+        # standalone mode: typer reports usage errors itself (exit 2); ours come out here.
+        app()
+    except DracoError as exc:
+        if os.environ.get("DRACO_DEBUG"):
+            raise
+        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True,
+                          soft_wrap=True)
+        sys.exit(exc.exit_code)

@@ -1,0 +1,80 @@
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from draco_cli.cli.console import err_console
+from draco_cli.cli.options import Force, OutDir
+
+
+class Format(str, Enum):
+    openai_jsonl = "openai-jsonl"
+    tau_bench = "tau-bench"
+    tau2_bench = "tau2-bench"
+
+
+class StepUnit(str, Enum):
+    message = "message"
+    code_block = "code-block"
+    tool_call = "tool-call"
+
+
+def ingest(
+    fmt: Annotated[Format, typer.Argument(metavar="FORMAT", help="Log format of the inputs.")],
+    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="Log files.")],
+    out: OutDir,
+    step_unit: Annotated[
+        StepUnit, typer.Option(help="What one step is: an assistant message, a fenced code "
+                               "block the environment ran, or one tool call.")
+    ] = StepUnit.message,
+    tokenizer: Annotated[
+        Optional[str],
+        typer.Option(help="tokenizer.json of the trainer's model, for logs without token "
+                     "counts; 'approx' = ceil(chars/4), an approximation."),
+    ] = None,
+    group_by: Annotated[
+        Optional[str],
+        typer.Option(help="Comma-separated rollout fields forming group_id "
+                     "(default: task_id, plus train_step when set)."),
+    ] = None,
+    train_step: Annotated[
+        Optional[int], typer.Option(help="train_step for rollouts whose log does not say.")
+    ] = None,
+    skip_invalid: Annotated[
+        bool, typer.Option(help="Write bad entries to OUT/rejects.jsonl and go on.")
+    ] = False,
+    force: Force = False,
+) -> None:
+    """Ingest agent logs into OUT/rollouts.parquet, OUT/steps.parquet and OUT/manifest.json.
+
+    Example: draco ingest tau-bench results.json --tokenizer approx -o data/step-0
+    """
+    from draco_cli.ingest import ingest as run_ingest
+
+    with err_console.status("ingesting…"):
+        result = run_ingest(
+            fmt.value,
+            [str(p) for p in inputs],
+            out,
+            step_unit=step_unit.value,
+            tokenizer=tokenizer,
+            group_by=tuple(g.strip() for g in group_by.split(",")) if group_by else None,
+            train_step=train_step,
+            skip_invalid=skip_invalid,
+            force=force,
+        )
+    m = result.manifest
+    err_console.print(
+        f"[green]ingested[/] {m['rollouts']} rollouts in {m['groups']} groups, {m['steps']} "
+        f"steps (unit: {m['step_unit']}; tokens: {', '.join(m['token_counts']) or 'none'}"
+        f"{'' if m['tokenizer'] is None else ' via ' + m['tokenizer']}; positions "
+        f"{m['token_positions']}) → {out}",
+        highlight=False,
+    )
+    if m["tokenizer_exact"] is False:
+        err_console.print("[yellow]note:[/] token counts are approximate (--tokenizer approx)")
+    if result.rejected:
+        err_console.print(f"[yellow]rejected[/] {result.rejected} entries → {out}/rejects.jsonl")

@@ -1,0 +1,34 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from draco_cli.cli.console import err_console
+
+
+def validate(
+    paths: Annotated[
+        list[Path],
+        typer.Argument(metavar="PATH...", help="Parquet tables, folders of them, or - for an "
+                       "Arrow IPC stream on stdin."),
+    ],
+) -> None:
+    """Check tables against their contracts and each other; exit 1 listing every problem.
+
+    Example: draco validate data/step-0
+    """
+    from draco_cli.errors import ValidationFailed
+    from draco_cli.validate import validate_paths
+
+    files: list[Path] = []
+    for p in paths:
+        files += sorted(p.glob("*.parquet")) if str(p) != "-" and p.is_dir() else [p]
+    counts, problems = validate_paths(files)
+    if problems:
+        raise ValidationFailed(problems)
+    summary = ", ".join(f"{n} {t}" for t, n in counts.items())
+    err_console.print(f"[green]ok[/]: {summary or 'no tables found'}", highlight=False)
+    if not counts:
+        raise typer.Exit(1)

@@ -1,0 +1,77 @@
+"""``openai-jsonl``: the generic format, one rollout per line (see docs/ingest.md).
+
+{"rollout_id"?, "task_id", "group_id"?, "train_step"?, "trial"?, "scenario_id"?,
+ "difficulty"?, "instruction"?, "outcome"?, "termination"?, "messages": [OpenAI messages]}
+
+Messages may carry ``n_tokens``: that message's tokens in the trainer's response sequence.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any, TextIO
+
+from draco_cli.errors import InputError
+from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.episode import Episode
+from draco_cli.schemas import Termination
+
+TERMINATIONS = Termination.__args__  # type: ignore[attr-defined]
+Item = tuple[str, "Episode | InputError"]
+
+
+def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
+    stem = Path(source).stem
+    for lineno, line in enumerate(fp, start=1):
+        where = f"line {lineno}"
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            # A line cut short fails at its very end (or inside an unterminated string).
+            cut = exc.pos >= len(line.rstrip()) or exc.msg.startswith("Unterminated")
+            what = "truncated JSON" if cut else "invalid JSON"
+            yield where, InputError(f"{what} ({exc.msg} at column {exc.colno})",
+                                    file=source, row=where)
+            continue
+        try:
+            yield where, to_episode(raw, EntryContext(source, where), f"{stem}:{lineno}")
+        except InputError as exc:
+            yield where, exc
+
+
+def to_episode(raw: Any, ctx: EntryContext, default_id: str) -> Episode:
+    if not isinstance(raw, dict):
+        raise ctx.error("a line must hold one JSON object")
+    task_id = ctx.require(raw, "task_id", (str, int))
+    messages = parse_messages(raw.get("messages"), ctx)
+    termination = ctx.optional(raw, "termination", str)
+    if termination is not None and termination not in TERMINATIONS:
+        raise ctx.error(f"{termination!r} is not one of {', '.join(TERMINATIONS)}", "termination")
+    instruction = ctx.optional(raw, "instruction", str)
+    if instruction is None:
+        first_user = next((m for m in messages if m.role == "user"), None)
+        instruction = first_user.content if first_user else ""
+    outcome = ctx.optional(raw, "outcome", (int, float))
+    rid = ctx.optional(raw, "rollout_id", (str, int))
+    gid = ctx.optional(raw, "group_id", (str, int))
+    scen = ctx.optional(raw, "scenario_id", (str, int))
+    diff = ctx.optional(raw, "difficulty", (str, int))
+    return Episode(
+        rollout_id=str(rid) if rid is not None else default_id,
+        task_id=str(task_id),
+        instruction=instruction,
+        messages=messages,
+        where=ctx.where,
+        outcome=float(outcome) if outcome is not None else None,
+        termination=termination,
+        termination_raw=termination,
+        trial=ctx.optional(raw, "trial", int),
+        train_step=ctx.optional(raw, "train_step", int),
+        scenario_id=str(scen) if scen is not None else None,
+        difficulty=str(diff) if diff is not None else None,
+        group_id=str(gid) if gid is not None else None,
+    )

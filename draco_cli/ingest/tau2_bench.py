@@ -1,0 +1,139 @@
+"""``tau2-bench``: one JSON object {timestamp, info, tasks[], simulations[]} (sierra-research/
+tau2-bench results). Assistant messages carry ``usage.completion_tokens``; tool-call arguments
+are objects; an assistant may call several tools at once.
+
+Token counts: each policy message's tokens are its ``completion_tokens``. The observation block
+between two policy calls is ``prompt_tokens`` of the later call minus ``prompt_tokens`` and
+``completion_tokens`` of the earlier one: the tokens the conversation grew by, chat template
+included, in the API's tokenizer.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from draco_cli.errors import InputError
+from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.episode import Episode
+from draco_cli.ingest.jsonstream import iter_object_with_array
+
+Item = tuple[str, "Episode | InputError"]
+
+TERMINATION = {
+    "user_stop": "submitted",
+    "agent_stop": "submitted",
+    "transfer": "submitted",
+    "max_steps": "max_turns",
+    "too_many_errors": "env_error",
+    "agent_error": "env_error",
+    "user_error": "env_error",
+}
+
+
+def _label(i: int) -> str:
+    return f"simulations[{i}]"
+
+
+def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
+    tasks: dict[str, dict] | None = None
+    pending: list[tuple[int, Any]] = []  # simulations seen before the task list (unusual)
+    walk = iter_object_with_array(fp, source, "simulations", _label)
+    while True:
+        try:
+            key, value = next(walk)
+        except StopIteration:
+            break
+        except InputError as exc:
+            yield exc.row if isinstance(exc.row, str) else "file", exc
+            return
+        if key == "tasks":
+            tasks = _task_index(value)
+            for index, raw in pending:
+                yield _convert(index, raw, tasks, source)
+            pending = []
+        elif key == "simulations":
+            index, raw = value
+            if tasks is None:
+                pending.append((index, raw))
+            else:
+                yield _convert(index, raw, tasks, source)
+    for index, raw in pending:  # no task list at all: instructions come from the dialogue
+        yield _convert(index, raw, {}, source)
+
+
+def _task_index(value: Any) -> dict[str, dict]:
+    if not isinstance(value, list):
+        return {}
+    return {str(t.get("id")): t for t in value if isinstance(t, dict)}
+
+
+def _convert(index: int, raw: Any, tasks: dict[str, dict], source: str) -> Item:
+    where = _label(index)
+    try:
+        return where, to_episode(raw, EntryContext(source, where), tasks)
+    except InputError as exc:
+        return where, exc
+
+
+def instruction_of(task: dict | None) -> str | None:
+    if not task:
+        return None
+    scenario = task.get("user_scenario") or {}
+    instr = scenario.get("instructions") if isinstance(scenario, dict) else None
+    if isinstance(instr, str):
+        return instr
+    if not isinstance(instr, dict):
+        return None
+    labels = [("reason_for_call", "Reason for call"), ("known_info", "Known info"),
+              ("unknown_info", "Unknown info"), ("task_instructions", "Task instructions")]
+    lines = [f"{title}: {instr[k].strip()}" for k, title in labels if isinstance(instr.get(k), str)]
+    return "\n".join(lines) or None
+
+
+def to_episode(raw: Any, ctx: EntryContext, tasks: dict[str, dict]) -> Episode:
+    if not isinstance(raw, dict):
+        raise ctx.error("a simulation must be a JSON object")
+    task_id = str(ctx.require(raw, "task_id", (str, int)))
+    raw_msgs = raw.get("messages")
+    messages = parse_messages(raw_msgs, ctx)
+    first_user = next((i for i, m in enumerate(messages) if m.role == "user"), len(messages))
+    for i, (m, r) in enumerate(zip(messages, raw_msgs)):
+        if m.role != "assistant":
+            continue
+        usage = r.get("usage")
+        if usage is None and i < first_user:
+            # tau2's orchestrator opens with a fixed greeting that no model generated.
+            m.policy = False
+            continue
+        if isinstance(usage, dict) and isinstance(usage.get("completion_tokens"), int):
+            m.n_tokens = usage["completion_tokens"]
+    # Observation blocks from the growth of the prompt between consecutive policy calls.
+    block_tokens: dict[int, int] = {}
+    policy = [i for i, m in enumerate(messages) if m.role == "assistant" and m.policy]
+    for a, b in zip(policy, policy[1:]):
+        ua, ub = raw_msgs[a].get("usage") or {}, raw_msgs[b].get("usage") or {}
+        pa_, pb, ca = ua.get("prompt_tokens"), ub.get("prompt_tokens"), ua.get("completion_tokens")
+        if all(isinstance(x, int) for x in (pa_, pb, ca)) and pb - pa_ - ca >= 0:
+            block_tokens[a] = pb - pa_ - ca
+    reward_info = raw.get("reward_info") if isinstance(raw.get("reward_info"), dict) else {}
+    reward = reward_info.get("reward")
+    reason = raw.get("termination_reason")
+    reason = reason if isinstance(reason, str) else None
+    instruction = instruction_of(tasks.get(task_id))
+    if instruction is None:
+        instruction = messages[first_user].content if first_user < len(messages) else ""
+    sim_id = raw.get("id")
+    trial = ctx.optional(raw, "trial", int)
+    return Episode(
+        rollout_id=str(sim_id) if sim_id is not None else f"{task_id}-{trial or 0}",
+        task_id=task_id,
+        instruction=instruction,
+        messages=messages,
+        where=ctx.where,
+        outcome=float(reward) if isinstance(reward, (int, float)) else None,
+        termination=TERMINATION.get(reason) if reason else None,
+        termination_raw=reason,
+        trial=trial,
+        block_tokens=block_tokens,
+    )

@@ -1,0 +1,101 @@
+"""Token counters used when a log does not carry the counts itself.
+
+``--tokenizer PATH`` loads a Hugging Face ``tokenizer.json`` (the trainer's own tokenizer, so the
+counts are real); ``--tokenizer approx`` is an explicit, documented approximation. There is no
+silent default: a log without counts and no ``--tokenizer`` is an error.
+"""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Protocol
+
+from draco_cli.errors import InputError, UsageError
+
+APPROX = "approx"
+APPROX_CHARS_PER_TOKEN = 4
+
+
+class TokenCounter(Protocol):
+    name: str
+    exact: bool
+
+    def count(self, text: str) -> int: ...
+
+
+class ApproxCounter:
+    """ceil(characters / 4): the usual rule of thumb for English text with BPE tokenizers.
+
+    It is an approximation: code, JSON and non-English text tokenize denser. Manifests record
+    that it was used.
+    """
+
+    name = APPROX
+    exact = False
+
+    def count(self, text: str) -> int:
+        return math.ceil(len(text) / APPROX_CHARS_PER_TOKEN)
+
+
+class HFTokenizerCounter:
+    """Counts with a Hugging Face ``tokenizer.json`` (no special tokens, no chat template)."""
+
+    exact = True
+
+    def __init__(self, path: str) -> None:
+        p = Path(path)
+        if p.is_dir():
+            p = p / "tokenizer.json"
+        if not p.exists():
+            raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
+        try:
+            from tokenizers import Tokenizer
+        except ImportError:  # pragma: no cover - tokenizers is a declared dependency
+            raise UsageError("--tokenizer PATH needs the 'tokenizers' package") from None
+        try:
+            self._tok = Tokenizer.from_file(str(p))
+        except Exception as exc:  # the Rust side raises a bare Exception
+            raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
+        self.name = str(p)
+        self._cache: dict[str, int] = {}
+
+    def count(self, text: str) -> int:
+        if not text:
+            return 0
+        hit = self._cache.get(text)
+        if hit is None:
+            hit = len(self._tok.encode(text, add_special_tokens=False).ids)
+            if len(self._cache) < 100_000:
+                self._cache[text] = hit
+        return hit
+
+
+def make_counter(spec: str | None) -> TokenCounter | None:
+    if spec is None:
+        return None
+    if spec == APPROX:
+        return ApproxCounter()
+    return HFTokenizerCounter(spec)
+
+
+def apportion(total: int, weights: list[int], minimum: list[int]) -> list[int]:
+    """Split ``total`` integer tokens over parts in proportion to ``weights`` (largest
+    remainder), giving each part at least its ``minimum``. Used to split a message whose token
+    count the log gives as a whole over its parts, whose relative sizes a tokenizer measured.
+    """
+    n = len(weights)
+    floor = sum(minimum)
+    if total < floor:
+        raise ValueError("total below the sum of minimums")
+    spare = total - floor
+    wsum = sum(weights)
+    if wsum == 0:
+        weights, wsum = [1] * n, n
+    exact = [spare * w / wsum for w in weights]
+    base = [math.floor(x) for x in exact]
+    left = spare - sum(base)
+    order = sorted(range(n), key=lambda i: (-(exact[i] - base[i]), i))
+    for i in order[:left]:
+        base[i] += 1
+    return [b + m for b, m in zip(base, minimum)]

@@ -1,0 +1,328 @@
+"""The data contracts of SPEC §2: one pydantic model per table, Arrow schemas derived from them.
+
+The pydantic models are the single source of truth: field docs, JSON Schema export, Arrow
+types and the vectorised value checks run at every read all come from them. Rows are never
+validated one by one through pydantic (too slow for millions of rows); instead the checks the
+models declare (nullability, enums, bounds) are applied to whole columns in ``draco_cli.io``.
+"""
+
+from __future__ import annotations
+
+import types
+import typing
+from dataclasses import dataclass
+from typing import Annotated, ClassVar, Literal, Optional, Union
+
+import annotated_types
+import pyarrow as pa
+from pydantic import BaseModel, ConfigDict, Field
+
+SCHEMA_VERSION = "1.0"
+
+
+@dataclass(frozen=True)
+class ArrowType:
+    """Annotation marker pinning the Arrow type of a field (e.g. int32 rather than int64)."""
+
+    type: pa.DataType
+
+
+Int32 = Annotated[int, ArrowType(pa.int32())]
+Float32 = Annotated[float, ArrowType(pa.float32())]
+
+Termination = Literal["submitted", "max_length", "max_turns", "env_error", "no_action"]
+Verdict = Literal["pass", "fail", "na"]
+CreditMode = Literal["step", "uniform", "grpo_fallback"]
+
+
+class Table(BaseModel):
+    """Base of every table row model."""
+
+    model_config = ConfigDict(extra="allow")
+    table_name: ClassVar[str]
+    keys: ClassVar[tuple[str, ...]]
+
+
+class Rollout(Table):
+    """One logged episode of an agent on a task."""
+
+    table_name: ClassVar[str] = "rollouts"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
+
+    rollout_id: str = Field(description="Unique id of the rollout.")
+    group_id: str = Field(
+        description="Rollouts sampled together for one task (one GRPO group); "
+        "default task_id, or task_id/train_step when train_step is set."
+    )
+    task_id: str = Field(description="The task this rollout attempts.")
+    train_step: Optional[Int32] = Field(None, description="RL training step that produced it.")
+    trial: Optional[Int32] = Field(
+        None, description="Index of this attempt at the task; pairs the tasks of a scenario."
+    )
+    scenario_id: Optional[str] = Field(None, description="Scenario (AppWorld groups 3 tasks).")
+    difficulty: Optional[str] = Field(None, description="Difficulty label, if the benchmark has one.")
+    instruction: str = Field(description="The task text.")
+    outcome: Optional[float] = Field(
+        None, description="The environment's terminal evaluator; 1 = success."
+    )
+    termination: Optional[Termination] = Field(None, description="What ended the episode.")
+    termination_raw: Optional[str] = Field(
+        None, description="The log's own word for what ended the episode, before mapping."
+    )
+    n_turns: Int32 = Field(ge=0, description="Policy (assistant) messages in the episode.")
+    response_len: Optional[Int32] = Field(
+        None,
+        ge=0,
+        description="Tokens of the trainer's response sequence, observation and gap tokens "
+        "included.",
+    )
+    policy_spans: Optional[list[list[Int32]]] = Field(
+        None,
+        description="Half-open [start, end) token ranges the policy generated: exactly where "
+        "the trainer's response_mask is 1.",
+    )
+
+
+class Step(Table):
+    """One step of a rollout, in the step unit recorded in the ingest manifest."""
+
+    table_name: ClassVar[str] = "steps"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout this step belongs to.")
+    step: Int32 = Field(ge=1, description="1-based step number, contiguous within a rollout.")
+    action: str = Field(description="The step's text (message text, code block or tool call).")
+    observation: str = Field(description="What came back before the next step.")
+    n_tokens: Int32 = Field(ge=1, description="The step's tokens in the trainer's tokenizer.")
+    token_start: Optional[Int32] = Field(
+        None, ge=0, description="Offset of the step's first token in the response sequence."
+    )
+
+
+class RubricCandidate(Table):
+    """A criterion proposed by rubric stage 1 (generate) or 2 (union)."""
+
+    table_name: ClassVar[str] = "rubric_candidates"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "candidate_id")
+
+    group_id: str = Field(description="Group the candidate was written for.")
+    candidate_id: str = Field(description="Id of the candidate within its group.")
+    stage: Literal["generate", "union"] = Field(description="Rubric stage that proposed it.")
+    origin_rollout_id: Optional[str] = Field(
+        None, description="Rollout shown to the generator (stage generate)."
+    )
+    title: str = Field(description="Short title.")
+    requirement: str = Field(description="One sentence: what passing means.")
+
+
+class Rubric(Table):
+    """A criterion of a group's final rubric."""
+
+    table_name: ClassVar[str] = "rubrics"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "criterion_id")
+
+    group_id: str = Field(description="Group the criterion applies to.")
+    criterion_id: str = Field(description="Stable id (hash of group and text).")
+    title: str = Field(description="At most about 8 words.")
+    requirement: str = Field(description="One sentence: what passing means.")
+    source: Literal["merge", "static", "generate", "union"] = Field(
+        description="Where the criterion came from."
+    )
+
+
+class VerdictRaw(Table):
+    """One judge sample's verdict on one criterion for one rollout."""
+
+    table_name: ClassVar[str] = "verdicts_raw"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "criterion_id", "judge", "sample")
+
+    rollout_id: str = Field(description="Judged rollout.")
+    criterion_id: str = Field(description="Criterion judged.")
+    judge: str = Field(description="Judge arm label, e.g. frontier or self.")
+    sample: int = Field(ge=0, description="Sample index 0..k-1.")
+    verdict: Optional[Verdict] = Field(None, description="pass, fail, na, or null = unanswered.")
+    cited_steps: list[Int32] = Field(description="Steps that justify the verdict (1-based).")
+    reason: Optional[str] = Field(None, description="The judge's short reason.")
+
+
+class VerdictAggregated(Table):
+    """Verdicts aggregated over samples (SPEC §3.2), with the discriminative flag (§3.3)."""
+
+    table_name: ClassVar[str] = "verdicts"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "criterion_id", "judge")
+
+    rollout_id: str = Field(description="Judged rollout.")
+    criterion_id: str = Field(description="Criterion judged.")
+    judge: str = Field(description="Judge arm label.")
+    verdict: Optional[Verdict] = Field(None, description="Aggregated verdict; null = unanswered.")
+    cited_steps: list[Int32] = Field(description="Union of citations of the agreeing samples.")
+    reason: Optional[str] = Field(None, description="Reason (or why unanswered).")
+    retained: Optional[bool] = Field(
+        None, description="Criterion failed by at least one member of the group (SPEC §3.3)."
+    )
+
+
+class Reward(Table):
+    """Per-rollout reward and group advantage."""
+
+    table_name: ClassVar[str] = "rewards"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
+
+    rollout_id: str = Field(description="The rollout.")
+    group_id: str = Field(description="Its group.")
+    n_pass: Int32 = Field(ge=0, description="Passed retained criteria.")
+    n_fail: Int32 = Field(ge=0, description="Failed retained criteria.")
+    n_na: Int32 = Field(ge=0, description="Retained criteria judged na.")
+    reward: Optional[float] = Field(None, description="Pass fraction over retained criteria.")
+    pass_rate_all: Optional[float] = Field(None, description="Pass fraction before the filter.")
+    advantage: float = Field(description="Group advantage A_i.")
+    credit_mode: CreditMode = Field(description="How the advantage was spread over tokens.")
+
+
+class StepCredit(Table):
+    """Per-step credit (SPEC §3.6)."""
+
+    table_name: ClassVar[str] = "step_credit"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: Int32 = Field(ge=1, description="1-based step.")
+    n_tokens: Int32 = Field(ge=1, description="Tokens of the step.")
+    p: Int32 = Field(ge=0, description="Passed criteria citing the step.")
+    f: Int32 = Field(ge=0, description="Failed criteria citing the step.")
+    cited: bool = Field(description="Whether any pass/fail criterion cites the step.")
+    quality: Optional[float] = Field(None, description="Q_j.")
+    weight: Optional[float] = Field(None, description="w_j.")
+    advantage: float = Field(description="a_j: advantage of every token of the step.")
+    total: float = Field(description="n_j * a_j.")
+
+
+class TokenAdvantages(Table):
+    """Per-token advantages, dense or as spans (half-open token ranges); both round-trip."""
+
+    table_name: ClassVar[str] = "token_advantages"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
+
+    rollout_id: str = Field(description="The rollout.")
+    advantages: Optional[list[Float32]] = Field(
+        None, description="Dense form: one value per response token."
+    )
+    span_start: Optional[list[Int32]] = Field(None, description="Spans form: range starts.")
+    span_end: Optional[list[Int32]] = Field(None, description="Spans form: range ends.")
+    span_value: Optional[list[Float32]] = Field(None, description="Spans form: range values.")
+
+
+TABLES: dict[str, type[Table]] = {
+    m.table_name: m
+    for m in (
+        Rollout,
+        Step,
+        RubricCandidate,
+        Rubric,
+        VerdictRaw,
+        VerdictAggregated,
+        Reward,
+        StepCredit,
+        TokenAdvantages,
+    )
+}
+
+
+# --- Arrow derivation ---------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class Column:
+    """What the contract says about one column, in a form the vectorised checks can use."""
+
+    name: str
+    arrow_type: pa.DataType
+    nullable: bool
+    required: bool
+    choices: tuple[str, ...] | None
+    ge: float | None
+    description: str
+
+
+def _unwrap(annotation: object) -> tuple[object, bool, list[object]]:
+    """Strip Optional and Annotated: (bare type, nullable, annotation metadata)."""
+    nullable = False
+    metadata: list[object] = []
+    while True:
+        origin = typing.get_origin(annotation)
+        if origin is Annotated:
+            args = typing.get_args(annotation)
+            annotation, metadata = args[0], metadata + list(args[1:])
+        elif origin in (Union, types.UnionType):
+            args = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(args) != len(typing.get_args(annotation)):
+                nullable = True
+            if len(args) != 1:
+                raise TypeError(f"unsupported union {annotation!r}")
+            annotation = args[0]
+        else:
+            return annotation, nullable, metadata
+
+
+def arrow_type_of(annotation: object) -> pa.DataType:
+    bare, _, metadata = _unwrap(annotation)
+    for m in metadata:
+        if isinstance(m, ArrowType):
+            return m.type
+    origin = typing.get_origin(bare)
+    if origin is list:
+        (item,) = typing.get_args(bare)
+        return pa.list_(arrow_type_of(item))
+    if origin is Literal or bare is str:
+        return pa.string()
+    if bare is bool:
+        return pa.bool_()
+    if bare is int:
+        return pa.int64()
+    if bare is float:
+        return pa.float64()
+    raise TypeError(f"no Arrow type for {bare!r}")
+
+
+def columns(model: type[Table]) -> list[Column]:
+    hints = typing.get_type_hints(model, include_extras=True)
+    out = []
+    for name, info in model.model_fields.items():
+        bare, nullable, _ = _unwrap(hints[name])
+        choices = tuple(typing.get_args(bare)) if typing.get_origin(bare) is Literal else None
+        ge = None
+        for m in info.metadata:
+            if isinstance(m, annotated_types.Ge):
+                ge = float(m.ge)
+        out.append(
+            Column(
+                name=name,
+                arrow_type=arrow_type_of(hints[name]),
+                nullable=nullable,
+                required=info.is_required(),
+                choices=choices,
+                ge=ge,
+                description=info.description or "",
+            )
+        )
+    return out
+
+
+def arrow_schema(model: type[Table]) -> pa.Schema:
+    fields = [
+        pa.field(c.name, c.arrow_type, nullable=c.nullable, metadata={"doc": c.description})
+        for c in columns(model)
+    ]
+    return pa.schema(
+        fields,
+        metadata={"draco.table": model.table_name, "draco.schema_version": SCHEMA_VERSION},
+    )
+
+
+def json_schema(model: type[Table]) -> dict:
+    schema = model.model_json_schema()
+    schema["$id"] = f"draco/{model.table_name}/{SCHEMA_VERSION}"
+    schema["x-draco-table"] = model.table_name
+    schema["x-draco-schema-version"] = SCHEMA_VERSION
+    schema["x-draco-keys"] = list(model.keys)
+    return schema

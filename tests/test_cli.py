@@ -1,0 +1,111 @@
+"""The real command line, in subprocesses: exit codes, messages, pipes."""
+
+from __future__ import annotations
+
+import json
+import sys
+
+import polars as pl
+
+from tests.conftest import REPO, SAMPLE, TAU, run_draco
+
+
+def test_version_and_help():
+    res = run_draco("--version")
+    assert res.returncode == 0 and res.stdout.decode().strip() == "0.1.0"
+    res = run_draco("--help")
+    assert res.returncode == 0
+    for cmd in ("ingest", "validate", "schema"):
+        assert cmd in res.stdout.decode()
+
+
+def test_every_command_has_help_with_an_example():
+    for args in (["ingest"], ["validate"], ["schema", "export"]):
+        res = run_draco(*args, "--help")
+        assert res.returncode == 0, args
+        assert "Example: draco " in res.stdout.decode(), args
+
+
+def test_no_command_is_usage_error():
+    assert run_draco().returncode == 2
+
+
+def test_usage_errors_exit_2():
+    res = run_draco("ingest", "nope-format", "x", "-o", "y")
+    assert res.returncode == 2
+    res = run_draco("ingest", "tau-bench", str(TAU), "-o", "y", "--step-unit", "paragraph")
+    assert res.returncode == 2
+
+
+def test_ingest_sample_and_validate(tmp_path):
+    out = tmp_path / "sample"
+    res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                    "--tokenizer", "approx", "-o", str(out))
+    assert res.returncode == 0, res.stderr.decode()
+    err = res.stderr.decode()
+    assert "12 rollouts in 3 groups" in err and "approximate" in err
+    assert res.stdout == b""  # data to stdout only; messages to stderr
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["step_unit"] == "code-block"
+    assert manifest["terminations"] == {"max_turns": 1, "no_action": 1, "submitted": 10}
+    res = run_draco("validate", str(out))
+    assert res.returncode == 0 and "12 rollouts, 48 steps" in res.stderr.decode()
+
+
+def test_refuses_to_overwrite_without_force(tmp_path):
+    args = ["ingest", "tau-bench", str(TAU), "--tokenizer", "approx", "-o", str(tmp_path)]
+    assert run_draco(*args).returncode == 0
+    before = (tmp_path / "rollouts.parquet").read_bytes()
+    res = run_draco(*args)
+    assert res.returncode == 1
+    assert "rollouts.parquet already exists; pass --force" in res.stderr.decode()
+    assert (tmp_path / "rollouts.parquet").read_bytes() == before
+    assert run_draco(*args, "--force").returncode == 0
+    assert not list(tmp_path.glob(".*.tmp"))
+
+
+def test_pipe_roundtrip_through_validate(tmp_path):
+    """A table written as an Arrow IPC stream on stdout is read back from stdin."""
+    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
+                     "-o", str(tmp_path)).returncode == 0
+    code = (
+        "import polars as pl, sys; from draco_cli.io import write_table; "
+        "from draco_cli.schemas import Step; "
+        f"write_table(pl.read_parquet({str(tmp_path / 'steps.parquet')!r}), '-', Step)"
+    )
+    import subprocess
+
+    stream = subprocess.run([sys.executable, "-c", code], capture_output=True, cwd=REPO).stdout
+    res = run_draco("validate", "-", input=stream)
+    assert res.returncode == 0, res.stderr.decode()
+    assert "789 steps" in res.stderr.decode()
+    # and the stream itself round-trips exactly
+    import pyarrow.ipc as ipc
+
+    back = pl.from_arrow(ipc.open_stream(stream).read_all())
+    assert back.equals(pl.read_parquet(tmp_path / "steps.parquet"))
+
+
+def test_validate_reports_problems_with_exit_1(tmp_path):
+    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
+                     "-o", str(tmp_path)).returncode == 0
+    steps = pl.read_parquet(tmp_path / "steps.parquet")
+    steps = steps.with_columns(
+        pl.when((pl.col("rollout_id") == "0-0") & (pl.col("step") == 3)).then(99)
+        .otherwise(pl.col("step")).alias("step")
+    )
+    steps.write_parquet(tmp_path / "steps.parquet")
+    res = run_draco("validate", str(tmp_path))
+    assert res.returncode == 1
+    err = res.stderr.decode()
+    assert "steps.parquet: row 2: field 'step': steps of a rollout must run 1, 2, 3" in err
+
+
+def test_debug_env_shows_traceback(tmp_path):
+    import os
+    import subprocess
+
+    env = {**os.environ, "DRACO_DEBUG": "1"}
+    res = subprocess.run([sys.executable, "-m", "draco_cli", "validate", str(tmp_path / "x.parquet")],
+                         capture_output=True, env=env, cwd=REPO)
+    assert res.returncode == 1 and b"Traceback" in res.stderr
