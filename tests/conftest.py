@@ -8,7 +8,9 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-SHARED_DATA = REPO.parent / "shared" / "data"
+import os
+
+SHARED_DATA = Path(os.environ.get("DRACO_SHARED_DATA", REPO.parent / "shared" / "data"))
 TAU = SHARED_DATA / "tau-bench" / "gpt-4o-airline-15tasks.json"
 TAU2 = SHARED_DATA / "tau2-bench" / "gpt-4.1-airline-1trial.json"
 TAU2_FT = SHARED_DATA / "tau2-bench" / "ft-gpt-4.1-sft-airline-1trial.json"
