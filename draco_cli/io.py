@@ -158,37 +158,57 @@ class StreamingTableWriter:
 # --- reading ------------------------------------------------------------------------------
 
 
-def read_arrow(path: str | os.PathLike) -> pa.Table:
-    """Read a Parquet file or (for ``-``) an Arrow IPC stream from stdin, without checks."""
+def read_arrow(path: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+    """Read a Parquet file or (for ``-``) an Arrow IPC stream from stdin, without checks.
+
+    ``columns`` reads only those of them the file has (the rest are left to the caller).
+    """
     if str(path) == STDIO:
         try:
-            return ipc.open_stream(sys.stdin.buffer).read_all()
+            table = ipc.open_stream(sys.stdin.buffer).read_all()
         except pa.ArrowInvalid as exc:
             raise InputError(f"not an Arrow IPC stream ({exc})", file="<stdin>") from None
+        return table if columns is None else table.select(
+            [c for c in columns if c in table.column_names])
     p = Path(path)
     if not p.exists():
         raise InputError("no such file", file=str(path))
     if p.is_dir():
         raise InputError("is a folder, expected a Parquet file", file=str(path))
     try:
-        return pq.read_table(p)
+        if columns is not None:
+            names = pq.read_schema(p).names
+            columns = [c for c in columns if c in names]
+        return pq.read_table(p, columns=columns)
     except (pa.ArrowInvalid, OSError) as exc:
         raise InputError(f"not a readable Parquet file ({exc})", file=str(path)) from None
 
 
-def read_table(path: str | os.PathLike, model: type[Table]) -> pl.DataFrame:
-    """Read a table and check it against its contract; see ``conform``."""
+def read_table(
+    path: str | os.PathLike, model: type[Table], columns: list[str] | None = None
+) -> pl.DataFrame:
+    """Read a table and check it against its contract; see ``conform``.
+
+    ``columns`` reads and checks only those contract columns (plus the table's keys), which is
+    what a computation that needs few columns of a wide table should do.
+    """
     name = "<stdin>" if str(path) == STDIO else str(path)
-    return conform(pl.from_arrow(read_arrow(path)), model, name)
+    if columns is not None:
+        columns = list(dict.fromkeys([*model.keys, *columns]))
+    return conform(pl.from_arrow(read_arrow(path, columns)), model, name, columns)
 
 
-def conform(df: pl.DataFrame, model: type[Table], source: str) -> pl.DataFrame:
+def conform(
+    df: pl.DataFrame, model: type[Table], source: str, only: list[str] | None = None
+) -> pl.DataFrame:
     """Check a frame against the contract of ``model`` and cast it to the contract's types.
 
     Raises InputError naming ``source``, the first offending row (0-based, as DuckDB and polars
-    number them) and the field.
+    number them) and the field. ``only`` limits the checks to those columns.
     """
     for col in columns(model):
+        if only is not None and col.name not in only:
+            continue
         if col.name not in df.columns:
             if col.required:
                 raise InputError(

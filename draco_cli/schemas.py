@@ -204,6 +204,11 @@ class TokenAdvantages(Table):
     keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
 
     rollout_id: str = Field(description="The rollout.")
+    length: Int32 = Field(ge=0, description="Tokens in the rollout's response sequence.")
+    layout: Literal["positions", "end_to_end"] = Field(
+        description="positions: tokens where the steps' token_start put them; end_to_end: no "
+        "positions were known, steps laid end to end in step order (no gap or observation tokens)."
+    )
     advantages: Optional[list[Float32]] = Field(
         None, description="Dense form: one value per response token."
     )

@@ -11,7 +11,9 @@ import sys
 
 import typer
 
+from draco_cli.cli import credit as credit_cmd
 from draco_cli.cli import ingest as ingest_cmd
+from draco_cli.cli import judge as judge_cmd
 from draco_cli.cli import schema as schema_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
@@ -27,6 +29,8 @@ app = typer.Typer(
 )
 app.command("ingest")(ingest_cmd.ingest)
 app.command("validate")(validate_cmd.validate)
+app.add_typer(judge_cmd.app, name="judge")
+app.add_typer(credit_cmd.app, name="credit")
 app.add_typer(schema_cmd.app, name="schema")
 
 

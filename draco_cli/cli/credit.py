@@ -1,0 +1,136 @@
+from __future__ import annotations
+
+from enum import Enum
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from draco_cli.cli.console import err_console
+from draco_cli.cli.options import Force
+
+app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
+                  no_args_is_help=True)
+
+
+class Credit(str, Enum):
+    step = "step"
+    uniform = "uniform"
+
+
+class Estimator(str, Enum):
+    grpo = "grpo"
+    rloo = "rloo"
+
+
+class Std(str, Enum):
+    sample = "sample"
+    population = "population"
+    none = "none"
+
+
+class Drop(str, Enum):
+    all_pass = "all-pass"
+    constant = "constant"
+
+
+class Tokens(str, Enum):
+    dense = "dense"
+    spans = "spans"
+    both = "both"
+
+
+class RewardSource(str, Enum):
+    rubric = "rubric"
+    outcome = "outcome"
+
+
+RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet (or - for stdin).")]
+StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
+VerdictsOpt = Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")]
+DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
+                                       "all-pass (no member failed) or also constant (every "
+                                       "answered member failed).")]
+JudgeOpt = Annotated[Optional[str], typer.Option(help="Judge label to use when the verdicts "
+                                                 "hold several judges.")]
+
+
+@app.command("compute")
+def compute(
+    rollouts: RolloutsOpt,
+    steps: StepsOpt,
+    verdicts: VerdictsOpt,
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    credit: Annotated[Credit, typer.Option(help="step: DRACO step credit; uniform: every "
+                                           "policy token gets A_i (the w/o-credit ablation).")]
+    = Credit.step,
+    estimator: Annotated[Estimator, typer.Option(help="grpo: standardised within the group; "
+                                                 "rloo: r_i minus the mean of the others.")]
+    = Estimator.grpo,
+    std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, or none "
+                                     "(Dr. GRPO).")] = Std.sample,
+    drop: DropOpt = Drop.all_pass,
+    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.")] = Tokens.spans,
+    reward: Annotated[RewardSource, typer.Option(help="rubric: pass fraction of retained "
+                                                 "criteria; outcome: the environment's outcome.")]
+    = RewardSource.rubric,
+    judge: JudgeOpt = None,
+    force: Force = False,
+) -> None:
+    """Rewards, advantages and step credit → OUT/rewards.parquet, OUT/step_credit.parquet,
+    OUT/token_advantages.parquet.
+
+    Example: draco credit compute --rollouts run/rollouts.parquet --steps run/steps.parquet
+    --verdicts run/verdicts.parquet -o run/credit
+    """
+    from draco_cli.pipeline import credit_compute
+
+    with err_console.status("computing credit…"):
+        stats = credit_compute(
+            rollouts, steps, verdicts, out, credit=credit.value, estimator=estimator.value,
+            std=std.value, drop=drop.value, tokens=tokens.value, reward=reward.value, judge=judge,
+            force=force,
+        )
+    _summary(stats, out)
+
+
+def _summary(stats, out: Path) -> None:
+    from rich.table import Table
+
+    t = Table(show_header=False, box=None, pad_edge=False)
+    t.add_row("groups / rollouts", f"{stats.groups} / {stats.rollouts}")
+    t.add_row("criteria kept / dropped", f"{stats.criteria_kept} / {stats.criteria_dropped}")
+    t.add_row("credit modes", ", ".join(f"{k} {v}" for k, v in stats.credit_modes.items()))
+    if stats.citations_dropped:
+        t.add_row("citations dropped", f"{stats.citations_dropped} (outside 1..M)")
+    fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
+    t.add_row("advantage range", f"{fmt(stats.advantage_min)} .. {fmt(stats.advantage_max)}")
+    t.add_row("mean reward (filtered)", fmt(stats.mean_reward))
+    t.add_row("mean pass rate (unfiltered)", fmt(stats.mean_pass_rate_all))
+    if stats.null_rewards:
+        t.add_row("rollouts without reward", f"{stats.null_rewards} (advantage 0)")
+    err_console.print(t)
+    err_console.print(f"[green]wrote[/] {out}/rewards.parquet, step_credit.parquet, "
+                      "token_advantages.parquet", highlight=False)
+
+
+@app.command("expand")
+def expand(
+    token_advantages: Annotated[Path, typer.Option("--token-advantages",
+                                                   help="token_advantages.parquet.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output file (- for stdout).")],
+    rollouts: Annotated[Optional[Path], typer.Option(
+        "--rollouts", help="rollouts.parquet, to check every rollout is present.")] = None,
+    to: Annotated[Optional[Tokens], typer.Option(
+        help="Target form; default: the other one.")] = None,
+    force: Force = False,
+) -> None:
+    """Convert token advantages between the spans and dense forms, exactly.
+
+    Example: draco credit expand --token-advantages run/credit/token_advantages.parquet -o dense.parquet
+    """
+    from draco_cli.pipeline import credit_expand
+
+    form = credit_expand(token_advantages, out, rollouts=rollouts,
+                         to=None if to is None else to.value, force=force)
+    err_console.print(f"[green]wrote[/] {out} ({form} form)", highlight=False)

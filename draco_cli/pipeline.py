@@ -1,0 +1,97 @@
+"""File-level operations behind the commands: read tables, call the pure functions, write.
+
+Kept apart from ``draco_cli.cli`` so Python users get the same behaviour without typer.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
+    narrow_judge
+from draco_cli.io import STDIO, check_writable, read_table, write_table
+from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
+from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
+
+CREDIT_ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "outcome", "response_len",
+                          "policy_spans"]
+CREDIT_STEP_COLUMNS = ["rollout_id", "step", "n_tokens", "token_start"]
+
+
+def _name(path: str | Path) -> str:
+    return "<stdin>" if str(path) == STDIO else str(path)
+
+
+def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
+                 drop: str = "all-pass", judge: str | None = None, force: bool = False
+                 ) -> tuple[int, int]:
+    check_writable(out, force)
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
+    v = read_table(verdicts, VerdictAggregated)
+    v = narrow_judge(v, judge, _name(verdicts))
+    v = discriminative_filter(attach_groups(v, r, _name(verdicts)), drop)  # type: ignore[arg-type]
+    write_table(v.drop("group_id"), out, VerdictAggregated, force=force)
+    pairs = v.unique(["group_id", "criterion_id"])
+    return int(pairs["retained"].sum()), pairs.height
+
+
+def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path,
+                   out: str | Path, *, tokens: str = "spans", force: bool = False,
+                   **options) -> CreditStats:
+    out = Path(out)
+    targets = [out / "rewards.parquet", out / "step_credit.parquet",
+               out / "token_advantages.parquet"]
+    for t in targets:
+        check_writable(t, force)
+    r = read_table(rollouts, Rollout, columns=CREDIT_ROLLOUT_COLUMNS)
+    s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS)
+    v = read_table(verdicts, VerdictAggregated)
+    result = compute_credit(r, s, v, verdicts_source=_name(verdicts), steps_source=_name(steps),
+                            **options)
+    from draco_cli.token_advantages import build_token_advantages
+
+    ta = build_token_advantages(r, s, result.step_credit, result.rewards, _name(steps))
+    if tokens in ("dense", "both"):
+        dense = spans_to_dense(ta)
+        ta = dense if tokens == "dense" else dense.with_columns(ta.select(
+            "span_start", "span_end", "span_value"))
+    layouts = sorted(set(ta["layout"].to_list()))
+    meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
+            "draco.token_form": tokens}
+    write_table(result.rewards, targets[0], Reward, force=force)
+    write_table(result.step_credit, targets[1], StepCredit, force=force)
+    write_table(ta, targets[2], TokenAdvantages, force=force, drop_absent_optional=True,
+                metadata=meta)
+    return result.stats
+
+
+def credit_expand(token_advantages: str | Path, out: str | Path, *,
+                  rollouts: str | Path | None = None, to: str | None = None,
+                  force: bool = False) -> str:
+    from draco_cli.errors import InputError
+
+    check_writable(out, force)
+    ta = read_table(token_advantages, TokenAdvantages)
+    present = [c for c in ("advantages", "span_start", "span_end", "span_value")
+               if c in ta.columns and ta[c].null_count() < ta.height]
+    ta = ta.select("rollout_id", "length", "layout", *present)
+    if rollouts is not None:
+        r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
+        missing = r.join(ta, on="rollout_id", how="anti")
+        if missing.height:
+            raise InputError(f"no token advantages for rollout {missing['rollout_id'][0]!r}",
+                             file=_name(token_advantages), field="rollout_id")
+    form = form_of(ta)
+    target = to or ("dense" if form == "spans" else "spans")
+    if target == "dense":
+        res = ta if form in ("dense", "both") else spans_to_dense(ta)
+        res = res.drop("span_start", "span_end", "span_value", strict=False)
+    elif target == "spans":
+        res = ta if form in ("spans", "both") else dense_to_spans(ta)
+        res = res.drop("advantages", strict=False)
+    else:
+        res = spans_to_dense(ta).with_columns(ta.select("span_start", "span_end", "span_value")) \
+            if form == "spans" else dense_to_spans(ta).with_columns(ta.select("advantages"))
+    write_table(res, out, TokenAdvantages, force=force, drop_absent_optional=True,
+                metadata={"draco.token_form": target})
+    return target
