@@ -10,7 +10,10 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Literal
 
+import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from draco_cli.errors import InputError, UsageError
 
@@ -58,9 +61,11 @@ def narrow_judge(verdicts: pl.DataFrame, judge: str | None, source: str = "verdi
 
 
 def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> pl.DataFrame:
-    """Add group_id to verdicts; a verdict for a rollout not in ``rollouts`` is an error."""
-    joined = verdicts.with_row_index("__row").join(
-        rollouts.select("rollout_id", "group_id"), on="rollout_id", how="left"
+    """Add group_id (and ``__r``, the rollout's row in ``rollouts``) to verdicts; a verdict for
+    a rollout not in ``rollouts`` is an error."""
+    joined = verdicts.drop("group_id", "__r", strict=False).with_row_index("__row").join(
+        rollouts.select("rollout_id", "group_id").with_row_index("__r"), on="rollout_id",
+        how="left",
     )
     missing = joined.filter(pl.col("group_id").is_null())
     if missing.height:
@@ -71,25 +76,82 @@ def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -
     return joined.sort("__row").drop("__row")
 
 
-def check_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> None:
-    """Steps must belong to known rollouts and run 1..M without gaps."""
-    indexed = steps.with_row_index("__row")
-    orphan = indexed.join(rollouts.select("rollout_id"), on="rollout_id", how="anti")
-    if orphan.height:
-        row = int(orphan["__row"].min())
-        raise InputError(f"step of unknown rollout {orphan['rollout_id'][0]!r}", file=source,
-                         row=row, field="rollout_id")
-    stats = steps.group_by("rollout_id").agg(
-        pl.len().alias("m"), pl.col("step").max().alias("mx"), pl.col("step").min().alias("mn")
-    )
-    bad = stats.filter((pl.col("mx") != pl.col("m")) | (pl.col("mn") != 1))
-    if bad.height:
-        rid = bad["rollout_id"][0]
-        row = int(indexed.filter(pl.col("rollout_id") == rid)["__row"].min())
-        raise InputError(
-            f"steps of rollout {rid!r} do not run 1..M without gaps", file=source, row=row,
-            field="step",
-        )
+@dataclass
+class StepArrays:
+    """Steps sorted by (rollout, step) as numpy columns; ``r`` indexes the rollouts frame.
+
+    ``offsets[i]:offsets[i + 1]`` are rollout i's steps, so per-rollout sums are bincounts and
+    no per-rollout Python loop is needed anywhere.
+    """
+
+    rollout_ids: pl.Series  # per rollout
+    r: np.ndarray  # per step: rollout index (int64)
+    step: np.ndarray  # int32
+    n: np.ndarray  # int32
+    token_start: np.ndarray  # int64, -1 where null
+    offsets: np.ndarray  # per rollout, length R + 1
+
+    @property
+    def M(self) -> np.ndarray:
+        return np.diff(self.offsets)
+
+    def order(self) -> pl.DataFrame:
+        """rollout_id and step of the sorted steps, for output tables."""
+        return pl.DataFrame({
+            "rollout_id": self.rollout_ids.gather(pl.Series(self.r)),
+            "step": pl.Series(self.step, dtype=pl.Int32),
+        })
+
+
+def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
+    """Row of each step's rollout in ``rollouts`` (int64), or an error naming an orphan step.
+
+    Logs keep a rollout's steps together, so the string join runs over the first step of each
+    run of equal rollout_id (one per rollout) instead of over every step.
+    """
+    rid = steps["rollout_id"]
+    if rid.len() == 0:
+        return np.zeros(0, dtype=np.int64)
+    head = (rid != rid.shift(1)).fill_null(True).to_numpy()
+    run = np.cumsum(head) - 1
+    heads = pl.DataFrame({"rollout_id": rid.filter(pl.Series(head)),
+                          "__run": np.arange(int(head.sum()))})
+    idx = rollouts.select("rollout_id").with_row_index("__r")
+    joined = heads.join(idx, on="rollout_id", how="left", maintain_order="left")
+    missing = joined["__r"].is_null().to_numpy()
+    if missing.any():
+        first_run = int(np.flatnonzero(missing)[0])
+        row = int(np.flatnonzero(run == first_run)[0])
+        raise InputError(f"step of unknown rollout {rid[row]!r}", file=source, row=row,
+                         field="rollout_id")
+    return joined["__r"].to_numpy().astype(np.int64)[run]
+
+
+def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> StepArrays:
+    """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
+    rollouts and run 1..M without gaps or repeats."""
+    r = _rollout_index(steps, rollouts, source)
+    step = steps["step"].to_numpy().astype(np.int32)
+    n = steps["n_tokens"].to_numpy().astype(np.int32)
+    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int64)
+                   if "token_start" in steps.columns else np.full(r.size, -1, dtype=np.int64))
+    rows = None
+    if r.size > 1 and not bool(np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1])
+                                                          & (step[1:] > step[:-1])))):
+        rows = np.lexsort((step, r))
+        r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
+    R = rollouts.height
+    offsets = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
+    bad = np.flatnonzero(step != np.arange(r.size, dtype=np.int64) - offsets[r] + 1)
+    if bad.size:
+        i = int(bad[0])
+        rid = rollouts["rollout_id"][int(r[i])]
+        row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
+        raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
+                         file=source, row=row, field="step")
+    return StepArrays(rollout_ids=rollouts["rollout_id"], r=r, step=step, n=n,
+                      token_start=token_start, offsets=offsets)
 
 
 # --- §3.3 discriminative filter -----------------------------------------------------------
@@ -178,96 +240,132 @@ def group_advantage(
 # --- §3.6 step credit ---------------------------------------------------------------------
 
 
-def citation_counts(
-    steps: pl.DataFrame, verdicts: pl.DataFrame
-) -> tuple[pl.DataFrame, int]:
-    """p_j, f_j per (rollout, step) from retained pass/fail verdicts, and the number of
-    citations dropped as outside 1..M. A criterion citing a step twice counts once."""
-    m = steps.group_by("rollout_id").agg(pl.len().cast(pl.Int32).alias("__m"))
-    cites = (
-        verdicts.filter(pl.col("retained") & pl.col("verdict").is_in(["pass", "fail"]))
-        .select("rollout_id", "criterion_id", "verdict", pl.col("cited_steps").alias("step"))
-        .explode("step")
-        .drop_nulls("step")
-        .join(m, on="rollout_id", how="left")
+def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, int]:
+    """p_j, f_j for every step of ``sa`` from retained pass/fail verdicts (which carry ``__r``,
+    the rollout index), and the number of citations dropped as outside 1..M. A criterion citing
+    a step twice counts once."""
+    v = verdicts.filter(pl.col("retained") & pl.col("verdict").is_in(["pass", "fail"]))
+    total = sa.r.size
+    cites = v["cited_steps"].to_arrow()
+    if isinstance(cites, pa.ChunkedArray):
+        cites = cites.combine_chunks()
+    if len(cites) == 0:
+        return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
+    step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
+    parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64)
+    keep = step >= -(2**62)  # drop nulls inside lists (none expected)
+    vr = v["__r"].to_numpy().astype(np.int64)[parent]
+    valid = keep & (step >= 1) & (step <= sa.M[vr])
+    dropped = int((~valid).sum())
+    parent, step, vr = parent[valid], step[valid], vr[valid]
+    # One count per (verdict, step): sort the combined key and keep the first of each run
+    # (a sort is much faster here than numpy's hash-based unique).
+    base = int(step.max(initial=0)) + 1
+    # parent is non-decreasing, so the keys are sorted but for each verdict's few citations:
+    # a stable (timsort) pass over such nearly sorted data is close to linear.
+    key = np.sort(parent * base + step, kind="stable")
+    first = np.ones(key.size, dtype=bool)
+    first[1:] = key[1:] != key[:-1]
+    parent, step = np.divmod(key[first], base)
+    vr = v["__r"].to_numpy().astype(np.int64)[parent]
+    is_pass = (v["verdict"] == "pass").to_numpy()[parent]
+    gidx = sa.offsets[vr] + step - 1
+    p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)
+    f = np.bincount(gidx[~is_pass], minlength=total).astype(np.int32)
+    return p, f, dropped
+
+
+CHUNK_STEPS = 1 << 20  # steps per block: temporaries stay small and their memory is reused
+
+
+def rollout_chunks(offsets: np.ndarray, target: int | None = None):
+    """(first rollout, end rollout, first step, end step) blocks of about ``target`` steps
+    (default CHUNK_STEPS), cut at rollout boundaries: per-rollout sums never straddle blocks."""
+    target = target or CHUNK_STEPS
+    R = offsets.size - 1
+    total = int(offsets[-1])
+    cuts = np.searchsorted(offsets, np.arange(target, total, target), side="right") - 1
+    bounds = np.unique(np.concatenate([[0], cuts, [R]]))
+    for r0, r1 in zip(bounds[:-1], bounds[1:]):
+        yield int(r0), int(r1), int(offsets[r0]), int(offsets[r1])
+
+
+def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.ndarray,
+                       credit: CreditKind = "step") -> dict[str, np.ndarray]:
+    """SPEC §3.6 over whole columns, block by block. ``adv_r`` is A_i per rollout."""
+    if credit not in ("step", "uniform"):
+        raise UsageError(f"--credit {credit!r}: choose step or uniform")
+    R = sa.offsets.size - 1
+    total = sa.r.size
+    cited = (p + f) > 0
+    quality = np.empty(total)
+    weight = np.empty(total)
+    adv = np.empty(total)
+    any_cited_r = np.zeros(R, dtype=bool)
+    for r0, r1, s0, s1 in rollout_chunks(sa.offsets):
+        rl = sa.r[s0:s1] - r0
+        Rl = r1 - r0
+        c = cited[s0:s1]
+        pp, ff = p[s0:s1], f[s0:s1]
+        n = sa.n[s0:s1].astype(np.float64)
+        with np.errstate(invalid="ignore", divide="ignore"):
+            q = np.where(c, pp / np.maximum(pp + ff, 1), 0.0)
+            n_cited = np.bincount(rl, weights=c, minlength=Rl)
+            qbar = np.bincount(rl, weights=q, minlength=Rl) / n_cited
+            qual = np.where(c, q, qbar[rl])       # an uncited step takes the mean Q̄
+            A = adv_r[r0:r1][rl]
+            w = np.where(A >= 0, qual, 1.0 - qual)
+            sumw = np.bincount(rl, weights=np.nan_to_num(w), minlength=Rl)[rl]
+            equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
+            wt = np.where(equal, 1.0 / sa.M[r0:r1][rl], w)
+            N = np.bincount(rl, weights=n, minlength=Rl)[rl]
+            step_adv = A * N * wt / (n * np.where(equal, 1.0, sumw))
+        cited_r = n_cited > 0
+        any_cited_r[r0:r1] = cited_r
+        use_step = cited_r[rl] if credit == "step" else np.zeros(rl.size, dtype=bool)
+        quality[s0:s1] = np.where(cited_r[rl], qual, np.nan)
+        weight[s0:s1] = np.where(use_step, wt, np.nan)
+        adv[s0:s1] = np.where(use_step, step_adv, A) + 0.0  # + 0.0 turns -0.0 into 0.0
+    if credit == "step":
+        mode_r = np.where(any_cited_r, "step", "grpo_fallback")
+    else:
+        mode_r = np.full(R, "uniform")
+    return {"p": p, "f": f, "cited": cited, "quality": quality, "weight": weight,
+            "advantage": adv, "mode_r": mode_r}
+
+
+def step_credit_frame(sa: StepArrays, arrays: dict[str, np.ndarray]) -> pl.DataFrame:
+    return sa.order().with_columns(
+        pl.Series("n_tokens", sa.n),
+        pl.Series("p", arrays["p"]),
+        pl.Series("f", arrays["f"]),
+        pl.Series("cited", arrays["cited"]),
+        pl.Series("quality", arrays["quality"]).fill_nan(None),
+        pl.Series("weight", arrays["weight"]).fill_nan(None),
+        pl.Series("advantage", arrays["advantage"]),
+        pl.Series("total", sa.n * arrays["advantage"]),  # n_j · a_j
+        pl.Series("token_start", sa.token_start),
+    ).with_columns(
+        pl.when(pl.col("token_start") >= 0).then(pl.col("token_start")).cast(pl.Int32)
     )
-    valid = (pl.col("step") >= 1) & (pl.col("step") <= pl.col("__m").fill_null(0))
-    dropped = cites.select((~valid).sum()).item()
-    counts = (
-        cites.filter(valid)
-        .unique(["rollout_id", "criterion_id", "step"])
-        .group_by("rollout_id", "step")
-        .agg(
-            (pl.col("verdict") == "pass").sum().cast(pl.Int32).alias("p"),
-            (pl.col("verdict") == "fail").sum().cast(pl.Int32).alias("f"),
-        )
-        .with_columns(pl.col("step").cast(pl.Int32))
-    )
-    return counts, int(dropped)
 
 
 def step_credit_table(
     steps: pl.DataFrame,
-    counts: pl.DataFrame,
+    verdicts: pl.DataFrame,
     advantages: pl.DataFrame,
     credit: CreditKind = "step",
-) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Step credit per SPEC §3.6.
-
-    ``advantages`` has rollout_id and advantage (A_i). Returns (step_credit, modes) where modes
-    has rollout_id and credit_mode for every rollout of ``advantages``.
-    """
-    if credit not in ("step", "uniform"):
-        raise UsageError(f"--credit {credit!r}: choose step or uniform")
-    sc = (
-        steps.select("rollout_id", "step", "n_tokens")
-        .join(counts, on=["rollout_id", "step"], how="left")
-        .with_columns(pl.col("p", "f").fill_null(0))
-        .join(advantages.select("rollout_id", "advantage"), on="rollout_id", how="left")
-        .rename({"advantage": "__A"})
-        .with_columns(pl.col("__A").fill_null(0.0))
-    )
-    rid = "rollout_id"
-    cited = (pl.col("p") + pl.col("f")) > 0
-    q_cited = pl.when(cited).then(pl.col("p") / (pl.col("p") + pl.col("f")))
-    sc = sc.with_columns(cited.alias("cited"), q_cited.alias("__q"))
-    sc = sc.with_columns(
-        pl.col("__q").fill_null(pl.col("__q").mean().over(rid)).alias("quality"),
-        pl.col("cited").any().over(rid).alias("__any_cited"),
-        pl.col("n_tokens").cast(pl.Float64).sum().over(rid).alias("__N"),
-        pl.len().over(rid).alias("__M"),
-    )
-    A = pl.col("__A")
-    w = pl.when(A >= 0).then(pl.col("quality")).otherwise(1.0 - pl.col("quality"))
-    sc = sc.with_columns(w.alias("__w"))
-    sumw = pl.col("__w").sum().over(rid)
-    # Σw = 0 (e.g. a winner whose every cited step failed): equal shares, w_j = 1/M.
-    weight = pl.when(sumw > 0).then(pl.col("__w")).otherwise(1.0 / pl.col("__M"))
-    sc = sc.with_columns(weight.alias("weight"))
-    sumw_eff = pl.col("weight").sum().over(rid)
-    step_adv = A * pl.col("__N") * pl.col("weight") / (pl.col("n_tokens") * sumw_eff)
-    if credit == "step":
-        mode = pl.when(pl.col("__any_cited")).then(pl.lit("step")).otherwise(pl.lit("grpo_fallback"))
-    else:
-        mode = pl.lit("uniform")
-    sc = sc.with_columns(mode.alias("__mode"))
-    use_step = pl.col("__mode") == "step"
-    sc = sc.with_columns(
-        (pl.when(use_step).then(step_adv).otherwise(A) + 0.0).alias("advantage"),
-        pl.when(pl.col("__any_cited")).then(pl.col("quality")).otherwise(None).alias("quality"),
-        pl.when(use_step).then(pl.col("weight")).otherwise(None).alias("weight"),
-    ).with_columns((pl.col("n_tokens") * pl.col("advantage")).alias("total"))
-    step_table = sc.select(
-        "rollout_id", "step", "n_tokens", "p", "f", "cited", "quality", "weight", "advantage",
-        "total",
-    )
-    per_rollout = sc.group_by(rid).agg(pl.col("__mode").first().alias("credit_mode"))
-    # Rollouts with no steps at all (no_action): nothing cited, so baseline GRPO.
-    modes = advantages.select(rid).join(per_rollout, on=rid, how="left", maintain_order="left")
-    modes = modes.with_columns(
-        pl.col("credit_mode").fill_null("uniform" if credit == "uniform" else "grpo_fallback")
-    )
-    return step_table, modes
+) -> tuple[pl.DataFrame, pl.DataFrame, int]:
+    """Step credit of the rollouts in ``advantages`` (rollout_id, advantage) from retained
+    verdicts. Returns (step_credit, modes: rollout_id + credit_mode, citations dropped)."""
+    sa = index_steps(steps, advantages, "steps")
+    v = verdicts.join(advantages.select("rollout_id").with_row_index("__r"), on="rollout_id")
+    p, f, dropped = citation_arrays(sa, v)
+    arrays = step_credit_arrays(sa, p, f, advantages["advantage"].to_numpy().astype(np.float64),
+                                credit)
+    modes = advantages.select("rollout_id").with_columns(
+        pl.Series("credit_mode", arrays["mode_r"]))
+    return step_credit_frame(sa, arrays), modes, dropped
 
 
 # --- the whole computation ----------------------------------------------------------------
@@ -278,6 +376,7 @@ class CreditResult:
     rewards: pl.DataFrame
     step_credit: pl.DataFrame
     stats: CreditStats
+    steps: StepArrays
 
 
 def compute_credit(
@@ -298,7 +397,7 @@ def compute_credit(
 
     Applies the discriminative filter when ``verdicts`` has no ``retained`` column.
     """
-    check_steps(steps, rollouts, steps_source)
+    sa = index_steps(steps, rollouts, steps_source)
     verdicts = narrow_judge(verdicts, judge, verdicts_source)
     verdicts = attach_groups(verdicts, rollouts, verdicts_source)
     unfiltered = "retained" not in verdicts.columns or (
@@ -310,10 +409,10 @@ def compute_credit(
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
     rw = rewards_table(rollouts, verdicts, reward)
     rw = rw.with_columns(group_advantage(rw, estimator, std))
-    counts, dropped = citation_counts(steps, verdicts)
-    step_table, modes = step_credit_table(steps, counts, rw.select("rollout_id", "advantage"),
-                                          credit)
-    rw = rw.join(modes, on="rollout_id", how="left", maintain_order="left")
+    p, f, dropped = citation_arrays(sa, verdicts)
+    arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
+    rw = rw.with_columns(pl.Series("credit_mode", arrays["mode_r"]))
+    step_table = step_credit_frame(sa, arrays)
     crit = verdicts.group_by("group_id", "criterion_id").agg(pl.col("retained").first())
     stats = CreditStats(
         groups=rollouts["group_id"].n_unique(),
@@ -328,4 +427,4 @@ def compute_credit(
         mean_pass_rate_all=rw["pass_rate_all"].mean(),
         null_rewards=rw["reward"].null_count(),
     )
-    return CreditResult(rewards=rw, step_credit=step_table, stats=stats)
+    return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa)

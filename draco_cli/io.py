@@ -72,7 +72,13 @@ def _to_arrow(df: pl.DataFrame | pa.Table, model: type[Table]) -> pa.Table:
     arrays, fields = [], []
     for field in schema:
         if field.name in table.column_names:
-            arrays.append(table.column(field.name).cast(field.type))
+            col = table.column(field.name)
+            # Strings stay as polars hands them over (large_string): Parquet stores both kinds
+            # alike, and a cast would copy every string of a multi-million-row column.
+            if not (pa.types.is_string(field.type) and pa.types.is_large_string(col.type)):
+                col = col.cast(field.type)
+            arrays.append(col)
+            field = field.with_type(col.type)
         else:
             arrays.append(pa.nulls(table.num_rows, field.type))
         fields.append(field)
@@ -185,21 +191,25 @@ def read_arrow(path: str | os.PathLike, columns: list[str] | None = None) -> pa.
 
 
 def read_table(
-    path: str | os.PathLike, model: type[Table], columns: list[str] | None = None
+    path: str | os.PathLike, model: type[Table], columns: list[str] | None = None,
+    check_keys: bool = True,
 ) -> pl.DataFrame:
     """Read a table and check it against its contract; see ``conform``.
 
     ``columns`` reads and checks only those contract columns (plus the table's keys), which is
-    what a computation that needs few columns of a wide table should do.
+    what a computation that needs few columns of a wide table should do. ``check_keys=False``
+    is for callers that check a stronger property themselves (steps contiguous from 1 imply
+    unique keys).
     """
     name = "<stdin>" if str(path) == STDIO else str(path)
     if columns is not None:
         columns = list(dict.fromkeys([*model.keys, *columns]))
-    return conform(pl.from_arrow(read_arrow(path, columns)), model, name, columns)
+    return conform(pl.from_arrow(read_arrow(path, columns)), model, name, columns, check_keys)
 
 
 def conform(
-    df: pl.DataFrame, model: type[Table], source: str, only: list[str] | None = None
+    df: pl.DataFrame, model: type[Table], source: str, only: list[str] | None = None,
+    check_keys: bool = True,
 ) -> pl.DataFrame:
     """Check a frame against the contract of ``model`` and cast it to the contract's types.
 
@@ -219,7 +229,8 @@ def conform(
             df = df.with_columns(pl.lit(None).alias(col.name))
         df = _cast_column(df, col, source)
         _check_column(df, col, source)
-    _check_unique(df, model, source)
+    if check_keys:
+        _check_unique(df, model, source)
     return df
 
 
@@ -251,10 +262,10 @@ def _first_row(df: pl.DataFrame, mask: pl.Expr) -> int | None:
 
 def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
     c = pl.col(col.name)
-    if not col.nullable:
+    # Cheap whole-column tests first; the offending row is looked for only on failure.
+    if not col.nullable and df[col.name].null_count():
         row = _first_row(df, c.is_null())
-        if row is not None:
-            raise InputError("must not be null", file=source, row=row, field=col.name)
+        raise InputError("must not be null", file=source, row=row, field=col.name)
     if col.choices is not None:
         row = _first_row(df, c.is_not_null() & ~c.is_in(list(col.choices)))
         if row is not None:
@@ -264,7 +275,7 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
                 row=row,
                 field=col.name,
             )
-    if col.ge is not None:
+    if col.ge is not None and (df[col.name].min() or 0) < col.ge:
         row = _first_row(df, c.is_not_null() & (c < col.ge))
         if row is not None:
             raise InputError(
@@ -278,6 +289,9 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
 def _check_unique(df: pl.DataFrame, model: type[Table], source: str) -> None:
     keys = list(model.keys)
     if df.height == 0:
+        return
+    # Fast path: distinct hashes mean distinct keys (a collision only costs the exact check).
+    if df.select(pl.struct(keys).hash().n_unique()).item() == df.height:
         return
     # Name the repeat, not the first occurrence: that is the row a user must look at.
     dup = df.select((~pl.struct(keys).is_first_distinct()).arg_true().first()).item()

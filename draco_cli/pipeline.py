@@ -7,19 +7,37 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import polars as pl
+import pyarrow as pa
+
 from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
     narrow_judge
-from draco_cli.io import STDIO, check_writable, read_table, write_table
+from draco_cli.errors import InputError
+from draco_cli.io import STDIO, check_writable, conform, read_arrow, read_table, write_table
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
 CREDIT_ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "outcome", "response_len",
                           "policy_spans"]
 CREDIT_STEP_COLUMNS = ["rollout_id", "step", "n_tokens", "token_start"]
+CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cited_steps",
+                          "retained"]
 
 
 def _name(path: str | Path) -> str:
     return "<stdin>" if str(path) == STDIO else str(path)
+
+
+def _check_spans_type(spans: pa.ChunkedArray | None, source: str) -> None:
+    if spans is None:
+        return
+    t = spans.type
+    ok = (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
+        pa.types.is_list(t.value_type) or pa.types.is_large_list(t.value_type)
+    ) and pa.types.is_integer(t.value_type.value_type)
+    if not ok:
+        raise InputError(f"expected list<list<int32>>, got {t}", file=source,
+                         field="policy_spans")
 
 
 def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
@@ -30,7 +48,7 @@ def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
     v = read_table(verdicts, VerdictAggregated)
     v = narrow_judge(v, judge, _name(verdicts))
     v = discriminative_filter(attach_groups(v, r, _name(verdicts)), drop)  # type: ignore[arg-type]
-    write_table(v.drop("group_id"), out, VerdictAggregated, force=force)
+    write_table(v.drop("group_id", "__r"), out, VerdictAggregated, force=force)
     pairs = v.unique(["group_id", "criterion_id"])
     return int(pairs["retained"].sum()), pairs.height
 
@@ -43,14 +61,24 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
                out / "token_advantages.parquet"]
     for t in targets:
         check_writable(t, force)
-    r = read_table(rollouts, Rollout, columns=CREDIT_ROLLOUT_COLUMNS)
-    s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS)
-    v = read_table(verdicts, VerdictAggregated)
+    # policy_spans stays an Arrow column: converting millions of nested spans to polars
+    # would cost more memory than all the credit computation.
+    arrow = read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS)
+    spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
+    r = conform(pl.from_arrow(arrow.drop_columns(["policy_spans"]) if spans is not None
+                              else arrow), Rollout, _name(rollouts),
+                [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
+    _check_spans_type(spans, _name(rollouts))
+    # compute_credit checks steps run 1..M per rollout, which implies unique keys.
+    s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
+    v = read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS)
     result = compute_credit(r, s, v, verdicts_source=_name(verdicts), steps_source=_name(steps),
                             **options)
-    from draco_cli.token_advantages import build_token_advantages
+    from draco_cli.token_advantages import token_spans
 
-    ta = build_token_advantages(r, s, result.step_credit, result.rewards, _name(steps))
+    ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
+                     result.rewards["advantage"].to_numpy(),
+                     result.rewards["credit_mode"].to_numpy(), _name(steps), spans)
     if tokens in ("dense", "both"):
         dense = spans_to_dense(ta)
         ta = dense if tokens == "dense" else dense.with_columns(ta.select(

@@ -195,6 +195,9 @@ class StepCredit(Table):
     weight: Optional[float] = Field(None, description="w_j.")
     advantage: float = Field(description="a_j: advantage of every token of the step.")
     total: float = Field(description="n_j * a_j.")
+    token_start: Optional[Int32] = Field(
+        None, ge=0, description="The step's token_start, carried over for the token layout."
+    )
 
 
 class TokenAdvantages(Table):

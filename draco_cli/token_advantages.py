@@ -30,7 +30,8 @@ def _flat(lists: pl.Series) -> np.ndarray:
 
 def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.Array:
     return pa.ListArray.from_arrays(
-        pa.array(offsets.astype(np.int32), type=pa.int32()), pa.array(values, type=value_type)
+        pa.array(offsets.astype(np.int32, copy=False), type=pa.int32()),
+        pa.array(values, type=value_type),
     )
 
 
@@ -52,100 +53,133 @@ def _canonical(row: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.nd
 
 
 def build_token_advantages(
-    rollouts: pl.DataFrame,
-    steps: pl.DataFrame,
-    step_credit: pl.DataFrame,
-    rewards: pl.DataFrame,
-    steps_source: str = "steps",
+    rollouts: pl.DataFrame, step_credit: pl.DataFrame, rewards: pl.DataFrame,
+    source: str = "step_credit",
 ) -> pl.DataFrame:
+    """Spans-form token advantages from tables (step_credit carrying ``token_start``)."""
+    from draco_cli.credit import index_steps
+
+    sa = index_steps(step_credit, rollouts, source)
+    adv = step_credit.select("rollout_id", "step", "advantage").join(
+        sa.order().with_row_index("__i"), on=["rollout_id", "step"]).sort("__i")["advantage"]
+    per = rollouts.select("rollout_id").join(
+        rewards.select("rollout_id", "advantage", "credit_mode"), on="rollout_id", how="left",
+        maintain_order="left")
+    return token_spans(rollouts, sa, adv.to_numpy(), per["advantage"].fill_null(0.0).to_numpy(),
+                       per["credit_mode"].fill_null("grpo_fallback").to_numpy(), source)
+
+
+def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndarray,
+                mode_r: np.ndarray, source: str = "steps",
+                policy_spans: pa.Array | pa.ChunkedArray | None = None) -> pl.DataFrame:
     """Spans-form token advantages, one row per rollout of ``rollouts`` (in its order).
 
-    A rollout whose steps all have token_start is laid out by position (length =
-    response_len, or the end of its last step when that is null); otherwise its steps are laid
-    end to end in step order (length = Σ n_j).
+    ``sa`` are the steps as ``credit.StepArrays``, ``step_adv`` a_j per step (A_i for rollouts
+    not under step credit), ``adv_r`` / ``mode_r`` A_i and credit_mode per rollout.
+    ``policy_spans`` (an Arrow list<list<int>> column aligned with ``rollouts``) is taken from
+    ``rollouts`` when not given; passing it as Arrow spares converting a nested column that
+    can hold tens of millions of spans.
+    A rollout whose steps all have token_start is laid out by position (length = response_len,
+    or the end of its last step when that is null); otherwise its steps are laid end to end in
+    step order (length = Σ n_j). Works block by block over rollouts to bound memory.
     """
-    order = rollouts.select("rollout_id", "response_len", "policy_spans").with_row_index("__r")
-    modes = order.join(rewards.select("rollout_id", "advantage", "credit_mode"), on="rollout_id",
-                       how="left")
-    st = (
-        steps.select("rollout_id", "step", "n_tokens", "token_start")
-        .with_row_index("__row")
-        .join(step_credit.select("rollout_id", "step", pl.col("advantage").alias("__a")),
-              on=["rollout_id", "step"], how="left")
-        .join(modes.select("rollout_id", "__r", "response_len", "advantage", "credit_mode"),
-              on="rollout_id", how="left")
-        .sort("__r", "step")
-    )
-    # Layout per rollout: by position only if every step has a token_start.
-    st = st.with_columns(pl.col("token_start").is_not_null().all().over("__r").alias("__pos"))
-    st = st.with_columns(
-        pl.when(pl.col("__pos")).then(pl.col("token_start"))
-        .otherwise(pl.col("n_tokens").cum_sum().over("__r") - pl.col("n_tokens"))
-        .alias("__start")
-    ).with_columns((pl.col("__start") + pl.col("n_tokens")).alias("__end"))
-    past = st.filter(pl.col("__pos") & pl.col("response_len").is_not_null()
-                     & (pl.col("__end") > pl.col("response_len")))
-    if past.height:
-        row = past.row(0, named=True)
-        raise InputError(
-            f"step ends at token {row['__end']}, past response_len {row['response_len']} of "
-            f"rollout {row['rollout_id']!r}", file=steps_source, row=int(row["__row"]),
-            field="token_start",
-        )
-    per = st.group_by("__r").agg(
-        pl.col("__pos").first().alias("__pos"),
-        pl.col("__end").max().alias("__last_end"),
-        pl.col("n_tokens").sum().alias("__sum_n"),
-    )
-    meta = modes.join(per, on="__r", how="left").sort("__r").with_columns(
-        # A rollout without steps has positions only if its response length is known.
-        pl.col("__pos").fill_null(pl.col("response_len").is_not_null())
-    ).with_columns(
-        pl.when(pl.col("__pos"))
-        .then(pl.coalesce("response_len", "__last_end", pl.lit(0)))
-        .otherwise(pl.col("__sum_n").fill_null(0))
-        .cast(pl.Int32).alias("length"),
-        pl.when(pl.col("__pos")).then(pl.lit("positions")).otherwise(pl.lit("end_to_end"))
-        .alias("layout"),
-    )
+    from draco_cli.credit import rollout_chunks
 
-    # Step tokens: a_j under step credit, A_i otherwise.
-    step_spans = st.select(
-        "__r", "__start", "__end",
-        pl.when(pl.col("credit_mode") == "step").then(pl.col("__a"))
-        .otherwise(pl.col("advantage")).alias("__v"),
-    )
-    # Uniform / fallback with known policy spans: every policy token (gap included) gets A_i.
-    whole = meta.filter(
-        (pl.col("credit_mode") != "step") & pl.col("__pos") & pl.col("policy_spans").is_not_null()
-    )
-    policy = whole.select("__r", "advantage", "policy_spans").explode("policy_spans").drop_nulls(
-        "policy_spans").select(
-        "__r",
-        pl.col("policy_spans").list.get(0).alias("__start"),
-        pl.col("policy_spans").list.get(1).alias("__end"),
-        pl.col("advantage").alias("__v"),
-    )
-    step_spans = step_spans.join(whole.select("__r"), on="__r", how="anti")
-    spans = pl.concat([step_spans, policy.cast(step_spans.schema)]).sort("__r", "__start")
+    R = rollouts.height
+    resp = rollouts["response_len"].fill_null(-1).to_numpy().astype(np.int64)
+    if policy_spans is not None:
+        ps = policy_spans
+    elif "policy_spans" in rollouts.columns:
+        ps = rollouts["policy_spans"].to_arrow()
+    else:
+        ps = pa.nulls(R, pa.list_(pa.list_(pa.int32())))
+    if isinstance(ps, pa.ChunkedArray):
+        ps = ps.combine_chunks()
+    has_ps = ps.is_valid().to_numpy(zero_copy_only=False)
+    is_step_r = mode_r == "step"
+    length = np.zeros(R, dtype=np.int64)
+    pos_r = np.zeros(R, dtype=bool)
+    pieces: list[tuple[np.ndarray, ...]] = []
+    policy = None  # (parent rollout, start, end) of every policy span, flattened once
+    for r0, r1, s0, s1 in rollout_chunks(sa.offsets):
+        Rl = r1 - r0
+        rl = sa.r[s0:s1] - r0
+        n = sa.n[s0:s1].astype(np.int64)
+        ts = sa.token_start[s0:s1]
+        M = sa.M[r0:r1]
+        rsp = resp[r0:r1]
+        missing = np.bincount(rl, weights=ts < 0, minlength=Rl)
+        pos = np.where(M > 0, missing == 0, rsp >= 0)
+        excl = np.cumsum(n) - n
+        first = sa.offsets[r0:r1][rl] - s0
+        start = np.where(pos[rl], ts, excl - excl[first])
+        end = start + n
+        past = np.flatnonzero(pos[rl] & (rsp[rl] >= 0) & (end > rsp[rl]))
+        if past.size:
+            i = int(past[0])
+            rid = sa.rollout_ids[r0 + int(rl[i])]
+            raise InputError(
+                f"step {int(sa.step[s0 + i])} of rollout {rid!r} ends at token {int(end[i])}, "
+                f"past its response_len {int(rsp[rl[i]])}", file=source, field="token_start")
+        last_end = np.zeros(Rl, dtype=np.int64)
+        nonempty = np.flatnonzero(M > 0)
+        if nonempty.size:
+            last_end[nonempty] = np.maximum.reduceat(end, (sa.offsets[r0:r1] - s0)[nonempty])
+        sum_n = np.bincount(rl, weights=n, minlength=Rl).astype(np.int64)
+        length[r0:r1] = np.where(pos, np.where(rsp >= 0, rsp, last_end), sum_n)
+        pos_r[r0:r1] = pos
 
-    value = spans["__v"].fill_null(0.0).cast(pl.Float32).to_numpy()
-    offsets, start, end, value = _canonical(
-        spans["__r"].to_numpy().astype(np.int64),
-        spans["__start"].to_numpy().astype(np.int64),
-        spans["__end"].to_numpy().astype(np.int64),
-        value,
-        meta.height,
-    )
+        # Uniform / fallback with known policy spans: every policy token (gap included) gets
+        # A_i; otherwise the steps' own ranges carry the values.
+        whole = ~is_step_r[r0:r1] & pos & has_ps[r0:r1]
+        keep = ~whole[rl]
+        rr, ss, ee = rl[keep], start[keep], end[keep]
+        vv = step_adv[s0:s1][keep].astype(np.float32)
+        if whole.any():
+            if policy is None:
+                policy = _policy_pairs(ps)
+            parent, pstart, pend = policy
+            lo, hi = np.searchsorted(parent, [r0, r1])
+            pick = whole[parent[lo:hi] - r0]
+            pr = parent[lo:hi][pick] - r0
+            rr = np.concatenate([rr, pr])
+            ss = np.concatenate([ss, pstart[lo:hi][pick]])
+            ee = np.concatenate([ee, pend[lo:hi][pick]])
+            vv = np.concatenate([vv, adv_r[r0:r1][pr].astype(np.float32)])
+        # Steps come sorted by (rollout, step); sort only where positions disagree.
+        if rr.size > 1 and not bool(np.all((rr[1:] > rr[:-1])
+                                           | ((rr[1:] == rr[:-1]) & (ss[1:] >= ss[:-1])))):
+            order = np.lexsort((ss, rr))
+            rr, ss, ee, vv = rr[order], ss[order], ee[order], vv[order]
+        off, cs, ce, cv = _canonical(rr, ss, ee, vv, Rl)
+        pieces.append((off, cs.astype(np.int32), ce.astype(np.int32), cv))
+    if not pieces:  # no rollouts at all
+        pieces.append(_canonical(*(np.zeros(0, dtype=t) for t in
+                                   (np.int64, np.int32, np.int32, np.float32)), R))
+    counts = np.concatenate([np.diff(off) for off, *_ in pieces])
+    offsets = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(counts, out=offsets[1:])
+    start_c, end_c, value_c = (np.concatenate([piece[k] for piece in pieces]) for k in (1, 2, 3))
     table = pa.table({
-        "rollout_id": meta["rollout_id"].to_arrow(),
-        "length": meta["length"].to_arrow(),
-        "layout": meta["layout"].to_arrow(),
-        "span_start": _list_array(offsets, start.astype(np.int32), pa.int32()),
-        "span_end": _list_array(offsets, end.astype(np.int32), pa.int32()),
-        "span_value": _list_array(offsets, value.astype(np.float32), pa.float32()),
+        "rollout_id": rollouts["rollout_id"].to_arrow(),
+        "length": pa.array(length.astype(np.int32)),
+        "layout": pa.array(np.where(pos_r, "positions", "end_to_end")),
+        "span_start": _list_array(offsets, start_c, pa.int32()),
+        "span_end": _list_array(offsets, end_c, pa.int32()),
+        "span_value": _list_array(offsets, value_c, pa.float32()),
     })
     return pl.from_arrow(table)
+
+
+def _policy_pairs(ps: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Flatten policy_spans (list<list<int>>) into (rollout index, start, end) arrays."""
+    parent = pc.list_parent_indices(ps).to_numpy().astype(np.int64)
+    inner = pc.list_flatten(ps)
+    if np.any(pc.list_value_length(inner).to_numpy(zero_copy_only=False) != 2):
+        raise InputError("a policy span is not a [start, end) pair", file="rollouts",
+                         field="policy_spans")
+    pairs = pc.list_flatten(inner).to_numpy(zero_copy_only=False).astype(np.int64)
+    return parent, pairs[0::2], pairs[1::2]
 
 
 def spans_to_dense(df: pl.DataFrame) -> pl.DataFrame:

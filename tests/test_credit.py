@@ -11,7 +11,6 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.credit import (
-    citation_counts,
     compute_credit,
     discriminative_filter,
     group_advantage,
@@ -49,10 +48,9 @@ def worked(A):
          "retained": [True] * 5},
         schema_overrides={"cited_steps": pl.List(pl.Int32)},
     )
-    counts, dropped = citation_counts(steps, verdicts)
-    assert dropped == 0
     adv = pl.DataFrame({"rollout_id": ["w"], "advantage": [A]})
-    table, modes = step_credit_table(steps, counts, adv)
+    table, modes, dropped = step_credit_table(steps, verdicts, adv)
+    assert dropped == 0
     return table.sort("step"), modes
 
 
@@ -86,23 +84,25 @@ rollout_st = st.integers(1, 12).flatmap(lambda m: st.tuples(
 
 
 def run_props(rollouts, scale=1.0, flip_quality=False, credit="step"):
-    srows, crows, arows = [], [], []
+    srows, vrows, arows = [], [], []
     for i, (n, pf, A) in enumerate(rollouts):
         rid = f"r{i}"
         for j, (nj, (p, f)) in enumerate(zip(n, pf), start=1):
             srows.append((rid, j, nj))
             if flip_quality:
                 p, f = f, p
-            if p + f:
-                crows.append((rid, j, p, f))
+            # p passed and f failed criteria citing step j (one verdict each)
+            vrows += [(rid, f"s{j}p{k}", "pass", [j], True) for k in range(p)]
+            vrows += [(rid, f"s{j}f{k}", "fail", [j], True) for k in range(f)]
         arows.append((rid, A * scale))
     steps = pl.DataFrame(srows, schema={"rollout_id": pl.String, "step": pl.Int32,
                                         "n_tokens": pl.Int32}, orient="row")
-    counts = pl.DataFrame(crows, schema={"rollout_id": pl.String, "step": pl.Int32,
-                                         "p": pl.Int32, "f": pl.Int32}, orient="row")
+    verdicts = pl.DataFrame(vrows, schema={"rollout_id": pl.String, "criterion_id": pl.String,
+                                           "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
+                                           "retained": pl.Boolean}, orient="row")
     adv = pl.DataFrame(arows, schema={"rollout_id": pl.String, "advantage": pl.Float64},
                        orient="row")
-    table, modes = step_credit_table(steps, counts, adv, credit)
+    table, modes, _ = step_credit_table(steps, verdicts, adv, credit)
     return table.sort("rollout_id", "step"), dict(modes.iter_rows())
 
 
@@ -129,7 +129,9 @@ def test_length_independence_and_linearity(rollouts, c, rnd):
     # Step totals do not depend on n_j: redraw every n_j.
     redrawn = [([rnd.randint(1, 400) for _ in n], pf, A) for n, pf, A in rollouts]
     other, _ = run_props(redrawn)
-    for (n, _, _), (n2, _, _), i in zip(rollouts, redrawn, range(len(rollouts))):
+    for (n, pf, _), (n2, _, _), i in zip(rollouts, redrawn, range(len(rollouts))):
+        if not any(p + f for p, f in pf):
+            continue  # nothing cited: baseline GRPO, whose totals do scale with n_j
         t1 = base.filter(pl.col("rollout_id") == f"r{i}")["total"].to_numpy() / sum(n)
         t2 = other.filter(pl.col("rollout_id") == f"r{i}")["total"].to_numpy() / sum(n2)
         np.testing.assert_allclose(t1, t2, rtol=1e-9, atol=1e-12)

@@ -30,7 +30,7 @@ def setup(credit="step", token_start=True, spans=True, verdicts=None):
         "cited_steps": [[1], [1], [2], [2]],
     }, schema_overrides={"cited_steps": pl.List(pl.Int32)})
     res = compute_credit(rollouts, steps, verdicts, credit=credit)
-    ta = build_token_advantages(rollouts, steps, res.step_credit, res.rewards)
+    ta = build_token_advantages(rollouts, res.step_credit, res.rewards)
     return res, ta
 
 
@@ -122,3 +122,46 @@ def test_dense_spans_dense_is_exact(rows):
     again = dense_to_spans(back)
     for c in ("span_start", "span_end", "span_value", "length"):
         assert again[c].to_list() == spans[c].to_list()
+
+
+def test_block_processing_gives_the_same_result(monkeypatch):
+    """Credit and token spans work block by block; tiny blocks must change nothing."""
+    import draco_cli.credit as credit_mod
+
+    whole_res, whole_ta = setup()
+    whole_u = setup(credit="uniform")
+    monkeypatch.setattr(credit_mod, "CHUNK_STEPS", 1)
+    res, ta = setup()
+    assert res.step_credit.equals(whole_res.step_credit)
+    assert ta.equals(whole_ta)
+    u = setup(credit="uniform")
+    assert u[1].equals(whole_u[1])
+
+
+def test_blocks_on_random_inputs(monkeypatch):
+    import draco_cli.credit as credit_mod
+    from tests.test_credit import frames
+    rng = np.random.default_rng(3)
+    rollouts, steps, verdicts = [], [], []
+    for i in range(40):
+        m = int(rng.integers(0, 6))
+        rollouts.append({"rollout_id": f"r{i}", "group_id": f"g{i // 4}", "task_id": "t",
+                         "outcome": 1.0})
+        for j in range(1, m + 1):
+            steps.append({"rollout_id": f"r{i}", "step": j, "n_tokens": int(rng.integers(1, 50)),
+                          "token_start": None})
+        for c in range(3):
+            verdicts.append({"rollout_id": f"r{i}", "criterion_id": f"c{c}", "judge": "j",
+                             "verdict": str(rng.choice(["pass", "fail", "na"])),
+                             "cited_steps": [int(x) for x in rng.integers(0, m + 2, size=2)]})
+    r, s, v = frames(rollouts, steps, verdicts)
+    r = r.with_columns(pl.lit(None, pl.Int32).alias("response_len"),
+                       pl.lit(None, pl.List(pl.List(pl.Int32))).alias("policy_spans"))
+    outs = []
+    for chunk in (None, 1, 3, 7):
+        if chunk:
+            monkeypatch.setattr(credit_mod, "CHUNK_STEPS", chunk)
+        res = compute_credit(r, s, v)
+        outs.append((res.step_credit, build_token_advantages(r, res.step_credit, res.rewards)))
+    for sc, ta in outs[1:]:
+        assert sc.equals(outs[0][0]) and ta.equals(outs[0][1])

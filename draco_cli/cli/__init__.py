@@ -50,8 +50,10 @@ def _root(
 
 
 def main() -> None:
+    from draco_cli._allocator import tune_allocator
     from draco_cli.errors import DracoError
 
+    tune_allocator()
     try:
         # standalone mode: typer reports usage errors itself (exit 2); ours come out here.
         app()

@@ -1,0 +1,169 @@
+"""Credit throughput and memory on synthetic training steps.
+
+    python benchmarks/bench_credit.py [--sizes 10000,100000,1000000]
+
+For each size it writes a synthetic training step (groups of 8 rollouts, ~20 steps of ~100
+tokens with token positions and policy spans, 6 criteria per group, random verdicts and 1–3
+citations each) as Parquet, then runs in fresh subprocesses:
+- ``draco credit compute`` (its library call, spans output, with the allocator setting the
+  ``draco`` command applies at start-up): read, check, filter, rewards,
+  advantages, step credit, token advantages, atomic writes;
+- the **I/O floor** in the same run: pyarrow reading the same three inputs and writing three
+  outputs of the same size (the files credit compute wrote), with no computation.
+It prints wall time, rollouts/s, peak RSS, the ratio to the floor, and cost per rollout relative
+to the smallest size. Targets (2-core machine): 1M rollouts within 3x the floor and under 6 GB
+peak RSS; cost per rollout flat (±30%) from 10k to 1M.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+REPO = Path(__file__).resolve().parent.parent
+GROUP = 8
+STEPS = 20
+CRITERIA = 6
+
+
+def _lists(offsets: np.ndarray, values: np.ndarray, typ: pa.DataType) -> pa.Array:
+    return pa.ListArray.from_arrays(pa.array(offsets.astype(np.int32)), pa.array(values, type=typ))
+
+
+def make_inputs(n: int, folder: Path, seed: int = 0) -> None:
+    rng = np.random.default_rng(seed)
+    ids = np.char.add("r", np.arange(n).astype(str))
+    groups = np.char.add("g", (np.arange(n) // GROUP).astype(str))
+    m = rng.integers(STEPS - 5, STEPS + 6, size=n)            # steps per rollout
+    total = int(m.sum())
+    step_row = np.repeat(np.arange(n), m)
+    first = np.cumsum(m) - m
+    step_no = np.arange(total) - first[step_row] + 1
+    n_tok = rng.integers(50, 151, size=total).astype(np.int32)
+    gap, obs = 10, 30
+    # each step: 10 gap tokens, the step, then 30 observation tokens
+    span_len = gap + n_tok + obs
+    cum = np.cumsum(span_len) - span_len
+    start_in_rollout = cum - cum[first][step_row]
+    token_start = (start_in_rollout + gap).astype(np.int32)
+    response_len = np.add.reduceat(span_len, first).astype(np.int32)
+    spans = np.stack([token_start - gap, token_start + n_tok], axis=1).astype(np.int32)
+    inner = _lists(np.arange(total + 1) * 2, spans.ravel(), pa.int32())
+    policy_spans = pa.ListArray.from_arrays(pa.array(np.append(first, total).astype(np.int32)),
+                                            inner)
+    rollouts = pa.table({
+        "rollout_id": ids, "group_id": groups, "task_id": groups,
+        "instruction": pa.array(np.full(n, "do the task")),
+        "outcome": rng.integers(0, 2, size=n).astype(np.float64),
+        "n_turns": m.astype(np.int32), "response_len": response_len, "policy_spans": policy_spans,
+    })
+    steps = pa.table({
+        "rollout_id": ids[step_row], "step": step_no.astype(np.int32),
+        "action": pa.array(np.full(total, "")), "observation": pa.array(np.full(total, "")),
+        "n_tokens": n_tok, "token_start": token_start,
+    })
+    nv = n * CRITERIA
+    v_row = np.repeat(np.arange(n), CRITERIA)
+    k = rng.integers(1, 4, size=nv)
+    cites = (rng.random(int(k.sum())) * m[np.repeat(v_row, k)]).astype(np.int32) + 1
+    verdicts = pa.table({
+        "rollout_id": ids[v_row],
+        "criterion_id": np.char.add("c", np.tile(np.arange(CRITERIA), n).astype(str)),
+        "judge": pa.array(np.full(nv, "frontier")),
+        "verdict": rng.choice(np.array(["pass", "fail", "na"]), size=nv, p=[0.6, 0.35, 0.05]),
+        "cited_steps": _lists(np.append(0, np.cumsum(k)), cites, pa.int32()),
+        "reason": pa.array(np.full(nv, "")),
+    })
+    folder.mkdir(parents=True, exist_ok=True)
+    for name, t in (("rollouts", rollouts), ("steps", steps), ("verdicts", verdicts)):
+        pq.write_table(t, folder / f"{name}.parquet", compression="zstd")
+
+
+CHILD_CREDIT = """
+import sys, time
+from draco_cli._allocator import tune_allocator
+from draco_cli.pipeline import credit_compute
+tune_allocator()  # as the draco command does at start-up
+d = sys.argv[1]
+t = time.perf_counter()
+credit_compute(f"{d}/rollouts.parquet", f"{d}/steps.parquet", f"{d}/verdicts.parquet",
+               f"{d}/out", tokens="spans", force=True)
+print(time.perf_counter() - t)
+"""
+
+CHILD_FLOOR = """
+import sys, time
+import pyarrow.parquet as pq
+d = sys.argv[1]
+outs = {n: pq.read_table(f"{d}/out/{n}.parquet") for n in
+        ("rewards", "step_credit", "token_advantages")}
+t = time.perf_counter()
+for n in ("rollouts", "steps", "verdicts"):
+    pq.read_table(f"{d}/{n}.parquet")
+for n, tab in outs.items():
+    pq.write_table(tab, f"{d}/floor_{n}.parquet", compression="zstd")
+print(time.perf_counter() - t)
+"""
+
+
+def timed_child(code: str, *args: str) -> tuple[float, float]:
+    """(seconds printed by the child, its peak RSS in MiB)."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.close(r)
+        os.dup2(w, 1)
+        os.chdir(REPO)
+        os.execv(sys.executable, [sys.executable, "-c", code, *args])
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status, usage = os.wait4(pid, 0)
+    if status:
+        raise SystemExit(f"benchmark child failed (status {status})")
+    return float(out.split()[-1]), usage.ru_maxrss / 1024
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="10000,100000,1000000")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    tmp = Path(tempfile.mkdtemp(prefix="draco-bench-credit-"))
+    per_rollout = {}
+    try:
+        for n in sizes:
+            d = tmp / str(n)
+            t0 = time.perf_counter()
+            make_inputs(n, d)
+            gen = time.perf_counter() - t0
+            secs, rss = timed_child(CHILD_CREDIT, str(d))
+            floor, floor_rss = timed_child(CHILD_FLOOR, str(d))
+            per_rollout[n] = secs / n
+            in_mb = sum((d / f"{x}.parquet").stat().st_size for x in
+                        ("rollouts", "steps", "verdicts")) / 2**20
+            out_mb = sum(p.stat().st_size for p in (d / "out").glob("*.parquet")) / 2**20
+            print(f"N={n:>8}  inputs {in_mb:7.1f} MiB, outputs {out_mb:7.1f} MiB "
+                  f"(generated in {gen:.1f}s)")
+            print(f"  credit compute: {secs:7.2f} s  {n / secs:10.0f} rollouts/s  "
+                  f"peak RSS {rss:8.1f} MiB")
+            print(f"  I/O floor     : {floor:7.2f} s  {n / floor:10.0f} rollouts/s  "
+                  f"peak RSS {floor_rss:8.1f} MiB")
+            print(f"  ratio to floor: {secs / floor:.2f}x;  cost per rollout vs N={sizes[0]}: "
+                  f"{per_rollout[n] / per_rollout[sizes[0]]:.2f}x")
+            shutil.rmtree(d)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
