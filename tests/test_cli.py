@@ -20,7 +20,8 @@ def test_version_and_help():
 
 
 def test_every_command_has_help_with_an_example():
-    for args in (["ingest"], ["validate"], ["schema", "export"]):
+    for args in (["ingest"], ["validate"], ["schema", "export"], ["judge", "filter"],
+                 ["credit", "compute"], ["credit", "expand"]):
         res = run_draco(*args, "--help")
         assert res.returncode == 0, args
         assert "Example: draco " in res.stdout.decode(), args
