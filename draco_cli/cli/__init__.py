@@ -60,6 +60,10 @@ def main() -> None:
     except DracoError as exc:
         if os.environ.get("DRACO_DEBUG"):
             raise
-        err_console.print(f"[bold red]error:[/] {exc}", highlight=False, markup=True,
-                          soft_wrap=True)
+        from rich.markup import escape
+
+        from draco_cli.llm.keys import scrub
+
+        err_console.print(f"[bold red]error:[/] {escape(scrub(str(exc)) or '')}",
+                          highlight=False, markup=True, soft_wrap=True)
         sys.exit(exc.exit_code)

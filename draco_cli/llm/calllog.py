@@ -1,0 +1,247 @@
+"""The call log: every LLM call draco pays for, which is also its cache and its resume point.
+
+SQLite in WAL mode, written by one background thread that batches rows into transactions (a
+commit per call would cap throughput at a few hundred calls/s; one writer also avoids lock
+fights). A row is durable once its transaction commits — at most ``FLUSH_SECONDS`` after the
+call returned — and a process killed with SIGKILL loses only calls in flight and that last
+fraction of a second: WAL frames already written survive the process.
+
+For analysis, ``export_parquet`` writes the log as Parquet, queryable with DuckDB or polars.
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import sqlite3
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+FLUSH_SECONDS = 0.1
+FLUSH_ROWS = 500
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS calls (
+    id INTEGER PRIMARY KEY,
+    request_hash TEXT,          -- model, messages, schema, sampling, template version, sample
+    content_hash TEXT,          -- the same without the model (what replay/ looks up)
+    sample INTEGER,             -- null for an HTTP attempt that produced no answer
+    phase TEXT,
+    key TEXT,                   -- the caller's label, e.g. the rollout id
+    provider TEXT,
+    model TEXT,
+    attempt INTEGER,            -- 0 = first ask; re-asks after invalid answers count up
+    status TEXT,                -- ok | invalid | truncated | refused | http_error | unanswered
+    error TEXT,
+    request TEXT,               -- the JSON body sent (never headers, never keys)
+    response TEXT,              -- the JSON body received
+    answer_text TEXT,           -- this sample's raw answer text
+    parsed TEXT,                -- the validated answer (status ok)
+    input_tokens INTEGER,       -- uncached input
+    cached_tokens INTEGER,
+    cache_write_tokens INTEGER,
+    output_tokens INTEGER,      -- reasoning included
+    reasoning_tokens INTEGER,
+    latency_s REAL,
+    cost_usd REAL,
+    batch_id TEXT,
+    created_at TEXT
+);
+CREATE INDEX IF NOT EXISTS calls_request ON calls(request_hash, sample, status);
+CREATE INDEX IF NOT EXISTS calls_content ON calls(content_hash, sample, status);
+CREATE TABLE IF NOT EXISTS batches (
+    batch_id TEXT PRIMARY KEY,
+    provider TEXT,
+    model TEXT,
+    phase TEXT,
+    status TEXT,                -- submitted | done
+    request_map TEXT,           -- custom_id -> [request_hash, samples]
+    created_at TEXT
+);
+"""
+
+COLUMNS = ("request_hash", "content_hash", "sample", "phase", "key", "provider", "model",
+           "attempt", "status", "error", "request", "response", "answer_text", "parsed",
+           "input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens",
+           "reasoning_tokens", "latency_s", "cost_usd", "batch_id", "created_at")
+
+
+@dataclass
+class Recorded:
+    """An answered call found in the log."""
+
+    answer_text: str
+    parsed: str
+    phase: str
+
+
+def _now() -> str:
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
+    if readonly:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+    else:
+        conn = sqlite3.connect(path, check_same_thread=False)
+        conn.execute("PRAGMA journal_mode=WAL")
+        conn.execute("PRAGMA synchronous=NORMAL")
+        conn.executescript(SCHEMA)
+    return conn
+
+
+class CallLog:
+    """Append-only call log with a batching writer thread; use as a context manager."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._conn = _connect(self.path)
+        self._queue: queue.Queue = queue.Queue()
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._writer, name="draco-calllog", daemon=True)
+        self._thread.start()
+
+    # -- writing ---------------------------------------------------------------------------
+
+    def record(self, **row: Any) -> None:
+        """Queue one row (see ``COLUMNS``); it is committed within ``FLUSH_SECONDS``."""
+        if self._error:
+            raise self._error
+        row.setdefault("created_at", _now())
+        self._queue.put(tuple(row.get(c) for c in COLUMNS))
+
+    def record_batch(self, batch_id: str, provider: str, model: str, phase: str,
+                     request_map: dict) -> None:
+        self.flush()
+        with self._conn:
+            self._conn.execute(
+                "INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, 'submitted', ?, ?)",
+                (batch_id, provider, model, phase, json.dumps(request_map), _now()))
+
+    def finish_batch(self, batch_id: str) -> None:
+        self.flush()
+        with self._conn:
+            self._conn.execute("UPDATE batches SET status = 'done' WHERE batch_id = ?",
+                               (batch_id,))
+
+    def pending_batches(self, provider: str, model: str, phase: str) -> list[tuple[str, dict]]:
+        rows = self._conn.execute(
+            "SELECT batch_id, request_map FROM batches WHERE status = 'submitted' AND "
+            "provider = ? AND model = ? AND phase = ?", (provider, model, phase)).fetchall()
+        return [(b, json.loads(m)) for b, m in rows]
+
+    def _writer(self) -> None:
+        pending: list[tuple] = []
+        waiters: list[threading.Event] = []
+        last = time.monotonic()
+        sql = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
+        while True:
+            try:
+                item = self._queue.get(timeout=FLUSH_SECONDS)
+            except queue.Empty:
+                item = None
+            stop = item == "stop"
+            if isinstance(item, threading.Event):
+                waiters.append(item)
+            elif isinstance(item, tuple):
+                pending.append(item)
+            due = time.monotonic() - last >= FLUSH_SECONDS
+            if pending and (due or len(pending) >= FLUSH_ROWS or waiters or stop):
+                try:
+                    with self._conn:
+                        self._conn.executemany(sql, pending)
+                except BaseException as exc:  # surfaced to the next record()/flush()
+                    self._error = exc
+                pending = []
+                last = time.monotonic()
+            for w in waiters:
+                w.set()
+            waiters = []
+            if stop:
+                return
+
+    def flush(self) -> None:
+        """Block until every queued row is committed."""
+        done = threading.Event()
+        self._queue.put(done)
+        done.wait()
+        if self._error:
+            raise self._error
+
+    def close(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put("stop")
+            self._thread.join()
+        self._conn.close()
+        if self._error:
+            raise self._error
+
+    def __enter__(self) -> "CallLog":
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- reading ---------------------------------------------------------------------------
+
+    def answered(self, model: str | None = None) -> dict[tuple[str, int], Recorded]:
+        """Every answered (request_hash, sample) in the log — the cache."""
+        self.flush()
+        return load_answered(self._conn, "request_hash")
+
+    def totals(self) -> dict[str, dict[str, float]]:
+        self.flush()
+        return phase_totals(self._conn)
+
+
+def load_answered(conn: sqlite3.Connection, by: str) -> dict[tuple[str, int], Recorded]:
+    rows = conn.execute(
+        f"SELECT {by}, sample, answer_text, parsed, phase FROM calls WHERE status = 'ok'")
+    return {(h, s): Recorded(t, p, ph) for h, s, t, p, ph in rows}
+
+
+def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
+    out = {}
+    for row in conn.execute(
+        "SELECT phase, COUNT(*), SUM(status = 'ok'), SUM(input_tokens), SUM(cached_tokens), "
+        "SUM(output_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM calls GROUP BY phase"
+    ):
+        out[row[0]] = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
+                                "output_tokens", "reasoning_tokens", "cost_usd"),
+                               (x or 0 for x in row[1:])))
+    return out
+
+
+class ReplayLog:
+    """Read-only view of a recorded call log, looked up by content hash (model-free)."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        if not self.path.exists():
+            from draco_cli.errors import InputError
+
+            raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
+                             file=str(path))
+        conn = _connect(self.path, readonly=True)
+        self.answers = load_answered(conn, "content_hash")
+        conn.close()
+
+
+def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int:
+    """Write the ``calls`` table as Parquet (atomically); return the row count."""
+    import polars as pl
+
+    from draco_cli.io import atomic_path
+
+    conn = _connect(Path(log), readonly=True)
+    cur = conn.execute("SELECT * FROM calls ORDER BY id")
+    names = [d[0] for d in cur.description]
+    df = pl.DataFrame(cur.fetchall(), schema=names, orient="row", infer_schema_length=None)
+    conn.close()
+    with atomic_path(out, force) as tmp:
+        df.write_parquet(tmp)
+    return df.height

@@ -1,0 +1,345 @@
+"""The one client every LLM stage uses: cache, concurrency, rate limits, retries, validation,
+cost and budget, written once around a small provider.
+
+    with CallLog("run/llm_calls.sqlite") as log:
+        client = LLMClient("openai/gpt-4.1", call_log=log, concurrency=64)
+        answers = client.run(requests)          # list (per request) of list (per sample)
+
+Every answered (request, sample) is looked up in the call log first, so a rerun after a kill
+pays for nothing twice. Answers are validated against the request's pydantic model; an invalid
+one is asked again with the validation error fed back, up to ``parse_retries`` times, then
+recorded as unanswered with the reason — never guessed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+from pydantic import ValidationError
+
+from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.errors import LLMError
+from draco_cli.llm.keys import scrub
+from draco_cli.llm.prices import PriceTable
+from draco_cli.llm.providers import Retryable, make_provider, parse_model_id
+from draco_cli.llm.types import Answer, Choice, LLMRequest, Reply, Usage
+
+
+@dataclass
+class PhaseStats:
+    calls: int = 0            # HTTP calls made (every attempt, re-asks included)
+    cached: int = 0           # samples answered from the call log
+    answered: int = 0
+    unanswered: int = 0
+    skipped: int = 0          # not asked: budget reached
+    failed_attempts: int = 0  # HTTP attempts that failed and were retried
+    usage: Usage = field(default_factory=Usage)
+    cost_usd: float = 0.0
+
+
+@dataclass
+class Progress:
+    done: int
+    total: int
+    failed: int
+    cost_usd: float
+
+
+class RateLimiter:
+    """Requests and tokens per minute, as a pair of token buckets."""
+
+    def __init__(self, rpm: float | None, tpm: float | None) -> None:
+        self.rpm, self.tpm = rpm, tpm
+        self._req = rpm or 0.0
+        self._tok = tpm or 0.0
+        self._t = time.monotonic()
+        self._lock = asyncio.Lock()
+
+    async def acquire(self, tokens: int) -> None:
+        if not self.rpm and not self.tpm:
+            return
+        async with self._lock:
+            while True:
+                now = time.monotonic()
+                dt, self._t = now - self._t, now
+                if self.rpm:
+                    self._req = min(self.rpm, self._req + dt * self.rpm / 60)
+                if self.tpm:
+                    self._tok = min(self.tpm, self._tok + dt * self.tpm / 60)
+                need_r = 0 if not self.rpm or self._req >= 1 else (1 - self._req) * 60 / self.rpm
+                cap = min(tokens, self.tpm) if self.tpm else 0
+                need_t = 0 if not self.tpm or self._tok >= cap else (cap - self._tok) * 60 / self.tpm
+                wait = max(need_r, need_t)
+                if wait <= 0:
+                    if self.rpm:
+                        self._req -= 1
+                    if self.tpm:
+                        self._tok -= cap
+                    return
+                await asyncio.sleep(wait)
+
+
+class BudgetReached(Exception):
+    pass
+
+
+class LLMClient:
+    def __init__(
+        self,
+        model: str,
+        *,
+        call_log: CallLog,
+        concurrency: int = 16,
+        rpm: float | None = None,
+        tpm: float | None = None,
+        timeout: float = 120.0,
+        max_retries: int = 6,
+        parse_retries: int = 2,
+        max_cost: float | None = None,
+        prices: PriceTable | None = None,
+        base_url: str | None = None,
+        backoff_base: float = 1.0,
+        backoff_cap: float = 60.0,
+    ) -> None:
+        self.model = model
+        self.provider_name, _ = parse_model_id(model)
+        self.log = call_log
+        self.concurrency = concurrency
+        self.max_retries = max_retries
+        self.parse_retries = parse_retries
+        self.max_cost = max_cost
+        self.prices = prices or PriceTable.load()
+        self.base_url = base_url
+        self.timeout = timeout
+        self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
+        self.rpm, self.tpm = rpm, tpm
+        self.stats: dict[str, PhaseStats] = defaultdict(PhaseStats)
+        self.spent = 0.0
+        self.budget_reached = False
+        self.priced = self.provider_name == "replay" or self.prices.price(model) is not None
+        self._cache = call_log.answered()
+
+    # -- public ----------------------------------------------------------------------------
+
+    def run(self, requests: list[LLMRequest],
+            progress: Callable[[Progress], None] | None = None, batch: bool = False,
+            poll_seconds: float = 30.0) -> list[list[Answer]]:
+        """Answer every request (blocking); see ``arun``."""
+        return asyncio.run(self.arun(requests, progress, batch, poll_seconds))
+
+    async def arun(self, requests: list[LLMRequest],
+                   progress: Callable[[Progress], None] | None = None,
+                   batch: bool = False, poll_seconds: float = 30.0) -> list[list[Answer]]:
+        """Answer every request. ``batch=True`` sends what the call log does not already hold
+        through the provider's batch API (half price; resumable by batch id)."""
+        provider = make_provider(self.model, base_url=self.base_url,
+                                 concurrency=self.concurrency, timeout=self.timeout)
+        self._sem = asyncio.Semaphore(self.concurrency)
+        self._limiter = RateLimiter(self.rpm, self.tpm)
+        try:
+            if batch:
+                from draco_cli.llm.batch import run_batch
+
+                return await run_batch(self, provider, requests, poll_seconds, progress)
+            tick = self._ticker(requests, progress)
+            return list(await asyncio.gather(*(self._answer(provider, r, tick)
+                                               for r in requests)))
+        finally:
+            await provider.close()
+            self.log.flush()
+
+    def _ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
+        total = sum(r.samples for r in requests)
+        done = [0, 0]
+
+        def tick(answers: list[Answer]) -> None:
+            done[0] += len(answers)
+            done[1] += sum(a.status != "ok" for a in answers)
+            if progress:
+                progress(Progress(done[0], total, done[1], self.spent))
+
+        return tick
+
+    # -- one request -----------------------------------------------------------------------
+
+    async def _answer(self, provider, req: LLMRequest, tick) -> list[Answer]:
+        stats = self.stats[req.phase]
+        answers: list[Answer | None] = [None] * req.samples
+        missing = []
+        for i in range(req.samples):
+            hit = self._cache.get((req.hash(i, self.model), i))
+            if hit is not None:
+                answers[i] = Answer(i, "ok", req.answer_model.model_validate_json(hit.parsed),
+                                    text=hit.answer_text, cached=True)
+                stats.cached += 1
+            else:
+                missing.append(i)
+        if missing:
+            groups = [missing] if provider.supports_n else [[i] for i in missing]
+            results = await asyncio.gather(*(self._ask(provider, req, g) for g in groups))
+            for group in results:
+                for a in group:
+                    answers[a.sample] = a
+        final = [a for a in answers if a is not None]
+        tick(final)
+        return final
+
+    async def _ask(self, provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
+        """Ask for ``samples`` in one call, then validate each choice on its own, re-asking
+        (one sample per call) with the validation error fed back."""
+        try:
+            reply = await self._call(provider, req, req.messages, samples)
+        except BudgetReached:
+            self.stats[req.phase].skipped += len(samples)
+            return [Answer(i, "skipped", reason="budget reached (--max-cost)") for i in samples]
+        share = 1.0 / max(len(reply.choices), 1)
+        out = []
+        for i, choice in zip(samples, reply.choices):
+            out.append(await self._settle(provider, req, i, choice, reply, share))
+        for i in samples[len(reply.choices):]:  # a server that returned fewer choices than n
+            out.append(self._unanswered(req, i, "the server returned fewer choices than asked",
+                                        reply, share, 0))
+        return out
+
+    async def _settle(self, provider, req: LLMRequest, sample: int, choice: Choice,
+                      reply: Reply, share: float) -> Answer:
+        attempt = 0
+        usage = reply.usage.scaled(share)
+        cost = self._cost_of(reply) * share
+        while True:
+            value, status, error = self._parse(req, choice)
+            self._record(req, sample, attempt, status, error, reply, choice, value, share)
+            if status == "ok":
+                self.stats[req.phase].answered += 1
+                return Answer(sample, "ok", value, text=choice.text, usage=usage, cost_usd=cost,
+                              attempts=attempt + 1)
+            if status == "refused" or attempt >= self.parse_retries:
+                return self._final_unanswered(req, sample, error, usage, cost, attempt)
+            attempt += 1
+            if status == "truncated":
+                messages = req.messages  # same question again: sampling may end sooner
+            else:
+                messages = req.messages + [
+                    {"role": "assistant", "content": choice.text or ""},
+                    {"role": "user", "content": (
+                        "That answer is not valid JSON for the required schema: "
+                        f"{error}. Reply again with only a JSON object that matches the schema.")},
+                ]
+            try:
+                reply = await self._call(provider, req, messages, [sample])
+            except BudgetReached:
+                return self._final_unanswered(req, sample, "budget reached during re-ask",
+                                              usage, cost, attempt)
+            choice = reply.choices[0] if reply.choices else Choice(None, "empty")
+            share = 1.0
+            usage = usage + reply.usage
+            cost += self._cost_of(reply)
+
+    def _final_unanswered(self, req, sample, reason, usage, cost, attempt) -> Answer:
+        self.stats[req.phase].unanswered += 1
+        self.log.record(request_hash=req.hash(sample, self.model),
+                        content_hash=req.hash(sample, None), sample=sample, phase=req.phase,
+                        key=req.key, provider=self.provider_name, model=self.model,
+                        attempt=attempt, status="unanswered", error=scrub(reason),
+                        cost_usd=0.0)
+        return Answer(sample, "unanswered", reason=reason, usage=usage, cost_usd=cost,
+                      attempts=attempt + 1)
+
+    def _unanswered(self, req, sample, reason, reply, share, attempt) -> Answer:
+        return self._final_unanswered(req, sample, reason, reply.usage.scaled(share),
+                                      self._cost_of(reply) * share, attempt)
+
+    @staticmethod
+    def _parse(req: LLMRequest, choice: Choice):
+        if choice.finish == "refusal" or choice.refusal:
+            return None, "refused", f"refused: {(choice.refusal or choice.text or '')[:200]}"
+        if choice.finish == "length":
+            return None, "truncated", "truncated at max_tokens " \
+                f"({req.sampling.max_tokens}): raise --max-tokens"
+        if not choice.text:
+            return None, "invalid", "empty answer"
+        try:
+            return req.answer_model.model_validate_json(choice.text), "ok", None
+        except ValidationError as exc:
+            first = exc.errors()[0] if exc.errors() else {}
+            where = ".".join(str(x) for x in first.get("loc", ()))
+            kind = "not JSON" if first.get("type") == "json_invalid" else "schema violation"
+            return None, "invalid", f"{kind}: {where + ': ' if where else ''}{first.get('msg', exc)}"
+
+    def _record(self, req, sample, attempt, status, error, reply: Reply, choice: Choice, value,
+                share) -> None:
+        """One row per sample per HTTP call; a call that answered n samples at once is split
+        evenly over its n rows, so the rows sum to what was billed."""
+        u = reply.usage.scaled(share)
+        cost = self._cost_of(reply) * share
+        self.log.record(
+            request_hash=req.hash(sample, self.model), content_hash=req.hash(sample, None),
+            sample=sample, phase=req.phase, key=req.key, provider=self.provider_name,
+            model=self.model, attempt=attempt, status=status, error=scrub(error),
+            request=scrub(json.dumps(reply.request_body, ensure_ascii=False)),
+            response=scrub(json.dumps(reply.response_body, ensure_ascii=False)),
+            answer_text=choice.text,
+            parsed=value.model_dump_json() if value is not None else None,
+            input_tokens=u.input_tokens, cached_tokens=u.cached_tokens,
+            cache_write_tokens=u.cache_write_tokens, output_tokens=u.output_tokens,
+            reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s, cost_usd=cost,
+            batch_id=reply.batch_id,
+        )
+
+    # -- one HTTP call, with retries ---------------------------------------------------------
+
+    def _cost(self, usage: Usage, batch: bool = False) -> float:
+        if self.provider_name == "replay":
+            return 0.0
+        return self.prices.cost(self.model, usage, batch)
+
+    def _cost_of(self, reply: Reply) -> float:
+        return self._cost(reply.usage, reply.batch_id is not None)
+
+    async def _call(self, provider, req: LLMRequest, messages, samples: list[int]) -> Reply:
+        stats = self.stats[req.phase]
+        estimate = sum(len(m["content"]) for m in messages) // 4 + req.sampling.max_tokens
+        attempt = 0
+        while True:
+            await self._limiter.acquire(estimate)
+            async with self._sem:
+                # Checked once a slot is ours: spending can overshoot the budget by at most
+                # the calls already in flight.
+                if self.max_cost is not None and self.spent >= self.max_cost:
+                    self.budget_reached = True
+                    raise BudgetReached()
+                try:
+                    reply = await provider.complete(req, messages, samples)
+                except Retryable as exc:
+                    stats.failed_attempts += 1
+                    stats.calls += 1
+                    self.log.record(request_hash=req.hash(samples[0], self.model),
+                                    content_hash=req.hash(samples[0], None), sample=None,
+                                    phase=req.phase, key=req.key, provider=self.provider_name,
+                                    model=self.model, attempt=attempt, status="http_error",
+                                    error=scrub(str(exc)), cost_usd=0.0)
+                    if attempt >= self.max_retries:
+                        raise LLMError(f"{self.model}: giving up after {attempt + 1} attempts "
+                                       f"({scrub(str(exc))})") from None
+                    delay = exc.retry_after if exc.retry_after is not None else min(
+                        self.backoff_cap, self.backoff_base * 2 ** attempt)
+                    delay *= random.uniform(1.0, 1.25)  # jitter: spread the herd
+                    attempt += 1
+                    wait = delay
+                else:
+                    wait = None
+            if wait is not None:
+                await asyncio.sleep(wait)
+                continue
+            stats.calls += 1
+            stats.usage = stats.usage + reply.usage
+            cost = self._cost(reply.usage)
+            stats.cost_usd += cost
+            self.spent += cost
+            return reply

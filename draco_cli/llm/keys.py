@@ -1,0 +1,30 @@
+"""Keeping API keys out of everything draco writes: logs, tables, messages, tracebacks.
+
+Keys come only from the environment or the SDKs' own configuration; draco never takes one on
+its command line. Text that might echo one back (an SDK error quoting a header, a server's
+error body) passes through ``scrub`` before it is logged or shown.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+KEY_VARIABLES = ("OPENAI_API_KEY", "ANTHROPIC_API_KEY", "DRACO_API_KEY")
+_PATTERNS = [
+    re.compile(r"sk-[A-Za-z0-9_\-]{8,}"),              # OpenAI / Anthropic style keys
+    re.compile(r"(?i)(bearer\s+)[A-Za-z0-9._\-]{8,}"),  # Authorization: Bearer ...
+    re.compile(r"(?i)(x-api-key['\"]?\s*[:=]\s*['\"]?)[A-Za-z0-9._\-]{8,}"),
+]
+
+
+def scrub(text: str | None) -> str | None:
+    if not text:
+        return text
+    for var in KEY_VARIABLES:
+        value = os.environ.get(var)
+        if value and len(value) >= 6:
+            text = text.replace(value, "[redacted]")
+    for pat in _PATTERNS:
+        text = pat.sub(lambda m: (m.group(1) if m.groups() else "") + "[redacted]", text)
+    return text

@@ -1,0 +1,150 @@
+"""Requests, replies and answers of the LLM layer."""
+
+from __future__ import annotations
+
+import functools
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field
+from typing import Any, Literal
+
+from pydantic import BaseModel
+
+Status = Literal["ok", "unanswered", "skipped"]
+
+
+@dataclass(frozen=True)
+class Sampling:
+    """Everything about generation that changes the answer (and so enters the cache key)."""
+
+    temperature: float | None = None
+    top_p: float | None = None
+    max_tokens: int = 4096
+    thinking: bool = False
+    seed: int | None = None
+
+
+@dataclass
+class LLMRequest:
+    """One prompt asking for ``samples`` answers that validate against ``answer_model``.
+
+    Put the stable part of the prompt first (instructions, rubric), the varying part last, so
+    provider prompt caches hit. ``json_schema`` is the schema sent to the provider (default:
+    the answer model's); it may be tighter than the model (enums of valid ids).
+    """
+
+    phase: str
+    messages: list[dict[str, str]]
+    answer_model: type[BaseModel]
+    json_schema: dict | None = None
+    schema_name: str = "answer"
+    samples: int = 1
+    sampling: Sampling = field(default_factory=Sampling)
+    template_version: str = ""
+    key: str = ""  # the caller's label for the log (e.g. a rollout id)
+
+    def schema(self) -> dict:
+        return self.json_schema if self.json_schema is not None else \
+            _model_schema(self.answer_model)
+
+    def hash(self, sample: int, model: str | None) -> str:
+        key = (sample, model)
+        cache = self.__dict__.setdefault("_hashes", {})
+        if key not in cache:
+            cache[key] = self._hash(sample, model)
+        return cache[key]
+
+    def _hash(self, sample: int, model: str | None) -> str:
+        """Cache key: model, messages, schema, sampling, template version and sample index;
+        not timeouts, concurrency or anything else that does not change the answer.
+        ``model=None`` gives the content hash used by replay (any recorded model)."""
+        payload = {
+            "model": model,
+            "messages": self.messages,
+            "schema": self.schema(),
+            "sampling": asdict(self.sampling),
+            "template": self.template_version,
+            "sample": sample,
+        }
+        text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+        return hashlib.sha256(text.encode()).hexdigest()
+
+
+@functools.lru_cache(maxsize=256)
+def _model_schema(model: type[BaseModel]) -> dict:
+    return strict_schema(model.model_json_schema())
+
+
+def strict_schema(schema: dict) -> dict:
+    """Make a pydantic JSON schema acceptable to strict structured-output modes: every object
+    closed (additionalProperties false) with every property required."""
+    schema = json.loads(json.dumps(schema))
+
+    def visit(node: Any) -> None:
+        if isinstance(node, dict):
+            if node.get("type") == "object" and "properties" in node:
+                node["additionalProperties"] = False
+                node["required"] = list(node["properties"])
+            for v in node.values():
+                visit(v)
+        elif isinstance(node, list):
+            for v in node:
+                visit(v)
+
+    visit(schema)
+    return schema
+
+
+@dataclass
+class Usage:
+    """Tokens of one HTTP call, normalised across providers: ``input_tokens`` excludes cached
+    and cache-write tokens; ``output_tokens`` includes ``reasoning_tokens``."""
+
+    input_tokens: int = 0
+    cached_tokens: int = 0
+    cache_write_tokens: int = 0
+    output_tokens: int = 0
+    reasoning_tokens: int = 0
+
+    def __add__(self, other: "Usage") -> "Usage":
+        return Usage(*(a + b for a, b in zip(astuple_usage(self), astuple_usage(other))))
+
+    def scaled(self, share: float) -> "Usage":
+        return Usage(*(round(a * share) for a in astuple_usage(self)))
+
+
+def astuple_usage(u: Usage) -> tuple[int, ...]:
+    return (u.input_tokens, u.cached_tokens, u.cache_write_tokens, u.output_tokens,
+            u.reasoning_tokens)
+
+
+@dataclass
+class Choice:
+    """One generated answer: its text, and why generation stopped."""
+
+    text: str | None
+    finish: str  # "stop", "length", "refusal", "content_filter", ...
+    refusal: str | None = None
+
+
+@dataclass
+class Reply:
+    choices: list[Choice]
+    usage: Usage
+    request_body: dict
+    response_body: dict
+    latency_s: float = 0.0
+    batch_id: str | None = None  # answered through a batch API (billed at the batch price)
+
+
+@dataclass
+class Answer:
+    sample: int
+    status: Status
+    value: BaseModel | None = None
+    reason: str | None = None
+    text: str | None = None
+    usage: Usage = field(default_factory=Usage)
+    cost_usd: float = 0.0
+    attempts: int = 0
+    cached: bool = False

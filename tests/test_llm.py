@@ -1,0 +1,340 @@
+"""The LLM layer against a local server speaking the OpenAI and Anthropic protocols, through
+the real SDK clients. No network: everything goes to 127.0.0.1."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from typing import Literal
+
+import polars as pl
+import pytest
+from pydantic import BaseModel
+
+from draco_cli.llm import CallLog, LLMClient, LLMError, LLMRequest, PriceTable, ReplayMiss, \
+    Sampling, export_parquet
+from tests.conftest import REPO
+from tests.llm_server import FakeLLMServer
+
+PLANTED = "sk-test-PLANTEDsecretKEY-0123456789abcdef"
+
+
+class Judgement(BaseModel):
+    verdict: Literal["pass", "fail"]
+    steps: list[int]
+    reason: str
+
+
+PRICES = PriceTable({"models": {
+    "openai/test-model": {"input": 1.0, "cached_input": 0.5, "output": 2.0},
+    "anthropic/test-claude": {"input": 3.0, "cached_input": 0.3, "cache_write": 3.75,
+                              "output": 15.0}}}, "test")
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", PLANTED)
+    s = FakeLLMServer().start()
+    yield s
+    s.stop()
+
+
+def req(key="r1", samples=1, phase="score", **kw) -> LLMRequest:
+    return LLMRequest(phase=phase, key=key, samples=samples, answer_model=Judgement,
+                      messages=[{"role": "system", "content": "You judge."},
+                                {"role": "user", "content": f"Judge rollout {key}."}],
+                      template_version="t1", **kw)
+
+
+def client(server, log, model="openai/test-model", **kw) -> LLMClient:
+    kw.setdefault("backoff_base", 0.01)
+    base = server.url + ("/v1" if model.startswith("openai/") else "")
+    return LLMClient(model, call_log=log, base_url=base, prices=PRICES, **kw)
+
+
+def test_k_samples_in_one_request_and_cost(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log)
+        [answers] = c.run([req(samples=3)])
+    assert server.hits["chat"] == 1 and server.bodies[0]["n"] == 3
+    assert [a.value.verdict for a in answers] == ["pass", "fail", "pass"]
+    assert [a.value.steps for a in answers] == [[1], [2], [3]]
+    # vLLM-style server: thinking switch and structured output in the body
+    body = server.bodies[0]
+    assert body["chat_template_kwargs"] == {"enable_thinking": False}
+    assert body["response_format"]["json_schema"]["strict"] is True
+    # usage: 100 prompt (20 cached), 3 x 10 completion → (80·1 + 20·0.5 + 30·2) / 1e6
+    assert c.stats["score"].cost_usd == pytest.approx(150 / 1e6)
+    calls = pl.read_parquet(tmp_path / "c.parquet") if export_parquet(
+        tmp_path / "calls.sqlite", tmp_path / "c.parquet") else None
+    assert calls.height == 3 and calls["cost_usd"].sum() == pytest.approx(150 / 1e6)
+    assert calls["input_tokens"].sum() == 80 - 2 or calls["input_tokens"].sum() in (78, 79, 80, 81)
+
+
+def test_rerun_makes_no_http_request(server, tmp_path):
+    requests = [req(f"r{i}", samples=2) for i in range(5)]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        first = client(server, log).run(requests)
+    hits = server.hits["chat"]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log)
+        again = c.run(requests)
+    assert server.hits["chat"] == hits == 5
+    assert c.stats["score"].cached == 10 and c.stats["score"].calls == 0
+    assert [[a.value for a in r] for r in again] == [[a.value for a in r] for r in first]
+    # the sample index is part of the key: asking for 3 samples pays only for the third
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log)
+        c.run([req("r0", samples=3)])
+    assert server.hits["chat"] == 6 and server.bodies[-1].get("n", 1) == 1
+
+
+def test_retries_429_500_and_dropped_connections(server, tmp_path):
+    server.push("429", retry_after=0.05)
+    server.push("500")
+    server.push("drop")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log)
+        [[a]] = c.run([req()])
+    assert a.status == "ok"
+    assert c.stats["score"].failed_attempts == 3 and server.hits["chat"] == 4
+    rows = pl.read_database("select status, error from calls", _sqlite(tmp_path))
+    assert sorted(rows["status"]) == ["http_error"] * 3 + ["ok"]
+
+
+def test_gives_up_after_max_retries(server, tmp_path):
+    for _ in range(3):
+        server.push("500")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(LLMError, match="giving up after 3 attempts"):
+            client(server, log, max_retries=2).run([req()])
+
+
+def test_invalid_answers_are_reasked_with_the_error(server, tmp_path):
+    server.push("invalid_json")
+    server.push("schema_violation")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log, parse_retries=2).run([req()])
+    assert a.status == "ok" and a.attempts == 3
+    reask = server.bodies[1]["messages"]
+    assert reask[-2]["role"] == "assistant" and "not valid JSON" in reask[-1]["content"]
+    assert "not JSON" in reask[-1]["content"]
+    assert "schema violation" in server.bodies[2]["messages"][-1]["content"]
+
+
+def test_exhausted_reasks_are_unanswered_never_guessed(server, tmp_path):
+    for _ in range(3):
+        server.push("schema_violation")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log, parse_retries=2).run([req()])
+    assert a.status == "unanswered" and a.value is None
+    assert "schema violation" in a.reason
+    # an unanswered sample is not cached: a rerun asks again
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[b]] = client(server, log).run([req()])
+    assert b.status == "ok"
+
+
+def test_truncation_and_refusal_are_told_apart(server, tmp_path):
+    server.push("truncate")
+    server.push("truncate")
+    server.push("refusal")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, parse_retries=1)
+        [[t]] = c.run([req("a")])
+        [[r]] = c.run([req("b")])
+    assert t.status == "unanswered" and "truncated at max_tokens" in t.reason
+    assert r.status == "unanswered" and r.reason.startswith("refused")
+    assert server.hits["chat"] == 3  # a refusal is not asked again
+
+
+def test_one_truncated_choice_does_not_lose_the_others(server, tmp_path):
+    """n=3 in one request; each choice is validated on its own."""
+    server.answer = lambda body, i: '{"verdict": "pass", "steps": [1], "reason": "x"}' \
+        if i != 1 else '{"verdict": "pa'
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [answers] = client(server, log, parse_retries=0).run([req(samples=3)])
+    assert [a.status for a in answers] == ["ok", "unanswered", "ok"]
+
+
+def test_anthropic_messages(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, model="anthropic/test-claude")
+        [answers] = c.run([req(samples=2, sampling=Sampling(thinking=True, temperature=0.7,
+                                                            max_tokens=4000))])
+    assert server.hits["messages"] == 2  # one call per sample
+    body = server.bodies[0]
+    assert body["system"] == "You judge." and body["messages"][0]["role"] == "user"
+    assert body["output_config"]["format"]["type"] == "json_schema"
+    assert body["thinking"] == {"type": "enabled", "budget_tokens": 2000}
+    assert "temperature" not in body  # not allowed with thinking
+    assert all(a.status == "ok" for a in answers)
+    # Anthropic's input_tokens exclude cache reads: 80 input + 20 cached, 10 output per call
+    assert c.stats["score"].usage.input_tokens == 160
+    assert c.stats["score"].usage.cached_tokens == 40
+    assert c.stats["score"].cost_usd == pytest.approx(2 * (80 * 3 + 20 * 0.3 + 10 * 15) / 1e6)
+
+
+def test_budget_stop_and_resume(server, tmp_path):
+    requests = [req(f"r{i}") for i in range(20)]
+    per_call = (80 * 1 + 20 * 0.5 + 10 * 2) / 1e6
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=1, max_cost=per_call * 5)
+        out = c.run(requests)
+    assert c.budget_reached
+    assert sum(a.status == "ok" for r in out for a in r) == 5
+    assert sum(a.status == "skipped" for r in out for a in r) == 15
+    assert server.hits["chat"] == 5
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, max_cost=1.0)
+        out = c.run(requests)
+    assert all(a.status == "ok" for r in out for a in r)
+    assert server.hits["chat"] == 20  # the first five were not paid twice
+
+
+KILLED_RUN = """
+import sys
+from tests.test_llm import client, req
+from tests.llm_server import FakeLLMServer
+from draco_cli.llm import CallLog
+class S: url = sys.argv[1]
+log = CallLog(sys.argv[2])
+c = client(S, log, concurrency=4)
+c.run([req(f"r{i}") for i in range(40)])
+"""
+
+
+def test_resume_after_kill_pays_nothing_twice(server, tmp_path):
+    server.latency = 0.1
+    proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, server.url,
+                             str(tmp_path / "calls.sqlite")], cwd=REPO,
+                            env={**os.environ, "PYTHONPATH": str(REPO)})
+    while server.hits["chat"] < 16:
+        time.sleep(0.02)
+    time.sleep(0.3)  # let the writer commit what has come back
+    os.kill(proc.pid, signal.SIGKILL)
+    proc.wait()
+    before = server.hits["chat"]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        logged = len(log.answered())
+        c = client(server, log, concurrency=8)
+        out = c.run([req(f"r{i}") for i in range(40)])
+    assert all(a.status == "ok" for r in out for a in r)
+    assert logged >= 8
+    # only what the log did not hold was asked again: at most the calls in flight at the kill
+    assert server.hits["chat"] - before == 40 - logged
+    # lost: the 4 calls in flight and what came back within the writer's last flush window
+    # (4 concurrent calls of 0.1 s = 40 calls/s)
+    from draco_cli.llm.calllog import FLUSH_SECONDS
+
+    assert before - logged <= 4 + int(40 * FLUSH_SECONDS) + 2
+    rows = pl.read_database("select request_hash, count(*) n from calls where status='ok' "
+                            "group by 1", _sqlite(tmp_path))
+    assert rows.height == 40 and rows["n"].max() == 1
+
+
+def test_replay_answers_from_a_recorded_log(server, tmp_path):
+    requests = [req(f"r{i}", samples=2) for i in range(3)]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        recorded = client(server, log).run(requests)
+    hits = server.hits["chat"]
+    with CallLog(tmp_path / "replayed.sqlite") as log:
+        c = LLMClient(f"replay/{tmp_path / 'calls.sqlite'}", call_log=log)
+        replayed = c.run(requests)
+    assert server.hits["chat"] == hits
+    assert [[a.value for a in r] for r in replayed] == [[a.value for a in r] for r in recorded]
+    with CallLog(tmp_path / "replayed2.sqlite") as log:
+        c = LLMClient(f"replay/{tmp_path / 'calls.sqlite'}", call_log=log)
+        with pytest.raises(ReplayMiss, match="no recorded answer for this score request "
+                                             r"\(key 'other', sample 0\)"):
+            c.run([req("other")])
+
+
+@pytest.mark.parametrize("model", ["openai/test-model", "anthropic/test-claude"])
+def test_batch_flow(server, tmp_path, model):
+    requests = [req(f"r{i}", samples=2) for i in range(4)]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, model=model)
+        out = c.run(requests, batch=True, poll_seconds=0.01)
+    assert all(a.status == "ok" for r in out for a in r)
+    assert server.hits["chat"] == 0 and server.hits["messages"] == 0
+    rows = pl.read_database("select batch_id, cost_usd from calls where status='ok'",
+                            _sqlite(tmp_path))
+    assert rows.height == 8 and rows["batch_id"].null_count() == 0
+    online = client(server, CallLog(tmp_path / "o.sqlite"), model=model)
+    online.run([req("x", samples=2)])
+    per_sample_online = online.stats["score"].cost_usd / 2
+    assert rows["cost_usd"].mean() == pytest.approx(per_sample_online / 2)  # half price
+    # a rerun answers from the log, submitting no second batch
+    n_batches = server.hits["batches"] + server.hits["anthropic_batches"]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, model=model).run(requests, batch=True, poll_seconds=0.01)
+    assert server.hits["batches"] + server.hits["anthropic_batches"] == n_batches
+
+
+def test_batch_resumes_by_batch_id(server, tmp_path):
+    """A batch submitted by a run that died is polled, not paid for again."""
+    requests = [req(f"r{i}") for i in range(3)]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log)
+        import asyncio
+
+        from draco_cli.llm.batch import _submit
+        from draco_cli.llm.providers import make_provider
+
+        async def submit_only():
+            p = make_provider(c.model, base_url=c.base_url)
+            await _submit(c, p, requests, [(k, [0]) for k in range(3)])
+            await p.close()
+
+        asyncio.run(submit_only())
+    assert server.hits["batches"] == 1
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        out = client(server, log).run(requests, batch=True, poll_seconds=0.01)
+    assert server.hits["batches"] == 1
+    assert all(a.status == "ok" for r in out for a in r)
+
+
+def test_keys_never_appear_in_logs_errors_or_exports(server, tmp_path):
+    server.push("401_echo")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(LLMError) as info:
+            client(server, log).run([req()])
+    assert PLANTED not in str(info.value)
+    assert "[redacted]" in str(info.value)
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log).run([req("ok", samples=2)])
+    export_parquet(tmp_path / "calls.sqlite", tmp_path / "calls.parquet")
+    for path in tmp_path.rglob("*"):
+        if path.is_file():
+            assert PLANTED.encode() not in path.read_bytes(), path
+    # the key did reach the server (so the test is not vacuous)
+    assert any(PLANTED in h.get("Authorization", "") for h in server.headers)
+
+
+def test_unknown_model_spec():
+    from draco_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="write provider/model"):
+        LLMClient("gpt-4.1", call_log=None)  # type: ignore[arg-type]
+
+
+def test_call_log_is_queryable_with_duckdb(server, tmp_path):
+    duckdb = pytest.importorskip("duckdb")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log).run([req(f"r{i}") for i in range(3)])
+    export_parquet(tmp_path / "calls.sqlite", tmp_path / "llm_calls.parquet")
+    got = duckdb.sql(f"select phase, count(*), sum(cost_usd) from "
+                     f"'{tmp_path / 'llm_calls.parquet'}' group by phase").fetchall()
+    assert got[0][0] == "score" and got[0][1] == 3
+
+
+def _sqlite(tmp_path):
+    import sqlite3
+
+    return sqlite3.connect(tmp_path / "calls.sqlite")
