@@ -21,6 +21,7 @@ def test_version_and_help():
 
 def test_every_command_has_help_with_an_example():
     for args in (["ingest"], ["validate"], ["schema", "export"], ["judge", "filter"],
+                 ["llm", "export"], ["llm", "check"],
                  ["credit", "compute"], ["credit", "expand"]):
         res = run_draco(*args, "--help")
         assert res.returncode == 0, args

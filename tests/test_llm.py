@@ -338,3 +338,73 @@ def _sqlite(tmp_path):
     import sqlite3
 
     return sqlite3.connect(tmp_path / "calls.sqlite")
+
+
+def test_rpm_limit_is_never_exceeded(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, rpm=600, concurrency=32)  # 10 per second
+        t0 = time.perf_counter()
+        c.run([req(f"r{i}") for i in range(25)])
+        elapsed = time.perf_counter() - t0
+    # a one-second bucket of 10, then 10/s: 25 calls need at least 1.5 s
+    assert elapsed >= 1.4
+
+
+def test_thinking_maps_to_each_provider(monkeypatch):
+    from draco_cli.llm.providers import AnthropicProvider, OpenAIProvider
+
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", PLANTED)
+    on, off = Sampling(thinking=True), Sampling(thinking=False, temperature=0.2)
+    hosted = OpenAIProvider("gpt-x", base_url=None, concurrency=2, timeout=5)
+    assert hosted.body(req(sampling=on), [], 1)["reasoning_effort"] == "medium"
+    assert "reasoning_effort" not in hosted.body(req(sampling=off), [], 1)
+    assert "max_completion_tokens" in hosted.body(req(sampling=on), [], 1)
+    vllm = OpenAIProvider("qwen", base_url="http://127.0.0.1:9/v1", concurrency=2, timeout=5)
+    assert vllm.body(req(sampling=on), [], 3)["extra_body"] == {
+        "chat_template_kwargs": {"enable_thinking": True}}
+    assert vllm.body(req(sampling=on), [], 3)["n"] == 3
+    claude = AnthropicProvider("c", base_url=None, concurrency=2, timeout=5)
+    assert "thinking" not in claude.body(req(sampling=off), req().messages)
+    assert claude.body(req(sampling=off), req().messages)["temperature"] == 0.2
+
+
+def test_prices_table_and_override(tmp_path):
+    from draco_cli.errors import InputError
+    from draco_cli.llm.types import Usage
+
+    shipped = PriceTable.load()
+    assert shipped.as_of and shipped.price("openai/gpt-4.1") is not None
+    # dated snapshots fall back to their base model; unknown models are unpriced (0)
+    assert shipped.price("openai/gpt-4.1-2025-04-14") == shipped.price("openai/gpt-4.1")
+    assert shipped.cost("openai/my-local-model", Usage(input_tokens=10**6)) == 0.0
+    p = tmp_path / "prices.json"
+    p.write_text(json.dumps({"models": {"openai/x": {"input": 1, "output": 4}}}))
+    t = PriceTable.load(p)
+    assert t.cost("openai/x", Usage(input_tokens=10**6, output_tokens=10**6)) == 5.0
+    assert t.cost("openai/x", Usage(input_tokens=10**6), batch=True) == 0.5
+    p.write_text("{nope")
+    with pytest.raises(InputError, match="prices.json: not JSON"):
+        PriceTable.load(p)
+
+
+def test_cli_check_and_export(server, tmp_path):
+    from tests.conftest import run_draco
+
+    env_ok = run_draco("llm", "check", "--model", "openai/test-model", "--base-url",
+                       server.url + "/v1")
+    # the fake server answers with its default Judgement, which is not a Pong: check fails
+    assert env_ok.returncode == 1 and b"failed" in env_ok.stderr
+    server.answer = lambda body, i: '{"answer": "pong", "steps": [1, 2]}'
+    res = run_draco("llm", "check", "--model", "openai/test-model", "--base-url",
+                    server.url + "/v1")
+    assert res.returncode == 0 and b"answered valid JSON" in res.stderr
+    assert PLANTED.encode() not in res.stderr + res.stdout
+    from tests.llm_server import default_answer
+
+    server.answer = default_answer
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log).run([req("a")])
+    res = run_draco("llm", "export", "--calls", str(tmp_path / "calls.sqlite"), "-o",
+                    str(tmp_path / "calls.parquet"))
+    assert res.returncode == 0 and pl.read_parquet(tmp_path / "calls.parquet").height == 1

@@ -14,6 +14,7 @@ import typer
 from draco_cli.cli import credit as credit_cmd
 from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
+from draco_cli.cli import llm as llm_cmd
 from draco_cli.cli import schema as schema_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
@@ -31,6 +32,7 @@ app.command("ingest")(ingest_cmd.ingest)
 app.command("validate")(validate_cmd.validate)
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")
+app.add_typer(llm_cmd.app, name="llm")
 app.add_typer(schema_cmd.app, name="schema")
 
 
