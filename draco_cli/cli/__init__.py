@@ -15,6 +15,7 @@ from draco_cli.cli import credit as credit_cmd
 from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
 from draco_cli.cli import llm as llm_cmd
+from draco_cli.cli import rubric as rubric_cmd
 from draco_cli.cli import schema as schema_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
@@ -30,6 +31,7 @@ app = typer.Typer(
 )
 app.command("ingest")(ingest_cmd.ingest)
 app.command("validate")(validate_cmd.validate)
+app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")
 app.add_typer(llm_cmd.app, name="llm")

@@ -1,13 +1,17 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
+from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt, VerdictsOpt
-from draco_cli.cli.options import Force
+from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
+                                   MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
+                                   ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
+                                   Timeout, Tpm)
 
 app = typer.Typer(help="Judging rollouts against rubrics.", no_args_is_help=True)
 
@@ -30,3 +34,45 @@ def filter_(
 
     kept, total = judge_filter(rollouts, verdicts, out, drop=drop.value, judge=judge, force=force)
     err_console.print(f"kept {kept} of {total} (group, criterion) pairs → {out}", highlight=False)
+
+
+@app.command("score")
+def score(
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
+    steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
+    rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    model: Model,
+    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).")] = 1,
+    aggregate: Annotated[Optional[str], typer.Option(
+        help="all (fail if any sample fails, pass only if all pass; default for k > 1) or "
+        "majority.")] = None,
+    judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.")]
+    = "judge",
+    base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
+    timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
+    prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
+    max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
+    redact: Redact = None, no_default_redact: NoDefaultRedact = False,
+    call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
+) -> None:
+    """Score every rollout against its group's rubric, citing steps → OUT/verdicts_raw.parquet
+    (one row per sample) and OUT/verdicts.parquet (aggregated).
+
+    Example: draco judge score --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --model openai/gpt-4.1 -o d/judge
+    """
+    from draco_cli import stages as st
+
+    render = st.render_options(max_prompt_tokens, redact or [], no_default_redact)
+    if show_prompt:
+        typer.echo(st.show_prompt(rollouts, steps, "score", rubrics=rubrics, render=render,
+                                  samples=samples))
+        return
+    s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
+                        max_cost, prices, batch, thinking)
+    with llmrun.progress_bar("judging") as bar:
+        report = st.judge_score(rollouts, steps, rubrics, out, s, samples=samples,
+                                aggregate=aggregate or "all", judge_label=judge_label,
+                                render=render, max_tokens=max_tokens, call_log=call_log,
+                                force=force, progress=bar)
+    llmrun.print_report(report)

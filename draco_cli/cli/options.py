@@ -30,3 +30,18 @@ Prices = Annotated[Optional[Path], typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).")]
 Batch = Annotated[bool, typer.Option(
     "--batch", help="Use the provider's batch API (half price, hours); resumable.")]
+Thinking = Annotated[str, typer.Option(
+    help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
+    "enable_thinking on vLLM/SGLang).")]
+MaxTokens = Annotated[int, typer.Option(min=16, help="Token limit per answer.")]
+MaxPromptTokens = Annotated[int, typer.Option(
+    min=500, help="Prompt budget: long observations are shortened in the middle to fit.")]
+Redact = Annotated[Optional[list[str]], typer.Option(
+    help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "
+    "tokens and passwords are masked by default.")]
+NoDefaultRedact = Annotated[bool, typer.Option(
+    "--no-default-redact", help="Mask only the --redact patterns.")]
+CallLogPath = Annotated[Optional[Path], typer.Option(
+    "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.")]
+ShowPrompt = Annotated[bool, typer.Option(
+    "--show-prompt", help="Print the rendered prompt for the first rollout and exit; no call.")]

@@ -1,0 +1,65 @@
+"""What every LLM command shares: settings from options, a progress bar, the closing summary."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterator
+
+import typer
+
+from draco_cli.cli.console import err_console
+
+
+def settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries, max_cost, prices,
+             batch, thinking):
+    from draco_cli.llm.settings import LLMSettings
+
+    if thinking not in ("on", "off"):
+        raise typer.BadParameter("--thinking takes on or off")
+    return LLMSettings(model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
+                       timeout=timeout, parse_retries=parse_retries, max_cost=max_cost,
+                       prices=prices, batch=batch, thinking=thinking == "on")
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator:
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
+        TimeElapsedColumn
+
+    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                  TextColumn("failed {task.fields[failed]}  ${task.fields[cost]:.4f}"),
+                  TimeElapsedColumn(), console=err_console, transient=True,
+                  disable=not err_console.is_terminal) as bar:
+        tasks: dict[int, int] = {}
+
+        def update(p) -> None:
+            key = p.total
+            if key not in tasks:
+                tasks[key] = bar.add_task(label, total=p.total, failed=0, cost=0.0)
+            bar.update(tasks[key], completed=p.done, failed=p.failed, cost=p.cost_usd)
+
+        yield update
+
+
+def print_report(report) -> None:
+    from rich.table import Table
+
+    t = Table(title="LLM calls", title_justify="left", box=None, pad_edge=False)
+    for col in ("phase", "calls", "cached", "answered", "unanswered", "retried", "input",
+                "cached in", "output", "reasoning", "USD"):
+        t.add_column(col, justify="right" if col != "phase" else "left")
+    total = 0.0
+    for phase, s in report.phases.items():
+        u = s.usage
+        t.add_row(phase, str(s.calls), str(s.cached), str(s.answered), str(s.unanswered),
+                  str(s.failed_attempts), f"{u.input_tokens:,}", f"{u.cached_tokens:,}",
+                  f"{u.output_tokens:,}", f"{u.reasoning_tokens:,}", f"{s.cost_usd:.4f}")
+        total += s.cost_usd
+    err_console.print(t)
+    err_console.print(f"total ${total:.4f}", highlight=False)
+    for note in report.notes:
+        err_console.print(f"- {note}", highlight=False)
+    if report.budget_reached:
+        raise typer.Exit(1)
+    err_console.print("[green]wrote[/] " + ", ".join(str(p) for p in report.outputs),
+                      highlight=False)

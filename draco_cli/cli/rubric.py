@@ -1,0 +1,75 @@
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from draco_cli.cli import llmrun
+from draco_cli.cli.console import err_console
+from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
+                                   MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
+                                   ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
+                                   Timeout, Tpm)
+
+app = typer.Typer(help="Rubrics: dynamic (written by an LLM per group) or static.",
+                  no_args_is_help=True)
+
+RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")]
+StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
+OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder.")]
+
+
+@app.command("generate")
+def generate(
+    rollouts: RolloutsOpt, steps: StepsOpt, out: OutOpt, model: Model,
+    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group after merge.")] = 8,
+    stages: Annotated[str, typer.Option(help="Comma-separated stages to run.")]
+    = "generate,union,merge",
+    base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
+    timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
+    prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
+    max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
+    redact: Redact = None, no_default_redact: NoDefaultRedact = False,
+    call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
+) -> None:
+    """Write rubrics for each group: criteria per rollout (generate), per group (union), merged
+    and capped (merge) → OUT/rubric_candidates.parquet, OUT/rubrics.parquet.
+
+    Example: draco rubric generate --rollouts d/rollouts.parquet --steps d/steps.parquet --model openai/gpt-4.1 -o d/rubric
+    """
+    from draco_cli import stages as st
+
+    render = st.render_options(max_prompt_tokens, redact or [], no_default_redact)
+    stage_list = tuple(x.strip() for x in stages.split(",") if x.strip())
+    if show_prompt:
+        typer.echo(st.show_prompt(rollouts, steps, stage_list[0], max_criteria=max_criteria,
+                                  render=render))
+        return
+    s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
+                        max_cost, prices, batch, thinking)
+    with llmrun.progress_bar("rubrics") as bar:
+        report = st.rubric_generate(rollouts, steps, out, s, stages=stage_list,
+                                    max_criteria=max_criteria, render=render,
+                                    max_tokens=max_tokens, call_log=call_log, force=force,
+                                    progress=bar)
+    llmrun.print_report(report)
+
+
+@app.command("static")
+def static(
+    rollouts: RolloutsOpt, out: OutOpt,
+    rubric: Annotated[Optional[Path], typer.Option(
+        "--rubric", help="YAML, JSON or Parquet criteria (title, requirement); default: "
+        "draco's own rubric (secrets, pagination, stopping, errors, dates, confirmation).")]
+    = None,
+    force: Force = False,
+) -> None:
+    """Apply one fixed rubric to every group → OUT/rubrics.parquet.
+
+    Example: draco rubric static --rollouts d/rollouts.parquet -o d/rubric
+    """
+    from draco_cli.stages import rubric_static
+
+    n, groups, target = rubric_static(rollouts, rubric, out, force=force)
+    err_console.print(f"{n} criteria applied to {groups} groups → {target}", highlight=False)

@@ -1,0 +1,199 @@
+"""Judging with citations (SPEC §3.2): one call per (rollout, sample) scores every criterion of
+the rollout's group; samples are aggregated per criterion.
+
+The answer schema sent lists the group's criterion ids as an enum and the rollout's step numbers
+as the only citable integers, so a server with constrained decoding cannot invent either. Answers
+are still checked (not every server constrains): unknown ids are ignored and counted, criteria
+left out are unanswered, citations outside 1..M are dropped and counted.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from typing import Literal
+
+import polars as pl
+from pydantic import BaseModel
+
+from draco_cli.errors import UsageError
+from draco_cli.llm.types import LLMRequest, Sampling
+from draco_cli.prompts import load_prompt
+from draco_cli.render import RenderOptions, fenced, render_rollout, task_block
+
+Aggregate = Literal["all", "majority"]
+
+
+class VerdictItem(BaseModel):
+    criterion_id: str
+    verdict: Literal["pass", "fail", "na"]
+    cited_steps: list[int]
+    reason: str
+
+
+class ScoreAnswer(BaseModel):
+    verdicts: list[VerdictItem]
+
+
+def score_schema(criterion_ids: list[str], n_steps: int) -> dict:
+    step = {"type": "integer", "enum": list(range(1, n_steps + 1))} if n_steps else \
+        {"type": "integer"}
+    item = {"type": "object", "additionalProperties": False,
+            "required": ["criterion_id", "verdict", "cited_steps", "reason"],
+            "properties": {
+                "criterion_id": {"type": "string", "enum": criterion_ids},
+                "verdict": {"type": "string", "enum": ["pass", "fail", "na"]},
+                "cited_steps": {"type": "array", "items": step},
+                "reason": {"type": "string"}}}
+    return {"type": "object", "additionalProperties": False, "required": ["verdicts"],
+            "properties": {"verdicts": {"type": "array", "items": item}}}
+
+
+def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criteria: pl.DataFrame,
+                  samples: int, sampling: Sampling, render: RenderOptions) -> LLMRequest:
+    template, version = load_prompt("score")
+    listing = "\n".join(json.dumps({"id": c["criterion_id"], "title": c["title"],
+                                    "requirement": c["requirement"]}, ensure_ascii=False)
+                        for c in criteria.iter_rows(named=True))
+    task, traj = render_rollout(instruction, steps, render)
+    # Stable part first (instructions, rubric, task: shared by the group) so prompt caches hit.
+    return LLMRequest(
+        phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
+        sampling=sampling, template_version=version, schema_name="verdicts",
+        json_schema=score_schema(criteria["criterion_id"].to_list(), steps.height),
+        messages=[{"role": "system", "content": template},
+                  {"role": "user", "content": f"Criteria (one JSON object per line):\n{listing}\n\n"
+                   f"Task:\n{task_block(task)}\n\nRollout ({steps.height} steps):\n"
+                   f"{fenced('rollout', traj)}"}])
+
+
+@dataclass
+class ScoreStats:
+    unknown_ids: int = 0
+    citations_dropped: int = 0
+    missing: int = 0
+    unanswered_samples: int = 0
+
+
+def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: str,
+                 sample: int, answer, stats: ScoreStats) -> list[dict]:
+    """Raw verdict rows of one answer, one per criterion of the group."""
+    if answer.status != "ok":
+        stats.unanswered_samples += 1
+        return [{"rollout_id": rollout_id, "criterion_id": c, "judge": judge, "sample": sample,
+                 "verdict": None, "cited_steps": [], "reason": answer.reason or answer.status}
+                for c in criteria_ids]
+    known = set(criteria_ids)
+    got: dict[str, VerdictItem] = {}
+    for item in answer.value.verdicts:
+        if item.criterion_id not in known:
+            stats.unknown_ids += 1
+        elif item.criterion_id not in got:  # a repeated id: the first answer stands
+            got[item.criterion_id] = item
+    rows = []
+    for c in criteria_ids:
+        item = got.get(c)
+        if item is None:
+            stats.missing += 1
+            rows.append({"rollout_id": rollout_id, "criterion_id": c, "judge": judge,
+                         "sample": sample, "verdict": None, "cited_steps": [],
+                         "reason": "criterion missing from the judge's answer"})
+            continue
+        cites = sorted({s for s in item.cited_steps if 1 <= s <= n_steps})
+        stats.citations_dropped += len(set(item.cited_steps)) - len(cites)
+        rows.append({"rollout_id": rollout_id, "criterion_id": c, "judge": judge,
+                     "sample": sample, "verdict": item.verdict, "cited_steps": cites,
+                     "reason": item.reason})
+    return rows
+
+
+RAW_SCHEMA = {"rollout_id": pl.String, "criterion_id": pl.String, "judge": pl.String,
+              "sample": pl.Int64, "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
+              "reason": pl.String}
+
+
+def aggregate_verdicts(raw: pl.DataFrame, how: Aggregate = "all") -> pl.DataFrame:
+    """One verdict per (rollout, criterion, judge) from k samples (SPEC §3.2).
+
+    all: fail iff some answered sample fails; else pass iff all k pass; else na iff every
+    answered sample says na; else unanswered ('samples disagree' / 'no answer').
+    majority: the most frequent answered verdict, ties fail > na > pass; none answered → null.
+    cited_steps: the union of the citations of the samples agreeing with the result.
+    """
+    if how not in ("all", "majority"):
+        raise UsageError(f"--aggregate {how!r}: choose all or majority")
+    keys = ["rollout_id", "criterion_id", "judge"]
+    v = pl.col("verdict")
+    counts = raw.group_by(keys, maintain_order=True).agg(
+        pl.len().alias("k"), (v == "pass").sum().alias("np"), (v == "fail").sum().alias("nf"),
+        (v == "na").sum().alias("nn"), v.is_not_null().sum().alias("na_"))
+    answered = pl.col("na_")
+    if how == "all":
+        agg = (pl.when(pl.col("nf") > 0).then(pl.lit("fail"))
+               .when(pl.col("np") == pl.col("k")).then(pl.lit("pass"))
+               .when((answered > 0) & (pl.col("nn") == answered)).then(pl.lit("na"))
+               .otherwise(None))
+    else:
+        top = pl.max_horizontal("nf", "nn", "np")
+        agg = (pl.when(answered == 0).then(None)
+               .when(pl.col("nf") == top).then(pl.lit("fail"))
+               .when(pl.col("nn") == top).then(pl.lit("na"))
+               .otherwise(pl.lit("pass")))
+    counts = counts.with_columns(
+        agg.alias("agg"),
+        pl.when(answered == 0).then(pl.lit("no answer")).otherwise(pl.lit("samples disagree"))
+        .alias("why_null"))
+    joined = raw.join(counts.select(*keys, "agg", "why_null"), on=keys, how="left",
+                      maintain_order="left")
+    agree = joined.filter(pl.col("verdict") == pl.col("agg"))
+    cites = agree.group_by(keys).agg(
+        pl.col("cited_steps").explode().drop_nulls().unique().sort().alias("cited_steps"),
+        pl.col("reason").first().alias("reason"))
+    out = counts.select(*keys, pl.col("agg").alias("verdict"), "why_null").join(
+        cites, on=keys, how="left", maintain_order="left")
+    return out.select(
+        *keys, "verdict",
+        pl.col("cited_steps").fill_null(pl.lit([], dtype=pl.List(pl.Int32)))
+        .cast(pl.List(pl.Int32)),
+        pl.when(pl.col("verdict").is_null()).then(pl.col("why_null")).otherwise(pl.col("reason"))
+        .alias("reason"))
+
+
+@dataclass
+class ScoreResult:
+    raw: pl.DataFrame
+    verdicts: pl.DataFrame
+    stats: ScoreStats
+    rollouts_without_rubric: int
+
+
+def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client,
+                   *, samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
+                   sampling: Sampling | None = None, render: RenderOptions | None = None,
+                   batch: bool = False, progress=None) -> ScoreResult:
+    render = render or RenderOptions()
+    sampling = sampling or Sampling()
+    if samples < 1:
+        raise UsageError("--samples must be at least 1")
+    by_group = {k[0]: v for k, v in rubrics.partition_by("group_id", as_dict=True).items()}
+    by_rollout = {k[0]: v.sort("step") for k, v in steps.partition_by("rollout_id",
+                                                                        as_dict=True).items()}
+    empty = steps.clear()
+    jobs, skipped = [], 0
+    for r in rollouts.iter_rows(named=True):
+        crit = by_group.get(r["group_id"])
+        if crit is None or crit.height == 0:
+            skipped += 1
+            continue
+        st = by_rollout.get(r["rollout_id"], empty)
+        jobs.append((r["rollout_id"], crit["criterion_id"].to_list(), st.height,
+                     score_request(r["rollout_id"], r["instruction"], st, crit, samples,
+                                   sampling, render)))
+    answers = client.run([j[3] for j in jobs], progress=progress, batch=batch) if jobs else []
+    stats = ScoreStats()
+    rows = []
+    for (rid, ids, m, _), per_sample in zip(jobs, answers):
+        for a in per_sample:
+            rows += verdict_rows(rid, ids, m, judge, a.sample, a, stats)
+    raw = pl.DataFrame(rows, schema=RAW_SCHEMA)
+    return ScoreResult(raw, aggregate_verdicts(raw, aggregate), stats, skipped)

@@ -1,0 +1,72 @@
+"""Rendering rollouts into prompt text: numbered steps, long observations shortened in the
+middle, untrusted text fenced so it cannot close its fence or pose as instructions."""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass
+
+import polars as pl
+
+from draco_cli.redact import Redactor
+
+CHARS_PER_TOKEN = 4  # prompt budgets are estimates; the provider's count is what is billed
+
+
+def fence_token(text: str) -> str:
+    """A marker derived from the text itself: the text cannot contain its own hash, so it
+    cannot close the fence early (and the prompt stays deterministic, for the cache)."""
+    return "DATA-" + hashlib.sha256(text.encode()).hexdigest()[:16].upper()
+
+
+def fenced(label: str, body: str) -> str:
+    tag = fence_token(body)
+    return (f"<<<{tag} {label}: untrusted data begins>>>\n{body}\n"
+            f"<<<{tag} {label}: untrusted data ends>>>")
+
+
+def shorten(text: str, limit: int) -> str:
+    """Keep the head and tail of a long text, with a visible marker in the middle."""
+    if len(text) <= limit:
+        return text
+    keep = max(limit - 60, 20)
+    head, tail = keep * 2 // 3, keep // 3
+    cut = len(text) - head - tail
+    return f"{text[:head]}\n[... {cut} characters omitted ...]\n{text[-tail:]}"
+
+
+@dataclass
+class RenderOptions:
+    max_prompt_tokens: int = 24000
+    observation_chars: int = 2000  # before budget-driven shortening
+    redactor: Redactor | None = None
+
+
+def render_rollout(instruction: str, steps: pl.DataFrame, opts: RenderOptions,
+                   budget_tokens: int | None = None) -> tuple[str, str]:
+    """(task text, trajectory text) of one rollout. Actions are shown in full; observations are
+    shortened in the middle, more and more, until the whole fits the budget."""
+    red = opts.redactor or (lambda s: s)
+    budget = (budget_tokens or opts.max_prompt_tokens) * CHARS_PER_TOKEN
+    actions = [red(a) for a in steps["action"].to_list()]
+    observations = [red(o) for o in steps["observation"].to_list()]
+    numbers = steps["step"].to_list()
+    limit = opts.observation_chars
+    while True:
+        parts = []
+        for n, a, o in zip(numbers, actions, observations):
+            block = f"### Step {n}\nAction:\n{a}"
+            if o:
+                block += f"\nObservation:\n{shorten(o, limit)}"
+            parts.append(block)
+        body = "\n\n".join(parts) if parts else "(the agent took no step)"
+        if len(body) <= budget or limit <= 80:
+            break
+        limit //= 2
+    if len(body) > budget:  # actions alone exceed the budget: keep head and tail of the whole
+        body = shorten(body, budget)
+    return red(instruction), body
+
+
+def task_block(instruction: str) -> str:
+    return fenced("task", instruction)
