@@ -57,6 +57,7 @@ class FakeLLMServer:
             app = web.Application(client_max_size=64 * 2**20)
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/v1/messages", self.messages)
+            app.router.add_post("/v1/embeddings", self.embeddings)
             app.router.add_post("/v1/files", self.upload)
             app.router.add_get("/v1/files/{id}/content", self.file_content)
             app.router.add_post("/v1/batches", self.create_batch)
@@ -201,6 +202,19 @@ class FakeLLMServer:
             self.files[out] = ("\n".join(lines) + "\n").encode()
             b.update(status="completed", output_file_id=out)
         return web.json_response(self._public(b))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """Hashed bag-of-words vectors: texts sharing words get similar vectors."""
+        self.hits["embeddings"] += 1
+        body = await request.json()
+        data = []
+        for i, text in enumerate(body["input"]):
+            vec = [0.0] * 64
+            for w in text.lower().replace(".", " ").split():
+                vec[sum(map(ord, w)) % 64] += 1.0
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        return web.json_response({"object": "list", "data": data, "model": body["model"],
+                                  "usage": {"prompt_tokens": 1, "total_tokens": 1}})
 
     # -- Anthropic -------------------------------------------------------------------------
 

@@ -11,6 +11,7 @@ import sys
 
 import typer
 
+from draco_cli.cli import audit as audit_cmd
 from draco_cli.cli import credit as credit_cmd
 from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
@@ -34,6 +35,7 @@ app.command("validate")(validate_cmd.validate)
 app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")
+app.add_typer(audit_cmd.app, name="audit")
 app.add_typer(llm_cmd.app, name="llm")
 app.add_typer(schema_cmd.app, name="schema")
 

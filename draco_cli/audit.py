@@ -1,0 +1,341 @@
+"""Audits (SPEC §4): can a cheap self-judge stand in for a reference judge, how much do two
+rubric writers overlap, what do rubrics look like, and what did the LLM calls cost."""
+
+from __future__ import annotations
+
+import math
+import re
+
+import numpy as np
+import polars as pl
+
+from draco_cli.errors import InputError, UsageError
+from draco_cli.stats import logistic_trend, two_proportion_z
+
+KEYS = ["rollout_id", "criterion_id"]
+
+
+# --- self-judge agreement -----------------------------------------------------------------
+
+
+def _one_judge(v: pl.DataFrame, source: str) -> pl.DataFrame:
+    dup = v.select(pl.struct(KEYS).is_duplicated().any()).item()
+    if dup:
+        judges = sorted(v["judge"].unique().to_list()) if "judge" in v.columns else []
+        raise UsageError(f"{source}: several verdicts per (rollout, criterion)"
+                         + (f" (judges {', '.join(judges)}): pass one judge's file" if judges
+                            else ""))
+    return v
+
+
+def agreement_rows(self_v: pl.DataFrame, ref_v: pl.DataFrame,
+                   rollouts: pl.DataFrame | None) -> pl.DataFrame:
+    """One row per (rollout, criterion) the reference judged (null reference verdicts are
+    left out): the two verdicts, train_step, and the indicators."""
+    ref = _one_judge(ref_v, "reference").filter(pl.col("verdict").is_not_null()).select(
+        *KEYS, pl.col("verdict").alias("ref"))
+    me = _one_judge(self_v, "self").select(*KEYS, pl.col("verdict").alias("self"))
+    rows = ref.join(me, on=KEYS, how="left")
+    if rollouts is not None and "train_step" in rollouts.columns:
+        rows = rows.join(rollouts.select("rollout_id", "train_step"), on="rollout_id",
+                         how="left")
+    else:
+        rows = rows.with_columns(pl.lit(None, pl.Int32).alias("train_step"))
+    return rows.with_columns(
+        (pl.col("self") == pl.col("ref")).fill_null(False).alias("agree"),
+        ((pl.col("ref") == "fail") & (pl.col("self") == "pass")).fill_null(False).alias("fp"),
+        ((pl.col("ref") == "pass") & (pl.col("self") == "fail")).fill_null(False).alias("ff"),
+        pl.col("self").is_null().alias("unanswered"),
+    )
+
+
+def _scope_metrics(rows: pl.DataFrame, scope: str) -> dict:
+    n = rows.height
+    ref_fail = int((rows["ref"] == "fail").sum())
+    ref_pass = int((rows["ref"] == "pass").sum())
+    fpr = int(rows["fp"].sum()) / ref_fail if ref_fail else None
+    ffr = int(rows["ff"].sum()) / ref_pass if ref_pass else None
+    return {
+        "scope": scope,
+        "n_rows": n,
+        "agreement": float(rows["agree"].mean()) if n else None,
+        "pass_all_baseline": ref_pass / n if n else None,
+        "false_pass_rate": fpr,
+        "false_fail_rate": ffr,
+        "leniency_ratio": fpr / ffr if fpr is not None and ffr else None,
+        "unanswered_rate": float(rows["unanswered"].mean()) if n else None,
+        "criteria_per_rollout": n / rows["rollout_id"].n_unique() if n else None,
+        "reference_fail_share": ref_fail / n if n else None,
+    }
+
+
+def quarters(train_steps: list[int]) -> tuple[list[int], list[int]]:
+    """First and last ⌈S/4⌉ distinct train steps."""
+    s = sorted(set(train_steps))
+    q = math.ceil(len(s) / 4)
+    return s[:q], s[-q:] if q else []
+
+
+# metric -> (indicator column, rows it is a rate over)
+TESTED = {
+    "agreement": ("agree", None),
+    "false_pass_rate": ("fp", "fail"),
+    "false_fail_rate": ("ff", "pass"),
+}
+
+
+def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
+                     rollouts: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(agreement table: one row per scope, tests table: metric, test, statistic, p_value)."""
+    rows = agreement_rows(self_v, ref_v, rollouts)
+    out = [_scope_metrics(rows, "overall")]
+    steps = sorted(rows["train_step"].drop_nulls().unique().to_list())
+    for s in steps:
+        out.append(_scope_metrics(rows.filter(pl.col("train_step") == s), f"step:{s}"))
+    tests = []
+    if steps:
+        first, last = quarters(steps)
+        a = rows.filter(pl.col("train_step").is_in(first))
+        b = rows.filter(pl.col("train_step").is_in(last))
+        out.append(_scope_metrics(a, "first_quarter"))
+        out.append(_scope_metrics(b, "last_quarter"))
+        for metric, (ind, ref) in TESTED.items():
+            aa = a if ref is None else a.filter(pl.col("ref") == ref)
+            bb = b if ref is None else b.filter(pl.col("ref") == ref)
+            z, p = two_proportion_z(int(aa[ind].sum()), aa.height, int(bb[ind].sum()), bb.height)
+            tests.append({"metric": metric, "test": "two_proportion_z_first_vs_last_quarter",
+                          "statistic": z, "p_value": p})
+            rr = rows.filter(pl.col("train_step").is_not_null())
+            if ref is not None:
+                rr = rr.filter(pl.col("ref") == ref)
+            slope, zt, pt = logistic_trend(rr[ind].to_numpy().astype(float),
+                                           rr["train_step"].to_numpy().astype(float))
+            tests.append({"metric": metric, "test": "logistic_trend_wald", "statistic": zt,
+                          "p_value": pt})
+    agreement = pl.DataFrame(out, schema={
+        "scope": pl.String, "n_rows": pl.Int64, "agreement": pl.Float64,
+        "pass_all_baseline": pl.Float64, "false_pass_rate": pl.Float64,
+        "false_fail_rate": pl.Float64, "leniency_ratio": pl.Float64,
+        "unanswered_rate": pl.Float64, "criteria_per_rollout": pl.Float64,
+        "reference_fail_share": pl.Float64})
+    tests_df = pl.DataFrame(tests, schema={"metric": pl.String, "test": pl.String,
+                                           "statistic": pl.Float64, "p_value": pl.Float64})
+    return agreement, tests_df
+
+
+# --- rubric overlap -----------------------------------------------------------------------
+
+_WORD = re.compile(r"[a-z0-9]+")
+_STOP = {"the", "a", "an", "of", "to", "and", "or", "in", "on", "for", "with", "is", "are", "be",
+         "before", "after", "any", "all", "every", "each", "that", "it", "its", "agent", "task"}
+
+
+def _tokens(text: str) -> set[str]:
+    return {w for w in _WORD.findall(text.lower()) if w not in _STOP}
+
+
+def lexical_similarity(a: list[str], b: list[str]) -> np.ndarray:
+    """Jaccard similarity of content-word sets, |a| x |b|."""
+    ta, tb = [_tokens(x) for x in a], [_tokens(x) for x in b]
+    sim = np.zeros((len(a), len(b)))
+    for i, x in enumerate(ta):
+        for j, y in enumerate(tb):
+            union = len(x | y)
+            sim[i, j] = len(x & y) / union if union else 0.0
+    return sim
+
+
+def match_one_to_one(sim: np.ndarray, threshold: float) -> list[tuple[int, int]]:
+    """Maximum-similarity one-to-one matching; pairs below ``threshold`` do not count."""
+    from scipy.optimize import linear_sum_assignment
+
+    if sim.size == 0:
+        return []
+    rows, cols = linear_sum_assignment(-sim)
+    return [(int(i), int(j)) for i, j in zip(rows, cols) if sim[i, j] >= threshold]
+
+
+def _sets(table: pl.DataFrame, level: str) -> dict[str, list[str]]:
+    """Criterion texts per unit: per origin rollout (level rollout) or per group."""
+    text = pl.concat_str([pl.col("title"), pl.lit(". "), pl.col("requirement")])
+    if level == "rollout":
+        if "origin_rollout_id" not in table.columns:
+            raise UsageError("--level rollout needs rubric_candidates tables "
+                             "(with origin_rollout_id)")
+        t = table.filter(pl.col("origin_rollout_id").is_not_null())
+        key = "origin_rollout_id"
+    elif level == "group":
+        t, key = table, "group_id"
+    else:
+        raise UsageError(f"--level {level!r}: choose rollout or group")
+    return {k: v for k, v in t.group_by(key, maintain_order=True)
+            .agg(text.alias("t")).iter_rows()}
+
+
+def overlap_audit(own: pl.DataFrame, reference: pl.DataFrame, level: str,
+                  rollouts: pl.DataFrame | None = None, similarity=lexical_similarity,
+                  threshold: float = 0.5) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(per-unit table, summary table with overall / per train_step / ceiling rows)."""
+    a, b = _sets(own, level), _sets(reference, level)
+    units = [u for u in b if u in a]
+    rows = []
+    for u in units:
+        sim = similarity(a[u], b[u])
+        m = len(match_one_to_one(sim, threshold))
+        rows.append({"unit": u, "n_own": len(a[u]), "n_reference": len(b[u]), "matched": m})
+    per_unit = pl.DataFrame(rows, schema={"unit": pl.String, "n_own": pl.Int64,
+                                          "n_reference": pl.Int64, "matched": pl.Int64})
+    meta = _unit_meta(level, rollouts)
+    if meta is not None:
+        per_unit = per_unit.join(meta, on="unit", how="left")
+    else:
+        per_unit = per_unit.with_columns(pl.lit(None, pl.String).alias("task_id"),
+                                         pl.lit(None, pl.Int32).alias("train_step"))
+    summary = [_overlap_row("overall", per_unit)]
+    for s in sorted(per_unit["train_step"].drop_nulls().unique().to_list()):
+        summary.append(_overlap_row(f"step:{s}", per_unit.filter(pl.col("train_step") == s)))
+    ceiling = _ceiling(b, meta, level, similarity, threshold)
+    if ceiling is not None:
+        summary.append(_overlap_row("ceiling", ceiling))
+    return per_unit, pl.DataFrame(summary)
+
+
+def _unit_meta(level: str, rollouts: pl.DataFrame | None) -> pl.DataFrame | None:
+    if rollouts is None:
+        return None
+    key = "rollout_id" if level == "rollout" else "group_id"
+    return rollouts.group_by(key).agg(pl.col("task_id").first(), pl.col("train_step").first()) \
+        .rename({key: "unit"})
+
+
+def _ceiling(ref: dict[str, list[str]], meta, level, similarity, threshold):
+    """The reference against itself: two rollouts of one task (generation), or one task at two
+    train steps (merge). Pairs units in order within each task."""
+    if meta is None:
+        return None
+    info = {u: (t, s) for u, t, s in meta.iter_rows() if u in ref}
+    by_task: dict[str, list[str]] = {}
+    for u, (t, s) in sorted(info.items(), key=lambda kv: (str(kv[1][0]), kv[1][1] or 0, kv[0])):
+        by_task.setdefault(t, []).append(u)
+    rows = []
+    for t, us in by_task.items():
+        if level == "group":
+            # distinct train steps only
+            seen, picked = set(), []
+            for u in us:
+                if info[u][1] not in seen:
+                    seen.add(info[u][1])
+                    picked.append(u)
+            us = picked
+        for x, y in zip(us[0::2], us[1::2]):
+            m = len(match_one_to_one(similarity(ref[x], ref[y]), threshold))
+            rows.append({"unit": f"{x}~{y}", "n_own": len(ref[x]), "n_reference": len(ref[y]),
+                         "matched": m})
+    if not rows:
+        return None
+    return pl.DataFrame(rows)
+
+
+def _overlap_row(scope: str, t: pl.DataFrame) -> dict:
+    matched, own, ref = int(t["matched"].sum()), int(t["n_own"].sum()), int(t["n_reference"].sum())
+    return {"scope": scope, "units": t.height, "own_criteria": own, "reference_criteria": ref,
+            "matched": matched, "recall": matched / ref if ref else None,
+            "precision": matched / own if own else None}
+
+
+# --- rubric statistics --------------------------------------------------------------------
+
+
+def rubric_audit(rubrics: pl.DataFrame, verdicts: pl.DataFrame, rollouts: pl.DataFrame | None
+                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(summary: one row of figures, per-criterion table with na rate, worst first)."""
+    from draco_cli.rubric import normalise
+
+    v = verdicts.join(rubrics.select("group_id", "criterion_id", "title", "requirement"),
+                      on="criterion_id", how="inner")
+    per = v.group_by("group_id", "criterion_id", "title", "requirement").agg(
+        pl.len().alias("judgments"), (pl.col("verdict") == "fail").sum().alias("fails"),
+        (pl.col("verdict") == "pass").sum().alias("passes"),
+        (pl.col("verdict") == "na").sum().alias("nas"),
+    ).with_columns((pl.col("nas") / pl.col("judgments")).alias("na_rate"),
+                   (pl.col("fails") > 0).alias("discriminative"))
+    texts = rubrics.with_columns(pl.struct("title", "requirement").map_elements(
+        lambda r: normalise(r["title"] + " " + r["requirement"]), return_dtype=pl.String)
+        .alias("norm"))
+    task_of = None
+    if rollouts is not None:
+        task_of = rollouts.group_by("group_id").agg(pl.col("task_id").first())
+        texts = texts.join(task_of, on="group_id", how="left")
+    else:
+        texts = texts.with_columns(pl.col("group_id").alias("task_id"))
+    tasks_per_text = texts.group_by("norm").agg(pl.col("task_id").n_unique().alias("n_tasks"))
+    single = set(tasks_per_text.filter(pl.col("n_tasks") == 1)["norm"].to_list())
+    texts = texts.with_columns(pl.col("norm").is_in(list(single)).alias("single_task"))
+    per = per.join(texts.select("group_id", "criterion_id", "single_task"),
+                   on=["group_id", "criterion_id"], how="left")
+    judged = per["judgments"].sum()
+    decided = per["passes"].sum() + per["fails"].sum()
+    summary = pl.DataFrame([{
+        "criteria": rubrics.height,
+        "groups": rubrics["group_id"].n_unique(),
+        "criteria_per_group": rubrics.height / rubrics["group_id"].n_unique()
+        if rubrics.height else None,
+        "discriminative_share": float(per["discriminative"].mean()) if per.height else None,
+        "distinct_criteria": tasks_per_text.height,
+        "single_task_share": len(single) / tasks_per_text.height if tasks_per_text.height else None,
+        "single_task_judgment_share": int(per.filter(pl.col("single_task"))["judgments"].sum())
+        / judged if judged else None,
+        "verdict_failure_share": int(per["fails"].sum()) / decided if decided else None,
+        "na_rate": int(per["nas"].sum()) / judged if judged else None,
+    }])
+    return summary, per.sort("na_rate", descending=True)
+
+
+# --- cost ---------------------------------------------------------------------------------
+
+
+def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
+               ) -> tuple[pl.DataFrame, pl.DataFrame, float | None]:
+    """(per phase, per train_step, projected dollars per 100 train steps)."""
+    tokens = ["input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"]
+    c = calls.with_columns(pl.col(tokens).fill_null(0), pl.col("cost_usd").fill_null(0.0))
+    http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
+    per_phase = c.group_by("phase").agg(
+        http.sum().alias("calls"), (pl.col("status") == "ok").sum().alias("answered"),
+        *[pl.col(t).sum() for t in tokens], pl.col("cost_usd").sum()).sort("phase")
+    per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
+    projected = None
+    if rollouts is not None and "train_step" in rollouts.columns:
+        by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
+        by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \
+            .rename({"group_id": "key"})
+        keys = pl.concat([by_rollout, by_group.select("key", "train_step")]).unique("key")
+        j = c.join(keys, on="key", how="left")
+        per_step = j.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
+            http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
+            pl.col("cost_usd").sum()).sort("train_step")
+        if per_step.height:
+            projected = float(per_step["cost_usd"].mean()) * 100
+    return per_phase, per_step, projected
+
+
+def read_calls(path) -> pl.DataFrame:
+    """A call log: SQLite (llm_calls.sqlite) or its Parquet export."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such call log", file=str(p))
+    if p.suffix == ".parquet":
+        return pl.read_parquet(p)
+    import sqlite3
+
+    try:
+        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+        cur = conn.execute("SELECT * FROM calls")
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"not a draco call log ({exc})", file=str(p)) from None
+    names = [d[0] for d in cur.description]
+    df = pl.DataFrame(cur.fetchall(), schema=names, orient="row", infer_schema_length=None)
+    conn.close()
+    return df

@@ -1,0 +1,200 @@
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Annotated, Optional
+
+import typer
+
+from draco_cli.cli.console import err_console
+from draco_cli.cli.options import BaseUrl, Force
+
+app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost.",
+                  no_args_is_help=True)
+
+OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.")]
+RolloutsOpt = Annotated[Optional[Path], typer.Option(
+    "--rollouts", help="rollouts.parquet, for train_step and task_id.")]
+
+
+def _table(title: str, df, digits: int = 4) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=None, pad_edge=False)
+    for c in df.columns:
+        t.add_column(c, justify="left" if df[c].dtype == str or c in ("scope", "metric", "test",
+                                                                       "phase", "unit", "title")
+                     else "right")
+    for row in df.iter_rows():
+        t.add_row(*["—" if v is None else f"{v:.{digits}g}" if isinstance(v, float) else str(v)
+                    for v in row])
+    err_console.print(t)
+
+
+def _write(out: Path, tables: dict, force: bool) -> None:
+    from draco_cli.io import atomic_path, check_writable
+
+    for name in tables:
+        check_writable(out / f"{name}.parquet", force)
+    for name, df in tables.items():
+        with atomic_path(out / f"{name}.parquet", force) as tmp:
+            df.write_parquet(tmp)
+
+
+def _read_verdicts(path: Path, judge: str | None):
+    import polars as pl
+
+    from draco_cli.io import read_table
+    from draco_cli.schemas import VerdictAggregated
+
+    v = read_table(path, VerdictAggregated)
+    return v.filter(pl.col("judge") == judge) if judge else v
+
+
+@app.command("self-judge")
+def self_judge(
+    self_v: Annotated[Path, typer.Option("--self", help="The candidate judge's verdicts.")],
+    reference: Annotated[Path, typer.Option("--reference", help="The reference judge's verdicts.")],
+    out: OutOpt,
+    rollouts: RolloutsOpt = None,
+    self_judge_label: Annotated[Optional[str], typer.Option(
+        "--self-judge", help="Judge label to take from --self if it holds several.")] = None,
+    reference_judge: Annotated[Optional[str], typer.Option(
+        help="Judge label to take from --reference if it holds several.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print overall figures and p-values "
+                                          "as JSON on stdout.")] = False,
+    force: Force = False,
+) -> None:
+    """Agreement of a self-judge with a reference judge, overall, per train step and first vs
+    last quarter, with z-test and trend p-values → OUT/agreement.parquet, OUT/tests.parquet.
+
+    Example: draco audit self-judge --self run/self/verdicts.parquet --reference run/gpt/verdicts.parquet --rollouts run/rollouts.parquet -o run/audit
+    """
+    from draco_cli.audit import self_judge_audit
+    from draco_cli.io import read_table
+    from draco_cli.schemas import Rollout
+
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
+                                               "train_step"]) if rollouts else None
+    agreement, tests = self_judge_audit(_read_verdicts(self_v, self_judge_label),
+                                        _read_verdicts(reference, reference_judge), r)
+    _write(out, {"agreement": agreement, "tests": tests}, force)
+    _table("self-judge vs reference", agreement)
+    if tests.height:
+        _table("tests", tests)
+    if as_json:
+        overall = agreement.filter(agreement["scope"] == "overall").to_dicts()[0]
+        typer.echo(json.dumps({"overall": overall, "tests": tests.to_dicts()}))
+
+
+@app.command("overlap")
+def overlap(
+    own: Annotated[Path, typer.Option("--own", help="Your rubric table (rubric_candidates for "
+                                      "--level rollout, rubrics for --level group).")],
+    reference: Annotated[Path, typer.Option("--reference", help="The reference rubric table.")],
+    out: OutOpt,
+    level: Annotated[str, typer.Option(help="rollout (generation) or group (merge).")] = "group",
+    matcher: Annotated[str, typer.Option(help="lexical (offline), embedding or llm.")]
+    = "lexical",
+    model: Annotated[Optional[str], typer.Option(
+        help="Matcher model: provider/model for llm, openai/EMBEDDING for embedding.")] = None,
+    base_url: BaseUrl = None,
+    threshold: Annotated[float, typer.Option(help="Similarity that counts as a match "
+                                             "(lexical, embedding).")] = 0.5,
+    rollouts: RolloutsOpt = None,
+    force: Force = False,
+) -> None:
+    """Recall and precision of your rubric writer against a reference, matched one-to-one,
+    per train step and overall, with the reference's ceiling → OUT/overlap*.parquet.
+
+    Example: draco audit overlap --own self/rubrics.parquet --reference gpt/rubrics.parquet --level group --rollouts d/rollouts.parquet -o audit
+    """
+    import polars as pl
+
+    from draco_cli.audit import lexical_similarity, overlap_audit
+    from draco_cli.io import read_arrow, read_table
+    from draco_cli.schemas import Rollout
+
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
+                                               "train_step"]) if rollouts else None
+    a, b = pl.from_arrow(read_arrow(own)), pl.from_arrow(read_arrow(reference))
+    if matcher == "lexical":
+        sim = lexical_similarity
+    elif matcher == "embedding":
+        from draco_cli.matchers import EmbeddingMatcher
+
+        sim = EmbeddingMatcher(model or "", base_url)
+    elif matcher == "llm":
+        if not model:
+            raise typer.BadParameter("--matcher llm needs --model")
+        from draco_cli.llm.calllog import CallLog
+        from draco_cli.llm.client import LLMClient
+        from draco_cli.matchers import LLMMatcher
+
+        out.mkdir(parents=True, exist_ok=True)
+        log = CallLog(out / "llm_calls.sqlite")
+        sim = LLMMatcher(LLMClient(model, call_log=log, base_url=base_url))
+        threshold = 0.5
+    else:
+        raise typer.BadParameter("--matcher takes lexical, embedding or llm")
+    per_unit, summary = overlap_audit(a, b, level, r, sim, threshold)
+    if matcher == "llm":
+        log.close()
+    _write(out, {"overlap": summary, "overlap_units": per_unit}, force)
+    _table(f"overlap ({level} level, {matcher} matcher)", summary)
+
+
+@app.command("rubric")
+def rubric(
+    rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
+    verdicts: Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")],
+    out: OutOpt,
+    rollouts: RolloutsOpt = None,
+    judge: Annotated[Optional[str], typer.Option(help="Judge label, if several.")] = None,
+    force: Force = False,
+) -> None:
+    """Rubric statistics: discriminative share, criteria per group, single-task criteria and
+    their share of judgments, na rate per criterion (worst first), failure share of verdicts.
+
+    Example: draco audit rubric --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --rollouts d/rollouts.parquet -o audit
+    """
+    from draco_cli.audit import rubric_audit
+    from draco_cli.io import read_table
+    from draco_cli.schemas import Rollout, Rubric
+
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"]) \
+        if rollouts else None
+    summary, per = rubric_audit(read_table(rubrics, Rubric), _read_verdicts(verdicts, judge), r)
+    _write(out, {"rubric_summary": summary, "rubric_criteria": per}, force)
+    _table("rubric statistics", summary)
+    _table("na rate per criterion (worst 10)",
+           per.select("title", "judgments", "na_rate", "fails", "passes").head(10))
+
+
+@app.command("cost")
+def cost(
+    calls: Annotated[Path, typer.Option("--calls", help="Call log (llm_calls.sqlite or its "
+                                        "Parquet export).")],
+    out: OutOpt,
+    rollouts: RolloutsOpt = None,
+    force: Force = False,
+) -> None:
+    """Calls, tokens and dollars per phase and per train step, and the projection per 100
+    training steps → OUT/cost_phase.parquet, OUT/cost_step.parquet.
+
+    Example: draco audit cost --calls run/judge/llm_calls.sqlite --rollouts run/rollouts.parquet -o audit
+    """
+    from draco_cli.audit import cost_audit, read_calls
+    from draco_cli.io import read_table
+    from draco_cli.schemas import Rollout
+
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
+                                               "train_step"]) if rollouts else None
+    per_phase, per_step, projected = cost_audit(read_calls(calls), r)
+    _write(out, {"cost_phase": per_phase, "cost_step": per_step}, force)
+    _table("cost per phase", per_phase)
+    if per_step.height:
+        _table("cost per train step", per_step)
+    total = float(per_phase["cost_usd"].sum()) if per_phase.height else 0.0
+    err_console.print(f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
+                                               if projected is not None else ""), highlight=False)

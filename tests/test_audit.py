@@ -1,0 +1,202 @@
+"""Audits on hand-computed cases; p-values against scipy on the same counts."""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+import polars as pl
+import pytest
+from scipy import optimize, stats
+
+from draco_cli.audit import cost_audit, overlap_audit, rubric_audit, self_judge_audit
+from draco_cli.io import write_table
+from draco_cli.schemas import Rollout, VerdictAggregated
+from tests.conftest import run_draco
+
+# (rollout, criterion, reference verdict, self verdict); rollouts a, b at step 1; c, d at step 2
+PAIRS = [("a", "c1", "pass", "pass"), ("a", "c2", "pass", "fail"), ("a", "c3", "fail", "pass"),
+         ("b", "c1", "fail", "fail"), ("b", "c2", "na", "na"), ("b", "c3", "pass", None),
+         ("c", "c1", "pass", "pass"), ("c", "c2", "fail", "pass"),
+         ("d", "c1", "fail", "pass"), ("d", "c2", "pass", "pass"), ("d", "c3", None, "pass")]
+STEP = {"a": 1, "b": 1, "c": 2, "d": 2}
+
+
+def verdicts(which: int, judge: str) -> pl.DataFrame:
+    return pl.DataFrame([{"rollout_id": p[0], "criterion_id": p[1], "judge": judge,
+                          "verdict": p[which], "cited_steps": [], "reason": None}
+                         for p in PAIRS], schema_overrides={"cited_steps": pl.List(pl.Int32)})
+
+
+ROLLOUTS = pl.DataFrame({"rollout_id": list(STEP), "group_id": [f"t/{s}" for s in STEP.values()],
+                         "task_id": ["t"] * 4, "train_step": list(STEP.values()),
+                         "instruction": ["i"] * 4, "n_turns": [1] * 4},
+                        schema_overrides={"train_step": pl.Int32, "n_turns": pl.Int32})
+
+
+def test_self_judge_figures_by_hand():
+    agreement, tests = self_judge_audit(verdicts(3, "self"), verdicts(2, "gpt"), ROLLOUTS)
+    o = agreement.filter(pl.col("scope") == "overall").row(0, named=True)
+    assert o["n_rows"] == 10                       # the null reference verdict is left out
+    assert o["agreement"] == 0.5                   # 5 of 10 equal (self unanswered disagrees)
+    assert o["pass_all_baseline"] == 0.5           # reference says pass on 5 of 10
+    assert o["false_pass_rate"] == 0.75            # self pass on 3 of 4 reference fails
+    assert o["false_fail_rate"] == 0.2             # self fail on 1 of 5 reference passes
+    assert o["leniency_ratio"] == pytest.approx(3.75)
+    assert o["unanswered_rate"] == 0.1
+    assert o["criteria_per_rollout"] == 2.5
+    assert o["reference_fail_share"] == 0.4
+    scopes = agreement["scope"].to_list()
+    assert scopes == ["overall", "step:1", "step:2", "first_quarter", "last_quarter"]
+    s1 = agreement.filter(pl.col("scope") == "step:1").row(0, named=True)
+    assert s1["agreement"] == 0.5 and s1["false_fail_rate"] == pytest.approx(1 / 3)
+
+    # two-proportion z-test == chi-square test without continuity correction
+    row = tests.filter((pl.col("metric") == "agreement")
+                       & pl.col("test").str.starts_with("two_proportion")).row(0, named=True)
+    chi2, p, *_ = stats.chi2_contingency([[3, 3], [2, 2]], correction=False)
+    assert row["p_value"] == pytest.approx(p, rel=1e-9)
+    fp = tests.filter((pl.col("metric") == "false_pass_rate")
+                      & pl.col("test").str.starts_with("two_proportion")).row(0, named=True)
+    _, p_fp, *_ = stats.chi2_contingency([[1, 1], [2, 0]], correction=False)
+    assert fp["p_value"] == pytest.approx(p_fp, rel=1e-9)
+
+
+def test_logistic_trend_against_a_direct_mle():
+    from draco_cli.stats import logistic_trend
+
+    rng = np.random.default_rng(1)
+    x = rng.integers(0, 50, size=400).astype(float)
+    y = (rng.random(400) < 1 / (1 + np.exp(-(-1 + 0.04 * x)))).astype(float)
+    slope, z, p = logistic_trend(y, x)
+
+    def nll(b):
+        eta = b[0] + b[1] * x
+        return np.sum(np.logaddexp(0, eta) - y * eta)
+
+    fit = optimize.minimize(nll, np.zeros(2), method="BFGS", options={"gtol": 1e-10})
+    assert slope == pytest.approx(fit.x[1], rel=1e-5)
+    mu = 1 / (1 + np.exp(-(fit.x[0] + fit.x[1] * x)))
+    X = np.column_stack([np.ones_like(x), x])
+    se = np.sqrt(np.linalg.inv(X.T @ (X * (mu * (1 - mu))[:, None]))[1, 1])
+    assert p == pytest.approx(2 * stats.norm.sf(abs(fit.x[1] / se)), rel=1e-4)
+    assert logistic_trend(np.ones(10), np.arange(10.0)) == (None, None, None)
+
+
+def test_leniency_is_null_without_false_fails():
+    v_ref = pl.DataFrame({"rollout_id": ["a", "a"], "criterion_id": ["x", "y"],
+                          "verdict": ["pass", "fail"]})
+    v_self = v_ref.with_columns(pl.Series("verdict", ["pass", "pass"]))
+    agreement, tests = self_judge_audit(v_self, v_ref, None)
+    o = agreement.row(0, named=True)
+    assert o["false_fail_rate"] == 0 and o["leniency_ratio"] is None
+    assert tests.height == 0  # no train steps, no tests
+
+
+def test_overlap_is_one_to_one():
+    own = pl.DataFrame({"group_id": ["g", "g"], "title": ["Deduplicates artists before follow",
+                                                          "Avoids duplicate artist follows"],
+                        "requirement": ["Each artist followed once.", "Each artist followed once."]})
+    ref = pl.DataFrame({"group_id": ["g"], "title": ["Deduplicates artists before following"],
+                        "requirement": ["Each artist is followed once."]})
+    per_unit, summary = overlap_audit(own, ref, "group", threshold=0.3)
+    o = summary.row(0, named=True)
+    assert o["matched"] == 1 and o["recall"] == 1.0 and o["precision"] == 0.5
+
+
+def test_overlap_ceiling_at_group_level():
+    rollouts = pl.DataFrame({"rollout_id": ["r1", "r2"], "group_id": ["t/1", "t/2"],
+                             "task_id": ["t", "t"], "train_step": [1, 2]})
+    ref = pl.DataFrame({"group_id": ["t/1", "t/1", "t/2"],
+                        "title": ["Reads every page", "Stops when done", "Reads every page"],
+                        "requirement": ["All pages read.", "No extra actions.", "All pages read."]})
+    _, summary = overlap_audit(ref, ref, "group", rollouts)
+    rows = {r["scope"]: r for r in summary.iter_rows(named=True)}
+    assert rows["overall"]["recall"] == 1.0
+    assert rows["ceiling"]["units"] == 1 and rows["ceiling"]["matched"] == 1
+    assert set(rows) >= {"overall", "step:1", "step:2", "ceiling"}
+
+
+def test_rubric_statistics_by_hand():
+    rubrics = pl.DataFrame({"group_id": ["t1/0", "t1/0", "t2/0"],
+                            "criterion_id": ["x", "y", "z"],
+                            "title": ["Reads pages", "Stops", "Stops"],
+                            "requirement": ["All pages.", "Ends.", "Ends."],
+                            "source": ["merge"] * 3})
+    v = pl.DataFrame({"rollout_id": ["a", "b", "a", "b", "c", "d"],
+                      "criterion_id": ["x", "x", "y", "y", "z", "z"], "judge": ["j"] * 6,
+                      "verdict": ["fail", "pass", "na", "pass", "pass", "pass"],
+                      "cited_steps": [[]] * 6}, schema_overrides={"cited_steps": pl.List(pl.Int32)})
+    rollouts = pl.DataFrame({"rollout_id": list("abcd"), "group_id": ["t1/0", "t1/0", "t2/0", "t2/0"],
+                             "task_id": ["t1", "t1", "t2", "t2"]})
+    summary, per = rubric_audit(rubrics, v, rollouts)
+    s = summary.row(0, named=True)
+    assert s["criteria"] == 3 and s["criteria_per_group"] == 1.5
+    assert s["discriminative_share"] == pytest.approx(1 / 3)    # only x was failed
+    assert s["distinct_criteria"] == 2                          # "Stops" written for two tasks
+    assert s["single_task_share"] == 0.5                        # "Reads pages" only for t1
+    assert s["single_task_judgment_share"] == pytest.approx(2 / 6)
+    assert s["verdict_failure_share"] == pytest.approx(1 / 5)   # 1 fail of 5 pass+fail
+    assert per["criterion_id"][0] == "y" and per["na_rate"][0] == 0.5  # worst na first
+
+
+def test_cost_per_phase_step_and_projection(tmp_path):
+    from draco_cli.llm.calllog import CallLog
+
+    with CallLog(tmp_path / "c.sqlite") as log:
+        for key, phase, cost in [("r1", "score", 0.5), ("r2", "score", 0.25), ("g1", "merge", 1.0),
+                                 ("r1", "score", 0.0)]:
+            log.record(phase=phase, key=key, status="ok" if cost else "http_error",
+                       input_tokens=100, output_tokens=10, cost_usd=cost)
+    from draco_cli.audit import read_calls
+
+    rollouts = pl.DataFrame({"rollout_id": ["r1", "r2"], "group_id": ["g1", "g2"],
+                             "train_step": [1, 2]})
+    per_phase, per_step, projected = cost_audit(read_calls(tmp_path / "c.sqlite"), rollouts)
+    ph = {r["phase"]: r for r in per_phase.iter_rows(named=True)}
+    assert ph["score"]["calls"] == 3 and ph["score"]["cost_usd"] == 0.75
+    assert ph["merge"]["cost_usd"] == 1.0
+    steps = dict(per_step.select("train_step", "cost_usd").iter_rows())
+    assert steps == {1: 1.5, 2: 0.25}
+    assert projected == pytest.approx(87.5)
+
+
+def test_cli_self_judge_json(tmp_path):
+    write_table(verdicts(3, "self"), tmp_path / "self.parquet", VerdictAggregated)
+    write_table(verdicts(2, "gpt"), tmp_path / "ref.parquet", VerdictAggregated)
+    write_table(ROLLOUTS, tmp_path / "rollouts.parquet", Rollout)
+    res = run_draco("audit", "self-judge", "--self", str(tmp_path / "self.parquet"),
+                    "--reference", str(tmp_path / "ref.parquet"), "--rollouts",
+                    str(tmp_path / "rollouts.parquet"), "-o", str(tmp_path / "a"), "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    out = json.loads(res.stdout)
+    assert out["overall"]["agreement"] == 0.5 and len(out["tests"]) == 6
+    assert pl.read_parquet(tmp_path / "a" / "agreement.parquet").height == 5
+    assert b"false_pass_rate" in res.stderr
+
+
+@pytest.mark.parametrize("matcher", ["embedding", "llm"])
+def test_overlap_cli_with_model_matchers(tmp_path, monkeypatch, matcher):
+    from tests.llm_server import FakeLLMServer
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-local-000000000000")
+    own = pl.DataFrame({"group_id": ["g", "g"], "title": ["Reads every page", "Stops when done"],
+                        "requirement": ["All pages read.", "No extra actions."]})
+    ref = pl.DataFrame({"group_id": ["g"], "title": ["Reads every page"],
+                        "requirement": ["All pages read."]})
+    own.write_parquet(tmp_path / "own.parquet")
+    ref.write_parquet(tmp_path / "ref.parquet")
+    # the llm matcher's model pairs own 0 with reference 0, and (wrongly) own 1 with it too
+    s = FakeLLMServer(answer=lambda body, i: json.dumps(
+        {"pairs": [{"own": 0, "reference": 0}, {"own": 1, "reference": 0}]})).start()
+    try:
+        res = run_draco("audit", "overlap", "--own", str(tmp_path / "own.parquet"),
+                        "--reference", str(tmp_path / "ref.parquet"), "--matcher", matcher,
+                        "--model", "openai/m", "--base-url", s.url + "/v1",
+                        "-o", str(tmp_path / "o"))
+    finally:
+        s.stop()
+    assert res.returncode == 0, res.stderr.decode()
+    o = pl.read_parquet(tmp_path / "o" / "overlap.parquet").row(0, named=True)
+    assert o["matched"] == 1 and o["recall"] == 1.0 and o["precision"] == 0.5  # one-to-one
+    assert s.hits["embeddings" if matcher == "embedding" else "chat"] >= 1
