@@ -23,7 +23,7 @@ def test_every_command_has_help_with_an_example():
     for args in (["ingest"], ["validate"], ["schema", "export"], ["judge", "filter"],
                  ["llm", "export"], ["llm", "check"], ["rubric", "generate"],
                  ["rubric", "static"], ["judge", "score"], ["audit", "self-judge"],
-                 ["audit", "overlap"], ["audit", "rubric"], ["audit", "cost"],
+                 ["audit", "overlap"], ["audit", "rubric"], ["audit", "cost"], ["eval"],
                  ["credit", "compute"], ["credit", "expand"]):
         res = run_draco(*args, "--help")
         assert res.returncode == 0, args

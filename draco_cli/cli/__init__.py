@@ -13,6 +13,7 @@ import typer
 
 from draco_cli.cli import audit as audit_cmd
 from draco_cli.cli import credit as credit_cmd
+from draco_cli.cli import evaluate as eval_cmd
 from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
 from draco_cli.cli import llm as llm_cmd
@@ -32,6 +33,7 @@ app = typer.Typer(
 )
 app.command("ingest")(ingest_cmd.ingest)
 app.command("validate")(validate_cmd.validate)
+app.command("eval")(eval_cmd.evaluate)
 app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")

@@ -1,0 +1,182 @@
+"""Evaluation metrics (SPEC §5): TGC, SGC, pass^k, pass@k, retention, termination modes, turns.
+
+Conventions of the papers: success = outcome within 1e-6 of 1 (tau-bench); pass^k per task =
+C(c,k)/C(n,k) (tau-bench's estimator: all k of k drawn trials succeed), pass@k = 1 −
+C(n−c,k)/C(n,k) (at least one succeeds); averaged over tasks. TGC = p^1. SGC: a scenario trial
+succeeds iff every task of the scenario succeeds in that trial; SGC at p^k uses the same
+estimator on scenario trials.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from math import comb
+
+import numpy as np
+import polars as pl
+
+from draco_cli.errors import UsageError
+
+SUCCESS_TOL = 1e-6
+
+
+@dataclass
+class EvalResult:
+    metrics: pl.DataFrame  # long form: scope, metric, k, value, n
+    summary: dict
+    warnings: list[str] = field(default_factory=list)
+
+
+def task_counts(rollouts: pl.DataFrame) -> pl.DataFrame:
+    """Per task: trials n and successes c (rollouts with null outcome left out)."""
+    scored = rollouts.filter(pl.col("outcome").is_not_null())
+    return scored.group_by("task_id").agg(
+        pl.len().alias("n"),
+        ((pl.col("outcome") - 1.0).abs() <= SUCCESS_TOL).sum().alias("c"))
+
+
+def pass_hat(n: int, c: int, k: int) -> float:
+    return comb(c, k) / comb(n, k)
+
+
+def pass_at(n: int, c: int, k: int) -> float:
+    return 1.0 - comb(n - c, k) / comb(n, k)
+
+
+def _estimate(counts: list[tuple[int, int]], k: int, f) -> tuple[float | None, int, int]:
+    """(mean over units with n >= k, units used, units excluded for n < k)."""
+    vals = [f(n, c, k) for n, c in counts if n >= k]
+    excluded = sum(1 for n, _ in counts if n < k)
+    return (float(np.mean(vals)) if vals else None), len(vals), excluded
+
+
+def scenario_counts(rollouts: pl.DataFrame, warnings: list[str]) -> list[tuple[int, int]]:
+    """Per scenario: trials n and successful trials c. A scenario trial counts only if every
+    task of the scenario has a scored rollout in that trial."""
+    r = rollouts.filter(pl.col("scenario_id").is_not_null() & pl.col("trial").is_not_null()
+                        & pl.col("outcome").is_not_null())
+    if r.height == 0:
+        return []
+    tasks = r.group_by("scenario_id").agg(pl.col("task_id").n_unique().alias("tasks"))
+    trials = r.group_by("scenario_id", "trial").agg(
+        pl.col("task_id").n_unique().alias("present"),
+        ((pl.col("outcome") - 1.0).abs() <= SUCCESS_TOL).all().alias("ok")).join(
+        tasks, on="scenario_id")
+    incomplete = trials.filter(pl.col("present") < pl.col("tasks")).height
+    if incomplete:
+        warnings.append(f"{incomplete} scenario trial(s) miss a task and were left out of SGC")
+    full = trials.filter(pl.col("present") == pl.col("tasks"))
+    per = full.group_by("scenario_id").agg(pl.len().alias("n"), pl.col("ok").sum().alias("c"))
+    return [(int(n), int(c)) for n, c in per.select("n", "c").iter_rows()]
+
+
+def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: list[str]
+                 ) -> tuple[list[dict], dict]:
+    rows: list[dict] = []
+    counts = [(int(n), int(c)) for n, c in task_counts(rollouts).select("n", "c").iter_rows()]
+    summary: dict = {"pass_hat_k": {}, "pass_at_k": {}, "sgc_hat_k": {}}
+    for k in ks:
+        v, used, excl = _estimate(counts, k, pass_hat)
+        rows.append({"scope": scope, "metric": "pass_hat_k", "k": k, "value": v, "n": used})
+        summary["pass_hat_k"][k] = v
+        if excl:
+            warnings.append(f"{scope}: {excl} task(s) with fewer than {k} trials left out of "
+                            f"k={k}")
+        v, used, _ = _estimate(counts, k, pass_at)
+        rows.append({"scope": scope, "metric": "pass_at_k", "k": k, "value": v, "n": used})
+        summary["pass_at_k"][k] = v
+    tgc = summary["pass_hat_k"].get(1)
+    if 1 not in ks:
+        tgc, _, _ = _estimate(counts, 1, pass_hat)
+    rows.append({"scope": scope, "metric": "tgc", "k": 1, "value": tgc, "n": len(counts)})
+    scen = scenario_counts(rollouts, warnings)
+    sgc = None
+    if scen:
+        for k in ks:
+            v, used, _ = _estimate(scen, k, pass_hat)
+            rows.append({"scope": scope, "metric": "sgc_hat_k", "k": k, "value": v, "n": used})
+            summary["sgc_hat_k"][k] = v
+        sgc, _, _ = _estimate(scen, 1, pass_hat)
+        rows.append({"scope": scope, "metric": "sgc", "k": 1, "value": sgc, "n": len(scen)})
+    kmax = max(ks)
+    ret = summary["pass_hat_k"].get(kmax)
+    retention = ret / tgc if ret is not None and tgc else None
+    rows.append({"scope": scope, "metric": "retention", "k": kmax, "value": retention,
+                 "n": len(counts)})
+    sgc_ret = None
+    if scen and summary["sgc_hat_k"].get(kmax) is not None and sgc:
+        sgc_ret = summary["sgc_hat_k"][kmax] / sgc
+        rows.append({"scope": scope, "metric": "sgc_retention", "k": kmax, "value": sgc_ret,
+                     "n": len(scen)})
+    turns = rollouts["n_turns"].mean() if rollouts.height else None
+    rows.append({"scope": scope, "metric": "mean_turns", "k": None, "value": turns,
+                 "n": rollouts.height})
+    shares = {}
+    if rollouts.height:
+        for mode, cnt in rollouts.group_by("termination").len().iter_rows():
+            shares[str(mode) if mode is not None else "unknown"] = cnt / rollouts.height
+    for mode, share in sorted(shares.items()):
+        rows.append({"scope": scope, "metric": f"termination:{mode}", "k": None, "value": share,
+                     "n": rollouts.height})
+    summary.update(tgc=tgc, sgc=sgc, retention={"k": kmax, "tgc": retention, "sgc": sgc_ret},
+                   mean_turns=turns, termination_shares=shares, n_tasks=len(counts),
+                   n_rollouts=rollouts.height)
+    return rows, summary
+
+
+def evaluate(rollouts: pl.DataFrame, ks: list[int] = (1, 2, 3), by: list[str] = ()
+             ) -> EvalResult:
+    ks = sorted(set(int(k) for k in ks))
+    if not ks or ks[0] < 1:
+        raise UsageError("--k takes positive integers, e.g. 1,2,3")
+    warnings: list[str] = []
+    nulls = rollouts["outcome"].null_count()
+    if nulls:
+        warnings.append(f"{nulls} rollout(s) with null outcome left out of their task's trials")
+    rows, summary = _metrics_for(rollouts, ks, "overall", warnings)
+    for col in by:
+        if col not in rollouts.columns:
+            raise UsageError(f"--by {col!r}: rollouts have no such column")
+        for value in sorted(rollouts[col].drop_nulls().unique().to_list()):
+            part = rollouts.filter(pl.col(col) == value)
+            r, _ = _metrics_for(part, ks, f"{col}={value}", [])
+            rows += r
+    if "train_step" in rollouts.columns and "train_step" not in by:
+        for value in sorted(rollouts["train_step"].drop_nulls().unique().to_list()):
+            part = rollouts.filter(pl.col("train_step") == value)
+            for mode, cnt in part.group_by("termination").len().iter_rows():
+                rows.append({"scope": f"train_step={value}",
+                             "metric": f"termination:{mode if mode is not None else 'unknown'}",
+                             "k": None, "value": cnt / part.height, "n": part.height})
+            rows.append({"scope": f"train_step={value}", "metric": "mean_turns", "k": None,
+                         "value": part["n_turns"].mean(), "n": part.height})
+    metrics = pl.DataFrame(rows, schema={"scope": pl.String, "metric": pl.String,
+                                         "k": pl.Int64, "value": pl.Float64, "n": pl.Int64})
+    return EvalResult(metrics, summary, warnings)
+
+
+def compare(a: pl.DataFrame, b: pl.DataFrame, ks: list[int], n_boot: int = 2000,
+            seed: int = 0) -> pl.DataFrame:
+    """B − A per pass^k over the tasks both runs have, with a paired bootstrap 95% CI
+    (tasks resampled with replacement, the same draw for both runs)."""
+    ta, tb = task_counts(a), task_counts(b)
+    j = ta.join(tb, on="task_id", suffix="_b")
+    rng = np.random.default_rng(seed)
+    rows = []
+    for k in sorted(set(ks)):
+        ok = j.filter((pl.col("n") >= k) & (pl.col("n_b") >= k))
+        if ok.height == 0:
+            continue
+        pa = np.array([pass_hat(n, c, k) for n, c in ok.select("n", "c").iter_rows()])
+        pb = np.array([pass_hat(n, c, k) for n, c in ok.select("n_b", "c_b").iter_rows()])
+        d = pb - pa
+        idx = rng.integers(0, d.size, size=(n_boot, d.size))
+        boots = d[idx].mean(axis=1)
+        lo, hi = np.percentile(boots, [2.5, 97.5])
+        rows.append({"metric": "pass_hat_k", "k": k, "a": float(pa.mean()), "b": float(pb.mean()),
+                     "difference": float(d.mean()), "ci_low": float(lo), "ci_high": float(hi),
+                     "tasks": int(d.size)})
+    return pl.DataFrame(rows, schema={"metric": pl.String, "k": pl.Int64, "a": pl.Float64,
+                                      "b": pl.Float64, "difference": pl.Float64,
+                                      "ci_low": pl.Float64, "ci_high": pl.Float64,
+                                      "tasks": pl.Int64})

@@ -1,0 +1,113 @@
+"""draco eval against tau-bench's own formula on the real sample, and hand-computed cases."""
+
+from __future__ import annotations
+
+import json
+from math import comb
+
+import polars as pl
+import pytest
+
+from draco_cli.evaluate import compare, evaluate
+from tests.conftest import TAU, run_draco
+
+
+@pytest.fixture(scope="module")
+def tau_dir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("tau")
+    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
+                     "-o", str(d)).returncode == 0
+    return d
+
+
+def display_metrics_pass_hat(results: list[dict], k: int) -> float:
+    """tau-bench's run.py display_metrics: per task c successes of n trials (reward within
+    1e-6 of 1), pass^k = mean over tasks of C(c, k) / C(n, k)."""
+    c_per_task: dict = {}
+    for r in results:
+        c_per_task.setdefault(r["task_id"], 0)
+        c_per_task[r["task_id"]] += 1 if abs(r["reward"] - 1) <= 1e-6 else 0
+    n = len(results) // len(c_per_task)
+    return sum(comb(c, k) / comb(n, k) for c in c_per_task.values()) / len(c_per_task)
+
+
+def test_matches_tau_bench_display_metrics(tau_dir):
+    raw = json.loads(TAU.read_text())
+    res = run_draco("eval", "--rollouts", str(tau_dir / "rollouts.parquet"), "--k", "1,2,3,4",
+                    "--json", "-o", str(tau_dir / "eval"))
+    assert res.returncode == 0, res.stderr.decode()
+    out = json.loads(res.stdout)
+    for k in (1, 2, 3, 4):
+        assert out["pass_hat_k"][str(k)] == pytest.approx(display_metrics_pass_hat(raw, k),
+                                                          abs=1e-12)
+    assert out["tgc"] == 0.5 and out["n_tasks"] == 15 and out["n_rollouts"] == 60
+    assert out["retention"] == {"k": 4, "tgc": pytest.approx(0.4), "sgc": None}
+    assert out["pass_at_k"]["4"] == pytest.approx(12 / 15)  # 12 tasks solved at least once
+    assert out["termination_shares"]["max_turns"] == pytest.approx(1 / 60)
+    assert set(out) >= {"tgc", "sgc", "pass_hat_k", "pass_at_k", "retention", "mean_turns",
+                        "termination_shares", "n_tasks", "n_rollouts"}
+    m = pl.read_parquet(tau_dir / "eval" / "metrics.parquet")
+    assert m.filter((pl.col("metric") == "pass_hat_k") & (pl.col("k") == 2))["value"][0] == \
+        pytest.approx(out["pass_hat_k"]["2"])
+
+
+def frame(rows):
+    return pl.DataFrame(rows, schema={"rollout_id": pl.String, "task_id": pl.String,
+                                      "scenario_id": pl.String, "trial": pl.Int32,
+                                      "outcome": pl.Float64, "termination": pl.String,
+                                      "n_turns": pl.Int32, "difficulty": pl.String},
+                        orient="row")
+
+
+def test_sgc_by_hand():
+    rows = []
+    # scenario s1: tasks a, b, c over trials 0, 1, 2; trial 1 fails on b
+    for trial in range(3):
+        for t in "abc":
+            ok = not (trial == 1 and t == "b")
+            rows.append((f"{t}{trial}", t, "s1", trial, 1.0 if ok else 0.0, "submitted", 4,
+                         "easy"))
+    # scenario s2: tasks d, e; trial 0 complete and successful, trial 1 lacks e
+    rows += [("d0", "d", "s2", 0, 1.0, "submitted", 2, "hard"),
+             ("e0", "e", "s2", 0, 1.0, "submitted", 2, "hard"),
+             ("d1", "d", "s2", 1, 1.0, "max_turns", 9, "hard")]
+    res = evaluate(frame(rows), ks=[1, 2])
+    s = res.summary
+    # s1: 2 of 3 scenario trials succeed; s2: 1 of 1 complete trials
+    assert s["sgc"] == pytest.approx((2 / 3 + 1) / 2)
+    assert s["sgc_hat_k"][2] == pytest.approx(comb(2, 2) / comb(3, 2))  # s2 has 1 trial: out
+    assert any("miss a task" in w for w in res.warnings)
+    # task d has 2 trials, e only 1: e is left out of k=2
+    assert any("fewer than 2 trials" in w for w in res.warnings)
+    assert s["tgc"] == pytest.approx((1 + 2 / 3 + 1 + 1 + 1) / 5)
+    by = evaluate(frame(rows), ks=[1], by=["difficulty"]).metrics
+    hard = by.filter((pl.col("scope") == "difficulty=hard") & (pl.col("metric") == "tgc"))
+    assert hard["value"][0] == 1.0
+
+
+def test_null_outcomes_and_retention():
+    rows = [("x0", "x", None, 0, 1.0, "submitted", 3, None),
+            ("x1", "x", None, 1, 0.0, "submitted", 3, None),
+            ("x2", "x", None, 2, 1.0, "submitted", 3, None),
+            ("x3", "x", None, 3, None, "env_error", 1, None)]
+    res = evaluate(frame(rows), ks=[1, 3])
+    assert any("null outcome" in w for w in res.warnings)
+    assert res.summary["tgc"] == pytest.approx(2 / 3)
+    assert res.summary["pass_hat_k"][3] == 0.0
+    assert res.summary["retention"]["tgc"] == 0.0
+    assert res.summary["termination_shares"]["env_error"] == 0.25
+    assert res.summary["mean_turns"] == 2.5
+
+
+def test_compare_paired_bootstrap(tau_dir):
+    a = pl.read_parquet(tau_dir / "rollouts.parquet")
+    better = a.with_columns(pl.lit(1.0).alias("outcome"))
+    table = compare(a, better, [1, 2])
+    row = table.filter(pl.col("k") == 1).row(0, named=True)
+    assert row["a"] == 0.5 and row["b"] == 1.0 and row["difference"] == 0.5
+    assert row["ci_low"] <= 0.5 <= row["ci_high"] and row["ci_low"] > 0.2
+    assert row["tasks"] == 15
+    res = run_draco("eval", "--compare", str(tau_dir), "--compare", str(tau_dir), "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    same = json.loads(res.stdout)
+    assert all(r["difference"] == 0 and r["ci_low"] == 0 == r["ci_high"] for r in same)
