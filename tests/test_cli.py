@@ -24,6 +24,8 @@ def test_every_command_has_help_with_an_example():
                  ["llm", "export"], ["llm", "check"], ["rubric", "generate"],
                  ["rubric", "static"], ["judge", "score"], ["audit", "self-judge"],
                  ["audit", "overlap"], ["audit", "rubric"], ["audit", "cost"], ["eval"],
+                 ["replay", "plan"], ["replay", "correct"], ["replay", "fit"],
+                 ["replay", "evolve"], ["replay", "exact-check"],
                  ["credit", "compute"], ["credit", "expand"]):
         res = run_draco(*args, "--help")
         assert res.returncode == 0, args

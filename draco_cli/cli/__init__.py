@@ -17,6 +17,7 @@ from draco_cli.cli import evaluate as eval_cmd
 from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
 from draco_cli.cli import llm as llm_cmd
+from draco_cli.cli import replay as replay_cmd
 from draco_cli.cli import rubric as rubric_cmd
 from draco_cli.cli import schema as schema_cmd
 from draco_cli.cli import validate as validate_cmd
@@ -38,6 +39,7 @@ app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")
 app.add_typer(audit_cmd.app, name="audit")
+app.add_typer(replay_cmd.app, name="replay")
 app.add_typer(llm_cmd.app, name="llm")
 app.add_typer(schema_cmd.app, name="schema")
 

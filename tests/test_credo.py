@@ -1,0 +1,224 @@
+"""CREDO: allocation (KKT), correction, exact unbiasedness, heads, evolution, malformed input."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from draco_cli.credo import allocate, correct, fit_heads, plan, weighted_ridge
+from draco_cli.credo_exact import exact_check
+from draco_cli.errors import InputError, UsageError
+from tests.conftest import run_draco
+
+
+@settings(max_examples=200, deadline=None)
+@given(st.integers(2, 40), st.integers(0, 10**6), st.floats(0.05, 0.95))
+def test_allocation_kkt(n, seed, share):
+    rng = np.random.default_rng(seed)
+    g = rng.uniform(0.1, 3, n)
+    e = rng.uniform(0, 2, n) * (rng.random(n) > 0.1)
+    ell = rng.uniform(1, 20, n)
+    p_min = 0.05
+    floor = p_min * ell.sum()
+    slack = np.where(e * g > 0, 1.0, p_min) @ ell
+    budget = floor + share * (slack - floor)
+    a = allocate(g, e, ell, budget, p_min)
+    assert (a.p >= p_min - 1e-12).all() and (a.p <= 1 + 1e-12).all()
+    if a.slack:
+        assert a.lam == 0 and a.spent <= budget
+        return
+    assert a.spent == pytest.approx(budget, rel=1e-8)           # budget met
+    raw = g * np.sqrt(e / (a.lam * ell))
+    interior = (a.p > p_min + 1e-9) & (a.p < 1 - 1e-9)
+    np.testing.assert_allclose(a.p[interior], raw[interior], rtol=1e-6)  # p ∝ g·sqrt(e/ℓ)
+    assert (raw[a.p >= 1 - 1e-9] >= 1 - 1e-6).all()           # clipped at 1 only if above
+    assert (raw[a.p <= p_min + 1e-9] <= p_min + 1e-6).all()   # clipped at p_min only if below
+
+
+def test_slack_budget_is_left_unspent_and_infeasible_budget_is_an_error():
+    g, e, ell = np.ones(3), np.array([1.0, 0.0, 2.0]), np.array([4.0, 4.0, 2.0])
+    a = allocate(g, e, ell, 100.0, 0.1)
+    assert a.slack and a.lam == 0 and a.p.tolist() == [1.0, 0.1, 1.0] and a.spent < 100
+    with pytest.raises(UsageError, match=r"smallest feasible budget is 1\b"):
+        allocate(g, e, ell, 0.5, 0.1)
+
+
+def positions(n_rollouts=6, T=4, seed=0):
+    rng = np.random.default_rng(seed)
+    return pl.DataFrame([{"rollout_id": f"r{i}", "step": t, "prediction": float(rng.normal()),
+                          "error": float(rng.uniform(0.1, 1))}
+                         for i in range(n_rollouts) for t in range(1, T + 1)])
+
+
+def test_plan_defaults_seed_and_columns():
+    p1 = plan(positions(), budget=60, seed=3, replays=2)
+    p2 = plan(positions(), budget=60, seed=3, replays=2)
+    assert p1.equals(p2)
+    assert p1.filter(pl.col("step") == 1)["cost"][0] == 2 * 2 * 4     # 2K(T − t + 1)
+    assert p1.filter(pl.col("step") == 4)["cost"][0] == 2 * 2 * 1
+    assert {"p", "selected", "lambda", "seed", "prediction", "error"} <= set(p1.columns)
+    assert p1["expected_cost"][0] == pytest.approx(60, rel=1e-8)
+    assert not plan(positions(), budget=60, seed=4)["selected"].equals(p1["selected"])
+
+
+def test_correction_by_hand():
+    P = pl.DataFrame({"rollout_id": ["a", "a", "b"], "step": [1, 2, 1],
+                      "prediction": [0.2, -0.1, 0.5], "p": [0.5, 0.25, 1.0],
+                      "selected": [True, False, True]})
+    L = pl.DataFrame({"rollout_id": ["a"] * 4 + ["b"] * 2 + ["a"] * 2,
+                      "step": [1, 1, 1, 1, 1, 1, 2, 2],
+                      "side": ["realized", "realized", "resampled", "resampled", "realized",
+                               "resampled", "realized", "resampled"],
+                      "sample": [0, 1, 0, 1, 0, 0, 0, 0],
+                      "return": [1.0, 1.0, 0.0, 1.0, 0.0, 1.0, 1.0, 0.0]})
+    out, info = correct(P, L)
+    got = dict(zip(zip(out["rollout_id"], out["step"]), out["corrected"]))
+    assert got[("a", 1)] == pytest.approx(0.2 + (0.5 - 0.2) / 0.5)   # Δ = 1 − 0.5
+    assert got[("a", 2)] == -0.1                                     # not selected: c_t
+    assert got[("b", 1)] == pytest.approx(0.5 + (-1.0 - 0.5) / 1.0)
+    assert info["labels_ignored"] == 2                              # labels of (a, 2)
+    nc, _ = correct(P, L, no_correction=True)
+    assert nc["corrected"].to_list() == [0.2, -0.1, 0.5]
+    R = pl.DataFrame({"rollout_id": ["a", "b"], "group_id": ["g", "g"], "outcome": [1.0, 0.0]})
+    mixed, _ = correct(P, L, beta=0.25, rollouts=R)
+    a1 = mixed.filter((pl.col("rollout_id") == "a") & (pl.col("step") == 1))["advantage"][0]
+    assert a1 == pytest.approx(0.25 * 1.0 + 0.75 * got[("a", 1)])  # RLOO of a = 1 − 0
+    with pytest.raises(InputError, match=r"selected position \('b', step 1\) has no resampled"):
+        correct(P, L.filter(~((pl.col("rollout_id") == "b") & (pl.col("side") == "resampled"))))
+    with pytest.raises(InputError, match="side must be realized or resampled"):
+        correct(P, L.with_columns(pl.lit("other").alias("side")))
+    with pytest.raises(InputError, match="field 'return'"):
+        correct(P, L.drop("return"))
+
+
+def test_unbiased_by_exact_enumeration_and_sqrt_beats_uniform():
+    rows = {r["estimator"]: r for r in exact_check(K=2)}
+    for name, r in rows.items():
+        if name.startswith("corrected"):
+            assert r["max_abs_error"] < 1e-9, name
+    assert rows["no correction, bad predictor"]["max_abs_error"] > 0.05
+    for pred in ("good", "bad"):
+        u = next(r for n, r in rows.items() if n.startswith("corrected, uniform")
+                 and n.endswith(f"{pred} predictor"))
+        s = rows[f"corrected, square-root allocation, {pred} predictor"]
+        assert s["expected_cost"] == pytest.approx(u["expected_cost"], rel=1e-9)
+        assert s["variance"] < u["variance"]
+
+
+def test_weighted_ridge_matches_numpy_least_squares():
+    rng = np.random.default_rng(0)
+    X = rng.normal(size=(50, 3))
+    y = X @ [1.0, -2.0, 0.5] + 0.3 + rng.normal(0, 0.1, 50)
+    w = rng.uniform(0.5, 4, 50)
+    beta = weighted_ridge(X, y, w, ridge=0.0)
+    A = np.column_stack([np.ones(50), X]) * np.sqrt(w)[:, None]
+    ref, *_ = np.linalg.lstsq(A, y * np.sqrt(w), rcond=None)
+    np.testing.assert_allclose(beta, ref, rtol=1e-9)
+
+
+def simulated(n=60, seed=0):
+    """A plan and labels from the chain simulator, with informative features."""
+    from draco_cli.credo_sim import ChainEnv
+
+    env = ChainEnv(theta=np.array([0.2, -0.3, 0.5]))
+    rng = np.random.default_rng(seed)
+    pos, feats, truth = [], [], {}
+    for i in range(n):
+        acts, _ = env.rollout(rng)
+        for t in range(env.T):
+            pos.append({"rollout_id": f"r{i}", "step": t + 1, "prediction": 0.0, "error": 1.0})
+            feats.append({"rollout_id": f"r{i}", "step": t + 1, "action": float(acts[t]),
+                          "t": float(t)})
+            truth[(f"r{i}", t + 1)] = (acts, t)
+    full = sum(2 * 2 * (env.T - r["step"] + 1) for r in pos)
+    P = plan(pl.DataFrame(pos), budget=0.6 * full, seed=seed)  # p < 1: replay a subset
+    labels = []
+    for r in P.filter(pl.col("selected")).iter_rows(named=True):
+        acts, t = truth[(r["rollout_id"], r["step"])]
+        real, res = env.replay(acts, t, 4, rng)
+        labels += [{"rollout_id": r["rollout_id"], "step": r["step"], "side": s, "sample": k,
+                    "return": v} for s, vals in (("realized", real), ("resampled", res))
+                   for k, v in enumerate(vals)]
+    rollouts = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(n)],
+                             "task_id": [f"t{i % 10}" for i in range(n)],
+                             "group_id": [f"t{i % 10}" for i in range(n)]})
+    return P, pl.DataFrame(labels), pl.DataFrame(feats), rollouts
+
+
+def test_heads_learn_the_sign_of_credit():
+    P, L, F, _ = simulated()
+    h = fit_heads(P, L, F, ridge=0.1)
+    c, e = h.predict(F)
+    acts = F["action"].to_numpy()
+    assert c[acts == 1].mean() > 0 > c[acts == 0].mean()   # the right call earns credit
+    assert (e >= 0).all() and h.version.startswith("heads-")
+
+
+def test_cli_loop_plan_correct_fit_evolve(tmp_path):
+    P, L, F, R = simulated(200)
+    pos = P.select("rollout_id", "step", "prediction", "error")
+    pos.write_parquet(tmp_path / "pos.parquet")
+    L.write_parquet(tmp_path / "labels.parquet")
+    F.write_parquet(tmp_path / "f.parquet")
+    F.drop("action").write_parquet(tmp_path / "f_without_action.parquet")
+    R.write_parquet(tmp_path / "rollouts.parquet")
+    P.write_parquet(tmp_path / "plan.parquet")  # the plan the labels were made for
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
+                    "1e9", "-o", str(tmp_path / "slack.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"slack" in res.stderr
+    res = run_draco("replay", "correct", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+                    str(tmp_path / "labels.parquet"), "-o", str(tmp_path / "c"))
+    assert res.returncode == 0, res.stderr.decode()
+    credit = pl.read_parquet(tmp_path / "c" / "credit.parquet")
+    assert {"rollout_id", "step", "prediction", "delta", "p", "selected", "corrected",
+            "advantage"} <= set(credit.columns)
+    res = run_draco("replay", "fit", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+                    str(tmp_path / "labels.parquet"), "--features", str(tmp_path / "f.parquet"),
+                    "--rollouts", str(tmp_path / "rollouts.parquet"), "-o",
+                    str(tmp_path / "heads.json"))
+    assert res.returncode == 0, res.stderr.decode()
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
+                    "2000", "--heads", str(tmp_path / "heads.json"), "--features",
+                    str(tmp_path / "f.parquet"), "-o", str(tmp_path / "plan2.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    p2 = pl.read_parquet(tmp_path / "plan2.parquet")
+    assert p2["head_version"][0].startswith("heads-") and p2["prediction"].std() > 0
+    res = run_draco("replay", "evolve", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+                    str(tmp_path / "labels.parquet"), "--rollouts",
+                    str(tmp_path / "rollouts.parquet"), "--baseline",
+                    str(tmp_path / "f_without_action.parquet"), "--candidate",
+                    str(tmp_path / "f.parquet"), "-o", str(tmp_path / "evolve.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    ev = pl.read_parquet(tmp_path / "evolve.parquet")
+    assert {"held_out_objective", "held_out_mse", "accepted"} <= set(ev.columns)
+    # the feature that carries the credit (the action) must win
+    assert ev.filter(pl.col("accepted"))["candidate"].to_list() == ["f"]
+    res = run_draco("replay", "exact-check", "--json")
+    assert res.returncode == 0
+
+
+def test_credo_token_advantages_layout():
+    from draco_cli.credo_tokens import credo_token_advantages
+    from draco_cli.token_advantages import spans_to_dense
+
+    rollouts = pl.DataFrame({"rollout_id": ["a"], "group_id": ["g"], "response_len": [20],
+                             "policy_spans": [[[0, 8], [12, 20]]]},
+                            schema_overrides={"response_len": pl.Int32,
+                                              "policy_spans": pl.List(pl.List(pl.Int32))})
+    steps = pl.DataFrame({"rollout_id": ["a", "a"], "step": [1, 2], "n_tokens": [5, 4],
+                          "token_start": [2, 14]},
+                         schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32,
+                                           "token_start": pl.Int32})
+    credit = pl.DataFrame({"rollout_id": ["a", "a"], "step": [1, 2], "advantage": [0.5, -1.0],
+                           "rloo": [0.4, 0.4], "corrected": [0.5, -1.0]})
+    dense = spans_to_dense(credo_token_advantages(rollouts, steps, credit, beta=0.5))
+    v = dense["advantages"][0].to_list()
+    assert v[2:7] == [0.5] * 5 and v[14:18] == [-1.0] * 4      # a_t on every step token
+    assert v[0:2] == pytest.approx([0.2, 0.2]) and v[7] == pytest.approx(0.2)  # gap: β·A_RLOO
+    assert v[8:12] == [0.0] * 4                                  # observation
+    dense0 = spans_to_dense(credo_token_advantages(rollouts, steps, credit, beta=0.0))
+    assert dense0["advantages"][0].to_list()[0:2] == [0.0, 0.0]
