@@ -25,7 +25,7 @@ def test_every_command_has_help_with_an_example():
                  ["rubric", "static"], ["judge", "score"], ["audit", "self-judge"],
                  ["audit", "overlap"], ["audit", "rubric"], ["audit", "cost"], ["eval"],
                  ["replay", "plan"], ["replay", "correct"], ["replay", "fit"],
-                 ["replay", "evolve"], ["replay", "exact-check"],
+                 ["replay", "evolve"], ["replay", "exact-check"], ["run"],
                  ["credit", "compute"], ["credit", "expand"]):
         res = run_draco(*args, "--help")
         assert res.returncode == 0, args
