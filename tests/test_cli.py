@@ -25,7 +25,7 @@ def test_every_command_has_help_with_an_example():
                  ["rubric", "static"], ["judge", "score"], ["audit", "self-judge"],
                  ["audit", "overlap"], ["audit", "rubric"], ["audit", "cost"], ["eval"],
                  ["replay", "plan"], ["replay", "correct"], ["replay", "fit"],
-                 ["replay", "evolve"], ["replay", "exact-check"], ["run"],
+                 ["replay", "evolve"], ["replay", "exact-check"], ["run"], ["report"],
                  ["credit", "compute"], ["credit", "expand"]):
         res = run_draco(*args, "--help")
         assert res.returncode == 0, args
@@ -115,3 +115,11 @@ def test_debug_env_shows_traceback(tmp_path):
     res = subprocess.run([sys.executable, "-m", "draco_cli", "validate", str(tmp_path / "x.parquet")],
                          capture_output=True, env=env, cwd=REPO)
     assert res.returncode == 1 and b"Traceback" in res.stderr
+
+
+def test_cli_reference_is_current_and_every_command_has_help_and_example():
+    from draco_cli.cli_reference import missing_help, render
+
+    assert missing_help() == []
+    on_disk = (REPO / "docs" / "cli.md").read_text()
+    assert on_disk == render(), "docs/cli.md is stale: python -m draco_cli.cli_reference"

@@ -18,6 +18,7 @@ from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
 from draco_cli.cli import llm as llm_cmd
 from draco_cli.cli import replay as replay_cmd
+from draco_cli.cli import report as report_cmd
 from draco_cli.cli import rubric as rubric_cmd
 from draco_cli.cli import run as run_cmd
 from draco_cli.cli import schema as schema_cmd
@@ -37,6 +38,7 @@ app.command("ingest")(ingest_cmd.ingest)
 app.command("validate")(validate_cmd.validate)
 app.command("eval")(eval_cmd.evaluate)
 app.command("run")(run_cmd.run)
+app.command("report")(report_cmd.report)
 app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")

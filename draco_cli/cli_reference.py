@@ -1,0 +1,60 @@
+"""docs/cli.md, generated from the commands themselves (``python -m draco_cli.cli_reference``).
+A test regenerates it and fails when the file is stale or a command lacks help or an example."""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import typer
+
+
+def _commands(group, prefix: str = "draco"):
+    if getattr(group, "commands", None):
+        for name in sorted(group.commands):
+            yield from _commands(group.commands[name], f"{prefix} {name}")
+    else:
+        yield prefix, group
+
+
+def render() -> str:
+    from draco_cli.cli import app
+
+    root = typer.main.get_command(app)
+    out = ["# Command-line reference", "",
+           "Generated from the commands' own help by `python -m draco_cli.cli_reference`; "
+           "`draco COMMAND --help` shows the same.", ""]
+    for name, cmd in _commands(root):
+        out += [f"## `{name}`", "", (cmd.help or "").strip(), ""]
+        params = [p for p in cmd.params if p.name not in ("help",)]
+        if params:
+            out += ["| option | meaning | default |", "| --- | --- | --- |"]
+            for p in params:
+                is_option = getattr(p, "param_type_name", "") == "option"
+                opts = ", ".join(f"`{o}`" for o in p.opts) if is_option \
+                    else f"`{(p.metavar or p.name).upper()}`"
+                value = getattr(p.default, "value", p.default)  # enums show their value
+                default = "required" if p.required else (
+                    "" if value in (None, False, [], ()) else f"`{value}`")
+                helptext = (getattr(p, "help", None) or "").replace("|", "\\|").replace("\n", " ")
+                out.append(f"| {opts} | {helptext} | {default} |")
+            out.append("")
+    return "\n".join(out).rstrip() + "\n"
+
+
+def missing_help() -> list[str]:
+    from draco_cli.cli import app
+
+    bad = []
+    for name, cmd in _commands(typer.main.get_command(app)):
+        if not (cmd.help or "").strip():
+            bad.append(f"{name}: no help")
+        elif "Example: draco " not in cmd.help:
+            bad.append(f"{name}: no example")
+    return bad
+
+
+if __name__ == "__main__":
+    target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/cli.md")
+    target.write_text(render())
+    print(f"wrote {target}")
