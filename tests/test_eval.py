@@ -111,3 +111,19 @@ def test_compare_paired_bootstrap(tau_dir):
     assert res.returncode == 0, res.stderr.decode()
     same = json.loads(res.stdout)
     assert all(r["difference"] == 0 and r["ci_low"] == 0 == r["ci_high"] for r in same)
+
+
+def test_several_run_dirs_follow_training(tmp_path):
+    for n in (0, 1):
+        assert run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
+                         "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+                         "replay/sample_data/llm_calls.sqlite", "--train-step", str(n),
+                         "-o", str(tmp_path)).returncode == 0
+    res = run_draco("eval", "--rollouts", str(tmp_path / "step-0"), "--rollouts",
+                    str(tmp_path / "step-1"), "--k", "1,2", "-o", str(tmp_path / "e"))
+    assert res.returncode == 0, res.stderr.decode()
+    m = pl.read_parquet(tmp_path / "e" / "metrics.parquet")
+    scopes = set(m["scope"])
+    assert {"train_step=0", "train_step=1"} <= scopes
+    tgc = m.filter((pl.col("metric") == "tgc") & (pl.col("scope") == "train_step=1"))["value"][0]
+    assert tgc == pytest.approx((2 / 4 + 1 / 4 + 2 / 4) / 3)  # the sample: 2, 1, 2 of 4 succeed

@@ -14,17 +14,36 @@ EVAL_COLUMNS = ["rollout_id", "group_id", "task_id", "train_step", "trial", "sce
 
 
 def _rollouts(path: Path):
+    """A rollouts table, a folder holding rollouts.parquet, or a draco run folder (its
+    manifest names the rollouts it ran on, and its train step)."""
+    import json
+
+    import polars as pl
+
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
+    step = None
     if path.is_dir():
-        path = path / "rollouts.parquet"
-    return read_table(path, Rollout, columns=EVAL_COLUMNS)
+        manifest = path / "manifest.json"
+        if (path / "rollouts.parquet").exists() or not manifest.exists():
+            path = path / "rollouts.parquet"
+        else:
+            m = json.loads(manifest.read_text())
+            step = m.get("train_step")
+            path = Path(m["inputs"]["rollouts"]["path"])
+    r = read_table(path, Rollout, columns=EVAL_COLUMNS)
+    if step is not None:
+        # the run folder's training step labels its rollouts (a run made with --train-step N)
+        r = r.with_columns(pl.lit(step, dtype=pl.Int32).alias("train_step"))
+    return r
 
 
 def evaluate(
-    rollouts: Annotated[Optional[Path], typer.Option(
-        "--rollouts", help="rollouts.parquet (or a folder holding one).")] = None,
+    rollouts: Annotated[Optional[list[Path]], typer.Option(
+        "--rollouts", help="rollouts.parquet, a folder holding one, or a draco run folder; "
+        "repeat it (one per training step) to follow training: figures per train_step.")]
+    = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Output folder.")] = None,
     k: Annotated[str, typer.Option("--k", help="Comma-separated k for pass^k and pass@k.")]
     = "1,2,3",
@@ -62,9 +81,21 @@ def evaluate(
         if as_json:
             typer.echo(json.dumps(res.to_dicts()))
         return
-    if rollouts is None:
+    if not rollouts:
         raise typer.BadParameter("give --rollouts (or --compare A --compare B)")
-    result = run_eval(_rollouts(rollouts), ks, by or [])
+    import polars as pl
+
+    frames = [_rollouts(p) for p in rollouts]
+    by = list(by or [])
+    if len(frames) > 1:
+        ids = [f["rollout_id"] for f in frames]
+        keyed = [set(zip(f["rollout_id"], f["train_step"])) for f in frames]
+        if len(set().union(*keyed)) < sum(len(k) for k in keyed):
+            raise typer.BadParameter("the runs share rollout ids but not train steps: pass run "
+                                     "folders made with --train-step")
+        if "train_step" not in by:
+            by.append("train_step")
+    result = run_eval(pl.concat(frames, how="vertical_relaxed"), ks, by)
     if out is not None:
         target = out / "metrics.parquet"
         check_writable(target, force)
