@@ -29,6 +29,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 GROUP = 8
 STEPS = 20
@@ -117,20 +120,8 @@ print(time.perf_counter() - t)
 
 def timed_child(code: str, *args: str) -> tuple[float, float]:
     """(seconds printed by the child, its peak RSS in MiB)."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        os.close(r)
-        os.dup2(w, 1)
-        os.chdir(REPO)
-        os.execv(sys.executable, [sys.executable, "-c", code, *args])
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    _, status, usage = os.wait4(pid, 0)
-    if status:
-        raise SystemExit(f"benchmark child failed (status {status})")
-    return float(out.split()[-1]), usage.ru_maxrss / 1024
+    out, rss = run_child(code, *args)
+    return float(out.split()[-1]), rss
 
 
 def main() -> None:

@@ -22,6 +22,9 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 TAU = REPO.parent / "shared" / "data" / "tau-bench" / "gpt-4o-airline-15tasks.json"
 
@@ -100,7 +103,7 @@ def main() -> None:
         per_hi = results[hi][0] / hi
         print(f"time per trajectory {hi} vs {lo}: {per_hi / per_lo:.2f}x")
         print(f"json.load peak RSS {hi} vs {lo}: {results[hi][3] / results[lo][3]:.2f}x")
-        print(f"ingest_peak_rss_ratio_{hi // 1000}k_over_{lo // 1000}k="
+        print(f"ingest_peak_rss_ratio_{hi}_over_{lo}="
               f"{results[hi][1] / results[lo][1]:.2f}")
 
 
@@ -108,20 +111,8 @@ _LAST_RSS = [0.0]
 
 
 def _timed(code: str, *args: str) -> tuple[float, int, int]:
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        os.close(r)
-        os.dup2(w, 1)
-        os.chdir(REPO)
-        os.execv(sys.executable, [sys.executable, "-c", code, *args])
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    _, status, usage = os.wait4(pid, 0)
-    if status:
-        raise SystemExit(f"benchmark child failed (status {status})")
-    _LAST_RSS[0] = usage.ru_maxrss / 1024
+    out, rss = run_child(code, *args)
+    _LAST_RSS[0] = rss
     secs, rollouts, steps = out.split()
     return float(secs), int(rollouts), int(steps)
 

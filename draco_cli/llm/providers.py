@@ -51,6 +51,18 @@ def _split_system(messages: list[dict[str, str]]) -> tuple[str | None, list[dict
     return system, [m for m in messages if m["role"] != "system"]
 
 
+def _http_client(sdk, concurrency: int, timeout: float):
+    """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
+    concurrency (the SDK's own transport if the aiohttp extra is missing)."""
+    import httpx2
+
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    try:
+        return sdk.DefaultAioHttpClient(limits=limits, timeout=timeout)
+    except RuntimeError:
+        return sdk.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+
+
 class OpenAIProvider:
     """OpenAI's API, or any OpenAI-compatible server (vLLM, SGLang, Ollama, llama.cpp)."""
 
@@ -67,11 +79,7 @@ class OpenAIProvider:
         self._httpx2 = httpx2
         self.model = model
         self.self_hosted = base_url is not None
-        limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        try:
-            http = openai.DefaultAioHttpClient(limits=limits, timeout=timeout)
-        except RuntimeError:  # the aiohttp extra is missing: the SDK's own transport
-            http = openai.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+        http = _http_client(openai, concurrency, timeout)
         api_key = None
         if self.self_hosted and not os.environ.get("OPENAI_API_KEY"):
             api_key = "none"  # local servers take any key; the SDK insists on one
@@ -151,11 +159,7 @@ class AnthropicProvider:
         self._anthropic = anthropic
         self._httpx2 = httpx2
         self.model = model
-        limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
-        try:
-            http = anthropic.DefaultAioHttpClient(limits=limits, timeout=timeout)
-        except RuntimeError:
-            http = anthropic.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+        http = _http_client(anthropic, concurrency, timeout)
         self.client = anthropic.AsyncAnthropic(base_url=base_url, max_retries=0, timeout=timeout,
                                                http_client=http)
 
