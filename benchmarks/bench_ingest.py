@@ -9,7 +9,7 @@ For each size N it writes a tau-bench results file of N trajectories (the 60 rea
   streamed) — the floor of any Python reader of this format, and what memory looks like
   without streaming.
 It prints trajectories/s, peak RSS of each, and the ratios. Memory must not grow with input
-size: the last line is ``ingest_peak_rss_ratio_50k_over_5k=<value>``.
+size: the last line is ``ingest_peak_rss_ratio_50000_over_5000=<value>``.
 """
 
 from __future__ import annotations
