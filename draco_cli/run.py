@@ -80,6 +80,11 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings, opts: Run
     if opts.setting not in SETTINGS:
         raise UsageError(f"--setting {opts.setting!r}: choose {', '.join(SETTINGS)}")
     rubric_kind, credit_kind = SETTINGS[opts.setting]
+    for path in (rollouts, steps):
+        if not Path(path).is_file():
+            from draco_cli.errors import InputError
+
+            raise InputError("no such file", file=str(path))
     run = run_dir_for(out, train_step)
     run.mkdir(parents=True, exist_ok=True)
     manifest_path = run / "manifest.json"

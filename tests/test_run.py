@@ -140,3 +140,12 @@ def test_kill_and_resume(server, tmp_path):
                       "status='ok' group by 1, 2 having count(*) > 1)").fetchone()[0]
     assert dup == 0
     assert (tmp_path / "run" / "credit" / "token_advantages.parquet").exists()
+
+
+def test_missing_inputs_are_named_not_a_traceback(tmp_path):
+    res = run_draco("run", "--rollouts", str(tmp_path / "nope.parquet"), "--steps",
+                    str(tmp_path / "nope.parquet"), "--model", "openai/x", "-o",
+                    str(tmp_path / "r"))
+    assert res.returncode == 1
+    assert b"nope.parquet: no such file" in res.stderr and b"Traceback" not in res.stderr
+    assert not (tmp_path / "r").exists()

@@ -275,8 +275,8 @@ class ReplayProvider:
             if hit is None:
                 raise ReplayMiss(
                     f"replay/{self.model}: no recorded answer for this {req.phase} request "
-                    f"(key {req.key!r}, sample {i}); the prompt, schema, sampling or template "
-                    "version differ from the recorded run")
+                    f"(key {req.key!r}, sample {i}): the recorded run asked fewer samples, or "
+                    "its prompt, schema, sampling or template version differ from this one")
             choices.append(Choice(text=hit.answer_text, finish="stop"))
         return Reply(choices, Usage(), {"replay": True}, {"replay": True}, 0.0)
 
