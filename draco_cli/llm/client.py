@@ -285,8 +285,8 @@ class LLMClient:
             request_hash=req.hash(sample, self.model), content_hash=req.hash(sample, None),
             sample=sample, phase=req.phase, key=req.key, provider=self.provider_name,
             model=self.model, attempt=attempt, status=status, error=scrub(error),
-            request=scrub(json.dumps(reply.request_body, ensure_ascii=False)),
-            response=scrub(json.dumps(reply.response_body, ensure_ascii=False)),
+            request=self._logged(reply, "request_body"),
+            response=self._logged(reply, "response_body"),
             answer_text=choice.text,
             parsed=value.model_dump_json() if value is not None else None,
             input_tokens=u.input_tokens, cached_tokens=u.cached_tokens,
@@ -294,6 +294,15 @@ class LLMClient:
             reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s, cost_usd=cost,
             batch_id=reply.batch_id,
         )
+
+    @staticmethod
+    def _logged(reply: Reply, which: str) -> str | None:
+        """The scrubbed JSON of a call's request or response, made once per HTTP call (a call
+        answering n samples writes n rows; long prompts make this the costly part)."""
+        cache = reply.__dict__.setdefault("_logged", {})
+        if which not in cache:
+            cache[which] = scrub(json.dumps(getattr(reply, which), ensure_ascii=False))
+        return cache[which]
 
     # -- one HTTP call, with retries ---------------------------------------------------------
 
