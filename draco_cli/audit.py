@@ -299,13 +299,21 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
     """(per phase, per train_step, projected dollars per 100 train steps)."""
     tokens = ["input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"]
     c = calls.with_columns(pl.col(tokens).fill_null(0), pl.col("cost_usd").fill_null(0.0))
+    if "train_step" in c.columns and rollouts is not None and c["train_step"].null_count() == c.height:
+        c = c.drop("train_step")  # unlabelled: attribute calls through the rollouts instead
     http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
     per_phase = c.group_by("phase").agg(
         http.sum().alias("calls"), (pl.col("status") == "ok").sum().alias("answered"),
         *[pl.col(t).sum() for t in tokens], pl.col("cost_usd").sum()).sort("phase")
     per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
     projected = None
-    if rollouts is not None and "train_step" in rollouts.columns:
+    if "train_step" in c.columns and c["train_step"].null_count() < c.height:
+        # calls already labelled by the run folder they came from
+        per_step = c.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
+            http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
+            pl.col("cost_usd").sum()).sort("train_step")
+        projected = float(per_step["cost_usd"].mean()) * 100
+    elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
         by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \
             .rename({"group_id": "key"})

@@ -200,3 +200,49 @@ def test_overlap_cli_with_model_matchers(tmp_path, monkeypatch, matcher):
     o = pl.read_parquet(tmp_path / "o" / "overlap.parquet").row(0, named=True)
     assert o["matched"] == 1 and o["recall"] == 1.0 and o["precision"] == 0.5  # one-to-one
     assert s.hits["embeddings" if matcher == "embedding" else "chat"] >= 1
+
+
+def test_cost_over_several_run_folders(tmp_path):
+    for n in (0, 1):
+        assert run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
+                         "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+                         "replay/sample_data/llm_calls.sqlite", "--train-step", str(n),
+                         "-o", str(tmp_path)).returncode == 0
+    res = run_draco("audit", "cost", "--calls", str(tmp_path / "step-0"), "--calls",
+                    str(tmp_path / "step-1"), "-o", str(tmp_path / "a"))
+    assert res.returncode == 0, res.stderr.decode()
+    per_step = pl.read_parquet(tmp_path / "a" / "cost_step.parquet")
+    assert per_step["train_step"].to_list() == [0, 1]
+    assert per_step["calls"].to_list() == [30, 30]  # 12 generate + 3 union + 3 merge + 12 score
+    phase = pl.read_parquet(tmp_path / "a" / "cost_phase.parquet")
+    assert dict(phase.select("phase", "calls").iter_rows()) == {
+        "generate": 24, "merge": 6, "score": 24, "union": 6}
+
+
+def test_self_judge_over_run_folders(tmp_path, monkeypatch):
+    from tests.llm_server import FakeLLMServer
+    from tests.test_rubric_judge import scripted
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-audit-00000000000")
+    s = FakeLLMServer(answer=scripted).start()
+    try:
+        for n in (0, 1, 2, 3):
+            for label, model in (("self", "openai/self-model"), ("ref", "openai/ref-model")):
+                res = run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
+                                "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+                                model, "--base-url", s.url + "/v1", "--setting", "static",
+                                "--train-step", str(n), "--judge-label", label,
+                                "-o", str(tmp_path / label))
+                assert res.returncode == 0, res.stderr.decode()
+    finally:
+        s.stop()
+    args = []
+    for n in range(4):
+        args += ["--self", str(tmp_path / "self" / f"step-{n}"),
+                 "--reference", str(tmp_path / "ref" / f"step-{n}")]
+    res = run_draco("audit", "self-judge", *args, "-o", str(tmp_path / "a"), "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    a = pl.read_parquet(tmp_path / "a" / "agreement.parquet")
+    assert {"step:0", "step:3", "first_quarter", "last_quarter"} <= set(a["scope"])
+    # the scripted judge answers the same prompt the same way: the two arms agree fully
+    assert a.filter(pl.col("scope") == "overall")["agreement"][0] == 1.0

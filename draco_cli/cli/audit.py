@@ -51,10 +51,39 @@ def _read_verdicts(path: Path, judge: str | None):
     return v.filter(pl.col("judge") == judge) if judge else v
 
 
+def _verdicts_of(path: Path, judge: str | None):
+    """Verdicts from a file, or from a draco run folder (its judge/verdicts.parquet, with the
+    run's rollouts and train step)."""
+    import json
+
+    import polars as pl
+
+    from draco_cli.io import read_table
+    from draco_cli.schemas import Rollout
+
+    if not path.is_dir():
+        return _read_verdicts(path, judge), None
+    m = json.loads((path / "manifest.json").read_text())
+    r = read_table(Path(m["inputs"]["rollouts"]["path"]), Rollout,
+                   columns=["rollout_id", "group_id", "task_id", "train_step"])
+    if m.get("train_step") is not None:
+        r = r.with_columns(pl.lit(m["train_step"], pl.Int32).alias("train_step"))
+    v = _read_verdicts(path / "judge" / "verdicts.parquet", judge)
+    # rollout ids repeat across steps: key them by step so the pairs stay apart
+    step = m.get("train_step")
+    if step is not None:
+        v = v.with_columns((pl.col("rollout_id") + f"@{step}").alias("rollout_id"))
+        r = r.with_columns((pl.col("rollout_id") + f"@{step}").alias("rollout_id"))
+    return v, r
+
+
 @app.command("self-judge")
 def self_judge(
-    self_v: Annotated[Path, typer.Option("--self", help="The candidate judge's verdicts.")],
-    reference: Annotated[Path, typer.Option("--reference", help="The reference judge's verdicts.")],
+    self_v: Annotated[list[Path], typer.Option(
+        "--self", help="The candidate judge's verdicts (file or run folder; repeat it, paired "
+        "with --reference, for several training steps).")],
+    reference: Annotated[list[Path], typer.Option(
+        "--reference", help="The reference judge's verdicts (file or run folder).")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
     self_judge_label: Annotated[Optional[str], typer.Option(
@@ -70,14 +99,30 @@ def self_judge(
 
     Example: draco audit self-judge --self run/self/verdicts.parquet --reference run/gpt/verdicts.parquet --rollouts run/rollouts.parquet -o run/audit
     """
+    import polars as pl
+
     from draco_cli.audit import self_judge_audit
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
-    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
-                                               "train_step"]) if rollouts else None
-    agreement, tests = self_judge_audit(_read_verdicts(self_v, self_judge_label),
-                                        _read_verdicts(reference, reference_judge), r)
+    if len(self_v) != len(reference):
+        raise typer.BadParameter("give as many --reference as --self (one pair per step)")
+    selfs, refs, rolls = [], [], []
+    for a, b in zip(self_v, reference):
+        va, ra = _verdicts_of(a, self_judge_label)
+        vb, _ = _verdicts_of(b, reference_judge)
+        if ra is not None and b.is_dir() is False:
+            raise typer.BadParameter("pair run folders with run folders")
+        selfs.append(va)
+        refs.append(vb)
+        if ra is not None:
+            rolls.append(ra)
+    if rollouts is not None:
+        rolls = [read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
+                                                        "train_step"])]
+    r = pl.concat(rolls, how="vertical_relaxed") if rolls else None
+    agreement, tests = self_judge_audit(pl.concat(selfs, how="vertical_relaxed"),
+                                        pl.concat(refs, how="vertical_relaxed"), r)
     _write(out, {"agreement": agreement, "tests": tests}, force)
     _table("self-judge vs reference", agreement)
     if tests.height:
@@ -173,8 +218,9 @@ def rubric(
 
 @app.command("cost")
 def cost(
-    calls: Annotated[Path, typer.Option("--calls", help="Call log (llm_calls.sqlite or its "
-                                        "Parquet export).")],
+    calls: Annotated[list[Path], typer.Option("--calls", help="Call log (llm_calls.sqlite or "
+                                              "its Parquet export) or a draco run folder; "
+                                              "repeat it for several training steps.")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
     force: Force = False,
@@ -182,15 +228,28 @@ def cost(
     """Calls, tokens and dollars per phase and per train step, and the projection per 100
     training steps → OUT/cost_phase.parquet, OUT/cost_step.parquet.
 
-    Example: draco audit cost --calls run/judge/llm_calls.sqlite --rollouts run/rollouts.parquet -o audit
+    Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
+    import json
+
+    import polars as pl
+
     from draco_cli.audit import cost_audit, read_calls
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
+    frames = []
+    for path in calls:
+        step = None
+        if path.is_dir():
+            manifest = path / "manifest.json"
+            step = json.loads(manifest.read_text()).get("train_step") if manifest.exists() \
+                else None
+            path = path / "llm_calls.sqlite"
+        frames.append(read_calls(path).with_columns(pl.lit(step, pl.Int32).alias("train_step")))
     r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                "train_step"]) if rollouts else None
-    per_phase, per_step, projected = cost_audit(read_calls(calls), r)
+    per_phase, per_step, projected = cost_audit(pl.concat(frames, how="diagonal_relaxed"), r)
     _write(out, {"cost_phase": per_phase, "cost_step": per_step}, force)
     _table("cost per phase", per_phase)
     if per_step.height:
