@@ -18,7 +18,6 @@ peak RSS; cost per rollout flat (±30%) from 10k to 1M.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile

@@ -215,10 +215,11 @@ def _ceiling(ref: dict[str, list[str]], meta, level, similarity, threshold):
         return None
     info = {u: (t, s) for u, t, s in meta.iter_rows() if u in ref}
     by_task: dict[str, list[str]] = {}
-    for u, (t, s) in sorted(info.items(), key=lambda kv: (str(kv[1][0]), kv[1][1] or 0, kv[0])):
-        by_task.setdefault(t, []).append(u)
+    for u, (task, _) in sorted(info.items(),
+                               key=lambda kv: (str(kv[1][0]), kv[1][1] or 0, kv[0])):
+        by_task.setdefault(task, []).append(u)
     rows = []
-    for t, us in by_task.items():
+    for us in by_task.values():
         if level == "group":
             # distinct train steps only
             seen, picked = set(), []

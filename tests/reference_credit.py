@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import math
 from fractions import Fraction
-from statistics import mean
 
 EPS = 1e-6
 
@@ -39,7 +38,7 @@ def reference(rollouts, steps, verdicts, *, credit="step", estimator="grpo", std
     groups = {}
     for r in rollouts:
         groups.setdefault(r["group_id"], []).append(r["rollout_id"])
-    for g, rids in groups.items():
+    for rids in groups.values():
         scored = [reward[i] for i in rids if reward[i] is not None]
         for i in rids:
             ri = reward[i]

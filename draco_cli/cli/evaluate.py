@@ -88,7 +88,6 @@ def evaluate(
     frames = [_rollouts(p) for p in rollouts]
     by = list(by or [])
     if len(frames) > 1:
-        ids = [f["rollout_id"] for f in frames]
         keyed = [set(zip(f["rollout_id"], f["train_step"])) for f in frames]
         if len(set().union(*keyed)) < sum(len(k) for k in keyed):
             raise typer.BadParameter("the runs share rollout ids but not train steps: pass run "
