@@ -74,12 +74,14 @@ class EmbeddingMatcher:
         self.cache: dict[str, np.ndarray] = {}
 
     async def _embed(self, texts: list[str]) -> list[list[float]]:
+        import httpx2
+
         from draco_cli.llm.providers import make_provider
 
         p = make_provider(f"openai/{self.name}", base_url=self.base_url, concurrency=4)
         try:
             raw = await p.client.post("/embeddings", body={"model": self.name, "input": texts},
-                                      cast_to=p._httpx2.Response)
+                                      cast_to=httpx2.Response)
             data = raw.json()["data"]
         finally:
             await p.close()

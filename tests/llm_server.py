@@ -142,8 +142,9 @@ class FakeLLMServer:
                           "prompt_tokens_details": {"cached_tokens": c},
                           "completion_tokens_details": {"reasoning_tokens": r * n}}}
 
-    async def chat(self, request: web.Request) -> web.StreamResponse:
-        self.hits["chat"] += 1
+    async def _generate(self, request: web.Request, hit: str, build) -> web.StreamResponse:
+        """Shared by chat completions and messages: record, wait, maybe fault, answer."""
+        self.hits[hit] += 1
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
@@ -152,7 +153,10 @@ class FakeLLMServer:
         resp, kind = await self._fault(request)
         if resp is not None:
             return resp
-        return web.json_response(self._completion(body, kind))
+        return web.json_response(build(body, kind))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", self._completion)
 
     async def upload(self, request: web.Request) -> web.Response:
         self.hits["files"] += 1
@@ -230,16 +234,7 @@ class FakeLLMServer:
                           "output_tokens_details": {"thinking_tokens": r}}}
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
-        self.hits["messages"] += 1
-        body = await request.json()
-        self.bodies.append(body)
-        self.headers.append(dict(request.headers))
-        if self.latency:
-            await asyncio.sleep(self.latency)
-        resp, kind = await self._fault(request)
-        if resp is not None:
-            return resp
-        return web.json_response(self._message(body, kind))
+        return await self._generate(request, "messages", self._message)
 
     async def create_anthropic_batch(self, request: web.Request) -> web.Response:
         self.hits["anthropic_batches"] += 1

@@ -63,6 +63,38 @@ def _http_client(sdk, concurrency: int, timeout: float):
         return sdk.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
 
 
+# Status codes worth another attempt besides 429 and 5xx (529 = Anthropic "overloaded").
+RETRY_STATUS = (408, 409, 425, 529)
+
+
+async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[dict, float]:
+    """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
+    without re-walking the request through typed params and the reply through pydantic, which
+    cost more CPU than everything else per call at high concurrency). Returns (JSON reply,
+    latency); failures worth retrying become ``Retryable``, the rest ``LLMError``. Both SDKs
+    name their exceptions alike."""
+    import httpx2
+
+    start = time.perf_counter()
+    try:
+        raw = await client.post(path, body=body, cast_to=httpx2.Response)
+    except (sdk.RateLimitError, sdk.InternalServerError) as exc:
+        raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
+    except sdk.APITimeoutError:
+        raise Retryable("timeout") from None
+    except sdk.APIConnectionError as exc:
+        raise Retryable(f"connection error ({type(exc.__cause__).__name__})") from None
+    except sdk.APIStatusError as exc:
+        if exc.status_code in RETRY_STATUS:
+            raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
+        raise LLMError(f"{label}: HTTP {exc.status_code}: {_brief(exc)}") from None
+    latency = time.perf_counter() - start
+    try:
+        return raw.json(), latency
+    except ValueError:
+        raise Retryable("the server sent a body that is not JSON") from None
+
+
 class OpenAIProvider:
     """OpenAI's API, or any OpenAI-compatible server (vLLM, SGLang, Ollama, llama.cpp)."""
 
@@ -71,12 +103,10 @@ class OpenAIProvider:
 
     def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float):
         try:
-            import httpx2
             import openai
         except ImportError:  # pragma: no cover - declared dependency
             raise ModelSpecError("openai/ models need the 'openai' package") from None
         self._openai = openai
-        self._httpx2 = httpx2
         self.model = model
         self.self_hosted = base_url is not None
         http = _http_client(openai, concurrency, timeout)
@@ -110,32 +140,11 @@ class OpenAIProvider:
 
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
                        samples: list[int]) -> Reply:
-        oa = self._openai
         body = self.body(req, messages, len(samples))
         wire = dict(body)
         wire.update(wire.pop("extra_body", {}))
-        start = time.perf_counter()
-        try:
-            # The SDK's public low-level post: its transport, auth and typed errors, without
-            # re-walking the request through typed params and the reply through pydantic,
-            # which cost more CPU than everything else per call at high concurrency.
-            raw = await self.client.post("/chat/completions", body=wire,
-                                         cast_to=self._httpx2.Response)
-        except (oa.RateLimitError, oa.InternalServerError) as exc:
-            raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
-        except oa.APITimeoutError:
-            raise Retryable("timeout") from None
-        except oa.APIConnectionError as exc:
-            raise Retryable(f"connection error ({type(exc.__cause__).__name__})") from None
-        except oa.APIStatusError as exc:
-            if exc.status_code in (408, 409, 425):
-                raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
-            raise LLMError(f"openai/{self.model}: HTTP {exc.status_code}: {_brief(exc)}") from None
-        latency = time.perf_counter() - start
-        try:
-            data = raw.json()
-        except ValueError:
-            raise Retryable("the server sent a body that is not JSON") from None
+        data, latency = await _post_json(self._openai, self.client, "/chat/completions", wire,
+                                         f"openai/{self.model}")
         reply = openai_reply(data, wire)
         reply.latency_s = latency
         return reply
@@ -153,11 +162,9 @@ class AnthropicProvider:
     def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float):
         try:
             import anthropic
-            import httpx2
         except ImportError:  # pragma: no cover - declared dependency
             raise ModelSpecError("anthropic/ models need the 'anthropic' package") from None
         self._anthropic = anthropic
-        self._httpx2 = httpx2
         self.model = model
         http = _http_client(anthropic, concurrency, timeout)
         self.client = anthropic.AsyncAnthropic(base_url=base_url, max_retries=0, timeout=timeout,
@@ -188,28 +195,9 @@ class AnthropicProvider:
                        samples: list[int]) -> Reply:
         if len(samples) != 1:
             raise ValueError("Anthropic answers one sample per call")
-        an = self._anthropic
         body = self.body(req, messages)
-        start = time.perf_counter()
-        try:
-            raw = await self.client.post("/v1/messages", body=body,
-                                         cast_to=self._httpx2.Response)
-        except (an.RateLimitError, an.InternalServerError) as exc:
-            raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
-        except an.APITimeoutError:
-            raise Retryable("timeout") from None
-        except an.APIConnectionError as exc:
-            raise Retryable(f"connection error ({type(exc.__cause__).__name__})") from None
-        except an.APIStatusError as exc:
-            if exc.status_code in (408, 409, 425, 529):
-                raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
-            raise LLMError(f"anthropic/{self.model}: HTTP {exc.status_code}: {_brief(exc)}") \
-                from None
-        latency = time.perf_counter() - start
-        try:
-            message = raw.json()
-        except ValueError:
-            raise Retryable("the server sent a body that is not JSON") from None
+        message, latency = await _post_json(self._anthropic, self.client, "/v1/messages", body,
+                                            f"anthropic/{self.model}")
         return Reply([anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
                      body, message, latency)
 
