@@ -158,10 +158,13 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
     sources: dict[str, str] = {}
     groups = _groups(rollouts)
     capped = 0
+    # Each group's deduplicated candidates, partitioned once (not filtered per group).
+    by_group = {k[0]: dedupe(v.to_dicts())
+                for k, v in candidates.partition_by("group_id", as_dict=True).items()}
     if "merge" in stages:
         merge_jobs = []
         for group_id, instruction, _ in groups:
-            mine = dedupe(candidates.filter(pl.col("group_id") == group_id).to_dicts())
+            mine = by_group.get(group_id, [])
             if mine:
                 merge_jobs.append((group_id, merge_request(group_id, instruction, mine,
                                                            max_criteria, render, sampling)))
@@ -175,7 +178,7 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
                 sources[group_id] = "merge"
     else:
         for group_id, _, _ in groups:
-            mine = dedupe(candidates.filter(pl.col("group_id") == group_id).to_dicts())
+            mine = by_group.get(group_id, [])
             capped += max(len(mine) - max_criteria, 0)
             final[group_id] = [{"title": c["title"], "requirement": c["requirement"],
                                 "source": c["stage"]} for c in mine[:max_criteria]]
