@@ -181,10 +181,9 @@ def _calls_summary(run: Path) -> dict:
     log = run / "llm_calls.sqlite"
     if not log.exists():
         return {}
-    from draco_cli.llm.calllog import CallLog
+    from draco_cli.llm.calllog import read_totals
 
-    with CallLog(log) as c:
-        return c.totals()
+    return read_totals(log)
 
 
 def _manifest(run, old, inputs, stages, phases, opts, llm, train_step, t0, skipped, status):

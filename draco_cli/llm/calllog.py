@@ -216,6 +216,15 @@ def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
     return out
 
 
+def read_totals(path: str | Path) -> dict[str, dict[str, float]]:
+    """Per-phase totals of a finished call log, read-only (no writer thread)."""
+    conn = _connect(Path(path), readonly=True)
+    try:
+        return phase_totals(conn)
+    finally:
+        conn.close()
+
+
 class ReplayLog:
     """Read-only view of a recorded call log, looked up by content hash (model-free)."""
 
