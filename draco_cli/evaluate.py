@@ -5,6 +5,13 @@ C(c,k)/C(n,k) (tau-bench's estimator: all k of k drawn trials succeed), pass@k =
 C(n−c,k)/C(n,k) (at least one succeeds); averaged over tasks. TGC = p^1. SGC: a scenario trial
 succeeds iff every task of the scenario succeeds in that trial; SGC at p^k uses the same
 estimator on scenario trials.
+
+Unbalanced trials (SPEC §5). By default (`missing="fail"`) every task has n = the number of
+distinct trials in the data, so a missing trial (or one whose outcome is null) counts as a
+failure: tau-bench's `display_metrics` takes `num_trials = len(set(r.trial for r in results))`
+for every task, and its leaderboard figures are computed that way. `missing="drop"` uses each
+task's own n (tasks with n < k left out of that k). Retention divides p^kmax by p^1 over the
+same tasks.
 """
 
 from __future__ import annotations
@@ -18,6 +25,7 @@ import polars as pl
 from draco_cli.errors import UsageError
 
 SUCCESS_TOL = 1e-6
+MISSING_MODES = ("fail", "drop")
 
 
 @dataclass
@@ -27,12 +35,33 @@ class EvalResult:
     warnings: list[str] = field(default_factory=list)
 
 
-def task_counts(rollouts: pl.DataFrame) -> pl.DataFrame:
-    """Per task: trials n and successes c (rollouts with null outcome left out)."""
-    scored = rollouts.filter(pl.col("outcome").is_not_null())
-    return scored.group_by("task_id").agg(
-        pl.len().alias("n"),
-        ((pl.col("outcome") - 1.0).abs() <= SUCCESS_TOL).sum().alias("c"))
+def expected_trials(rollouts: pl.DataFrame) -> int:
+    """The trials every task should have: the distinct `trial` values in the data (tau-bench's
+    `num_trials`), or — when some rollout has no trial index — the most rollouts any task has."""
+    if rollouts.height == 0:
+        return 0
+    if "trial" in rollouts.columns and rollouts["trial"].null_count() == 0:
+        return int(rollouts["trial"].n_unique())
+    return int(rollouts.group_by("task_id").len()["len"].max())
+
+
+def task_counts(rollouts: pl.DataFrame, missing: str = "fail") -> pl.DataFrame:
+    """Per task: trials n, successes c and scored rollouts. `missing="fail"`: n is the trials
+    every task should have (`expected_trials`), so missing and null-outcome trials are failures;
+    a task with more rollouts than that (pooled training steps) keeps its own count.
+    `missing="drop"`: n is the task's own count of scored rollouts."""
+    if missing not in MISSING_MODES:
+        raise UsageError(f"--missing takes fail or drop, not {missing!r}")
+    ok = (pl.col("outcome") - 1.0).abs() <= SUCCESS_TOL
+    per = rollouts.group_by("task_id").agg(
+        pl.len().alias("rows"), pl.col("outcome").is_not_null().sum().alias("scored"),
+        ok.fill_null(False).sum().alias("c"))
+    if missing == "drop":
+        return per.filter(pl.col("scored") > 0).select(
+            "task_id", pl.col("scored").alias("n"), "c", "scored")
+    N = expected_trials(rollouts)
+    return per.select("task_id", pl.max_horizontal(pl.lit(N), pl.col("rows")).alias("n"), "c",
+                      "scored")
 
 
 def pass_hat(n: int, c: int, k: int) -> float:
@@ -50,30 +79,50 @@ def _estimate(counts: list[tuple[int, int]], k: int, f) -> tuple[float | None, i
     return (float(np.mean(vals)) if vals else None), len(vals), excluded
 
 
-def scenario_counts(rollouts: pl.DataFrame, warnings: list[str]) -> list[tuple[int, int]]:
-    """Per scenario: trials n and successful trials c. A scenario trial counts only if every
-    task of the scenario has a scored rollout in that trial."""
-    r = rollouts.filter(pl.col("scenario_id").is_not_null() & pl.col("trial").is_not_null()
-                        & pl.col("outcome").is_not_null())
+def scenario_counts(rollouts: pl.DataFrame, warnings: list[str], missing: str = "fail"
+                    ) -> list[tuple[int, int]]:
+    """Per scenario: trials n and successful trials c. A scenario trial succeeds iff every task
+    of the scenario has a successful scored rollout in that trial. `missing="fail"`: n is the
+    distinct trials of the scenario rollouts, so an incomplete scenario trial is a failure;
+    `missing="drop"`: incomplete scenario trials are left out."""
+    r = rollouts.filter(pl.col("scenario_id").is_not_null() & pl.col("trial").is_not_null())
     if r.height == 0:
         return []
+    ok = ((pl.col("outcome") - 1.0).abs() <= SUCCESS_TOL).fill_null(False)
     tasks = r.group_by("scenario_id").agg(pl.col("task_id").n_unique().alias("tasks"))
-    trials = r.group_by("scenario_id", "trial").agg(
-        pl.col("task_id").n_unique().alias("present"),
-        ((pl.col("outcome") - 1.0).abs() <= SUCCESS_TOL).all().alias("ok")).join(
+    trials = r.filter(pl.col("outcome").is_not_null()).group_by("scenario_id", "trial").agg(
+        pl.col("task_id").n_unique().alias("present"), ok.all().alias("ok")).join(
         tasks, on="scenario_id")
-    incomplete = trials.filter(pl.col("present") < pl.col("tasks")).height
+    complete = pl.col("present") == pl.col("tasks")
+    if missing == "fail":
+        N = int(r["trial"].n_unique())
+        won = trials.filter(complete & pl.col("ok")).group_by("scenario_id").len()
+        per = tasks.join(won, on="scenario_id", how="left").select(
+            pl.lit(N).alias("n"), pl.col("len").fill_null(0).alias("c"))
+        return [(int(n), int(c)) for n, c in per.iter_rows()]
+    incomplete = trials.filter(~complete).height
     if incomplete:
         warnings.append(f"{incomplete} scenario trial(s) miss a task and were left out of SGC")
-    full = trials.filter(pl.col("present") == pl.col("tasks"))
+    full = trials.filter(complete)
     per = full.group_by("scenario_id").agg(pl.len().alias("n"), pl.col("ok").sum().alias("c"))
     return [(int(n), int(c)) for n, c in per.select("n", "c").iter_rows()]
 
 
-def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: list[str]
-                 ) -> tuple[list[dict], dict]:
+def _retention(counts: list[tuple[int, int]], kmax: int) -> tuple[float | None, int]:
+    """p^kmax / p^1 over the same units (those with n >= kmax), and how many there are."""
+    same = [(n, c) for n, c in counts if n >= kmax]
+    if not same:
+        return None, 0
+    p1 = float(np.mean([pass_hat(n, c, 1) for n, c in same]))
+    pk = float(np.mean([pass_hat(n, c, kmax) for n, c in same]))
+    return (pk / p1 if p1 else None), len(same)
+
+
+def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: list[str],
+                 missing: str = "fail") -> tuple[list[dict], dict]:
     rows: list[dict] = []
-    counts = [(int(n), int(c)) for n, c in task_counts(rollouts).select("n", "c").iter_rows()]
+    tc = task_counts(rollouts, missing)
+    counts = [(int(n), int(c)) for n, c in tc.select("n", "c").iter_rows()]
     summary: dict = {"pass_hat_k": {}, "pass_at_k": {}, "sgc_hat_k": {}}
     for k in ks:
         v, used, excl = _estimate(counts, k, pass_hat)
@@ -89,7 +138,7 @@ def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: li
     if 1 not in ks:
         tgc, _, _ = _estimate(counts, 1, pass_hat)
     rows.append({"scope": scope, "metric": "tgc", "k": 1, "value": tgc, "n": len(counts)})
-    scen = scenario_counts(rollouts, warnings)
+    scen = scenario_counts(rollouts, warnings, missing)
     sgc = None
     if scen:
         for k in ks:
@@ -99,15 +148,15 @@ def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: li
         sgc, _, _ = _estimate(scen, 1, pass_hat)
         rows.append({"scope": scope, "metric": "sgc", "k": 1, "value": sgc, "n": len(scen)})
     kmax = max(ks)
-    ret = summary["pass_hat_k"].get(kmax)
-    retention = ret / tgc if ret is not None and tgc else None
+    retention, ret_units = _retention(counts, kmax)
     rows.append({"scope": scope, "metric": "retention", "k": kmax, "value": retention,
-                 "n": len(counts)})
+                 "n": ret_units})
     sgc_ret = None
-    if scen and summary["sgc_hat_k"].get(kmax) is not None and sgc:
-        sgc_ret = summary["sgc_hat_k"][kmax] / sgc
-        rows.append({"scope": scope, "metric": "sgc_retention", "k": kmax, "value": sgc_ret,
-                     "n": len(scen)})
+    if scen:
+        sgc_ret, sgc_units = _retention(scen, kmax)
+        if sgc_units:
+            rows.append({"scope": scope, "metric": "sgc_retention", "k": kmax, "value": sgc_ret,
+                         "n": sgc_units})
     turns = rollouts["n_turns"].mean() if rollouts.height else None
     rows.append({"scope": scope, "metric": "mean_turns", "k": None, "value": turns,
                  "n": rollouts.height})
@@ -118,28 +167,46 @@ def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: li
     for mode, share in sorted(shares.items()):
         rows.append({"scope": scope, "metric": f"termination:{mode}", "k": None, "value": share,
                      "n": rollouts.height})
-    summary.update(tgc=tgc, sgc=sgc, retention={"k": kmax, "tgc": retention, "sgc": sgc_ret},
+    full = tc if missing == "fail" else task_counts(rollouts, "fail")
+    n_missing = int((full["n"] - full["scored"]).sum()) if full.height else 0
+    summary.update(tgc=tgc, sgc=sgc,
+                   retention={"k": kmax, "tgc": retention, "sgc": sgc_ret, "tasks": ret_units},
                    mean_turns=turns, termination_shares=shares, n_tasks=len(counts),
-                   n_rollouts=rollouts.height)
+                   n_rollouts=rollouts.height,
+                   missing={"mode": missing, "expected_trials": expected_trials(rollouts),
+                            "missing_trials": n_missing})
     return rows, summary
 
 
-def evaluate(rollouts: pl.DataFrame, ks: list[int] = (1, 2, 3), by: list[str] = ()
-             ) -> EvalResult:
+def missing_note(summary: dict) -> str:
+    """One line saying how unbalanced trials were counted (SPEC §5: always printed)."""
+    m = summary["missing"]
+    how = ("each counted as a failure (tau-bench's display_metrics convention; --missing drop "
+           "uses each task's own trials)" if m["mode"] == "fail" else
+           "dropped: each task uses its own trials (--missing drop; not comparable with "
+           "tau-bench's leaderboard)")
+    return (f"trials: {m['expected_trials']} expected per task, {m['missing_trials']} missing "
+            f"(absent or null outcome), {how}")
+
+
+def evaluate(rollouts: pl.DataFrame, ks: list[int] = (1, 2, 3), by: list[str] = (),
+             missing: str = "fail") -> EvalResult:
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise UsageError("--k takes positive integers, e.g. 1,2,3")
+    if missing not in MISSING_MODES:
+        raise UsageError(f"--missing takes fail or drop, not {missing!r}")
     warnings: list[str] = []
     nulls = rollouts["outcome"].null_count()
     if nulls:
         warnings.append(f"{nulls} rollout(s) with null outcome left out of their task's trials")
-    rows, summary = _metrics_for(rollouts, ks, "overall", warnings)
+    rows, summary = _metrics_for(rollouts, ks, "overall", warnings, missing)
     for col in by:
         if col not in rollouts.columns:
             raise UsageError(f"--by {col!r}: rollouts have no such column")
         for value in sorted(rollouts[col].drop_nulls().unique().to_list()):
             part = rollouts.filter(pl.col(col) == value)
-            r, _ = _metrics_for(part, ks, f"{col}={value}", [])
+            r, _ = _metrics_for(part, ks, f"{col}={value}", [], missing)
             rows += r
     if "train_step" in rollouts.columns and "train_step" not in by:
         for value in sorted(rollouts["train_step"].drop_nulls().unique().to_list()):
@@ -156,10 +223,10 @@ def evaluate(rollouts: pl.DataFrame, ks: list[int] = (1, 2, 3), by: list[str] = 
 
 
 def compare(a: pl.DataFrame, b: pl.DataFrame, ks: list[int], n_boot: int = 2000,
-            seed: int = 0) -> pl.DataFrame:
+            seed: int = 0, missing: str = "fail") -> pl.DataFrame:
     """B − A per pass^k over the tasks both runs have, with a paired bootstrap 95% CI
     (tasks resampled with replacement, the same draw for both runs)."""
-    ta, tb = task_counts(a), task_counts(b)
+    ta, tb = task_counts(a, missing), task_counts(b, missing)
     j = ta.join(tb, on="task_id", suffix="_b")
     rng = np.random.default_rng(seed)
     rows = []

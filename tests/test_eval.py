@@ -7,6 +7,8 @@ from math import comb
 
 import polars as pl
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from draco_cli.evaluate import compare, evaluate
 from tests.conftest import TAU, run_draco
@@ -20,15 +22,23 @@ def tau_dir(tmp_path_factory):
     return d
 
 
-def display_metrics_pass_hat(results: list[dict], k: int) -> float:
-    """tau-bench's run.py display_metrics: per task c successes of n trials (reward within
-    1e-6 of 1), pass^k = mean over tasks of C(c, k) / C(n, k)."""
-    c_per_task: dict = {}
+def display_metrics(results: list[dict]) -> dict[int, float]:
+    """A faithful re-implementation of tau-bench's `display_metrics` (sierra-research/tau-bench,
+    tau_bench/run.py at 01ed5e3; success bounds from tau_bench/types.py): num_trials is the
+    number of distinct `trial` values over ALL results, c counts each task's successes
+    (1 − 1e-6 <= reward <= 1 + 1e-6), and pass^k for k = 1..num_trials is the mean over the
+    tasks present of C(c, k) / C(num_trials, k) — so a missing trial is a failure."""
+    num_trials = len(set(r["trial"] for r in results))
+    c_per_task_id: dict = {}
     for r in results:
-        c_per_task.setdefault(r["task_id"], 0)
-        c_per_task[r["task_id"]] += 1 if abs(r["reward"] - 1) <= 1e-6 else 0
-    n = len(results) // len(c_per_task)
-    return sum(comb(c, k) / comb(n, k) for c in c_per_task.values()) / len(c_per_task)
+        ok = 1 if 1.0 - 1e-6 <= r["reward"] <= 1.0 + 1e-6 else 0
+        c_per_task_id[r["task_id"]] = c_per_task_id.get(r["task_id"], 0) + ok
+    return {k: sum(comb(c, k) / comb(num_trials, k) for c in c_per_task_id.values())
+            / len(c_per_task_id) for k in range(1, num_trials + 1)}
+
+
+def display_metrics_pass_hat(results: list[dict], k: int) -> float:
+    return display_metrics(results)[k]
 
 
 def test_matches_tau_bench_display_metrics(tau_dir):
@@ -41,7 +51,7 @@ def test_matches_tau_bench_display_metrics(tau_dir):
         assert out["pass_hat_k"][str(k)] == pytest.approx(display_metrics_pass_hat(raw, k),
                                                           abs=1e-12)
     assert out["tgc"] == 0.5 and out["n_tasks"] == 15 and out["n_rollouts"] == 60
-    assert out["retention"] == {"k": 4, "tgc": pytest.approx(0.4), "sgc": None}
+    assert out["retention"] == {"k": 4, "tgc": pytest.approx(0.4), "sgc": None, "tasks": 15}
     assert out["pass_at_k"]["4"] == pytest.approx(12 / 15)  # 12 tasks solved at least once
     assert out["termination_shares"]["max_turns"] == pytest.approx(1 / 60)
     assert set(out) >= {"tgc", "sgc", "pass_hat_k", "pass_at_k", "retention", "mean_turns",
@@ -71,7 +81,7 @@ def test_sgc_by_hand():
     rows += [("d0", "d", "s2", 0, 1.0, "submitted", 2, "hard"),
              ("e0", "e", "s2", 0, 1.0, "submitted", 2, "hard"),
              ("d1", "d", "s2", 1, 1.0, "max_turns", 9, "hard")]
-    res = evaluate(frame(rows), ks=[1, 2])
+    res = evaluate(frame(rows), ks=[1, 2], missing="drop")
     s = res.summary
     # s1: 2 of 3 scenario trials succeed; s2: 1 of 1 complete trials
     assert s["sgc"] == pytest.approx((2 / 3 + 1) / 2)
@@ -80,7 +90,14 @@ def test_sgc_by_hand():
     # task d has 2 trials, e only 1: e is left out of k=2
     assert any("fewer than 2 trials" in w for w in res.warnings)
     assert s["tgc"] == pytest.approx((1 + 2 / 3 + 1 + 1 + 1) / 5)
-    by = evaluate(frame(rows), ks=[1], by=["difficulty"]).metrics
+    # the default counts a missing trial as a failure: 3 trials in the data for every task and
+    # scenario, so e misses one (1 of 3) and s2's trials 1 (incomplete) and 2 (absent) fail
+    f = evaluate(frame(rows), ks=[1, 2]).summary
+    assert f["tgc"] == pytest.approx((1 + 2 / 3 + 1 + 2 / 3 + 1 / 3) / 5)
+    assert f["sgc"] == pytest.approx((2 / 3 + 1 / 3) / 2)
+    assert f["sgc_hat_k"][2] == pytest.approx((1 / 3 + 0) / 2)
+    assert f["missing"] == {"mode": "fail", "expected_trials": 3, "missing_trials": 3}
+    by = evaluate(frame(rows), ks=[1], by=["difficulty"], missing="drop").metrics
     hard = by.filter((pl.col("scope") == "difficulty=hard") & (pl.col("metric") == "tgc"))
     assert hard["value"][0] == 1.0
 
@@ -90,9 +107,11 @@ def test_null_outcomes_and_retention():
             ("x1", "x", None, 1, 0.0, "submitted", 3, None),
             ("x2", "x", None, 2, 1.0, "submitted", 3, None),
             ("x3", "x", None, 3, None, "env_error", 1, None)]
-    res = evaluate(frame(rows), ks=[1, 3])
+    res = evaluate(frame(rows), ks=[1, 3], missing="drop")
     assert any("null outcome" in w for w in res.warnings)
     assert res.summary["tgc"] == pytest.approx(2 / 3)
+    # default: the null-outcome trial is a missing trial, a failure of 4
+    assert evaluate(frame(rows), ks=[1, 3]).summary["tgc"] == 0.5
     assert res.summary["pass_hat_k"][3] == 0.0
     assert res.summary["retention"]["tgc"] == 0.0
     assert res.summary["termination_shares"]["env_error"] == 0.25
@@ -127,3 +146,64 @@ def test_several_run_dirs_follow_training(tmp_path):
     assert {"train_step=0", "train_step=1"} <= scopes
     tgc = m.filter((pl.col("metric") == "tgc") & (pl.col("scope") == "train_step=1"))["value"][0]
     assert tgc == pytest.approx((2 / 4 + 1 / 4 + 2 / 4) / 3)  # the sample: 2, 1, 2 of 4 succeed
+
+
+def _drop_some(raw: list[dict], seed: int, n_drop: int) -> list[dict]:
+    import random
+
+    keep = sorted(random.Random(seed).sample(range(len(raw)), len(raw) - n_drop))
+    return [raw[i] for i in keep]
+
+
+@pytest.mark.parametrize("seed,n_drop", [(0, 9), (1, 4), (2, 15)])
+def test_unbalanced_trials_match_display_metrics(tmp_path, seed, n_drop):
+    """Real tau-bench rollouts with some dropped: draco eval equals tau-bench's own
+    display_metrics (missing = failure) by default, and each task's own n with --missing drop."""
+    raw = _drop_some(json.loads(TAU.read_text()), seed, n_drop)
+    src = tmp_path / "unbalanced.json"
+    src.write_text(json.dumps(raw))
+    d = tmp_path / "in"
+    assert run_draco("ingest", "tau-bench", str(src), "--tokenizer", "approx",
+                     "-o", str(d)).returncode == 0
+    ref = display_metrics(raw)
+    res = run_draco("eval", "--rollouts", str(d), "--k", "1,2,3,4", "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    out = json.loads(res.stdout)
+    for k in (1, 2, 3, 4):
+        assert out["pass_hat_k"][str(k)] == pytest.approx(ref[k], abs=1e-15)
+    assert out["retention"]["tgc"] == pytest.approx(ref[4] / ref[1], abs=1e-15)
+    assert out["missing"]["missing_trials"] == n_drop
+    assert "counted as a failure" in res.stderr.decode()
+    drop = json.loads(run_draco("eval", "--rollouts", str(d), "--k", "1,2,3,4", "--json",
+                                "--missing", "drop").stdout)
+    own: dict = {}
+    for r in raw:
+        n, c = own.get(r["task_id"], (0, 0))
+        own[r["task_id"]] = (n + 1, c + (abs(r["reward"] - 1) <= 1e-6))
+    for k in (1, 4):
+        vals = [comb(c, k) / comb(n, k) for n, c in own.values() if n >= k]
+        assert drop["pass_hat_k"][str(k)] == pytest.approx(sum(vals) / len(vals), abs=1e-15)
+    # retention over one set of tasks: p^4 / p^1 of the tasks that have 4 trials
+    full = [(n, c) for n, c in own.values() if n >= 4]
+    assert drop["retention"]["tgc"] == pytest.approx(
+        sum(comb(c, 4) for _, c in full) / sum(c / n * comb(n, 4) for n, c in full), abs=1e-12)
+    assert drop["retention"]["tasks"] == len(full)
+
+
+@settings(max_examples=150, deadline=None)
+@given(st.integers(1, 12), st.integers(1, 6), st.integers(0, 10**6), st.floats(0, 0.6))
+def test_display_metrics_property(n_tasks, n_trials, seed, p_drop):
+    import random
+
+    rng = random.Random(seed)
+    raw = [{"task_id": t, "trial": j, "reward": float(rng.random() < 0.6)}
+           for t in range(n_tasks) for j in range(n_trials)]
+    raw = [r for r in raw if rng.random() >= p_drop] or raw[:1]
+    ref = display_metrics(raw)
+    df = pl.DataFrame([{"rollout_id": f"{r['task_id']}-{r['trial']}", "task_id": str(r["task_id"]),
+                        "scenario_id": None, "trial": r["trial"], "outcome": r["reward"],
+                        "termination": "submitted", "n_turns": 1, "difficulty": None}
+                       for r in raw], schema=frame([]).schema)
+    got = evaluate(df, ks=list(ref)).summary
+    for k, v in ref.items():
+        assert got["pass_hat_k"][k] == pytest.approx(v, abs=1e-15)

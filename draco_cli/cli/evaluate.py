@@ -55,6 +55,10 @@ def evaluate(
         "B − A and a paired bootstrap 95% CI over tasks.")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON on stdout.")]
     = False,
+    missing: Annotated[str, typer.Option(
+        "--missing", help="Unbalanced trials: fail = every task has the data's number of "
+        "distinct trials and a missing one counts as a failure (tau-bench's display_metrics, "
+        "comparable with its leaderboard); drop = each task's own trials.")] = "fail",
     force: Force = False,
 ) -> None:
     """TGC, SGC, pass^k, pass@k, retention, termination modes and turns → OUT/metrics.parquet.
@@ -65,13 +69,14 @@ def evaluate(
 
     from draco_cli.evaluate import compare as compare_runs
     from draco_cli.evaluate import evaluate as run_eval
+    from draco_cli.evaluate import missing_note
     from draco_cli.io import atomic_path, check_writable
 
     ks = [int(x) for x in k.split(",") if x.strip()]
     if compare:
         if len(compare) != 2:
             raise typer.BadParameter("--compare takes exactly two runs: --compare A --compare B")
-        res = compare_runs(_rollouts(compare[0]), _rollouts(compare[1]), ks)
+        res = compare_runs(_rollouts(compare[0]), _rollouts(compare[1]), ks, missing=missing)
         t = Table(title=f"A = {compare[0]}   B = {compare[1]}", title_justify="left", box=None)
         for c in res.columns:
             t.add_column(c, justify="right")
@@ -94,7 +99,7 @@ def evaluate(
                                      "folders made with --train-step")
         if "train_step" not in by:
             by.append("train_step")
-    result = run_eval(pl.concat(frames, how="vertical_relaxed"), ks, by)
+    result = run_eval(pl.concat(frames, how="vertical_relaxed"), ks, by, missing)
     if out is not None:
         target = out / "metrics.parquet"
         check_writable(target, force)
@@ -116,6 +121,7 @@ def evaluate(
     for mode, share in s["termination_shares"].items():
         t.add_row(f"termination {mode}", fmt(share))
     err_console.print(t)
+    err_console.print(missing_note(s), highlight=False)
     for w in result.warnings:
         err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
     if as_json:
@@ -125,4 +131,4 @@ def evaluate(
             "pass_at_k": {str(kk): v for kk, v in s["pass_at_k"].items()},
             "retention": s["retention"], "mean_turns": s["mean_turns"],
             "termination_shares": s["termination_shares"], "n_tasks": s["n_tasks"],
-            "n_rollouts": s["n_rollouts"]}))
+            "n_rollouts": s["n_rollouts"], "missing": s["missing"]}))
