@@ -85,16 +85,65 @@ def allocate(score_norm: np.ndarray, error: np.ndarray, cost: np.ndarray, budget
 
 
 def default_cost(steps: np.ndarray, n_steps: np.ndarray, replays: int) -> np.ndarray:
-    """2·K·(T − t + 1): K replays on each side, each running the remaining T − t + 1 steps."""
-    return 2.0 * replays * (n_steps - steps + 1)
+    """K·(T − t + 1) + K·(T − t) environment actions (SPEC §6): the resampled side runs a fresh
+    action and the remaining steps, the realized side restores the state after step t and runs
+    the remaining T − t."""
+    return replays * (2.0 * (n_steps - steps) + 1.0)
+
+
+ALLOCATIONS = ("sqrt", "uniform")
+
+
+def rollout_lengths(steps: pl.DataFrame) -> pl.DataFrame:
+    """T per rollout from a steps table: its number of steps (rollout_id, n_steps)."""
+    for col in ("rollout_id", "step"):
+        if col not in steps.columns:
+            raise InputError("missing column of the steps table", field=col)
+    return steps.group_by("rollout_id").agg(pl.col("step").cast(pl.Int64).max()
+                                            .alias("n_steps"))
+
+
+def _with_cost(pos: pl.DataFrame, replays: int, n_steps: pl.DataFrame | None) -> pl.DataFrame:
+    if "cost" in pos.columns:
+        return pos
+    if "n_steps" not in pos.columns:
+        if n_steps is None:
+            raise UsageError("the default replay cost needs each rollout's number of steps T: "
+                             "pass the steps table (--steps), or give the positions an "
+                             "n_steps or cost column (the largest listed step is not T when "
+                             "only some steps are listed)")
+        pos = pos.join(n_steps.select("rollout_id", pl.col("n_steps").cast(pl.Int64)),
+                       on="rollout_id", how="left", maintain_order="left")
+    idx = pos.with_row_index("__r")
+    bad = idx.filter(pl.col("n_steps").is_null())
+    if bad.height:
+        raise InputError(f"rollout {bad['rollout_id'][0]!r} has no number of steps T (not in "
+                         "the steps table)", row=int(bad["__r"][0]), field="n_steps")
+    bad = idx.filter((pl.col("step") < 1) | (pl.col("step") > pl.col("n_steps")))
+    if bad.height:
+        r = bad.row(0, named=True)
+        raise InputError(f"step {r['step']} is outside 1..T = 1..{r['n_steps']} of rollout "
+                         f"{r['rollout_id']!r}", row=int(r["__r"]), field="step")
+    return pos.with_columns(pl.Series("cost", default_cost(
+        pos["step"].to_numpy(), pos["n_steps"].to_numpy(), replays)))
 
 
 def plan(positions: pl.DataFrame, budget: float, *, p_min: float = 0.05, seed: int = 0,
-         replays: int = DEFAULT_REPLAYS, head_version: str | None = None) -> pl.DataFrame:
-    """The replay plan: positions plus p, selected, lambda, seed (and head_version)."""
+         replays: int = DEFAULT_REPLAYS, head_version: str | None = None,
+         n_steps: pl.DataFrame | None = None, allocation: str = "sqrt") -> pl.DataFrame:
+    """The replay plan: positions plus p, selected, lambda, seed (and head_version).
+
+    `allocation="uniform"` gives every position the same p at the expected cost the
+    square-root plan spends under the same budget (the paper's uniform-replay arm)."""
+    if allocation not in ALLOCATIONS:
+        raise UsageError(f"--allocation takes sqrt or uniform, not {allocation!r}")
+    if replays < 1:
+        raise UsageError("--replays must be at least 1")
     for col in ("rollout_id", "step", "prediction", "error"):
         if col not in positions.columns:
             raise InputError("missing column of the positions table", field=col)
+    if positions.height == 0:
+        raise InputError("the positions table has no rows: nothing to plan", field="rollout_id")
     pos = positions.with_columns(pl.col("step").cast(pl.Int64))
     for col in ("prediction", "error"):
         bad = pos.with_row_index("__r").filter(pl.col(col).is_null() | pl.col(col).is_nan())
@@ -104,20 +153,21 @@ def plan(positions: pl.DataFrame, budget: float, *, p_min: float = 0.05, seed: i
         raise InputError("duplicate (rollout_id, step)", field="step")
     if "score_norm" not in pos.columns:
         pos = pos.with_columns(pl.lit(1.0).alias("score_norm"))
-    if "cost" not in pos.columns:
-        T = pos.group_by("rollout_id").agg(pl.col("step").max().alias("__T"))
-        pos = pos.join(T, on="rollout_id", how="left", maintain_order="left")
-        pos = pos.with_columns(pl.Series("cost", default_cost(
-            pos["step"].to_numpy(), pos["__T"].to_numpy(), replays))).drop("__T")
-    alloc = allocate(pos["score_norm"].to_numpy(), pos["error"].to_numpy(),
-                     pos["cost"].to_numpy(), budget, p_min)
+    pos = _with_cost(pos, replays, n_steps)
+    cost = pos["cost"].to_numpy()
+    alloc = allocate(pos["score_norm"].to_numpy(), pos["error"].to_numpy(), cost, budget, p_min)
+    if allocation == "uniform":
+        p_uni = min(1.0, max(p_min, alloc.spent / float(cost.sum())))
+        alloc = Allocation(np.full(pos.height, p_uni), 0.0, p_uni * float(cost.sum()),
+                           alloc.slack)
     rng = np.random.default_rng(seed)
     selected = rng.random(pos.height) < alloc.p
     return pos.with_columns(
         pl.Series("p", alloc.p), pl.Series("selected", selected),
         pl.lit(alloc.lam).alias("lambda"), pl.lit(seed).alias("seed"),
         pl.lit(head_version).cast(pl.String).alias("head_version"),
-        pl.lit(budget).alias("budget"), pl.lit(alloc.spent).alias("expected_cost"))
+        pl.lit(budget).alias("budget"), pl.lit(alloc.spent).alias("expected_cost"),
+        pl.lit(allocation).alias("allocation"), pl.lit(replays).alias("replays"))
 
 
 # --- correction (Eq. 6) -------------------------------------------------------------------
@@ -134,6 +184,18 @@ def deltas(plan_df: pl.DataFrame, labels: pl.DataFrame) -> tuple[pl.DataFrame, i
         raise InputError(f"side must be realized or resampled, got {bad['side'][0]!r}",
                          row=int(bad["__r"][0]), field="side")
     lab = labels.with_columns(pl.col("step").cast(pl.Int64))
+    if "sample" in lab.columns:
+        key = ["rollout_id", "step", "side", "sample"]
+        clash = lab.with_row_index("__r").group_by(key).agg(
+            pl.col("return").n_unique().alias("__v"), pl.col("__r").min()).filter(
+            pl.col("__v") > 1)
+        if clash.height:
+            r = clash.sort("__r").row(0, named=True)
+            raise InputError(f"conflicting duplicate labels: ({r['rollout_id']!r}, step "
+                             f"{r['step']}, {r['side']}, sample {r['sample']}) has different "
+                             f"returns ({clash.height} such key(s))", row=int(r["__r"]),
+                             field="return")
+        lab = lab.unique(subset=key, keep="first", maintain_order=True)
     sel = plan_df.filter(pl.col("selected")).select("rollout_id", "step")
     ignored = lab.join(sel, on=["rollout_id", "step"], how="anti").height
     lab = lab.join(sel, on=["rollout_id", "step"], how="inner")
@@ -167,6 +229,8 @@ def correct(plan_df: pl.DataFrame, labels: pl.DataFrame, *, beta: float = 0.0,
     """Per-position corrected credit and advantage a_t = β·A_RLOO + (1 − β)·Ĉ_t."""
     if not 0 <= beta <= 1:
         raise UsageError("--beta must be in [0, 1]")
+    if clip is not None and not clip > 0:
+        raise UsageError(f"--clip must be > 0 (got {clip:g}): Ĉ_t is clipped to ±CLIP")
     if beta > 0 and rollouts is None:
         raise UsageError("--beta > 0 mixes in the rollouts' RLOO outcome: pass --rollouts")
     d, ignored = deltas(plan_df, labels)
@@ -202,19 +266,20 @@ def draco_features(step_credit: pl.DataFrame, rewards: pl.DataFrame | None) -> p
     sc = step_credit.with_columns(pl.col("step").cast(pl.Int64))
     T = sc.group_by("rollout_id").agg(pl.col("step").max().alias("__T"))
     sc = sc.join(T, on="rollout_id", how="left", maintain_order="left")
+    reward = []
     if rewards is not None:
         sc = sc.join(rewards.select("rollout_id", "reward"), on="rollout_id", how="left",
                      maintain_order="left")
-    else:
-        sc = sc.with_columns(pl.lit(None, pl.Float64).alias("reward"))
+        reward = [pl.col("reward").fill_null(0.5).alias("reward")]
+    # without rewards there is no reward feature (not a constant stand-in): heads fitted with
+    # it refuse features without it instead of predicting something else silently
     return sc.select(
         "rollout_id", "step",
         pl.col("p").cast(pl.Float64), pl.col("f").cast(pl.Float64),
         pl.col("quality").fill_null(0.5).alias("quality"),
         pl.col("cited").cast(pl.Float64),
         (pl.col("step") / pl.col("__T")).alias("rel_position"),
-        pl.col("n_tokens").cast(pl.Float64).log().alias("log_tokens"),
-        pl.col("reward").fill_null(0.5).alias("reward"))
+        pl.col("n_tokens").cast(pl.Float64).log().alias("log_tokens"), *reward)
 
 
 def feature_columns(features: pl.DataFrame) -> list[str]:
@@ -250,6 +315,12 @@ class Heads:
     rows: int
 
     def predict(self, F: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:
+        absent = [f for f in self.features if f not in F.columns]
+        if absent:
+            hint = (" (the reward feature comes from rewards.parquet: pass --rewards)"
+                    if "reward" in absent else "")
+            raise InputError(f"the heads ({self.version}) use feature(s) {', '.join(absent)} "
+                             f"that the features table lacks{hint}", field=absent[0])
         X = F.select(self.features).fill_null(0.0).to_numpy().astype(float)
         c = np.column_stack([np.ones(len(X)), X]) @ np.asarray(self.credit)
         e = np.column_stack([np.ones(len(X)), np.abs(X)]) @ np.asarray(self.error)
@@ -317,19 +388,75 @@ def objective(rows: pl.DataFrame, c: np.ndarray) -> tuple[float, float]:
 
 
 def calibration(heads: Heads, rows: pl.DataFrame, bins: int = 5) -> pl.DataFrame:
-    c, _ = heads.predict(rows)
-    df = pl.DataFrame({"pred": c, "delta": rows["delta"].to_numpy(), "w": 1 / rows["p"].to_numpy()})
-    if df.height == 0:
-        return pl.DataFrame(schema={"bin": pl.Int64, "n": pl.Int64, "mean_prediction": pl.Float64,
-                                    "mean_delta": pl.Float64})
-    df = df.with_columns(pl.col("pred").qcut(min(bins, df.height), labels=None,
-                                             allow_duplicates=True).to_physical().alias("bin"))
-    return df.group_by("bin").agg(pl.len().alias("n"),
-                                  ((pl.col("pred") * pl.col("w")).sum() / pl.col("w").sum())
-                                  .alias("mean_prediction"),
-                                  ((pl.col("delta") * pl.col("w")).sum() / pl.col("w").sum())
-                                  .alias("mean_delta")).sort("bin").with_columns(
-        pl.col("bin").cast(pl.Int64))
+    """Held-out calibration of both heads, inverse-inclusion weighted, per prediction bin:
+    credit head (mean prediction c vs mean Δ) and error head (mean predicted e vs mean
+    (Δ − c_old)², c_old the plan's stored prediction — the error head's own target)."""
+    schema = {"head": pl.String, "bin": pl.Int64, "n": pl.Int64, "mean_prediction": pl.Float64,
+              "mean_target": pl.Float64}
+    if rows.height == 0:
+        return pl.DataFrame(schema=schema)
+    c, e = heads.predict(rows)
+    delta = rows["delta"].to_numpy()
+    w = 1 / rows["p"].to_numpy()
+    parts = []
+    for head, pred, target in (("credit", c, delta),
+                               ("error", e, (delta - rows["prediction"].to_numpy()) ** 2)):
+        df = pl.DataFrame({"pred": pred, "target": target, "w": w})
+        df = df.with_columns(pl.col("pred").rank("ordinal").sub(1).mul(min(bins, df.height))
+                             .floordiv(df.height).cast(pl.Int64).alias("bin"))
+        parts.append(df.group_by("bin").agg(
+            pl.len().cast(pl.Int64).alias("n"),
+            ((pl.col("pred") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_prediction"),
+            ((pl.col("target") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_target"))
+            .sort("bin").select(pl.lit(head).alias("head"), "bin", "n", "mean_prediction",
+                                "mean_target"))
+    return pl.concat(parts).cast(schema)
+
+
+def fit_with_holdout(plan_df: pl.DataFrame, labels: pl.DataFrame, features: pl.DataFrame,
+                     rollouts: pl.DataFrame, ridge: float = 1.0, holdout: float = 0.2
+                     ) -> tuple[Heads, pl.DataFrame | None, str]:
+    """Heads fitted on training tasks, calibrated on held-out tasks (split by task). Returns
+    (heads, calibration table or None, a one-line note saying what was held out or why no
+    calibration could be computed)."""
+    train, held = task_split(rollouts, holdout)
+    h = fit_heads(plan_df.filter(pl.col("rollout_id").is_in(list(train))), labels, features,
+                  ridge)
+    held_plan = plan_df.filter(pl.col("rollout_id").is_in(list(held)))
+    if held_plan.filter(pl.col("selected")).height == 0:
+        return h, None, (f"no held-out calibration: the split by task held out {len(held)} "
+                         "rollout(s), none with a replayed position (label more positions or "
+                         "raise --holdout)")
+    te = _training_rows(held_plan, labels, features)
+    return h, calibration(h, te), (f"held-out calibration on {te.height} replayed position(s) "
+                                   f"of {len(held)} held-out rollout(s), split by task")
+
+
+def cross_fit(plan_df: pl.DataFrame, labels: pl.DataFrame, features: pl.DataFrame,
+              rollouts: pl.DataFrame, folds: int = 5, ridge: float = 1.0) -> pl.DataFrame:
+    """Cross-fitted predictions: tasks split into `folds` folds by hash; every position of a
+    fold gets c and e from heads fitted on the other folds only, so no prediction was fitted
+    on its own label. Returns rollout_id, step, prediction, error, fold, head_version."""
+    if folds < 2:
+        raise UsageError("--cross-fit needs at least 2 folds")
+    fold_of = rollouts.select("rollout_id", pl.col("task_id").map_elements(
+        lambda t: int(hashlib.sha256(str(t).encode()).hexdigest(), 16) % folds,
+        return_dtype=pl.Int64).alias("fold"))
+    F = features.with_columns(pl.col("step").cast(pl.Int64)).join(fold_of, on="rollout_id",
+                                                                   how="inner")
+    parts = []
+    for k in range(folds):
+        others = fold_of.filter(pl.col("fold") != k)["rollout_id"].to_list()
+        part = F.filter(pl.col("fold") == k)
+        if part.height == 0:
+            continue
+        h = fit_heads(plan_df.filter(pl.col("rollout_id").is_in(others)), labels, features,
+                      ridge)
+        c, e = h.predict(part)
+        parts.append(part.select("rollout_id", "step", pl.Series("prediction", c),
+                                 pl.Series("error", e), "fold",
+                                 pl.lit(h.version).alias("head_version")))
+    return pl.concat(parts)
 
 
 def evolve(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFrame,

@@ -49,7 +49,7 @@ def test_slack_budget_is_left_unspent_and_infeasible_budget_is_an_error():
 def positions(n_rollouts=6, T=4, seed=0):
     rng = np.random.default_rng(seed)
     return pl.DataFrame([{"rollout_id": f"r{i}", "step": t, "prediction": float(rng.normal()),
-                          "error": float(rng.uniform(0.1, 1))}
+                          "error": float(rng.uniform(0.1, 1)), "n_steps": T}
                          for i in range(n_rollouts) for t in range(1, T + 1)])
 
 
@@ -57,8 +57,9 @@ def test_plan_defaults_seed_and_columns():
     p1 = plan(positions(), budget=60, seed=3, replays=2)
     p2 = plan(positions(), budget=60, seed=3, replays=2)
     assert p1.equals(p2)
-    assert p1.filter(pl.col("step") == 1)["cost"][0] == 2 * 2 * 4     # 2K(T − t + 1)
-    assert p1.filter(pl.col("step") == 4)["cost"][0] == 2 * 2 * 1
+    # K(T − t + 1) resampled + K(T − t) realized actions
+    assert p1.filter(pl.col("step") == 1)["cost"][0] == 2 * 4 + 2 * 3
+    assert p1.filter(pl.col("step") == 4)["cost"][0] == 2 * 1 + 2 * 0
     assert {"p", "selected", "lambda", "seed", "prediction", "error"} <= set(p1.columns)
     assert p1["expected_cost"][0] == pytest.approx(60, rel=1e-8)
     assert not plan(positions(), budget=60, seed=4)["selected"].equals(p1["selected"])
@@ -129,11 +130,12 @@ def simulated(n=60, seed=0):
     for i in range(n):
         acts, _ = env.rollout(rng)
         for t in range(env.T):
-            pos.append({"rollout_id": f"r{i}", "step": t + 1, "prediction": 0.0, "error": 1.0})
+            pos.append({"rollout_id": f"r{i}", "step": t + 1, "prediction": 0.0, "error": 1.0,
+                        "n_steps": env.T})
             feats.append({"rollout_id": f"r{i}", "step": t + 1, "action": float(acts[t]),
                           "t": float(t)})
             truth[(f"r{i}", t + 1)] = (acts, t)
-    full = sum(2 * 2 * (env.T - r["step"] + 1) for r in pos)
+    full = sum(2 * (2 * (env.T - r["step"]) + 1) for r in pos)
     P = plan(pl.DataFrame(pos), budget=0.6 * full, seed=seed)  # p < 1: replay a subset
     labels = []
     for r in P.filter(pl.col("selected")).iter_rows(named=True):
@@ -159,7 +161,7 @@ def test_heads_learn_the_sign_of_credit():
 
 def test_cli_loop_plan_correct_fit_evolve(tmp_path):
     P, L, F, R = simulated(200)
-    pos = P.select("rollout_id", "step", "prediction", "error")
+    pos = P.select("rollout_id", "step", "prediction", "error", "n_steps")
     pos.write_parquet(tmp_path / "pos.parquet")
     L.write_parquet(tmp_path / "labels.parquet")
     F.write_parquet(tmp_path / "f.parquet")
@@ -222,3 +224,113 @@ def test_credo_token_advantages_layout():
     assert v[8:12] == [0.0] * 4                                  # observation
     dense0 = spans_to_dense(credo_token_advantages(rollouts, steps, credit, beta=0.0))
     assert dense0["advantages"][0].to_list()[0:2] == [0.0, 0.0]
+
+
+def test_cost_takes_T_from_the_steps_table_not_the_listed_positions(tmp_path):
+    """A positions file listing only some steps: T comes from the steps table."""
+    pos = pl.DataFrame({"rollout_id": ["a", "a", "b"], "step": [1, 2, 1],
+                        "prediction": [0.0, 0.0, 0.0], "error": [1.0, 1.0, 1.0]})
+    steps = pl.DataFrame({"rollout_id": ["a"] * 5 + ["b"] * 3, "step": [1, 2, 3, 4, 5, 1, 2, 3]})
+    with pytest.raises(UsageError, match="number of steps T"):
+        plan(pos, budget=100)
+    from draco_cli.credo import rollout_lengths
+
+    P = plan(pos, budget=1000, n_steps=rollout_lengths(steps), replays=2)
+    assert P["cost"].to_list() == [2 * 5 + 2 * 4, 2 * 4 + 2 * 3, 2 * 3 + 2 * 2]
+    with pytest.raises(InputError, match="no number of steps"):
+        plan(pos, budget=1000, n_steps=rollout_lengths(steps.filter(pl.col("rollout_id") == "a")))
+    with pytest.raises(InputError, match="outside 1..T"):
+        plan(pos.with_columns(pl.lit(9).alias("step")).head(1), 1000,
+             n_steps=rollout_lengths(steps))
+    pos.write_parquet(tmp_path / "pos.parquet")
+    steps.write_parquet(tmp_path / "steps.parquet")
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
+                    "1000", "--steps", str(tmp_path / "steps.parquet"), "-o",
+                    str(tmp_path / "plan.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    assert pl.read_parquet(tmp_path / "plan.parquet")["cost"].to_list() == [18, 14, 10]
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
+                    "1000", "-o", str(tmp_path / "p2.parquet"))
+    assert res.returncode == 2 and b"--steps" in res.stderr and b"Traceback" not in res.stderr
+    pos.head(0).write_parquet(tmp_path / "empty.parquet")
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "empty.parquet"), "--budget",
+                    "1000", "--steps", str(tmp_path / "steps.parquet"), "-o",
+                    str(tmp_path / "p3.parquet"))
+    assert res.returncode == 1 and b"no rows" in res.stderr
+    assert not (tmp_path / "p3.parquet").exists()
+
+
+def test_uniform_allocation_spends_what_sqrt_spends():
+    pos = positions(8, 5, seed=3)
+    for budget in (40.0, 120.0, 1e6):  # tight, moderate, slack
+        s = plan(pos, budget, seed=1)
+        u = plan(pos, budget, seed=1, allocation="uniform")
+        assert u["p"].n_unique() == 1 and u["allocation"][0] == "uniform"
+        assert (u["p"] * u["cost"]).sum() == pytest.approx((s["p"] * s["cost"]).sum(), rel=1e-9)
+        assert u["expected_cost"][0] == pytest.approx(s["expected_cost"][0], rel=1e-9)
+    with pytest.raises(UsageError, match="sqrt or uniform"):
+        plan(pos, 100, allocation="oracle")
+
+
+def test_refused_inputs_clip_and_conflicting_labels():
+    P = pl.DataFrame({"rollout_id": ["a"], "step": [1], "prediction": [0.0], "p": [0.5],
+                      "selected": [True]})
+    L = pl.DataFrame({"rollout_id": ["a"] * 3, "step": [1] * 3,
+                      "side": ["realized", "resampled", "realized"], "sample": [0, 0, 0],
+                      "return": [1.0, 0.0, 0.0]})
+    with pytest.raises(InputError, match="conflicting duplicate labels"):
+        correct(P, L)
+    same = L.with_columns(pl.Series("return", [1.0, 0.0, 1.0]))
+    out, _ = correct(P, same)  # an identical duplicate is one label, not two
+    assert out["delta"][0] == 1.0
+    for bad in (-1.0, 0.0):
+        with pytest.raises(UsageError, match="--clip must be > 0"):
+            correct(P, same, clip=bad)
+
+
+def test_heads_with_reward_feature_refuse_features_without_rewards():
+    from draco_cli.credo import Heads, draco_features
+
+    sc = pl.DataFrame({"rollout_id": ["a", "a"], "step": [1, 2], "n_tokens": [3, 4],
+                       "p": [1, 0], "f": [0, 1], "quality": [1.0, 0.0], "cited": [True, True]})
+    with_r = draco_features(sc, pl.DataFrame({"rollout_id": ["a"], "reward": [0.9]}))
+    without = draco_features(sc, None)
+    assert "reward" in with_r.columns and "reward" not in without.columns
+    h = Heads(["quality", "reward"], [0.0, 1.0, 1.0], [0.1, 0.0, 0.0], 1.0, "heads-x", 2)
+    assert h.predict(with_r)[0].tolist() == pytest.approx([1.9, 0.9])
+    with pytest.raises(InputError, match="pass --rewards"):
+        h.predict(without)
+
+
+def test_fit_prints_held_out_calibration_of_both_heads(tmp_path):
+    P, L, F, R = simulated(200)
+    for name, df in (("plan", P), ("labels", L), ("f", F), ("rollouts", R)):
+        df.write_parquet(tmp_path / f"{name}.parquet")
+    res = run_draco("replay", "fit", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+                    str(tmp_path / "labels.parquet"), "--features", str(tmp_path / "f.parquet"),
+                    "--rollouts", str(tmp_path / "rollouts.parquet"), "-o",
+                    str(tmp_path / "heads.json"))
+    assert res.returncode == 0, res.stderr.decode()
+    err = res.stderr.decode()
+    assert "held-out calibration on" in err and "mean_prediction" in err
+    assert "credit" in err and "error" in err
+    from draco_cli.credo import fit_with_holdout
+
+    _, cal, _ = fit_with_holdout(P, L, F, R)
+    assert set(cal["head"]) == {"credit", "error"}
+    cred = cal.filter(pl.col("head") == "credit")
+    # a calibrated credit head: bin means rise with the prediction
+    assert cred["mean_target"][-1] > cred["mean_target"][0]
+
+
+def test_cross_fit_predicts_each_fold_from_the_others():
+    from draco_cli.credo import cross_fit
+
+    P, L, F, R = simulated(200)
+    cf = cross_fit(P, L, F, R, folds=4)
+    assert cf.height == F.height and 2 <= cf["fold"].n_unique() <= 4
+    assert cf.group_by("fold").agg(pl.col("head_version").n_unique())["head_version"].max() == 1
+    assert cf["head_version"].n_unique() == cf["fold"].n_unique()
+    acts = F.join(cf, on=["rollout_id", "step"])
+    assert acts.filter(pl.col("action") == 1)["prediction"].mean() > \
+        acts.filter(pl.col("action") == 0)["prediction"].mean()

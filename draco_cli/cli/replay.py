@@ -41,7 +41,13 @@ def plan_cmd(
     = 0.05,
     seed: Annotated[int, typer.Option(help="Seed of the Bernoulli selection (recorded).")] = 0,
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side (default "
-                                         "cost 2·K·(T − t + 1)).")] = 2,
+                                         "cost K·(T − t + 1) + K·(T − t) actions).")] = 2,
+    steps: Annotated[Optional[Path], typer.Option(
+        "--steps", help="steps.parquet: each rollout's number of steps T for the default cost "
+        "(needed unless the positions carry cost or n_steps).")] = None,
+    allocation: Annotated[str, typer.Option(
+        "--allocation", help="sqrt = square-root allocation (Eq. 10); uniform = one p for "
+        "every position at the same expected cost (the paper's uniform-replay arm).")] = "sqrt",
     heads: Annotated[Optional[Path], typer.Option(
         help="Fitted heads (JSON): take prediction and error from them, recording the version.")]
     = None,
@@ -58,9 +64,10 @@ def plan_cmd(
     """
     import polars as pl
 
-    from draco_cli.credo import Heads, plan
+    from draco_cli.credo import Heads, plan, rollout_lengths
 
     pos = _read(positions)
+    lengths = rollout_lengths(_read(steps)) if steps is not None else None
     version = None
     if heads is not None:
         if features is None:
@@ -68,15 +75,18 @@ def plan_cmd(
         h = Heads.from_json(heads.read_text(), str(heads))
         F = _features(features, rewards)
         joined = pos.select("rollout_id", pl.col("step").cast(pl.Int64),
-                            *[c for c in ("score_norm", "cost") if c in pos.columns]).join(
+                            *[c for c in ("score_norm", "cost", "n_steps")
+                              if c in pos.columns]).join(
             F, on=["rollout_id", "step"], how="left", maintain_order="left")
         c, e = h.predict(joined)
         pos = joined.with_columns(pl.Series("prediction", c), pl.Series("error", e))
         version = h.version
-    result = plan(pos, budget, p_min=p_min, seed=seed, replays=replays, head_version=version)
+    result = plan(pos, budget, p_min=p_min, seed=seed, replays=replays, head_version=version,
+                  n_steps=lengths, allocation=allocation)
     _write(result, out, force)
     err_console.print(
-        f"{result.height} positions, {int(result['selected'].sum())} selected; expected cost "
+        f"{result.height} positions, {int(result['selected'].sum())} selected ({allocation}); "
+        f"expected cost "
         f"{result['expected_cost'][0]:.6g} of budget {budget:g}; λ = {result['lambda'][0]:.6g}"
         f"{' (slack: the rest unspent)' if result['lambda'][0] == 0 else ''} → {out}",
         highlight=False)
@@ -150,6 +160,8 @@ def fit_cmd(
     rollouts: Annotated[Optional[Path], typer.Option(help="rollouts.parquet: held-out "
                                                      "calibration split by task.")] = None,
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
+    holdout: Annotated[float, typer.Option(help="Share of tasks held out for calibration "
+                                           "(with --rollouts).")] = 0.2,
     force: Force = False,
 ) -> None:
     """Fit the credit head (inverse-inclusion-weighted ridge of Δ) and the error head
@@ -157,28 +169,34 @@ def fit_cmd(
 
     Example: draco replay fit --plan plan.parquet --labels labels.parquet --features credit/step_credit.parquet -o heads.json
     """
-    import polars as pl
-
-    from draco_cli.credo import _training_rows, calibration, fit_heads, task_split
+    from draco_cli.credo import fit_heads, fit_with_holdout
     from draco_cli.io import check_writable, write_text_atomic
 
     check_writable(out, force)
     F = _features(features, rewards)
     P, L = _read(plan_path), _read(labels)
     if rollouts is not None:
-        train, held = task_split(_read(rollouts))
-        h = fit_heads(P.filter(pl.col("rollout_id").is_in(list(train))), L, F, ridge)
-        te = _training_rows(P.filter(pl.col("rollout_id").is_in(list(held))), L, F) \
-            if held else None
-        cal = calibration(h, te) if te is not None and te.height else None
+        h, cal, note = fit_with_holdout(P, L, F, _read(rollouts), ridge, holdout)
     else:
-        h, cal = fit_heads(P, L, F, ridge), None
+        h, cal, note = fit_heads(P, L, F, ridge), None, \
+            "no calibration table: pass --rollouts to hold out tasks for it"
     write_text_atomic(out, h.to_json(), force=force)
     err_console.print(f"{h.version}: {h.rows} labelled positions, features "
                       f"{', '.join(h.features)} → {out}", highlight=False)
+    err_console.print(note, highlight=False)
     if cal is not None:
-        err_console.print("held-out calibration (weighted means per prediction bin):")
-        err_console.print(cal)
+        _print_table(cal, "inverse-inclusion-weighted means per prediction bin")
+
+
+def _print_table(df, title: str) -> None:
+    from rich.table import Table
+
+    t = Table(title=title, title_justify="left", box=None)
+    for c in df.columns:
+        t.add_column(c, justify="left" if df[c].dtype == str else "right")
+    for row in df.iter_rows():
+        t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
+    err_console.print(t)
 
 
 @app.command("evolve")
