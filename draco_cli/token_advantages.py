@@ -101,6 +101,12 @@ def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndar
     pos_r = np.zeros(R, dtype=bool)
     pieces: list[tuple[np.ndarray, ...]] = []
     policy = None  # (parent rollout, start, end) of every policy span, flattened once
+    # Without response_len the response is at least as long as its policy spans (a final
+    # message after the last step): the length covers them, whatever the credit mode.
+    ps_end = np.full(R, -1, dtype=np.int64)
+    if np.any(has_ps & (resp < 0)):
+        policy = _policy_pairs(ps)
+        np.maximum.at(ps_end, policy[0], policy[2].astype(np.int64))
     for r0, r1, s0, s1 in rollout_chunks(sa.offsets):
         Rl = r1 - r0
         rl = sa.r[s0:s1] - r0
@@ -126,7 +132,8 @@ def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndar
         if nonempty.size:
             last_end[nonempty] = np.maximum.reduceat(end, (sa.offsets[r0:r1] - s0)[nonempty])
         sum_n = np.bincount(rl, weights=n, minlength=Rl).astype(np.int64)
-        length[r0:r1] = np.where(pos, np.where(rsp >= 0, rsp, last_end), sum_n)
+        length[r0:r1] = np.where(pos, np.where(rsp >= 0, rsp, np.maximum(last_end,
+                                                                          ps_end[r0:r1])), sum_n)
         pos_r[r0:r1] = pos
 
         # Uniform / fallback with known policy spans: every policy token (gap included) gets

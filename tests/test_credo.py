@@ -334,3 +334,30 @@ def test_cross_fit_predicts_each_fold_from_the_others():
     acts = F.join(cf, on=["rollout_id", "step"])
     assert acts.filter(pl.col("action") == 1)["prediction"].mean() > \
         acts.filter(pl.col("action") == 0)["prediction"].mean()
+
+
+@pytest.mark.parametrize("mode", ["uniform", "grpo_fallback", "step"])
+def test_policy_spans_past_the_last_step_without_response_len(mode):
+    """Positions known, response_len null, a policy span after the last step (a final message):
+    the length covers the span in every mode, no span lies past it, dense form works."""
+    from draco_cli.token_advantages import build_token_advantages, spans_to_dense
+
+    rollouts = pl.DataFrame({"rollout_id": ["a"], "group_id": ["g"], "response_len": [None],
+                             "policy_spans": [[[0, 6], [10, 14], [20, 25]]]},
+                            schema_overrides={"response_len": pl.Int32,
+                                              "policy_spans": pl.List(pl.List(pl.Int32))})
+    sc = pl.DataFrame({"rollout_id": ["a", "a"], "step": [1, 2], "n_tokens": [4, 4],
+                       "token_start": [2, 10], "advantage": [0.5, 0.25]},
+                      schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32,
+                                        "token_start": pl.Int32})
+    rewards = pl.DataFrame({"rollout_id": ["a"], "advantage": [1.0], "credit_mode": [mode]})
+    spans = build_token_advantages(rollouts, sc, rewards)
+    assert spans["length"][0] == 25
+    assert max(spans["span_end"][0].to_list()) <= 25
+    v = spans_to_dense(spans)["advantages"][0].to_list()
+    assert len(v) == 25
+    if mode == "step":
+        assert v[2:6] == [0.5] * 4 and v[20:25] == [0.0] * 5   # gap tokens get 0
+    else:
+        assert v[20:25] == [1.0] * 5 and v[0:6] == [1.0] * 6   # every policy token gets A_i
+    assert v[6:10] == [0.0] * 4                                  # observation
