@@ -2,7 +2,7 @@
 
     python benchmarks/bench_credo.py [--seeds 300] [--batch 64] [--steps 5]
 
-Each seed: sample a batch of rollouts from the chain simulator (draco_cli/credo_sim.py), give
+Each seed: sample a batch of rollouts from the chain simulator (examples/chain_env.py), give
 every position a rubric-style prediction c_t (the true credit shrunk by 30% plus noise, so it
 is informative but biased) and a predicted error e_t, plan replay with ``draco_cli.credo.plan``
 (square-root allocation) or with uniform p at the same expected cost, run the two-sided replays
@@ -22,10 +22,13 @@ from pathlib import Path
 import numpy as np
 import polars as pl
 
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+sys.path.insert(0, str(ROOT / "examples"))
+
+from chain_env import ChainEnv  # noqa: E402
 
 from draco_cli.credo import correct, plan  # noqa: E402
-from draco_cli.credo_sim import ChainEnv  # noqa: E402
 
 K = 2
 
@@ -44,19 +47,18 @@ def one_seed(env: ChainEnv, batch: int, seed: int, budget_share: float):
             e = (qr * (1 - qr) + qs * (1 - qs)) / K + (C - c) ** 2  # the error head's job
             rid = f"r{i}"
             rows.append({"rollout_id": rid, "step": t + 1, "prediction": c, "error": e,
+                         "n_steps": env.T,
                          "score_norm": float(np.linalg.norm(env.score(actions, t)))})
             scores[(rid, t + 1)] = env.score(actions, t)
             truths[(rid, t + 1)] = (actions, t)
     positions = pl.DataFrame(rows)
     T = env.T
-    full_cost = float(sum(2 * K * (T - r["step"] + 1) for r in rows))
+    full_cost = float(sum(K * (2 * (T - r["step"]) + 1) for r in rows))
     budget = budget_share * full_cost
     out = {}
     sqrt_plan = plan(positions, budget, p_min=0.05, seed=seed, replays=K)
-    uni_p = budget / full_cost
-    uni_plan = sqrt_plan.with_columns(pl.lit(uni_p).alias("p"),
-                                      pl.Series("selected", np.random.default_rng(seed + 10**6)
-                                                .random(sqrt_plan.height) < uni_p))
+    uni_plan = plan(positions, budget, p_min=0.05, seed=seed + 10**6, replays=K,
+                    allocation="uniform")
     for name, pl_df in (("square-root", sqrt_plan), ("uniform", uni_plan)):
         labels = []
         for r in pl_df.filter(pl.col("selected")).iter_rows(named=True):
@@ -74,12 +76,14 @@ def one_seed(env: ChainEnv, batch: int, seed: int, budget_share: float):
         for r in credit.iter_rows(named=True):
             G += scores[(r["rollout_id"], r["step"])] * r["corrected"]
         cost = float((pl_df.filter(pl.col("selected"))
-                      .select(2 * K * (T - pl.col("step") + 1)).sum().item()))
+                      .select(pl.col("cost")).sum().item()))
         out[f"corrected, {name}"] = (G / batch, cost)
     G = np.zeros(env.T)
     for r in positions.iter_rows(named=True):
         G += scores[(r["rollout_id"], r["step"])] * r["prediction"]
-    out["no correction"] = (G / batch, 0.0)
+    # the no-correction control acquires the square-root plan's labels and ignores them: the
+    # same replay budget, so the comparison does not confound the update with supervision
+    out["no correction"] = (G / batch, out["corrected, square-root"][1])
     return out
 
 

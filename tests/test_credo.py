@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import numpy as np
 import polars as pl
 import pytest
@@ -122,7 +124,10 @@ def test_weighted_ridge_matches_numpy_least_squares():
 
 def simulated(n=60, seed=0):
     """A plan and labels from the chain simulator, with informative features."""
-    from draco_cli.credo_sim import ChainEnv
+    from tests.conftest import REPO
+
+    sys.path.insert(0, str(REPO / "examples"))
+    from chain_env import ChainEnv
 
     env = ChainEnv(theta=np.array([0.2, -0.3, 0.5]))
     rng = np.random.default_rng(seed)

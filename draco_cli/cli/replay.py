@@ -101,6 +101,62 @@ def _features(path: Path, rewards: Optional[Path]):
     return F
 
 
+@app.command("run")
+def run_cmd(
+    plan_path: Annotated[Path, typer.Option("--plan", help="The plan (replay plan's output).")],
+    env: Annotated[str, typer.Option(
+        "--env", help="The environment: a command speaking the replay protocol as JSON lines on "
+        "stdin/stdout (one copy per worker), or an http:// URL taking one POST per replay.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder: labels.parquet, "
+                                      "replay_cost.parquet, replay_log.jsonl (the resume log).")],
+    workers: Annotated[int, typer.Option("--workers", min=1, help="Replays run at once.")] = 2,
+    replays: Annotated[Optional[int], typer.Option(
+        "--replays", min=1, help="K per side (default: the plan's).")] = None,
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds per HTTP request.")]
+    = 600.0,
+    force: Force = False,
+) -> None:
+    """Run the plan's replays in an external environment → OUT/labels.parquet. Resumable: a
+    rerun skips every replay its log holds (--force rewrites the outputs and keeps the log of
+    the same plan; a log of another plan is replaced only with --force).
+
+    Example: draco replay run --plan plan.parquet --env "python examples/chain_env.py serve" -o replays
+    """
+    from draco_cli.cli.llmrun import progress_bar
+    from draco_cli.replay_run import LOG_NAME, run_replays
+
+    target = out / "labels.parquet"
+    if target.exists() and not force:
+        raise typer.BadParameter(f"{target} exists: pass --force to run again")
+    with progress_bar("replaying") as bar:
+        class _P:  # the progress bar's shape
+            failed, cost_usd = 0, 0.0
+
+        def tick(done: int, total: int) -> None:
+            p = _P()
+            p.done, p.total = done, total
+            bar(p)
+
+        res = run_replays(_read(plan_path), env, out / LOG_NAME, workers=workers,
+                          replays=replays, replace_other=force, timeout=timeout,
+                          progress=tick)
+    _write(res.costs, out / "replay_cost.parquet", True)
+    for f in res.failures[:5]:
+        err_console.print(f"[red]failed:[/] {f}", highlight=False)
+    total = res.costs.height + len(res.failures)
+    err_console.print(
+        f"{res.ran} replays run now, {res.done_before} from the log of an earlier run; "
+        f"{int(res.costs['env_actions'].sum())} environment actions, "
+        f"{int(res.costs['tokens'].sum())} tokens", highlight=False)
+    if res.labels is None:
+        err_console.print(f"[red]{len(res.failures)} replay(s) failed[/] of {total}: no "
+                          "labels written; rerun to retry them (finished ones are kept)",
+                          highlight=False)
+        raise typer.Exit(1)
+    _write(res.labels, target, True)
+    err_console.print(f"labels → {target}", highlight=False)
+
+
 @app.command("correct")
 def correct_cmd(
     plan_path: Annotated[Path, typer.Option("--plan", help="The plan written before labels.")],

@@ -1,0 +1,282 @@
+"""Driving a real environment through the replay protocol (``draco replay run``).
+
+draco hands the environment one request per selected position of a plan and reads the labels
+back. The environment is an external program speaking JSON lines on stdin/stdout (``--env
+CMD``, one copy per worker) or an HTTP endpoint (``--env http://…``, one POST per request):
+
+    request  {"id": "<rollout_id>#<step>", "rollout_id": str, "step": int, "replays": K,
+              "seed": int, "task_id": str | null, "plan": "<plan digest>"}
+    answer   {"id": same, "realized": [K returns], "resampled": [K returns],
+              "env_actions": int, "tokens": int}      or      {"id": same, "error": "why"}
+
+The realized side restores the state after step t and runs K continuations; the resampled side
+restores the state before step t, samples a fresh action and runs K continuations (SPEC §6).
+``env_actions`` and ``tokens`` are what the replays cost (environment actions run, policy tokens
+generated), recorded per position.
+
+Resumable like the LLM stages: every finished replay is appended (and flushed to disk) to a
+log before it counts, so a run killed at any point reruns only what the log lacks; the labels
+table is written whole, atomically, once every selected position has its answer. The seed of a
+position is derived from the plan's seed and the position, so a replay that had to be redone
+draws the same random streams.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import queue
+import shlex
+import subprocess
+import threading
+import time
+import urllib.error
+import urllib.request
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import polars as pl
+
+from draco_cli.errors import InputError, UsageError
+
+PROTOCOL = "draco-replay/1"
+LOG_NAME = "replay_log.jsonl"
+
+
+@dataclass
+class RunResult:
+    labels: pl.DataFrame | None       # rollout_id, step, side, sample, return (None if incomplete)
+    costs: pl.DataFrame               # rollout_id, step, env_actions, tokens, seconds
+    done_before: int                  # replays found in the log from an earlier run
+    ran: int                          # replays run now
+    failures: list[str] = field(default_factory=list)
+
+
+def plan_digest(plan_df: pl.DataFrame) -> str:
+    """Identifies the plan a log belongs to: its selected positions, K and seed."""
+    sel = plan_df.filter(pl.col("selected")).select("rollout_id", "step").sort("rollout_id",
+                                                                                "step")
+    meta = [int(plan_df["seed"][0]) if "seed" in plan_df.columns else 0,
+            int(plan_df["replays"][0]) if "replays" in plan_df.columns else None]
+    h = hashlib.sha256(json.dumps(meta).encode())
+    h.update(sel.write_csv().encode())
+    return h.hexdigest()[:16]
+
+
+def position_seed(plan_seed: int, rollout_id: str, step: int) -> int:
+    d = hashlib.sha256(f"{plan_seed}\x1f{rollout_id}\x1f{step}".encode()).digest()
+    return int.from_bytes(d[:8], "big") >> 1
+
+
+def requests_of(plan_df: pl.DataFrame, replays: int | None) -> list[dict]:
+    for col in ("rollout_id", "step", "selected"):
+        if col not in plan_df.columns:
+            raise InputError("missing column of the plan", field=col)
+    K = replays or (int(plan_df["replays"][0]) if "replays" in plan_df.columns else None)
+    if not K or K < 1:
+        raise UsageError("the plan records no K (replays): pass --replays")
+    seed = int(plan_df["seed"][0]) if "seed" in plan_df.columns else 0
+    digest = plan_digest(plan_df)
+    task = "task_id" if "task_id" in plan_df.columns else None
+    out = []
+    for r in plan_df.filter(pl.col("selected")).iter_rows(named=True):
+        out.append({"id": f"{r['rollout_id']}#{int(r['step'])}", "rollout_id": r["rollout_id"],
+                    "step": int(r["step"]), "replays": K,
+                    "seed": position_seed(seed, r["rollout_id"], int(r["step"])),
+                    "task_id": r[task] if task else None, "plan": digest})
+    return out
+
+
+def check_answer(req: dict, ans: object) -> str | None:
+    """Why an answer is unusable, or None."""
+    if not isinstance(ans, dict):
+        return "the answer is not a JSON object"
+    if ans.get("id") != req["id"]:
+        return f"the answer's id {ans.get('id')!r} is not the request's {req['id']!r}"
+    if "error" in ans:
+        return f"the environment refused: {str(ans['error'])[:200]}"
+    K = req["replays"]
+    for side in ("realized", "resampled"):
+        v = ans.get(side)
+        if not isinstance(v, list) or len(v) != K or not all(
+                isinstance(x, (int, float)) and not isinstance(x, bool) and x == x for x in v):
+            return f"{side} must be a list of {K} numbers"
+    for key in ("env_actions", "tokens"):
+        v = ans.get(key, 0)
+        if not isinstance(v, int) or isinstance(v, bool) or v < 0:
+            return f"{key} must be a non-negative integer"
+    return None
+
+
+class _Log:
+    """Append-only JSON-lines log of finished replays; the first line names the plan."""
+
+    def __init__(self, path: Path, digest: str, replace_other: bool):
+        self.path = path
+        self.lock = threading.Lock()
+        self.done: dict[str, dict] = {}
+        head: dict = {}
+        if path.exists():
+            lines = path.read_bytes().split(b"\n")
+            try:
+                head = json.loads(lines[0])
+            except ValueError:
+                head = {}
+            if head.get("plan") != digest and not replace_other:
+                raise UsageError(f"{path} is the log of another plan (or not a replay log): "
+                                 "use another output folder, or --force to start over")
+        if head.get("plan") == digest:
+            good = len(lines[0]) + 1
+            for line in lines[1:]:
+                try:
+                    rec = json.loads(line)
+                except ValueError:
+                    break  # a line cut short by a kill: everything before it is whole
+                self.done[rec["id"]] = rec
+                good += len(line) + 1
+            with open(path, "r+b") as f:  # drop a torn tail so appends start on a new line
+                f.truncate(min(good, path.stat().st_size))
+        else:
+            path.parent.mkdir(parents=True, exist_ok=True)
+            with open(path, "wb") as f:
+                f.write(json.dumps({"protocol": PROTOCOL, "plan": digest}).encode() + b"\n")
+                f.flush()
+                os.fsync(f.fileno())
+        self.f = open(path, "ab")
+
+    def add(self, rec: dict) -> None:
+        with self.lock:
+            self.f.write(json.dumps(rec).encode() + b"\n")
+            self.f.flush()
+            os.fsync(self.f.fileno())
+            self.done[rec["id"]] = rec
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class _Subprocess:
+    def __init__(self, cmd: str):
+        self.cmd = cmd
+        try:
+            self.p = subprocess.Popen(shlex.split(cmd), stdin=subprocess.PIPE,
+                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      text=True, bufsize=1)
+        except OSError as exc:
+            raise UsageError(f"--env {cmd!r} could not start: {exc.strerror}") from None
+
+    def ask(self, req: dict, timeout: float) -> object:
+        self.p.stdin.write(json.dumps(req) + "\n")
+        self.p.stdin.flush()
+        line = self.p.stdout.readline()
+        if not line:
+            raise RuntimeError(f"the environment exited (code {self.p.poll()})")
+        return json.loads(line)
+
+    def close(self) -> None:
+        try:
+            self.p.stdin.close()
+            self.p.wait(timeout=10)
+        except (OSError, subprocess.TimeoutExpired):
+            self.p.kill()
+
+
+class _Http:
+    def __init__(self, url: str):
+        self.url = url
+
+    def ask(self, req: dict, timeout: float) -> object:
+        r = urllib.request.Request(self.url, data=json.dumps(req).encode(),
+                                   headers={"Content-Type": "application/json"})
+        with urllib.request.urlopen(r, timeout=timeout) as resp:
+            return json.loads(resp.read())
+
+    def close(self) -> None:
+        pass
+
+
+def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int = 1,
+                replays: int | None = None, replace_other: bool = False,
+                timeout: float = 600.0,
+                progress: Callable[[int, int], None] | None = None) -> RunResult:
+    """Run every selected position of the plan not yet in the log, `workers` at a time. A log
+    of another plan is an error unless `replace_other` (then it starts over)."""
+    if workers < 1:
+        raise UsageError("--workers must be at least 1")
+    reqs = requests_of(plan_df, replays)
+    log = _Log(log_path, plan_digest(plan_df), replace_other)
+    before = sum(1 for r in reqs if r["id"] in log.done)
+    todo: queue.Queue = queue.Queue()
+    for r in reqs:
+        if r["id"] not in log.done:
+            todo.put(r)
+    failures: list[str] = []
+    ran = [0]
+    lock = threading.Lock()
+    is_http = env.startswith(("http://", "https://"))
+
+    def worker() -> None:
+        try:
+            conn = _Http(env) if is_http else _Subprocess(env)
+        except UsageError as exc:
+            with lock:
+                failures.append(str(exc))
+            return
+        try:
+            while True:
+                try:
+                    req = todo.get_nowait()
+                except queue.Empty:
+                    return
+                t0 = time.monotonic()
+                try:
+                    ans = conn.ask(req, timeout)
+                    why = check_answer(req, ans)
+                except (ValueError, OSError, RuntimeError, urllib.error.URLError) as exc:
+                    why, ans = f"{type(exc).__name__}: {exc}"[:300], None
+                    if not is_http:  # the pipe is gone: this worker stops, others go on
+                        with lock:
+                            failures.append(f"({req['rollout_id']!r}, step {req['step']}): "
+                                            f"{why}")
+                        return
+                if why:
+                    with lock:
+                        failures.append(f"({req['rollout_id']!r}, step {req['step']}): {why}")
+                    continue
+                log.add({"id": req["id"], "rollout_id": req["rollout_id"], "step": req["step"],
+                         "realized": ans["realized"], "resampled": ans["resampled"],
+                         "env_actions": ans.get("env_actions", 0),
+                         "tokens": ans.get("tokens", 0),
+                         "seconds": round(time.monotonic() - t0, 6)})
+                with lock:
+                    ran[0] += 1
+                    if progress:
+                        progress(before + ran[0], len(reqs))
+        finally:
+            conn.close()
+
+    threads = [threading.Thread(target=worker, daemon=True)
+               for _ in range(min(workers, max(todo.qsize(), 1)))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    log.close()
+    recs = [log.done[r["id"]] for r in reqs if r["id"] in log.done]
+    costs = pl.DataFrame(
+        [{k: rec[k] for k in ("rollout_id", "step", "env_actions", "tokens", "seconds")}
+         for rec in recs],
+        schema={"rollout_id": pl.String, "step": pl.Int64, "env_actions": pl.Int64,
+                "tokens": pl.Int64, "seconds": pl.Float64})
+    labels = None
+    if len(recs) == len(reqs):
+        labels = pl.DataFrame(
+            [{"rollout_id": rec["rollout_id"], "step": rec["step"], "side": side, "sample": k,
+              "return": float(v)}
+             for rec in recs for side in ("realized", "resampled")
+             for k, v in enumerate(rec[side])],
+            schema={"rollout_id": pl.String, "step": pl.Int64, "side": pl.String,
+                    "sample": pl.Int64, "return": pl.Float64})
+    return RunResult(labels, costs, before, ran[0], failures)
