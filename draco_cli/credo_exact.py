@@ -1,14 +1,23 @@
 """The exact finite-model check of CREDO's estimator (``draco replay exact-check``).
 
-A two-decision stochastic model small enough to enumerate completely: every trajectory, every
-inclusion draw S_t, every replay outcome (K Bernoulli returns per side, so the side means are
-binomial). For each estimator the expectation is compared with the analytic policy gradient
-(must match to 1e-9 when corrected) and the variance is computed exactly, at equal expected
-replay cost for uniform and square-root ("oracle") allocation.
+The paper (§4.1) enumerates "a two-decision stochastic model with 16 original trajectories, all
+Bernoulli inclusion decisions, and all two-sided replay outcomes for M = 2" and reports the
+scalar objective gradient 0.1127514540. It does not give the model's probabilities, its policy
+parameterisation or its rewards, so that number cannot be reproduced from the description; this
+module builds a model of exactly that shape (documented in docs/credo.md) and checks the same
+things on it:
 
-Model: a1 ~ Bernoulli(σ(θ1)); a2 ~ Bernoulli(σ(θ2 + θ3·a1)); return R ~ Bernoulli(q[a1, a2]).
-Score g_t = ∇_θ log π(a_t). Credit target C_t = Q(s_t, a_t) − V(s_t); the replay label Δ_t is
-the mean of K realized-side returns minus the mean of K resampled-side returns, E[Δ_t] = C_t.
+    decision 1: a1 ~ Bernoulli(σ(θ))              transition: o1 ~ Bernoulli(RHO[a1])
+    decision 2: a2 ~ Bernoulli(σ(θ + W·(2·o1 − 1)))  evaluator: R ~ Bernoulli(Q[a1, o1, a2])
+
+2 × 2 × 2 × 2 = 16 trajectories (a1, o1, a2, R), one scalar parameter θ, score g_t =
+∂ log π(a_t)/∂θ = a_t − π(1 | s_t). Credit target C_t = E[R | realized state after step t] −
+V(s_t); the replay label Δ_t is the mean of M realized-side returns minus the mean of M
+resampled-side returns (binomial side means, enumerated), so E[Δ_t] = C_t. For every estimator
+the expectation over trajectories, inclusion draws and replay outcomes is compared with the
+analytic gradient ∂J/∂θ (itself checked against a central finite difference), the variance is
+exact, and the cost is the expected number of additional environment actions per original
+trajectory: position t costs M·(T − t + 1) resampled-side plus M·(T − t) realized-side actions.
 """
 
 from __future__ import annotations
@@ -19,44 +28,41 @@ from dataclasses import dataclass
 
 import numpy as np
 
-THETA = np.array([0.3, -0.4, 1.1])
-Q = np.array([[0.2, 0.5], [0.35, 0.9]])  # P(R = 1 | a1, a2)
+THETA = 0.25
+W = 0.6                                   # how the observation shifts the second decision
+RHO = (0.3, 0.7)                          # P(o1 = 1 | a1)
+Q = {(0, 0, 0): 0.05, (0, 0, 1): 0.30, (0, 1, 0): 0.20, (0, 1, 1): 0.55,
+     (1, 0, 0): 0.25, (1, 0, 1): 0.60, (1, 1, 0): 0.45, (1, 1, 1): 0.90}  # P(R = 1 | a1, o1, a2)
+T = 2
 
 
 def sig(x: float) -> float:
     return 1 / (1 + math.exp(-x))
 
 
-def pi1(a1: int, th=THETA) -> float:
-    p = sig(th[0])
-    return p if a1 else 1 - p
+def p1(th: float) -> float:
+    return sig(th)
 
 
-def pi2(a2: int, a1: int, th=THETA) -> float:
-    p = sig(th[1] + th[2] * a1)
-    return p if a2 else 1 - p
+def p2(o1: int, th: float) -> float:
+    return sig(th + W * (2 * o1 - 1))
 
 
-def grad_log_pi1(a1: int, th=THETA) -> np.ndarray:
-    return np.array([a1 - sig(th[0]), 0.0, 0.0])
+def bern(p: float, x: int) -> float:
+    return p if x else 1 - p
 
 
-def grad_log_pi2(a2: int, a1: int, th=THETA) -> np.ndarray:
-    d = a2 - sig(th[1] + th[2] * a1)
-    return np.array([0.0, d, d * a1])
+def J(th: float = THETA) -> float:
+    return sum(bern(p1(th), a1) * bern(RHO[a1], o1) * bern(p2(o1, th), a2) * Q[a1, o1, a2]
+               for a1, o1, a2 in itertools.product((0, 1), repeat=3))
 
 
-def J(th=THETA) -> float:
-    return sum(pi1(a1, th) * pi2(a2, a1, th) * Q[a1, a2] for a1 in (0, 1) for a2 in (0, 1))
-
-
-def analytic_gradient(th=THETA) -> np.ndarray:
-    """∇J by differentiating the enumerated sum (score-function form, exact)."""
-    g = np.zeros(3)
-    for a1 in (0, 1):
-        for a2 in (0, 1):
-            w = pi1(a1, th) * pi2(a2, a1, th) * Q[a1, a2]
-            g += w * (grad_log_pi1(a1, th) + grad_log_pi2(a2, a1, th))
+def analytic_gradient(th: float = THETA) -> float:
+    """∂J/∂θ by the score-function identity over the enumerated trajectories (exact)."""
+    g = 0.0
+    for a1, o1, a2 in itertools.product((0, 1), repeat=3):
+        w = bern(p1(th), a1) * bern(RHO[a1], o1) * bern(p2(o1, th), a2) * Q[a1, o1, a2]
+        g += w * ((a1 - p1(th)) + (a2 - p2(o1, th)))
     return g
 
 
@@ -64,126 +70,125 @@ def analytic_gradient(th=THETA) -> np.ndarray:
 class Position:
     prob: float          # P(trajectory)
     t: int
-    score: np.ndarray    # g_t
-    q_real: float        # P(return = 1) on the realized side
-    q_res: float         # P(return = 1) on the resampled side
-    cost: float
+    score: float         # g_t
+    q_real: float        # P(R = 1) on the realized side (state after step t restored)
+    q_res: float         # P(R = 1) on the resampled side (fresh action at step t)
+    cost: float          # additional environment actions of a replay of this position
+
+    @property
+    def credit(self) -> float:
+        return self.q_real - self.q_res
 
 
-def positions(K: int) -> list[list[Position]]:
-    """Per trajectory (a1, a2): its two positions."""
-    T = 2
+def trajectories(M: int, th: float = THETA) -> list[list[Position]]:
+    """The 16 trajectories (a1, o1, a2, R), each with its two positions."""
+    def cost(t: int) -> float:
+        return M * (T - t + 1) + M * (T - t)
+
+    def v2(a1: int, o1: int) -> float:   # E[R | state before decision 2]
+        return sum(bern(p2(o1, th), b) * Q[a1, o1, b] for b in (0, 1))
+
+    def q1(a1: int) -> float:            # E[R | a1], the observation resampled
+        return sum(bern(RHO[a1], o) * v2(a1, o) for o in (0, 1))
+
+    V1 = sum(bern(p1(th), a) * q1(a) for a in (0, 1))
     out = []
-    for a1 in (0, 1):
-        for a2 in (0, 1):
-            prob = pi1(a1) * pi2(a2, a1)
-            Q1 = [sum(pi2(b, a) * Q[a, b] for b in (0, 1)) for a in (0, 1)]
-            V1 = sum(pi1(a) * Q1[a] for a in (0, 1))
-            V2 = sum(pi2(b, a1) * Q[a1, b] for b in (0, 1))
-            out.append([
-                Position(prob, 1, grad_log_pi1(a1), Q1[a1], V1, 2 * K * (T - 1 + 1)),
-                Position(prob, 2, grad_log_pi2(a2, a1), Q[a1, a2], V2, 2 * K * (T - 2 + 1)),
-            ])
+    for a1, o1, a2, R in itertools.product((0, 1), repeat=4):
+        prob = bern(p1(th), a1) * bern(RHO[a1], o1) * bern(p2(o1, th), a2) * \
+            bern(Q[a1, o1, a2], R)
+        out.append([
+            # realized side after step 1 keeps the realized observation o1
+            Position(prob, 1, a1 - p1(th), v2(a1, o1), V1, cost(1)),
+            Position(prob, 2, a2 - p2(o1, th), Q[a1, o1, a2], v2(a1, o1), cost(2)),
+        ])
     return out
 
 
-def delta_outcomes(pos: Position, K: int) -> list[tuple[float, float]]:
+def delta_outcomes(pos: Position, M: int) -> list[tuple[float, float]]:
     """(probability, Δ) over every replay outcome: binomial side means."""
     out = []
-    for i in range(K + 1):
-        pi = math.comb(K, i) * pos.q_real ** i * (1 - pos.q_real) ** (K - i)
-        for j in range(K + 1):
-            pj = math.comb(K, j) * pos.q_res ** j * (1 - pos.q_res) ** (K - j)
-            out.append((pi * pj, i / K - j / K))
+    for i in range(M + 1):
+        pi = math.comb(M, i) * pos.q_real ** i * (1 - pos.q_real) ** (M - i)
+        for j in range(M + 1):
+            pj = math.comb(M, j) * pos.q_res ** j * (1 - pos.q_res) ** (M - j)
+            out.append((pi * pj, i / M - j / M))
     return out
 
 
-def expected_sq_residual(pos: Position, c: float, K: int) -> float:
-    return sum(pr * (d - c) ** 2 for pr, d in delta_outcomes(pos, K))
+def expected_sq_residual(pos: Position, c: float, M: int) -> float:
+    """e_t = E[(Δ_t − c_t)²] = σ_t² + r_t², exactly."""
+    return sum(pr * (d - c) ** 2 for pr, d in delta_outcomes(pos, M))
 
 
-def estimator_moments(trajs: list[list[Position]], pred, p_of, K: int, correct: bool
-                      ) -> tuple[np.ndarray, float, float]:
-    """Exact (E[Ĝ], trace Var[Ĝ], E[cost]) by enumerating trajectories, inclusion draws and
-    replay outcomes."""
-    mean = np.zeros(3)
-    second = 0.0
-    cost = 0.0
+def estimator_moments(trajs: list[list[Position]], pred, p_of, M: int, correct: bool
+                      ) -> tuple[float, float, float]:
+    """Exact (E[Ĝ], Var[Ĝ], E[replay cost]) of Ĝ = Σ_t g_t·Ĉ_t over trajectories, inclusion
+    draws and replay outcomes. Uncorrected estimators acquire the same labels (same cost)."""
+    mean = second = cost = 0.0
     for traj in trajs:
-        per_pos = []  # list of (prob, contribution vector, cost) per position
+        per_pos = []
         for pos in traj:
-            c = pred(pos)
-            p = p_of(pos)
-            branches = []
-            if not correct:
-                branches.append((1.0, pos.score * c, 0.0))
-            else:
-                for S in (0, 1):
-                    ps = p if S else 1 - p
-                    if ps == 0:
-                        continue
-                    if S:
-                        for pr, d in delta_outcomes(pos, K):
-                            branches.append((ps * pr, pos.score * (c + (d - c) / p), pos.cost))
-                    else:
-                        branches.append((ps, pos.score * c, 0.0))
+            c, p = pred(pos), p_of(pos)
+            branches = [(1 - p, pos.score * c, 0.0)] if p < 1 else []
+            for pr, d in delta_outcomes(pos, M):
+                est = c + (d - c) / p if correct else c
+                branches.append((p * pr, pos.score * est, pos.cost))
             per_pos.append(branches)
         for combo in itertools.product(*per_pos):
             pr = traj[0].prob * math.prod(b[0] for b in combo)
-            vec = sum(b[1] for b in combo)
-            mean += pr * vec
-            second += pr * float(vec @ vec)
+            val = sum(b[1] for b in combo)
+            mean += pr * val
+            second += pr * val * val
             cost += pr * sum(b[2] for b in combo)
-    return mean, second - float(mean @ mean), cost
+    return mean, second - mean * mean, cost
 
 
-def _alloc(trajs, e_of, budget: float, p_min: float):
-    """Square-root allocation p ∝ ‖g‖·sqrt(e/ℓ), clipped to [p_min, 1], with expected cost
-    Σ P(traj)·p·ℓ = budget (bisection on λ)."""
+def oracle_allocation(trajs, pred, M: int, budget: float, p_min: float):
+    """Eq. 10 with the exact e_t and |g_t|, expected cost Σ P(traj)·p_t·ℓ_t = budget, through
+    the product allocator: weighting ℓ by P and ‖g‖ by sqrt(P) leaves p_t's formula unchanged
+    and turns its budget into an expectation."""
+    from draco_cli.credo import allocate
+
     flat = [pos for traj in trajs for pos in traj]
-    g = np.array([np.linalg.norm(p.score) for p in flat])
-    e = np.array([e_of(p) for p in flat])
-    ell = np.array([p.cost for p in flat])
-    w = np.array([p.prob for p in flat])
-
-    def ps(lam):
-        return np.clip(g * np.sqrt(e / (lam * ell)), p_min, 1.0)
-
-    lo, hi = 1e-12, 1e6
-    for _ in range(300):
-        mid = math.sqrt(lo * hi)
-        if float((w * ps(mid) * ell).sum()) > budget:
-            lo = mid
-        else:
-            hi = mid
-    table = {id(p): v for p, v in zip(flat, ps(hi))}
+    w = np.array([pos.prob for pos in flat])
+    g = np.array([abs(pos.score) for pos in flat])
+    e = np.array([expected_sq_residual(pos, pred(pos), M) for pos in flat])
+    ell = np.array([pos.cost for pos in flat])
+    a = allocate(g * np.sqrt(w), e, w * ell, budget, p_min)
+    table = {id(pos): float(v) for pos, v in zip(flat, a.p)}
     return lambda pos: table[id(pos)]
 
 
-def exact_check(K: int = 2, p_min: float = 0.05, budget_share: float = 0.5) -> list[dict]:
-    trajs = positions(K)
+def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
+                K: int | None = None) -> list[dict]:
+    """Rows per predictor × estimator: expectation, |error| against ∂J/∂θ, exact variance and
+    expected replay cost per original trajectory (uniform and oracle at the same cost; the
+    no-correction control buys the oracle plan's labels and ignores them)."""
+    M = K or M
+    trajs = trajectories(M)
     truth = analytic_gradient()
     full_cost = sum(pos.prob * pos.cost for traj in trajs for pos in traj)
     budget = budget_share * full_cost
     predictors = {
-        "good": lambda pos: 0.8 * (pos.q_real - pos.q_res),   # C_t shrunk: close, but biased
-        "bad": lambda pos: 0.0,                                # ignores the rubric entirely
+        "zero": lambda pos: 0.0,                              # no rubric information
+        "good": lambda pos: 0.8 * pos.credit,                 # close but shrunk: biased
+        "bad": lambda pos: -0.5 * pos.credit + 0.2,           # wrong sign, offset
     }
     rows = []
     for name, pred in predictors.items():
-        m, v, c = estimator_moments(trajs, pred, lambda pos: 0.0, K, correct=False)
+        oracle = oracle_allocation(trajs, pred, M, budget, p_min)
+        m, v, c = estimator_moments(trajs, pred, oracle, M, correct=False)
         rows.append(_row(f"no correction, {name} predictor", m, v, c, truth))
-        # uniform allocation at the same expected cost
-        p_uni = budget / full_cost
-        m, v, c = estimator_moments(trajs, pred, lambda pos: p_uni, K, correct=True)
-        rows.append(_row(f"corrected, uniform p={p_uni:.3f}, {name} predictor", m, v, c, truth))
-        oracle = _alloc(trajs, lambda pos: expected_sq_residual(pos, pred(pos), K), budget, p_min)
-        m, v, c = estimator_moments(trajs, pred, oracle, K, correct=True)
-        rows.append(_row(f"corrected, square-root allocation, {name} predictor", m, v, c, truth))
+        _, _, oracle_cost = estimator_moments(trajs, pred, oracle, M, correct=True)
+        p_uni = oracle_cost / full_cost
+        m, v, c = estimator_moments(trajs, pred, lambda pos: p_uni, M, correct=True)
+        rows.append(_row(f"corrected, uniform p={p_uni:.3f}, {name} predictor", m, v, c,
+                         truth))
+        m, v, c = estimator_moments(trajs, pred, oracle, M, correct=True)
+        rows.append(_row(f"corrected, oracle square-root, {name} predictor", m, v, c, truth))
     return rows
 
 
 def _row(name, mean, var, cost, truth) -> dict:
-    return {"estimator": name, "max_abs_error": float(np.max(np.abs(mean - truth))),
-            "variance": var, "expected_cost": cost,
-            "expectation": [float(x) for x in mean], "gradient": [float(x) for x in truth]}
+    return {"estimator": name, "max_abs_error": abs(mean - truth), "variance": var,
+            "expected_cost": cost, "expectation": mean, "gradient": truth}

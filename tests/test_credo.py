@@ -98,17 +98,31 @@ def test_correction_by_hand():
 
 
 def test_unbiased_by_exact_enumeration_and_sqrt_beats_uniform():
-    rows = {r["estimator"]: r for r in exact_check(K=2)}
+    from draco_cli import credo_exact as ex
+
+    trajs = ex.trajectories(2)
+    assert len(trajs) == 16 and sum(t[0].prob for t in trajs) == pytest.approx(1, abs=1e-15)
+    h = 1e-5  # the analytic gradient against a central finite difference of J
+    assert ex.analytic_gradient() == pytest.approx((ex.J(ex.THETA + h) - ex.J(ex.THETA - h))
+                                                   / (2 * h), abs=1e-9)
+    # E[Δ_t] = C_t and Σ_t E[g_t C_t] = ∇J, independently of any estimator
+    assert sum(p.prob * p.score * p.credit for t in trajs for p in t) == \
+        pytest.approx(ex.analytic_gradient(), abs=1e-15)
+    rows = {r["estimator"]: r for r in exact_check(M=2)}
     for name, r in rows.items():
         if name.startswith("corrected"):
             assert r["max_abs_error"] < 1e-9, name
     assert rows["no correction, bad predictor"]["max_abs_error"] > 0.05
-    for pred in ("good", "bad"):
+    for pred in ("zero", "good", "bad"):
         u = next(r for n, r in rows.items() if n.startswith("corrected, uniform")
                  and n.endswith(f"{pred} predictor"))
-        s = rows[f"corrected, square-root allocation, {pred} predictor"]
+        s = rows[f"corrected, oracle square-root, {pred} predictor"]
+        nc = rows[f"no correction, {pred} predictor"]
         assert s["expected_cost"] == pytest.approx(u["expected_cost"], rel=1e-9)
+        assert nc["expected_cost"] == pytest.approx(s["expected_cost"], rel=1e-9)  # same labels
         assert s["variance"] < u["variance"]
+    assert rows["corrected, oracle square-root, bad predictor"]["variance"] > \
+        rows["corrected, oracle square-root, good predictor"]["variance"]
 
 
 def test_weighted_ridge_matches_numpy_least_squares():

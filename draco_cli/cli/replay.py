@@ -293,9 +293,10 @@ def exact_check_cmd(
     p_min: Annotated[float, typer.Option("--p-min")] = 0.05,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
-    """Enumerate a small two-decision model exactly and show the corrected estimator's
-    expectation equals the analytic gradient (to 1e-9), with variance for uniform vs
-    square-root allocation at equal expected cost.
+    """Enumerate a two-decision, 16-trajectory model (the shape of the paper's §4.1 check)
+    exactly and show the corrected estimator's expectation equals the analytic gradient (to
+    1e-9), with exact variance for uniform vs oracle square-root allocation at equal expected
+    cost (the no-correction control buys the same labels and ignores them).
 
     Example: draco replay exact-check --replays 2
     """
@@ -303,8 +304,10 @@ def exact_check_cmd(
 
     from draco_cli.credo_exact import exact_check
 
-    rows = exact_check(K=replays, p_min=p_min)
-    t = Table(title="exact enumeration vs analytic gradient", title_justify="left", box=None)
+    rows = exact_check(M=replays, p_min=p_min)
+    t = Table(title=f"exact enumeration vs analytic gradient dJ/dθ = {rows[0]['gradient']:.10f}"
+              f" (cost: expected extra environment actions per original trajectory)",
+              title_justify="left", box=None)
     for c in ("estimator", "max |E - grad|", "variance", "expected cost"):
         t.add_column(c, justify="left" if c == "estimator" else "right")
     for r in rows:
