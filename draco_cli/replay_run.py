@@ -7,12 +7,15 @@ CMD``, one copy per worker) or an HTTP endpoint (``--env http://…``, one POST 
     request  {"id": "<rollout_id>#<step>", "rollout_id": str, "step": int, "replays": K,
               "seed": int, "task_id": str | null, "plan": "<plan digest>"}
     answer   {"id": same, "realized": [K returns], "resampled": [K returns],
-              "env_actions": int, "tokens": int}      or      {"id": same, "error": "why"}
+              "env_actions": int, "tokens": int,
+              "reconstruction_actions": int, "reconstruction_tokens": int}   (the last four
+              optional, default 0)          or          {"id": same, "error": "why"}
 
 The realized side restores the state after step t and runs K continuations; the resampled side
 restores the state before step t, samples a fresh action and runs K continuations (SPEC §6).
 ``env_actions`` and ``tokens`` are what the replays cost (environment actions run, policy tokens
-generated), recorded per position.
+generated); ``reconstruction_*`` what restoring the states cost (e.g. re-executing a prefix
+where no snapshot exists); all recorded per position.
 
 Resumable like the LLM stages: every finished replay is appended (and flushed to disk) to a
 log before it counts, so a run killed at any point reruns only what the log lacks; the labels
@@ -43,6 +46,7 @@ from draco_cli.errors import InputError, UsageError
 
 PROTOCOL = "draco-replay/1"
 LOG_NAME = "replay_log.jsonl"
+COST_FIELDS = ("env_actions", "tokens", "reconstruction_actions", "reconstruction_tokens")
 
 
 @dataclass
@@ -103,7 +107,7 @@ def check_answer(req: dict, ans: object) -> str | None:
         if not isinstance(v, list) or len(v) != K or not all(
                 isinstance(x, (int, float)) and not isinstance(x, bool) and x == x for x in v):
             return f"{side} must be a list of {K} numbers"
-    for key in ("env_actions", "tokens"):
+    for key in COST_FIELDS:
         v = ans.get(key, 0)
         if not isinstance(v, int) or isinstance(v, bool) or v < 0:
             return f"{key} must be a non-negative integer"
@@ -247,8 +251,7 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                     continue
                 log.add({"id": req["id"], "rollout_id": req["rollout_id"], "step": req["step"],
                          "realized": ans["realized"], "resampled": ans["resampled"],
-                         "env_actions": ans.get("env_actions", 0),
-                         "tokens": ans.get("tokens", 0),
+                         **{k: ans.get(k, 0) for k in COST_FIELDS},
                          "seconds": round(time.monotonic() - t0, 6)})
                 with lock:
                     ran[0] += 1
@@ -266,10 +269,11 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     log.close()
     recs = [log.done[r["id"]] for r in reqs if r["id"] in log.done]
     costs = pl.DataFrame(
-        [{k: rec[k] for k in ("rollout_id", "step", "env_actions", "tokens", "seconds")}
+        [{"rollout_id": rec["rollout_id"], "step": rec["step"],
+          **{k: rec.get(k, 0) for k in COST_FIELDS}, "seconds": rec["seconds"]}
          for rec in recs],
-        schema={"rollout_id": pl.String, "step": pl.Int64, "env_actions": pl.Int64,
-                "tokens": pl.Int64, "seconds": pl.Float64})
+        schema={"rollout_id": pl.String, "step": pl.Int64,
+                **{k: pl.Int64 for k in COST_FIELDS}, "seconds": pl.Float64})
     labels = None
     if len(recs) == len(reqs):
         labels = pl.DataFrame(

@@ -136,3 +136,19 @@ def test_http_transport_gives_the_same_labels(planned, tmp_path):
     key = ["rollout_id", "step", "side", "sample"]
     assert pl.read_parquet(tmp_path / "http" / "labels.parquet").sort(key).equals(
         pl.read_parquet(tmp_path / "pipe" / "labels.parquet").sort(key))
+    res = run_draco("replay", "diagnose", "--plan", str(planned / "plan.parquet"), "--labels",
+                    str(tmp_path / "pipe" / "labels.parquet"), "--json", "-o",
+                    str(tmp_path / "diag"))
+    assert res.returncode == 0, res.stderr.decode()
+    d = json.loads(res.stdout)
+    plan = pl.read_parquet(planned / "plan.parquet")
+    sel = plan.filter(pl.col("selected"))
+    assert d["weights"]["max_weight"] == pytest.approx(float((1 / sel["p"]).max()))
+    assert d["variance_split"]["positions"] == sel.height
+    assert (tmp_path / "diag" / "allocator_calibration.parquet").exists()
+    res = run_draco("audit", "cost", "--calls", "sample_data/llm_calls.sqlite", "--replay-cost",
+                    str(tmp_path / "pipe"), "-o", str(tmp_path / "cost"))
+    assert res.returncode == 0, res.stderr.decode()
+    cat = pl.read_parquet(tmp_path / "cost" / "cost_category.parquet")
+    replay = cat.filter(pl.col("category") == "replay")
+    assert replay["env_actions"][0] == sel["cost"].sum()

@@ -223,10 +223,17 @@ def cost(
                                               "repeat it for several training steps.")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
+    replay_cost: Annotated[Optional[list[Path]], typer.Option(
+        "--replay-cost", help="replay_cost.parquet of `draco replay run` (or its folder); "
+        "repeatable. Adds replay and reconstruction rows to the cost by category.")] = None,
+    steps: Annotated[Optional[Path], typer.Option(
+        "--steps", help="steps.parquet: the original rollouts' actions and tokens.")] = None,
     force: Force = False,
 ) -> None:
     """Calls, tokens and dollars per phase and per train step, and the projection per 100
-    training steps → OUT/cost_phase.parquet, OUT/cost_step.parquet.
+    training steps → OUT/cost_phase.parquet, OUT/cost_step.parquet; cost by category
+    (original, replay, reconstruction, judge, rubric writing, candidate scoring: tokens,
+    environment actions, dollars) → OUT/cost_category.parquet.
 
     Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
@@ -250,7 +257,18 @@ def cost(
     r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                "train_step"]) if rollouts else None
     per_phase, per_step, projected = cost_audit(pl.concat(frames, how="diagonal_relaxed"), r)
-    _write(out, {"cost_phase": per_phase, "cost_step": per_step}, force)
+    from draco_cli.credo_diagnostics import cost_by_category
+
+    rc = [pl.read_parquet(p / "replay_cost.parquet" if p.is_dir() else p)
+          for p in (replay_cost or [])]
+    r_full = read_table(rollouts, Rollout, columns=["rollout_id", "response_len"]) \
+        if rollouts else None
+    by_cat = cost_by_category(pl.concat(frames, how="diagonal_relaxed"), r_full,
+                              pl.read_parquet(steps) if steps else None,
+                              pl.concat(rc, how="diagonal_relaxed") if rc else None)
+    _write(out, {"cost_phase": per_phase, "cost_step": per_step, "cost_category": by_cat},
+           force)
+    _table("cost by category", by_cat)
     _table("cost per phase", per_phase)
     if per_step.height:
         _table("cost per train step", per_step)

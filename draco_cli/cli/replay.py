@@ -287,6 +287,60 @@ def evolve_cmd(
                       "no edit beats the current rubric", highlight=False)
 
 
+@app.command("diagnose")
+def diagnose_cmd(
+    plan_path: Annotated[Path, typer.Option("--plan", help="The plan.")],
+    labels: Annotated[Optional[Path], typer.Option("--labels", help="Its replay labels.")]
+    = None,
+    heads: Annotated[Optional[list[Path]], typer.Option(
+        "--heads", help="Two heads files (old then new) for predictor drift.")] = None,
+    features: Annotated[Optional[Path], typer.Option(
+        "--features", help="Features to compare the heads on (with --heads).")] = None,
+    rewards: Annotated[Optional[Path], typer.Option(
+        "--rewards", help="rewards.parquet, when --features is a step_credit table.")] = None,
+    out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Output folder.")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    force: Force = False,
+) -> None:
+    """The measurements CREDO asks to report: importance-weight tails (max S/p, effective
+    sample size), replay noise σ² vs squared prediction error (C − c)², allocator calibration
+    and, given two heads, predictor drift → OUT/diagnostics.json, OUT/allocator_calibration.parquet.
+
+    Example: draco replay diagnose --plan plan.parquet --labels replays/labels.parquet -o diag
+    """
+    from draco_cli.credo import Heads
+    from draco_cli.credo_diagnostics import (allocator_calibration, predictor_drift,
+                                             variance_split, weight_tails)
+    from draco_cli.io import write_text_atomic
+
+    P = _read(plan_path)
+    report: dict = {"weights": weight_tails(P)}
+    cal = None
+    if labels is not None:
+        L = _read(labels)
+        report["variance_split"] = variance_split(P, L)
+        cal = allocator_calibration(P, L)
+    if heads:
+        if len(heads) != 2 or features is None:
+            raise typer.BadParameter("predictor drift takes --heads OLD --heads NEW and "
+                                     "--features")
+        old, new = (Heads.from_json(h.read_text(), str(h)) for h in heads)
+        report["drift"] = predictor_drift(old, new, _features(features, rewards))
+    if out is not None:
+        out.mkdir(parents=True, exist_ok=True)
+        write_text_atomic(out / "diagnostics.json", json.dumps(report, indent=2), force=force)
+        if cal is not None:
+            _write(cal, out / "allocator_calibration.parquet", force)
+    for section, figures in report.items():
+        err_console.print(f"[bold]{section}[/]: " + ", ".join(
+            f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
+            for k, v in figures.items()), highlight=False)
+    if cal is not None and cal.height:
+        _print_table(cal, "allocator calibration (inverse-inclusion-weighted means per e bin)")
+    if as_json:
+        typer.echo(json.dumps(report))
+
+
 @app.command("exact-check")
 def exact_check_cmd(
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side.")] = 2,

@@ -1,0 +1,166 @@
+"""The measurements the CREDO paper asks to report (§5, "Mechanism and cost measurements").
+
+- importance-weight tails: the weights S_t/p_t of the correction — their maximum and Kish's
+  effective sample size (Σw)²/Σw² over the replayed positions;
+- the variance split: per replayed position, the replay noise σ_t² (from the spread of the K
+  returns on each side: s²_real/K + s²_res/K, unbiased) against the squared prediction error
+  (C_t − c_t)², estimated without bias as (Δ_t − c_t)² − σ̂_t²; totals are inverse-inclusion
+  weighted, so they estimate sums over all planned positions;
+- allocator calibration: the e_t the allocator used against the realized (Δ_t − c_t)², per
+  bin of e_t (inverse-inclusion weighted means) — E[(Δ_t − c_t)²] = e_t when e is exact;
+- predictor drift between two head versions on the same features;
+- cost by category: original, replay, reconstruction, judge, rubric-writing and
+  candidate-scoring tokens, environment actions and LLM dollars, each on its own row.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+
+from draco_cli.errors import InputError
+
+
+def _labelled(plan_df: pl.DataFrame, labels: pl.DataFrame) -> pl.DataFrame:
+    """Selected positions with Δ, side means, side variances and K per side."""
+    from draco_cli.credo import deltas
+
+    d, _ = deltas(plan_df, labels)  # validates labels, refuses incomplete positions
+    lab = labels.with_columns(pl.col("step").cast(pl.Int64))
+    side = lab.group_by("rollout_id", "step").agg(
+        *[agg for s in ("realized", "resampled") for agg in (
+            pl.col("return").filter(pl.col("side") == s).var(ddof=1).alias(f"var_{s}"),
+            pl.col("return").filter(pl.col("side") == s).len().alias(f"k_{s}"))])
+    return plan_df.filter(pl.col("selected")).select(
+        "rollout_id", pl.col("step").cast(pl.Int64), "p", "prediction", "error").join(
+        d, on=["rollout_id", "step"]).join(side, on=["rollout_id", "step"], how="left")
+
+
+def weight_tails(plan_df: pl.DataFrame) -> dict:
+    """Importance weights S_t/p_t over the replayed positions."""
+    sel = plan_df.filter(pl.col("selected"))
+    w = 1.0 / sel["p"].to_numpy() if sel.height else np.zeros(0)
+    ess = float(w.sum() ** 2 / (w ** 2).sum()) if w.size else 0.0
+    return {"positions": plan_df.height, "replayed": int(sel.height),
+            "max_weight": float(w.max()) if w.size else None,
+            "mean_weight": float(w.mean()) if w.size else None,
+            "effective_sample_size": ess,
+            "ess_share": ess / w.size if w.size else None,
+            "min_p": float(plan_df["p"].min()) if plan_df.height else None,
+            "top_weight_share": float(w.max() / w.sum()) if w.size else None}
+
+
+def variance_split(plan_df: pl.DataFrame, labels: pl.DataFrame) -> dict:
+    """Replay noise σ_t² vs squared prediction error (C_t − c_t)², inverse-inclusion weighted
+    totals over all planned positions (positions with one return per side have no σ̂²)."""
+    rows = _labelled(plan_df, labels)
+    ok = rows.filter((pl.col("k_realized") >= 2) & (pl.col("k_resampled") >= 2))
+    if ok.height == 0:
+        return {"positions": 0, "noise": None, "prediction_error": None, "noise_share": None,
+                "note": "needs at least 2 returns per side to measure replay noise"}
+    w = 1.0 / ok["p"].to_numpy()
+    sigma2 = (ok["var_realized"].to_numpy() / ok["k_realized"].to_numpy()
+              + ok["var_resampled"].to_numpy() / ok["k_resampled"].to_numpy())
+    resid2 = (ok["delta"].to_numpy() - ok["prediction"].to_numpy()) ** 2
+    noise = float((w * sigma2).sum())
+    err = float((w * (resid2 - sigma2)).sum())  # unbiased for Σ (C_t − c_t)²; may dip < 0
+    total = noise + max(err, 0.0)
+    return {"positions": ok.height, "noise": noise, "prediction_error": err,
+            "noise_share": noise / total if total > 0 else None,
+            "note": "σ² = s²_real/K + s²_res/K; (C − c)² estimated as (Δ − c)² − σ̂²"}
+
+
+def allocator_calibration(plan_df: pl.DataFrame, labels: pl.DataFrame, bins: int = 5
+                          ) -> pl.DataFrame:
+    """Predicted e_t (what the allocator used) vs realized (Δ_t − c_t)² per e-bin."""
+    rows = _labelled(plan_df, labels)
+    schema = {"bin": pl.Int64, "n": pl.Int64, "mean_predicted_error": pl.Float64,
+              "mean_squared_residual": pl.Float64}
+    if rows.height == 0:
+        return pl.DataFrame(schema=schema)
+    df = rows.select(pl.col("error").alias("e"),
+                     ((pl.col("delta") - pl.col("prediction")) ** 2).alias("r2"),
+                     (1 / pl.col("p")).alias("w"))
+    nb = min(bins, df.height)
+    df = df.with_columns(pl.col("e").rank("ordinal").sub(1).mul(nb).floordiv(df.height)
+                         .cast(pl.Int64).alias("bin"))
+    return df.group_by("bin").agg(
+        pl.len().cast(pl.Int64).alias("n"),
+        ((pl.col("e") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_predicted_error"),
+        ((pl.col("r2") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_squared_residual")
+    ).sort("bin").cast(schema)
+
+
+def predictor_drift(old, new, features: pl.DataFrame) -> dict:
+    """How much the predictions moved between two head versions on the same positions."""
+    c0, e0 = old.predict(features)
+    c1, e1 = new.predict(features)
+    if c0.size == 0:
+        raise InputError("no positions in the features table", field="step")
+    d = c1 - c0
+    corr = float(np.corrcoef(c0, c1)[0, 1]) if c0.size > 1 and c0.std() > 0 and c1.std() > 0 \
+        else None
+    return {"from": old.version, "to": new.version, "positions": int(c0.size),
+            "mean_abs_change": float(np.abs(d).mean()), "rms_change": float(np.sqrt((d ** 2)
+                                                                                   .mean())),
+            "max_abs_change": float(np.abs(d).max()), "correlation": corr,
+            "mean_error_before": float(e0.mean()), "mean_error_after": float(e1.mean())}
+
+
+# --- cost by category -----------------------------------------------------------------------
+
+# LLM phases → the paper's cost categories (other phases keep their own name)
+PHASE_CATEGORY = {"score": "judge", "generate": "rubric writing", "union": "rubric writing",
+                  "merge": "rubric writing", "propose": "candidate scoring",
+                  "evolve": "candidate scoring", "match": "audit"}
+CATEGORY_ORDER = ["original", "replay", "reconstruction", "judge", "rubric writing",
+                  "candidate scoring", "audit"]
+
+
+def cost_by_category(calls: pl.DataFrame | None = None, rollouts: pl.DataFrame | None = None,
+                     steps: pl.DataFrame | None = None,
+                     replay_costs: pl.DataFrame | None = None) -> pl.DataFrame:
+    """One row per category: tokens, environment actions, LLM calls and dollars. Original =
+    the rollouts' response tokens (Σ response_len, else Σ step tokens) and their steps;
+    replay and reconstruction from `replay run`'s replay_cost table; the rest from the call
+    log by phase."""
+    rows: list[dict] = []
+    if rollouts is not None or steps is not None:
+        tokens = None
+        if rollouts is not None and "response_len" in rollouts.columns and \
+                rollouts["response_len"].null_count() == 0:
+            tokens = int(rollouts["response_len"].sum())
+        elif steps is not None and "n_tokens" in steps.columns:
+            tokens = int(steps["n_tokens"].sum())
+        rows.append({"category": "original", "tokens": tokens,
+                     "env_actions": steps.height if steps is not None else None,
+                     "llm_calls": None, "cost_usd": None})
+    if replay_costs is not None:
+        rc = replay_costs
+        rows.append({"category": "replay", "tokens": int(rc["tokens"].sum()),
+                     "env_actions": int(rc["env_actions"].sum()), "llm_calls": None,
+                     "cost_usd": None})
+        if "reconstruction_tokens" in rc.columns:
+            rows.append({"category": "reconstruction",
+                         "tokens": int(rc["reconstruction_tokens"].sum()),
+                         "env_actions": int(rc["reconstruction_actions"].sum())
+                         if "reconstruction_actions" in rc.columns else None,
+                         "llm_calls": None, "cost_usd": None})
+    if calls is not None and calls.height:
+        tok = [c for c in ("input_tokens", "output_tokens", "reasoning_tokens")
+               if c in calls.columns]
+        http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
+        per = calls.with_columns(
+            pl.col("phase").replace_strict(PHASE_CATEGORY, default=pl.col("phase"))
+            .alias("category")).group_by("category").agg(
+            pl.sum_horizontal([pl.col(c).fill_null(0) for c in tok]).sum().alias("tokens"),
+            http.sum().alias("llm_calls"), pl.col("cost_usd").fill_null(0.0).sum())
+        for r in per.iter_rows(named=True):
+            rows.append({"category": r["category"], "tokens": int(r["tokens"]),
+                         "env_actions": None, "llm_calls": int(r["llm_calls"]),
+                         "cost_usd": float(r["cost_usd"])})
+    order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
+    rows.sort(key=lambda r: (order.get(r["category"], len(order)), r["category"]))
+    return pl.DataFrame(rows, schema={"category": pl.String, "tokens": pl.Int64,
+                                      "env_actions": pl.Int64, "llm_calls": pl.Int64,
+                                      "cost_usd": pl.Float64})
