@@ -333,6 +333,13 @@ def test_fit_prints_held_out_calibration_of_both_heads(tmp_path):
     err = res.stderr.decode()
     assert "held-out calibration on" in err and "mean_prediction" in err
     assert "credit" in err and "error" in err
+    res = run_draco("replay", "fit", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+                    str(tmp_path / "labels.parquet"), "--features", str(tmp_path / "f.parquet"),
+                    "--rollouts", str(tmp_path / "rollouts.parquet"), "-o",
+                    str(tmp_path / "heads2.json"), "--cross-fit", "3", "--predictions",
+                    str(tmp_path / "cf.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    assert pl.read_parquet(tmp_path / "cf.parquet").height == F.height
     from draco_cli.credo import fit_with_holdout
 
     _, cal, _ = fit_with_holdout(P, L, F, R)

@@ -218,6 +218,13 @@ def fit_cmd(
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out for calibration "
                                            "(with --rollouts).")] = 0.2,
+    cross_fit: Annotated[Optional[int], typer.Option(
+        "--cross-fit", min=2, help="Also write cross-fitted predictions (tasks in K folds, each "
+        "fold predicted by heads fitted on the others) to --predictions; needs --rollouts.")]
+    = None,
+    predictions: Annotated[Optional[Path], typer.Option(
+        "--predictions", help="Where --cross-fit writes rollout_id, step, prediction, error, "
+        "fold, head_version (a positions table for replay plan).")] = None,
     force: Force = False,
 ) -> None:
     """Fit the credit head (inverse-inclusion-weighted ridge of Δ) and the error head
@@ -242,6 +249,16 @@ def fit_cmd(
     err_console.print(note, highlight=False)
     if cal is not None:
         _print_table(cal, "inverse-inclusion-weighted means per prediction bin")
+    if cross_fit is not None:
+        from draco_cli.credo import cross_fit as cross_fit_heads
+
+        if rollouts is None or predictions is None:
+            raise typer.BadParameter("--cross-fit needs --rollouts (for the folds by task) and "
+                                     "--predictions (where to write them)")
+        cf = cross_fit_heads(P, L, F, _read(rollouts), cross_fit, ridge)
+        _write(cf, predictions, force)
+        err_console.print(f"cross-fitted predictions for {cf.height} positions over "
+                          f"{cf['fold'].n_unique()} folds → {predictions}", highlight=False)
 
 
 def _print_table(df, title: str) -> None:
