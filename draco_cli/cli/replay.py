@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import Force
+from draco_cli.cli.options import BaseUrl, Concurrency, Force, MaxCost, Model, Prices, Timeout
 
 app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric evolution.",
                   no_args_is_help=True)
@@ -302,6 +302,64 @@ def evolve_cmd(
     best = scores.filter(scores["accepted"])
     err_console.print(f"accepted: {best['candidate'][0]}" if best.height else
                       "no edit beats the current rubric", highlight=False)
+
+
+@app.command("propose")
+def propose_cmd(
+    plan_path: Annotated[Path, typer.Option("--plan", help="The plan.")],
+    labels: Annotated[Path, typer.Option("--labels", help="Its replay labels.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet (tasks for "
+                                           "the held-out split, outcomes for discrimination).")],
+    steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
+    rubrics: Annotated[Path, typer.Option("--rubrics", help="The current rubric (one set of "
+                                          "criteria shared by every group, e.g. static).")],
+    verdicts: Annotated[Path, typer.Option("--verdicts", help="Verdicts under it.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    model: Model,
+    max_edits: Annotated[int, typer.Option("--max-edits", min=1, help="Edits asked for.")] = 3,
+    evidence: Annotated[int, typer.Option("--evidence", min=1, help="Worst-predicted held-out "
+                                          "steps shown to the LLM.")] = 8,
+    ridge: float = 1.0,
+    holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
+    base_url: BaseUrl = None, concurrency: Concurrency = 16, max_cost: MaxCost = None,
+    prices: Prices = None, timeout: Timeout = 120.0,
+    force: Force = False,
+) -> None:
+    """An LLM proposes add / remove / merge rubric edits from the held-out positions the credit
+    head predicts worst; each edit is judged (new criteria only, cached in the call log, phase
+    evolve), recomputed into features and scored; the best is accepted only if it lowers the
+    held-out variance-weighted objective → OUT/evolve.parquet, OUT/rubrics.parquet,
+    OUT/verdicts.parquet. MSE and outcome discrimination (AUC) are reported alongside.
+
+    Example: draco replay propose --plan plan.parquet --labels r/labels.parquet --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --model openai/gpt-4.1 -o evolve
+    """
+    from draco_cli.cli import llmrun
+    from draco_cli.credo_evolve import evolve_round
+    from draco_cli.io import check_writable
+    from draco_cli.llm import CallLog
+
+    targets = [out / f"{n}.parquet" for n in ("evolve", "rubrics", "verdicts")]
+    for t in targets:
+        check_writable(t, force)
+    s = llmrun.settings(model, base_url, concurrency, None, None, timeout, 2, max_cost, prices,
+                        False, "off")
+    out.mkdir(parents=True, exist_ok=True)
+    with CallLog(out / "llm_calls.sqlite") as log:
+        client = s.client(log)
+        res = evolve_round(_read(plan_path), _read(labels), _read(rollouts), _read(steps),
+                           _read(rubrics), _read(verdicts), client, max_edits=max_edits,
+                           evidence=evidence, ridge=ridge, holdout=holdout)
+    for df, t in zip((res.scores, res.rubrics, res.verdicts), targets):
+        _write(df, t, True)
+    _print_table(res.scores.select("candidate", "held_out_objective", "held_out_mse",
+                                   "outcome_auc", "accepted", "error"),
+                 "rubric edits on held-out tasks (lower objective is better)")
+    for n in res.notes:
+        err_console.print(n, highlight=False)
+    for phase, st in client.stats.items():
+        err_console.print(f"LLM {phase}: {st.calls} calls, ${st.cost_usd:.4f}", highlight=False)
+    err_console.print(f"accepted: {res.accepted}" if res.accepted else
+                      "no edit lowers the held-out objective: the rubric stays", highlight=False)
 
 
 @app.command("diagnose")
