@@ -5,7 +5,8 @@
 Each seed: sample a batch of rollouts from the chain simulator (examples/chain_env.py), give
 every position a rubric-style prediction c_t (the true credit shrunk by 30% plus noise, so it
 is informative but biased) and a predicted error e_t, plan replay with ``draco_cli.credo.plan``
-(square-root allocation) or with uniform p at the same expected cost, run the two-sided replays
+(square-root allocation) or ``plan(..., allocation="uniform")`` (one p at the same expected
+cost), run the two-sided replays
 for the selected positions (K = 2 each side), correct with ``credo.correct`` and form the policy
 gradient estimate Σ g_t·Ĉ_t / batch. Over seeds it prints, per estimator, the bias against the
 exact gradient (with a 99% confidence half-width), the variance (trace) and the mean replay
