@@ -168,14 +168,26 @@ class _Subprocess:
             self.p = subprocess.Popen(shlex.split(cmd), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
                                       text=True, bufsize=1)
-        except OSError as exc:
-            raise UsageError(f"--env {cmd!r} could not start: {exc.strerror}") from None
+        except (OSError, ValueError) as exc:
+            raise UsageError(f"--env {cmd!r} could not start: "
+                             f"{getattr(exc, 'strerror', None) or exc}") from None
+        self.lines: queue.Queue = queue.Queue()
+        threading.Thread(target=self._read, daemon=True).start()
+
+    def _read(self) -> None:  # a reader thread, so a silent environment can time out
+        for line in self.p.stdout:
+            self.lines.put(line)
+        self.lines.put(None)
 
     def ask(self, req: dict, timeout: float) -> object:
         self.p.stdin.write(json.dumps(req) + "\n")
         self.p.stdin.flush()
-        line = self.p.stdout.readline()
-        if not line:
+        try:
+            line = self.lines.get(timeout=timeout)
+        except queue.Empty:
+            self.p.kill()
+            raise TimeoutError(f"no answer within {timeout:g} s (the environment was stopped)")
+        if line is None:
             raise RuntimeError(f"the environment exited (code {self.p.poll()})")
         return json.loads(line)
 
@@ -221,9 +233,12 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     lock = threading.Lock()
     is_http = env.startswith(("http://", "https://"))
 
+    def connect():
+        return _Http(env) if is_http else _Subprocess(env)
+
     def worker() -> None:
         try:
-            conn = _Http(env) if is_http else _Subprocess(env)
+            conn = connect()
         except UsageError as exc:
             with lock:
                 failures.append(str(exc))
@@ -235,19 +250,22 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                 except queue.Empty:
                     return
                 t0 = time.monotonic()
+                broken = False
                 try:
                     ans = conn.ask(req, timeout)
                     why = check_answer(req, ans)
                 except (ValueError, OSError, RuntimeError, urllib.error.URLError) as exc:
                     why, ans = f"{type(exc).__name__}: {exc}"[:300], None
-                    if not is_http:  # the pipe is gone: this worker stops, others go on
-                        with lock:
-                            failures.append(f"({req['rollout_id']!r}, step {req['step']}): "
-                                            f"{why}")
-                        return
+                    broken = not is_http and not isinstance(exc, ValueError)
                 if why:
                     with lock:
                         failures.append(f"({req['rollout_id']!r}, step {req['step']}): {why}")
+                    if broken:  # the pipe is gone or hung: a fresh copy for the next replay
+                        conn.close()
+                        try:
+                            conn = connect()
+                        except UsageError:
+                            return
                     continue
                 log.add({"id": req["id"], "rollout_id": req["rollout_id"], "step": req["step"],
                          "realized": ans["realized"], "resampled": ans["resampled"],

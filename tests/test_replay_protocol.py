@@ -152,3 +152,36 @@ def test_http_transport_gives_the_same_labels(planned, tmp_path):
     cat = pl.read_parquet(tmp_path / "cost" / "cost_category.parquet")
     replay = cat.filter(pl.col("category") == "replay")
     assert replay["env_actions"][0] == sel["cost"].sum()
+
+
+def test_a_hung_environment_times_out_and_the_rest_still_runs(planned, tmp_path):
+    """An environment that never answers one request: that replay fails after --timeout, a
+    fresh copy of the environment serves the others, no labels until a rerun completes it."""
+    plan = pl.read_parquet(planned / "plan.parquet")
+    victim = plan.filter(pl.col("selected")).row(0, named=True)
+    hang = tmp_path / "hang.py"
+    hang.write_text(
+        "import json, subprocess, sys, time\n"
+        f"real = subprocess.Popen([{sys.executable!r}, {str(CHAIN)!r}, 'serve', '--seed', '3'],"
+        " stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)\n"
+        "for line in sys.stdin:\n"
+        "    r = json.loads(line)\n"
+        f"    if r['id'] == {victim['rollout_id'] + '#' + str(victim['step'])!r} and "
+        f"not __import__('os').path.exists({str(tmp_path / 'healed')!r}):\n"
+        "        time.sleep(60)\n"
+        "    real.stdin.write(line); real.stdin.flush()\n"
+        "    sys.stdout.write(real.stdout.readline()); sys.stdout.flush()\n")
+    cmd = f"{sys.executable} {hang}"
+    t0 = time.monotonic()
+    res = run_draco("replay", "run", "--plan", str(planned / "plan.parquet"), "--env", cmd,
+                    "--timeout", "1", "--workers", "1", "-o", str(tmp_path / "out"))
+    assert res.returncode == 1 and b"no answer within 1 s" in res.stderr
+    assert time.monotonic() - t0 < 40
+    n_sel = int(plan["selected"].sum())
+    assert len(log_records(tmp_path / "out" / "replay_log.jsonl")) == n_sel - 1
+    assert not (tmp_path / "out" / "labels.parquet").exists()
+    (tmp_path / "healed").write_text("")
+    res = run_draco("replay", "run", "--plan", str(planned / "plan.parquet"), "--env", cmd,
+                    "--timeout", "5", "-o", str(tmp_path / "out"))
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"1 replays run now" in res.stderr

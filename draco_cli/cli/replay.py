@@ -112,7 +112,9 @@ def run_cmd(
     workers: Annotated[int, typer.Option("--workers", min=1, help="Replays run at once.")] = 2,
     replays: Annotated[Optional[int], typer.Option(
         "--replays", min=1, help="K per side (default: the plan's).")] = None,
-    timeout: Annotated[float, typer.Option("--timeout", help="Seconds per HTTP request.")]
+    timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for one replay's "
+                                           "answer; a silent subprocess is stopped and "
+                                           "restarted, the replay counted as failed.")]
     = 600.0,
     force: Force = False,
 ) -> None:
