@@ -192,3 +192,26 @@ def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
 def _row(name, mean, var, cost, truth) -> dict:
     return {"estimator": name, "max_abs_error": abs(mean - truth), "variance": var,
             "expected_cost": cost, "expectation": mean, "gradient": truth}
+
+
+def sweep_replays(Ms=(1, 2, 4), p_min: float = 0.05, budget: float | None = None,
+                  predictor: str = "zero") -> list[dict]:
+    """Replays per side M under one fixed expected budget (environment actions per original
+    trajectory; default half of full replay at M = 2): more replays per position buy less
+    coverage. Exact variance of the corrected estimator with oracle allocation per M."""
+    preds = {"zero": lambda pos: 0.0, "good": lambda pos: 0.8 * pos.credit,
+             "bad": lambda pos: -0.5 * pos.credit + 0.2}
+    pred = preds[predictor]
+    truth = analytic_gradient()
+    if budget is None:
+        budget = 0.5 * sum(pos.prob * pos.cost for traj in trajectories(2) for pos in traj)
+    rows = []
+    for M in Ms:
+        trajs = trajectories(M)
+        full = sum(pos.prob * pos.cost for traj in trajs for pos in traj)
+        b = min(budget, full)
+        oracle = oracle_allocation(trajs, pred, M, b, p_min)
+        m, v, c = estimator_moments(trajs, pred, oracle, M, correct=True)
+        rows.append({**_row(f"corrected, oracle square-root, M={M}, {predictor} predictor",
+                            m, v, c, truth), "M": M})
+    return rows

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import sys
 
 import numpy as np
@@ -387,3 +388,16 @@ def test_policy_spans_past_the_last_step_without_response_len(mode):
     else:
         assert v[20:25] == [1.0] * 5 and v[0:6] == [1.0] * 6   # every policy token gets A_i
     assert v[6:10] == [0.0] * 4                                  # observation
+
+
+def test_replay_count_sweep_at_fixed_budget():
+    from draco_cli.credo_exact import sweep_replays
+
+    rows = sweep_replays((1, 2, 4, 8))
+    assert all(r["max_abs_error"] < 1e-9 for r in rows)
+    costs = [r["expected_cost"] for r in rows]
+    assert max(costs) == pytest.approx(min(costs), rel=1e-9)       # one budget for every M
+    var = {r["M"]: r["variance"] for r in rows}
+    assert var[8] > var[4] > var[2]    # at a fixed budget, more replays per position cost coverage
+    res = run_draco("replay", "exact-check", "--sweep-replays", "1,2,4", "--json")
+    assert res.returncode == 0 and len(json.loads(res.stdout)) == 9 + 3

@@ -422,6 +422,9 @@ def diagnose_cmd(
 def exact_check_cmd(
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side.")] = 2,
     p_min: Annotated[float, typer.Option("--p-min")] = 0.05,
+    sweep: Annotated[Optional[str], typer.Option(
+        "--sweep-replays", help="Also sweep M (replays per side) under one fixed expected "
+        "budget, e.g. 1,2,4: the paper asks not to treat M as a free accuracy knob.")] = None,
     as_json: Annotated[bool, typer.Option("--json")] = False,
 ) -> None:
     """Enumerate a two-decision, 16-trajectory model (the shape of the paper's §4.1 check)
@@ -436,6 +439,16 @@ def exact_check_cmd(
     from draco_cli.credo_exact import exact_check
 
     rows = exact_check(M=replays, p_min=p_min)
+    if sweep:
+        from draco_cli.credo_exact import sweep_replays
+
+        try:
+            Ms = [int(x) for x in sweep.split(",") if x.strip()]
+        except ValueError:
+            raise typer.BadParameter("--sweep-replays takes integers, e.g. 1,2,4") from None
+        if not Ms or min(Ms) < 1:
+            raise typer.BadParameter("--sweep-replays takes positive integers, e.g. 1,2,4")
+        rows += sweep_replays(Ms, p_min)
     t = Table(title=f"exact enumeration vs analytic gradient dJ/dθ = {rows[0]['gradient']:.10f}"
               f" (cost: expected extra environment actions per original trajectory)",
               title_justify="left", box=None)
