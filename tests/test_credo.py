@@ -270,6 +270,12 @@ def test_cost_takes_T_from_the_steps_table_not_the_listed_positions(tmp_path):
     assert res.returncode == 0, res.stderr.decode()
     assert pl.read_parquet(tmp_path / "plan.parquet")["cost"].to_list() == [18, 14, 10]
     res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
+                    "20", "--steps", str(tmp_path / "steps.parquet"), "--allocation", "uniform",
+                    "-o", str(tmp_path / "uni.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    uni = pl.read_parquet(tmp_path / "uni.parquet")
+    assert uni["p"].n_unique() == 1 and (uni["p"] * uni["cost"]).sum() == pytest.approx(20)
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
                     "1000", "-o", str(tmp_path / "p2.parquet"))
     assert res.returncode == 2 and b"--steps" in res.stderr and b"Traceback" not in res.stderr
     pos.head(0).write_parquet(tmp_path / "empty.parquet")
