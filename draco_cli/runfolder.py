@@ -123,7 +123,17 @@ class RunFolder:
 
     @staticmethod
     def is_run_folder(path: str | os.PathLike) -> bool:
-        return (Path(path) / MANIFEST).is_file()
+        """Whether ``path`` holds a draco run's manifest (``draco ingest`` writes a
+        manifest.json too, without stages). An unreadable manifest counts, so that opening
+        the folder reports it."""
+        p = Path(path) / MANIFEST
+        if not p.is_file():
+            return False
+        try:
+            data = json.loads(p.read_text(encoding="utf-8"))
+        except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+            return True
+        return not isinstance(data, dict) or "stages" in data
 
     @classmethod
     def open(cls, path: str | os.PathLike) -> "RunFolder":

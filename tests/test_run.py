@@ -446,3 +446,65 @@ def test_two_runs_into_one_folder_pay_each_call_once(server, tmp_path):
     assert b"skipped: rubric, judge, credit" in err2
     assert server.hits["chat"] == SAMPLE_CALLS
     assert paid_twice(run / "llm_calls.sqlite") == 0
+
+
+def test_audits_over_run_folders_of_several_steps(tmp_path):
+    """Issue 13: self-judge over run folders of different steps agrees with itself per step;
+    audit cost keeps a run folder without a train step in the per-step table."""
+    for step in ("0", "1"):
+        assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
+                     "-o", tmp_path / "runs", "--train-step", step).returncode == 0
+    assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
+                 "-o", tmp_path / "nostep").returncode == 0
+    s0, s1 = tmp_path / "runs" / "step-0", tmp_path / "runs" / "step-1"
+    res = draco("audit", "self-judge", "--self", s0, "--reference", s0, "--self", s1,
+                "--reference", s1, "-o", tmp_path / "sj")
+    assert res.returncode == 0, res.stderr
+    ag = pl.read_parquet(tmp_path / "sj" / "agreement.parquet")
+    rows = {r["scope"]: r for r in ag.iter_rows(named=True)}
+    assert rows["step:0"]["agreement"] == rows["step:1"]["agreement"] == 1.0
+    assert rows["overall"]["unanswered_rate"] == 0.0
+    res = draco("audit", "self-judge", "--self", s0, "--reference", s0, "--rollouts",
+                SAMPLE_RA, "-o", tmp_path / "sj2")
+    assert res.returncode == 2 and "run folders carry their own rollouts" in res.stderr
+    res = draco("audit", "cost", "--calls", s0, "--calls", s1, "--calls", tmp_path / "nostep",
+                "-o", tmp_path / "cost")
+    assert res.returncode == 0, res.stderr
+    per_step = pl.read_parquet(tmp_path / "cost" / "cost_step.parquet")
+    assert per_step["train_step"].to_list() == [0, 1, None]
+    assert per_step["calls"].to_list() == [SAMPLE_CALLS] * 3
+
+
+def test_outcome_setting_matches_verls_grpo(tmp_path):
+    """Same rewards → the same advantages as verl's compute_grpo_outcome_advantage, except a
+    group of one member: verl gives it A = r (mean 0, std 1), draco 0 (SPEC §3.5: no baseline,
+    no signal). Runs where verl is installed (it needs torch, ray and transformers)."""
+    core_algos = pytest.importorskip("verl.trainer.ppo.core_algos")
+    import numpy as np
+    import torch
+
+    r = pl.read_parquet(SAMPLE_RA)
+    s = pl.read_parquet(SAMPLE_SA)
+    # a group of one: keep only the first member of the first group
+    first = r["group_id"][0]
+    keep = r.filter((pl.col("group_id") != first) | (pl.col("rollout_id") == r["rollout_id"][0]))
+    keep.write_parquet(tmp_path / "r.parquet")
+    s.join(keep.select("rollout_id"), on="rollout_id").write_parquet(tmp_path / "s.parquet")
+    res = draco("run", "--rollouts", tmp_path / "r.parquet", "--steps", tmp_path / "s.parquet",
+                "--setting", "outcome", "-o", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    rw = pl.read_parquet(tmp_path / "run" / "credit" / "rewards.parquet").join(
+        keep.select("rollout_id", "outcome"), on="rollout_id")
+    n, length = rw.height, 5
+    token_rewards = torch.zeros((n, length), dtype=torch.float64)
+    token_rewards[:, -1] = torch.tensor(rw["outcome"].cast(pl.Float64).to_list())
+    mask = torch.ones((n, length), dtype=torch.float64)
+    adv, _ = core_algos.compute_grpo_outcome_advantage(
+        token_rewards, mask, np.array(rw["group_id"].to_list(), dtype=object))
+    verl = adv[:, 0].numpy()
+    draco_adv = rw["advantage"].to_numpy()
+    single = (rw["group_id"] == first).to_numpy()
+    assert single.sum() == 1
+    np.testing.assert_allclose(draco_adv[~single], verl[~single], rtol=0, atol=1e-12)
+    assert draco_adv[single][0] == 0.0
+    assert verl[single][0] == pytest.approx(rw["outcome"][int(np.argmax(single))] / (1 + 1e-6))

@@ -117,6 +117,9 @@ def self_judge(
         refs.append(vb)
         if ra is not None:
             rolls.append(ra)
+    if rollouts is not None and rolls:
+        raise typer.BadParameter("run folders carry their own rollouts and train steps; give "
+                                 "--rollouts only with verdict files", param_hint="--rollouts")
     if rollouts is not None:
         rolls = [read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                         "train_step"])]
