@@ -48,6 +48,7 @@ class StageEvent:
     cost_usd: float = 0.0
     seconds: float = 0.0
     unanswered: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
 
@@ -173,7 +174,9 @@ class _Run:
         self._write("running")
         self._emit(StageEvent(name, "start"))
         t = time.perf_counter()
-        self._since = time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+        from draco_cli.stages import log_position
+
+        self._log_start = log_position(self.log)
         rec = body()
         rec.key = key
         rec.seconds = round(time.perf_counter() - t, 3)
@@ -184,7 +187,9 @@ class _Run:
                               calls_new=ev.get("calls_new", 0),
                               calls_reused=ev.get("calls_reused", 0),
                               cost_usd=ev.get("cost_usd", 0.0), seconds=rec.seconds,
-                              unanswered=ev.get("unanswered", 0), notes=list(rec.notes)))
+                              unanswered=ev.get("unanswered", 0),
+                              reasons=dict((getattr(rec, "health", None) or {}).get("reasons", {})),
+                              notes=list(rec.notes)))
         return rec
 
     def _emit(self, event: StageEvent) -> None:
@@ -261,7 +266,7 @@ class _Run:
         new = sum(s.answered + s.unanswered for s in phases.values())
         unanswered = sum(s.unanswered for s in phases.values())
         skipped = sum(s.skipped for s in phases.values())
-        reasons = unanswered_reasons(self.log, LLM_PHASES[name], self._since)
+        reasons = unanswered_reasons(self.log, LLM_PHASES[name], self._log_start)
         if skipped:
             reasons["budget reached (--max-cost)"] = skipped
         calls = reused + new + skipped

@@ -33,9 +33,24 @@ class StageReport:
     items_answered: int = 0
 
 
-def unanswered_reasons(log_path: Path, phases: list[str], since: str) -> dict[str, int]:
-    """Why samples of ``phases`` asked at or after ``since`` (the call log's UTC timestamp
-    form) stayed unanswered, counted per reason, read-only from the call log."""
+def log_position(log_path: Path) -> int:
+    """The call log's last row id (0 when there is none yet): rows after it are this run's."""
+    import sqlite3
+
+    if not Path(log_path).exists():
+        return 0
+    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    try:
+        return int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM calls").fetchone()[0])
+    except sqlite3.OperationalError:  # a log without its table yet
+        return 0
+    finally:
+        conn.close()
+
+
+def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[str, int]:
+    """Why samples of ``phases`` logged after row ``after`` stayed unanswered, counted per
+    reason, read-only from the call log."""
     import sqlite3
 
     if not Path(log_path).exists() or not phases:
@@ -44,8 +59,8 @@ def unanswered_reasons(log_path: Path, phases: list[str], since: str) -> dict[st
     try:
         rows = conn.execute(
             f"SELECT error, COUNT(*) FROM calls WHERE status = 'unanswered' AND phase IN "
-            f"({','.join('?' * len(phases))}) AND created_at >= ? GROUP BY error",
-            (*phases, since)).fetchall()
+            f"({','.join('?' * len(phases))}) AND rowid > ? GROUP BY error",
+            (*phases, after)).fetchall()
     finally:
         conn.close()
     out: dict[str, int] = {}

@@ -287,6 +287,7 @@ def test_health_check_fails_the_run_and_a_rerun_asks_again(server, tmp_path):
     res = run_sample(server, run, "--parse-retries", "0")
     assert res.returncode == 1, res.stderr
     assert "judge: only 0/12 calls answered" in res.stderr and "Traceback" not in res.stderr
+    assert "judge: partial" in res.stderr and "unanswered ×12: " in res.stderr
     m = json.loads((run / "manifest.json").read_text())
     h = m["health"]
     assert h["ok"] is False and h["threshold"] == 0.9 and m["status"] == "unhealthy"

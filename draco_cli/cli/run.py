@@ -138,6 +138,8 @@ def _print_event(e) -> None:
     else:
         line = f"{e.stage}: {e.status} in {e.seconds:.1f} s{rows}{calls()}"
     err_console.print(line, highlight=False, markup=False)
+    for reason, n in sorted(e.reasons.items(), key=lambda kv: -kv[1]):
+        err_console.print(f"  - unanswered ×{n}: {reason}", highlight=False, markup=False)
     for note in e.notes if e.event == "end" else ():
         err_console.print(f"  - {note}", highlight=False, markup=False)
 
