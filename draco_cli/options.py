@@ -8,7 +8,7 @@ is read or any LLM call is made; the error names the command-line option (``--to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any, Literal, Optional, TypeVar
+from typing import Annotated, Any, Literal, Optional, TypeVar, cast
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
@@ -75,15 +75,15 @@ class RubricOptions(_Options):
     """How the rubric stage writes criteria (``draco rubric generate`` / a static rubric)."""
 
     kind: RubricKind = "dynamic"
-    max_criteria: int = Field(8, ge=1)
+    max_criteria: Annotated[int, Field(ge=1)] = 8
     static_rubric: Optional[Path] = None  # None: draco's own default rubric
 
 
 class PromptOptions(_Options):
     """What every LLM stage sends: answer and prompt budgets, and what is masked first."""
 
-    max_tokens: int = Field(4096, ge=16)
-    max_prompt_tokens: int = Field(24000, ge=500)
+    max_tokens: Annotated[int, Field(ge=16)] = 4096
+    max_prompt_tokens: Annotated[int, Field(ge=500)] = 24000
     redact: tuple[str, ...] = ()
     no_default_redact: bool = False
 
@@ -103,9 +103,9 @@ class JudgeOptions(_Options):
     """How the judge stage scores rollouts (``draco judge score``)."""
 
     judge_model: Optional[str] = None  # None: the run's --model
-    samples: int = Field(1, ge=1)
+    samples: Annotated[int, Field(ge=1)] = 1
     aggregate: Aggregate = "all"
-    judge_label: str = Field("judge", min_length=1)
+    judge_label: Annotated[str, Field(min_length=1)] = "judge"
 
 
 class CreditOptions(_Options):
@@ -128,15 +128,15 @@ class RunOptions(_Options):
     prompt: PromptOptions = PromptOptions()
     judge: JudgeOptions = JudgeOptions()
     credit: CreditOptions = CreditOptions()
-    train_step: Optional[int] = Field(None, ge=0)
+    train_step: Annotated[Optional[int], Field(ge=0)] = None
     # the health check: a stage whose share of answered calls falls below this fails the run
-    min_answered: float = Field(0.9, ge=0.0, le=1.0)
+    min_answered: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
     redo: tuple[Stage, ...] = ()
     call_log: Optional[Path] = None  # None: RUN/llm_calls.sqlite
 
     @model_validator(mode="after")
     def _fits_setting(self) -> "RunOptions":
-        rubric, credit, reward = SETTINGS[self.setting]
+        rubric = SETTINGS[self.setting][0]
         if self.setting == "outcome":
             if self.credit.credit != "uniform":
                 raise ValueError("--setting outcome has no rubric to spread credit by: it "
@@ -161,12 +161,13 @@ class RunOptions(_Options):
         kind, default_credit, default_reward = SETTINGS[setting]
         try:
             return cls(
-                setting=setting,
-                rubric=RubricOptions(kind=kind, **(rubric or {})),
+                setting=cast(Setting, setting),
+                rubric=RubricOptions(kind=cast(RubricKind, kind), **(rubric or {})),
                 prompt=PromptOptions(**(prompt or {})),
                 judge=JudgeOptions(**(judge or {})),
-                credit=CreditOptions(credit=credit or default_credit,
-                                     reward=reward or default_reward, **(credit_options or {})),
+                credit=CreditOptions(credit=cast(CreditKind, credit or default_credit),
+                                     reward=cast(RewardSource, reward or default_reward),
+                                     **(credit_options or {})),
                 **run)
         except ValidationError as exc:
             raise UsageError(_one_line(exc)) from None

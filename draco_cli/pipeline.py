@@ -13,7 +13,6 @@ import pyarrow as pa
 from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
     narrow_judge
 from draco_cli.errors import InputError, UsageError
-from draco_cli.options import CreditOptions
 from draco_cli.io import STDIO, check_writable, conform, read_arrow, read_table, write_table
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated

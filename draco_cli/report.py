@@ -9,7 +9,6 @@ from pathlib import Path
 
 import polars as pl
 
-from draco_cli.errors import InputError
 
 
 def _load_run(run: Path) -> dict:

@@ -57,6 +57,13 @@ class StageRecord(BaseModel):
     status: str                      # running | done | partial | budget reached | interrupted
     seconds: Optional[float] = None
     notes: list[str] = Field(default_factory=list)
+    rows: Optional[int] = None       # rows of the stage's main table
+    kind: Optional[str] = None       # rubric: dynamic | static
+    criteria: Optional[int] = None   # static rubric: criteria × groups
+    calls: Optional[dict[str, Any]] = None   # LLM stages: calls new / reused, dollars
+    health: Optional[dict[str, Any]] = None  # LLM stages: what the health check reads
+    stats: Optional[dict[str, Any]] = None   # credit: CreditStats
+    reward: Optional[str] = None     # credit: rubric | outcome
 
 
 class StageHealth(BaseModel):

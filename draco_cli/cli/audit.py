@@ -233,7 +233,6 @@ def cost(
 
     Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
-    import json
 
     import polars as pl
 
