@@ -509,3 +509,44 @@ def test_outcome_setting_matches_verls_grpo(tmp_path):
     np.testing.assert_allclose(draco_adv[~single], verl[~single], rtol=0, atol=1e-12)
     assert draco_adv[single][0] == 0.0
     assert verl[single][0] == pytest.approx(rw["outcome"][int(np.argmax(single))] / (1 + 1e-6))
+
+
+def test_python_api_takes_the_same_option_objects(tmp_path):
+    from draco_cli.errors import UsageError
+    from draco_cli.options import RunOptions
+    from draco_cli.run import run_step
+
+    with pytest.raises(UsageError, match="--tokens 'bogus'"):
+        RunOptions.for_setting("outcome", credit_options={"tokens": "bogus"})
+    with pytest.raises(UsageError, match="--model is required"):
+        run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "x", None, RunOptions.for_setting("static"))
+    events = []
+    res = run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "runs", None,
+                   RunOptions.for_setting("outcome", credit_options={"tokens": "dense"}),
+                   train_step=2, on_event=events.append)
+    assert res.healthy and res.manifest["status"] == "done"
+    assert res.run_dir == tmp_path / "runs" / "step-2"
+    assert [(e.stage, e.event) for e in events] == [("credit", "start"), ("credit", "end")]
+    ta = pl.read_parquet(res.run_dir / "credit" / "token_advantages.parquet")
+    assert "advantages" in ta.columns
+
+
+def test_manifest_versions(tmp_path):
+    """A version-1 manifest (paths as typed, relative to where draco ran) still opens; a
+    manifest from a newer draco is refused with what to do."""
+    from draco_cli.errors import InputError
+    from draco_cli.runfolder import RunFolder, file_sha256
+
+    run = tmp_path / "old"
+    run.mkdir()
+    shutil.copy(SAMPLE_RA, run / "rollouts.parquet")
+    (run / "manifest.json").write_text(json.dumps({
+        "status": "done", "train_step": 4, "stages": {},
+        "inputs": {"rollouts": {"path": "rollouts.parquet",
+                                "sha256": file_sha256(run / "rollouts.parquet")}}}))
+    folder = RunFolder.open(run)
+    assert folder.manifest.manifest_version == 1 and folder.train_step == 4
+    assert folder.rollouts == run / "rollouts.parquet"
+    (run / "manifest.json").write_text(json.dumps({"manifest_version": 99, "stages": {}}))
+    with pytest.raises(InputError, match="newer than this draco reads"):
+        RunFolder.open(run)
