@@ -550,3 +550,13 @@ def test_manifest_versions(tmp_path):
     (run / "manifest.json").write_text(json.dumps({"manifest_version": 99, "stages": {}}))
     with pytest.raises(InputError, match="newer than this draco reads"):
         RunFolder.open(run)
+
+
+def test_validate_a_run_folder(tmp_path):
+    run = tmp_path / "run"
+    assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
+                 "-o", run).returncode == 0
+    res = draco("validate", run)
+    assert res.returncode == 0, res.stderr
+    for table in ("12 rollouts", "48 steps", "40 verdicts", "12 rewards", "12 token_advantages"):
+        assert table in res.stderr
