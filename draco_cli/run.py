@@ -97,6 +97,9 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     for path in (rollouts, steps):
         if not Path(path).is_file():
             raise InputError("no such file", file=str(path))
+    if llm is not None:  # a bad --judge-model must not wait until the rubric is paid for
+        for model in {llm.model, opts.judge.judge_model or llm.model}:
+            _check_model(model)
     static_criteria = None
     if opts.rubric.kind == "static":
         from draco_cli.rubric import load_static_rubric
@@ -106,6 +109,15 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     with folder.lock(wait=wait, on_wait=on_wait):
         return _Run(folder, Path(rollouts), Path(steps), llm, opts, train_step,
                     static_criteria, progress, on_event).run()
+
+
+def _check_model(model: str) -> None:
+    from draco_cli.llm.providers import parse_model_id
+
+    provider, name = parse_model_id(model)
+    if provider == "replay" and not Path(name).is_file():
+        raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
+                         file=name)
 
 
 class _Run:

@@ -209,11 +209,13 @@ def test_tau_bench_end_to_end(server, tmp_path):
     (["--train-step", "-1"], "--train-step"), (["--redo", "everything"], "--redo"),
     (["--min-answered", "1.5"], "--min-answered"), (["--redact", "("], "--redact"),
     (["--setting", "outcome", "--credit", "step"], "--credit"),
+    (["--judge-model", "nonsense"], "model 'nonsense'"),
+    (["--judge-model", "replay//nonexistent.sqlite"], "nonexistent.sqlite"),
     (["--static-rubric", "/nonexistent.yaml", "--setting", "static"], "nonexistent.yaml")])
 def test_bad_options_refused_before_any_call(server, tmp_path, args, flag):
     res = run_sample(server, tmp_path / "r", *args)
     assert res.returncode in (1, 2) and flag in res.stderr, res.stderr
-    assert res.returncode == 2 or "nonexistent" in flag
+    assert res.returncode == 2 or "nonexistent" in flag or "model" in flag
     assert server.hits["chat"] == 0 and not (tmp_path / "r").exists()
 
 
