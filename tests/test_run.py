@@ -562,3 +562,12 @@ def test_validate_a_run_folder(tmp_path):
     assert res.returncode == 0, res.stderr
     for table in ("12 rollouts", "48 steps", "40 verdicts", "12 rewards", "12 token_advantages"):
         assert table in res.stderr
+
+
+def test_unwritable_run_folder_is_one_line(tmp_path):
+    (tmp_path / "file").write_text("x")
+    for out in (tmp_path / "file", tmp_path / "file" / "run"):
+        res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--setting",
+                    "outcome", "-o", out)
+        assert res.returncode == 1 and "cannot write the run folder" in res.stderr, res.stderr
+    assert (tmp_path / "file").read_text() == "x"
