@@ -24,7 +24,7 @@ from typer.testing import CliRunner
 
 from draco_cli.cli import app
 from draco_cli.errors import DracoError
-from tests.conftest import REPO, TAU, run_draco
+from tests.conftest import REPO, TAU
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 
@@ -33,8 +33,9 @@ SAMPLE_S = "sample_data/appworld_mini/steps.parquet"
 
 
 def test_sample_tables_match_a_fresh_ingest(tmp_path):
-    assert run_draco("ingest", "openai-jsonl", "sample_data/appworld_mini.jsonl", "--step-unit",
-                     "code-block", "--tokenizer", "approx", "-o", str(tmp_path)).returncode == 0
+    assert draco("ingest", "openai-jsonl", REPO / "sample_data" / "appworld_mini.jsonl",
+                 "--step-unit", "code-block", "--tokenizer", "approx", "-o",
+                 tmp_path).returncode == 0
     for t in ("rollouts", "steps"):
         assert pl.read_parquet(tmp_path / f"{t}.parquet").equals(
             pl.read_parquet(REPO / "sample_data" / "appworld_mini" / f"{t}.parquet")), t
