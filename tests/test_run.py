@@ -572,3 +572,17 @@ def test_unwritable_run_folder_is_one_line(tmp_path):
                     "outcome", "-o", out)
         assert res.returncode == 1 and "cannot write the run folder" in res.stderr, res.stderr
     assert (tmp_path / "file").read_text() == "x"
+
+
+def test_call_log_option_shares_one_log_across_steps(server, tmp_path):
+    log = tmp_path / "calls.sqlite"
+    assert run_sample(server, tmp_path / "runs", "--train-step", "0", "--call-log",
+                      log).returncode == 0
+    assert not (tmp_path / "runs" / "step-0" / "llm_calls.sqlite").exists()
+    assert calls_in(log) == SAMPLE_CALLS
+    # the same rollouts at the next step: every answer comes from the shared log
+    res = run_sample(server, tmp_path / "runs", "--train-step", "1", "--call-log", log)
+    assert res.returncode == 0 and "calls 0 new / 18 reused" in res.stderr, res.stderr
+    assert server.hits["chat"] == SAMPLE_CALLS
+    res = draco("audit", "cost", "--calls", tmp_path / "runs" / "step-0", "-o", tmp_path / "c")
+    assert res.returncode == 0, res.stderr  # found through the manifest
