@@ -361,6 +361,11 @@ def test_corrupt_manifest_is_one_line_saying_what_to_do(tmp_path):
         assert res.returncode == 1, (args, res.stderr)
         lines = [x for x in res.stderr.splitlines() if x.startswith("error:")]
         assert len(lines) == 1 and "corrupt manifest" in lines[0] and "rerun" in lines[0]
+    assert "delete it and rerun" in lines[0]  # the run itself says how to get past it
+    (run / "manifest.json").unlink()
+    res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
+                "-o", run)
+    assert res.returncode == 0 and "calls 0 new" in res.stderr, res.stderr
 
 
 def test_missing_inputs_are_named_not_a_traceback(tmp_path):
