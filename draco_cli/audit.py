@@ -309,11 +309,12 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
     per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
     projected = None
     if "train_step" in c.columns and c["train_step"].null_count() < c.height:
-        # calls already labelled by the run folder they came from
-        per_step = c.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
+        # calls already labelled by the run folder they came from; a run folder without a
+        # train step keeps its own row (train_step null) rather than vanishing
+        per_step = c.group_by("train_step").agg(
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            pl.col("cost_usd").sum()).sort("train_step")
-        projected = float(per_step["cost_usd"].mean()) * 100
+            pl.col("cost_usd").sum()).sort("train_step", nulls_last=True)
+        projected = float(per_step.drop_nulls("train_step")["cost_usd"].mean()) * 100
     elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
         by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \

@@ -12,8 +12,9 @@ import pyarrow as pa
 
 from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
     narrow_judge
-from draco_cli.errors import InputError
+from draco_cli.errors import InputError, UsageError
 from draco_cli.io import STDIO, check_writable, conform, read_arrow, read_table, write_table
+from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
@@ -53,9 +54,28 @@ def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
     return int(pairs["retained"].sum()), pairs.height
 
 
-def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path,
-                   out: str | Path, *, tokens: str = "spans", force: bool = False,
-                   **options) -> CreditStats:
+def _no_verdicts() -> pl.DataFrame:
+    return pl.DataFrame(schema={"rollout_id": pl.String, "criterion_id": pl.String,
+                                "judge": pl.String, "verdict": pl.String,
+                                "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
+
+
+def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
+                   out: str | Path, *, tokens: str | None = None, force: bool = False,
+                   options: CreditOptions | None = None, **kwargs) -> CreditStats:
+    """Rewards, step credit and token advantages of ``rollouts`` into ``out``.
+
+    ``options`` (or the same fields as keywords) says how; ``verdicts`` may be None only with
+    ``reward="outcome"`` and uniform credit: the environment's outcome, no criteria filter.
+    """
+    if options is None:
+        options = CreditOptions.build(**kwargs, **({"tokens": tokens} if tokens else {}))
+    elif kwargs or tokens:
+        raise TypeError("pass either options= or keyword options, not both")
+    if verdicts is None and (options.reward != "outcome" or options.credit != "uniform"):
+        raise UsageError("--verdicts is needed unless --reward outcome with --credit uniform "
+                         "(no rubric: nothing to filter or spread credit by)")
+    tokens = options.tokens
     out = Path(out)
     targets = [out / "rewards.parquet", out / "step_credit.parquet",
                out / "token_advantages.parquet"]
@@ -71,9 +91,11 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     _check_spans_type(spans, _name(rollouts))
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
     s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
-    v = read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS)
-    result = compute_credit(r, s, v, verdicts_source=_name(verdicts), steps_source=_name(steps),
-                            **options)
+    v = _no_verdicts() if verdicts is None else \
+        read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS)
+    result = compute_credit(r, s, v, verdicts_source=_name(verdicts or "verdicts"),
+                            steps_source=_name(steps),
+                            **options.model_dump(exclude={"tokens"}))
     from draco_cli.token_advantages import token_spans
 
     ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),

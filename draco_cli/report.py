@@ -9,25 +9,21 @@ from pathlib import Path
 
 import polars as pl
 
-from draco_cli.errors import InputError
 
 
 def _load_run(run: Path) -> dict:
-    m = run / "manifest.json"
-    if not m.exists():
-        raise InputError("not a draco run folder (no manifest.json)", file=str(run))
-    manifest = json.loads(m.read_text())
+    from draco_cli.runfolder import RunFolder
+
+    folder = RunFolder.open(run)
+    manifest = folder.manifest.model_dump(mode="json")
     out = {"dir": run, "manifest": manifest}
-    for key, rel in (("rewards", "credit/rewards.parquet"), ("step_credit", "credit/step_credit.parquet"),
-                     ("verdicts", "judge/verdicts.parquet"), ("rubrics", "rubric/rubrics.parquet"),
-                     ("agreement", "audit/agreement.parquet")):
-        p = run / rel
-        out[key] = pl.read_parquet(p) if p.exists() else None
-    r = Path(manifest["inputs"]["rollouts"]["path"])
-    s = Path(manifest["inputs"]["steps"]["path"])
-    out["rollouts"] = pl.read_parquet(r) if r.exists() else None
-    out["steps"] = pl.read_parquet(s) if s.exists() else None
-    calls = run / "llm_calls.sqlite"
+    for key in ("rewards", "step_credit", "verdicts", "rubrics", "agreement"):
+        out[key] = pl.read_parquet(folder.table(key)) if folder.has(key) else None
+    for key in ("rollouts", "steps"):
+        # gone inputs leave the report drawing what the run folder itself holds
+        path = folder.input(key, missing_ok=True)
+        out[key] = pl.read_parquet(path) if path is not None else None
+    calls = folder.call_log
     if calls.exists():
         from draco_cli.audit import read_calls
 

@@ -1,9 +1,12 @@
 """``draco run``: one training step, rubric → judge → filter → credit, into one run folder.
 
-Every stage writes its tables into the run folder and the run's manifest records, per stage,
-a hash of its inputs and settings. A rerun skips finished stages whose inputs are unchanged
-and resumes unfinished LLM stages from the shared call log, so a finished run reruns in
-seconds with zero calls, and a killed one continues where it stopped.
+Each stage's key hashes its options and the contents of what it reads: the input tables, the
+static rubric's criteria, the previous stage's output tables. A rerun skips a finished stage
+whose key is unchanged and whose outputs exist, redoes it (and so everything after it) when
+anything it reads changed, and resumes an unfinished LLM stage from the call log: answered
+calls come free, unanswered ones are asked again. The manifest is rewritten as each stage
+starts and ends, so a killed run leaves a manifest saying what finished. The run folder is
+locked while a run writes it, so two runs into one folder never pay a call twice.
 """
 
 from __future__ import annotations
@@ -12,40 +15,41 @@ import datetime as _dt
 import hashlib
 import json
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Any
 
 from draco_cli import __version__
-from draco_cli.errors import UsageError
-from draco_cli.io import write_text_atomic
+from draco_cli.errors import InputError, UsageError
 from draco_cli.llm.settings import LLMSettings
+from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOptions,
+                               RubricOptions, RunOptions)
 from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
+from draco_cli.runfolder import (Health, Manifest, RunFolder, StageHealth, StageRecord,
+                                 file_sha256, input_record)
 
-SETTINGS = {
-    # name: (rubric, credit)  — the four settings of the DRACO paper (SPEC §3.7)
-    "draco": ("dynamic", "step"),
-    "no-credit": ("dynamic", "uniform"),
-    "static": ("static", "step"),
-    "static-no-credit": ("static", "uniform"),
-}
+__all__ = ["SETTINGS", "RunOptions", "RubricOptions", "PromptOptions", "JudgeOptions",
+           "CreditOptions", "RunResult", "StageEvent", "run_step", "run_dir_for"]
+
+LLM_PHASES = {"rubric": ["generate", "union", "merge"], "judge": ["score"]}
 
 
 @dataclass
-class RunOptions:
-    setting: str = "draco"
-    judge_model: str | None = None
-    samples: int = 1
-    aggregate: str = "all"
-    judge_label: str = "judge"
-    max_criteria: int = 8
-    static_rubric: str | None = None
-    estimator: str = "grpo"
-    std: str = "sample"
-    drop: str = "all-pass"
-    tokens: str = "spans"
-    max_tokens: int = 4096
-    max_prompt_tokens: int = 24000
-    redact: list[str] = field(default_factory=list)
+class StageEvent:
+    """What a stage reports as it starts, ends or is reused (the command prints it)."""
+
+    stage: str
+    event: str                   # start | end | reused
+    status: str = ""
+    rows: int | None = None
+    calls_new: int = 0
+    calls_reused: int = 0
+    cost_usd: float = 0.0
+    seconds: float = 0.0
+    unanswered: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
 
 
 @dataclass
@@ -54,173 +58,334 @@ class RunResult:
     manifest: dict
     skipped: list[str]
     budget_reached: bool = False
+    healthy: bool = True
+    events: list[StageEvent] = field(default_factory=list)
 
 
-def _file_hash(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
-
-
-def _stage_key(*parts) -> str:
+def _key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
+def _contents(*paths: Path) -> list[str | None]:
+    """SHA-256 of each file, None where absent: a stage keyed on these reruns exactly when
+    what it reads changed."""
+    return [file_sha256(p) if p.exists() else None for p in paths]
+
+
 def run_dir_for(out: Path, train_step: int | None) -> Path:
-    return out / f"step-{train_step}" if train_step is not None else out
+    if train_step is not None and train_step < 0:
+        raise UsageError(f"--train-step {train_step}: must be ≥ 0")
+    return Path(out) / f"step-{train_step}" if train_step is not None else Path(out)
 
 
-def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings, opts: RunOptions,
-             train_step: int | None = None, progress=None) -> RunResult:
-    from draco_cli import stages as st
-    from draco_cli.pipeline import credit_compute
+def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
+             opts: RunOptions | None = None, train_step: int | None = None, progress=None,
+             on_event: Callable[[StageEvent], None] | None = None, wait: bool = True,
+             on_wait: Callable[[str], None] | None = None) -> RunResult:
+    """Run one training step into ``out`` (or ``out/step-N`` with ``train_step``).
 
-    if opts.setting not in SETTINGS:
-        raise UsageError(f"--setting {opts.setting!r}: choose {', '.join(SETTINGS)}")
-    rubric_kind, credit_kind = SETTINGS[opts.setting]
+    ``llm`` may be None only for ``--setting outcome``, which makes no LLM call. ``on_event``
+    hears each stage start and end; ``on_wait`` hears who holds the folder's lock when this
+    run has to wait for it (``wait=False`` refuses instead).
+    """
+    opts = opts or RunOptions()
+    if train_step is None:
+        train_step = opts.train_step
+    if opts.uses_llm and llm is None:
+        raise UsageError(f"--model is required for --setting {opts.setting} (only --setting "
+                         "outcome makes no LLM call)")
     for path in (rollouts, steps):
         if not Path(path).is_file():
-            from draco_cli.errors import InputError
-
             raise InputError("no such file", file=str(path))
-    run = run_dir_for(out, train_step)
-    run.mkdir(parents=True, exist_ok=True)
-    manifest_path = run / "manifest.json"
-    old = json.loads(manifest_path.read_text()) if manifest_path.exists() else {}
-    old_stages = old.get("stages", {})
-    log = run / "llm_calls.sqlite"
-    render = st.render_options(opts.max_prompt_tokens, opts.redact, False)
-    t0 = time.perf_counter()
-    inputs = {"rollouts": {"path": str(rollouts), "sha256": _file_hash(rollouts)},
-              "steps": {"path": str(steps), "sha256": _file_hash(steps)}}
-    stages: dict[str, dict] = {}
-    skipped: list[str] = []
-    phases: dict = {}
+    if llm is not None:  # a bad --judge-model must not wait until the rubric is paid for
+        for model in {llm.model, opts.judge.judge_model or llm.model}:
+            _check_model(model)
+    static_criteria = None
+    if opts.rubric.kind == "static":
+        from draco_cli.rubric import load_static_rubric
 
-    def fresh(name: str, key: str, outputs: list[Path]) -> bool:
-        prev = old_stages.get(name, {})
-        if prev.get("key") == key and prev.get("status") == "done" and \
-                all(p.exists() for p in outputs):
-            stages[name] = prev
-            skipped.append(name)
-            return True
-        return False
+        static_criteria = load_static_rubric(opts.rubric.static_rubric)  # refused up front
+    folder = RunFolder(run_dir_for(Path(out), train_step))
+    with folder.lock(wait=wait, on_wait=on_wait):
+        return _Run(folder, Path(rollouts), Path(steps), llm, opts, train_step,
+                    static_criteria, progress, on_event).run()
 
-    # 1. rubric
-    rubric_dir = run / "rubric"
-    rubrics = rubric_dir / "rubrics.parquet"
-    rkey = _stage_key(inputs, rubric_kind, opts.max_criteria, opts.static_rubric, llm.model,
-                      opts.max_tokens, opts.max_prompt_tokens, opts.redact, llm.thinking,
-                      PROMPT_VERSIONS)
-    if not fresh("rubric", rkey, [rubrics]):
+
+def _check_model(model: str) -> None:
+    from draco_cli.llm.providers import parse_model_id
+
+    provider, name = parse_model_id(model)
+    if provider == "replay" and not Path(name).is_file():
+        raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
+                         file=name)
+
+
+class _Run:
+    def __init__(self, folder, rollouts, steps, llm, opts, train_step, static_criteria,
+                 progress, on_event) -> None:
+        self.folder, self.llm, self.opts, self.train_step = folder, llm, opts, train_step
+        self.rollouts, self.steps = rollouts, steps
+        self.static_criteria = static_criteria
+        self.progress = progress
+        self.on_event = on_event or (lambda e: None)
+        self.old = folder.read_manifest(for_writing=True) or Manifest()
+        self.log = opts.call_log or folder.path / "llm_calls.sqlite"
+        self.t0 = time.perf_counter()
+        self.stages: dict[str, StageRecord] = {}
+        self.skipped: list[str] = []
+        self.events: list[StageEvent] = []
+        self.forced = False
+        self.inputs = {"rollouts": input_record(rollouts, folder.path),
+                       "steps": input_record(steps, folder.path)}
+        self.input_hashes = {k: v.sha256 for k, v in self.inputs.items()}
+
+    # -- the chain -------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        from draco_cli import stages as st
+
+        opts = self.opts
+        self.render = st.render_options(opts.prompt.max_prompt_tokens,
+                                        list(opts.prompt.redact), opts.prompt.no_default_redact)
+        run = self.folder.path
+        try:
+            if opts.rubric.kind != "none":
+                rec = self._stage("rubric", self._rubric_key(), [self.folder.table("rubrics")],
+                                  self._rubric)
+                if rec.status == "budget reached":
+                    return self._finish("budget reached")
+                rec = self._stage("judge", self._judge_key(),
+                                  [self.folder.table("verdicts"),
+                                   self.folder.table("verdicts_raw")], self._judge)
+                if rec.status == "budget reached":
+                    return self._finish("budget reached")
+            self._stage("credit", self._credit_key(),
+                        [run / "credit" / f for f in ("rewards.parquet", "step_credit.parquet",
+                                                      "token_advantages.parquet")],
+                        self._credit)
+        except KeyboardInterrupt:
+            for rec in self.stages.values():
+                if rec.status == "running":
+                    rec.status = "interrupted"
+            self._write("interrupted")
+            raise
+        return self._finish(None)
+
+    def _stage(self, name: str, key: str, outputs: list[Path],
+               body: Callable[[], StageRecord]) -> StageRecord:
+        prev = self.old.stages.get(name)
+        self.forced = self.forced or name in self.opts.redo
+        if not self.forced and prev is not None and prev.key == key and \
+                prev.status == "done" and all(p.exists() for p in outputs):
+            self.stages[name] = prev
+            self.skipped.append(name)
+            self._emit(StageEvent(name, "reused", status="done", rows=getattr(prev, "rows", None),
+                                  seconds=prev.seconds or 0.0))
+            return prev
+        self.stages[name] = StageRecord(key=key, status="running")
+        self._write("running")
+        self._emit(StageEvent(name, "start"))
         t = time.perf_counter()
-        if rubric_kind == "static":
-            n, groups, _ = st.rubric_static(rollouts, Path(opts.static_rubric) if
-                                            opts.static_rubric else None, rubric_dir, force=True)
-            stages["rubric"] = {"key": rkey, "status": "done", "kind": "static",
-                                "criteria": n * groups}
+        from draco_cli.stages import log_position
+
+        self._log_start = log_position(self.log)
+        rec = body()
+        rec.key = key
+        rec.seconds = round(time.perf_counter() - t, 3)
+        self.stages[name] = rec
+        self._write("running")
+        ev = getattr(rec, "calls", None) or {}
+        self._emit(StageEvent(name, "end", status=rec.status, rows=getattr(rec, "rows", None),
+                              calls_new=ev.get("calls_new", 0),
+                              calls_reused=ev.get("calls_reused", 0),
+                              cost_usd=ev.get("cost_usd", 0.0), seconds=rec.seconds,
+                              unanswered=ev.get("unanswered", 0),
+                              reasons=dict((getattr(rec, "health", None) or {}).get("reasons", {})),
+                              notes=list(rec.notes)))
+        return rec
+
+    def _emit(self, event: StageEvent) -> None:
+        self.events.append(event)
+        self.on_event(event)
+
+    # -- keys: options + contents of what each stage reads ----------------------------------
+
+    def _llm_key(self, llm: LLMSettings) -> dict:
+        return {"model": llm.model, "base_url": llm.base_url, "thinking": llm.thinking,
+                "prompt": self.opts.prompt.model_dump(mode="json"),
+                "prompt_versions": PROMPT_VERSIONS}
+
+    def _rubric_key(self) -> str:
+        r = self.opts.rubric
+        if r.kind == "static":
+            return _key("rubric", self.input_hashes["rollouts"], "static", self.static_criteria)
+        assert self.llm is not None
+        return _key("rubric", self.input_hashes, "dynamic", r.max_criteria,
+                    self._llm_key(self.llm))
+
+    def _judge_llm(self) -> LLMSettings:
+        assert self.llm is not None
+        return LLMSettings(**{**asdict(self.llm),
+                              "model": self.opts.judge.judge_model or self.llm.model})
+
+    def _judge_key(self) -> str:
+        return _key("judge", self.input_hashes, _contents(self.folder.table("rubrics")),
+                    self.opts.judge.model_dump(mode="json", exclude={"judge_model"}),
+                    self._llm_key(self._judge_llm()))
+
+    def _credit_key(self) -> str:
+        verdicts = _contents(self.folder.table("verdicts")) if self.opts.rubric.kind != "none" \
+            else None
+        return _key("credit", self.input_hashes, verdicts,
+                    self.opts.credit.model_dump(mode="json"))
+
+    # -- the stages ------------------------------------------------------------------------
+
+    def _rubric(self) -> StageRecord:
+        from draco_cli import stages as st
+
+        rubric_dir = self.folder.path / "rubric"
+        if self.opts.rubric.kind == "static":
+            n, groups, _ = st.rubric_static(self.rollouts, self.opts.rubric.static_rubric,
+                                            rubric_dir, force=True)
+            return StageRecord(key="", status="done", kind="static", criteria=n * groups,
+                               rows=n * groups)
+        assert self.llm is not None
+        report = st.rubric_generate(self.rollouts, self.steps, rubric_dir, self.llm,
+                                    stages=("generate", "union", "merge"),
+                                    max_criteria=self.opts.rubric.max_criteria,
+                                    render=self.render, max_tokens=self.opts.prompt.max_tokens,
+                                    call_log=self.log, force=True, progress=self.progress)
+        return self._llm_record("rubric", report, kind="dynamic")
+
+    def _judge(self) -> StageRecord:
+        from draco_cli import stages as st
+
+        report = st.judge_score(self.rollouts, self.steps, self.folder.table("rubrics"),
+                                self.folder.path / "judge", self._judge_llm(),
+                                samples=self.opts.judge.samples,
+                                aggregate=self.opts.judge.aggregate,
+                                judge_label=self.opts.judge.judge_label, render=self.render,
+                                max_tokens=self.opts.prompt.max_tokens, call_log=self.log,
+                                force=True, progress=self.progress)
+        return self._llm_record("judge", report)
+
+    def _llm_record(self, name: str, report, **extra: Any) -> StageRecord:
+        from draco_cli.stages import unanswered_reasons
+
+        phases = {p: s for p, s in report.phases.items() if p in LLM_PHASES[name]}
+        reused = sum(s.cached for s in phases.values())
+        new = sum(s.answered + s.unanswered for s in phases.values())
+        unanswered = sum(s.unanswered for s in phases.values())
+        skipped = sum(s.skipped for s in phases.values())
+        reasons = unanswered_reasons(self.log, LLM_PHASES[name], self._log_start)
+        if skipped:
+            reasons["budget reached (--max-cost)"] = skipped
+        calls = reused + new + skipped
+        answered = calls - unanswered - skipped
+        health = {"calls": calls, "answered": answered, "reasons": reasons,
+                  "items": report.items, "items_answered": report.items_answered}
+        status = "budget reached" if report.budget_reached else \
+            "done" if unanswered == 0 and skipped == 0 else "partial"
+        return StageRecord(key="", status=status, notes=list(report.notes), rows=report.rows,
+                           health=health,
+                           calls={"calls_new": new, "calls_reused": reused,
+                                  "cost_usd": round(sum(s.cost_usd for s in phases.values()), 6),
+                                  "unanswered": unanswered + skipped}, **extra)
+
+    def _credit(self) -> StageRecord:
+        from draco_cli.pipeline import credit_compute
+
+        verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
+        stats = credit_compute(self.rollouts, self.steps, verdicts, self.folder.path / "credit",
+                               options=self.opts.credit, force=True)
+        return StageRecord(key="", status="done", stats=asdict(stats), rows=stats.rollouts,
+                           reward=self.opts.credit.reward)
+
+    # -- the manifest ----------------------------------------------------------------------
+
+    def _health(self) -> Health:
+        threshold = self.opts.min_answered
+        out: dict[str, StageHealth] = {}
+        messages = []
+        for name, rec in self.stages.items():
+            h = getattr(rec, "health", None)
+            if not h:
+                continue
+            share = h["answered"] / h["calls"] if h["calls"] else 1.0
+            items, items_ok = h.get("items", 0), h.get("items_answered", 0)
+            item_share = items_ok / items if items else 1.0
+            ok = share >= threshold and item_share >= threshold
+            out[name] = StageHealth(calls=h["calls"], answered=h["answered"],
+                                    answered_share=round(share, 6), reasons=h["reasons"], ok=ok)
+            if share < threshold:
+                why = "; ".join(f"{r} ×{n}" for r, n in
+                                sorted(h["reasons"].items(), key=lambda kv: -kv[1])[:3])
+                messages.append(f"{name}: only {h['answered']}/{h['calls']} calls answered "
+                                f"({share:.0%} < --min-answered {threshold:.0%})"
+                                + (f": {why}" if why else ""))
+            elif item_share < threshold:
+                messages.append(f"{name}: only {items_ok}/{items} sample verdicts answered "
+                                f"({item_share:.0%} < --min-answered {threshold:.0%}); the "
+                                "judge's answers left criteria out")
+        return Health(ok=all(h.ok for h in out.values()), threshold=threshold, stages=out,
+                      messages=messages)
+
+    def _manifest(self, status: str) -> Manifest:
+        from draco_cli.io import read_arrow
+        from draco_cli.runfolder import TABLES
+
+        counts = {}
+        for rel in TABLES.values():
+            p = self.folder.path / rel
+            if p.exists() and not rel.startswith("audit/"):
+                counts[rel] = read_arrow(p).num_rows
+        settings: dict[str, Any] = {
+            "setting": self.opts.setting,
+            **self.opts.rubric.model_dump(mode="json", exclude={"kind"}),
+            "rubric": self.opts.rubric.kind,
+            **self.opts.prompt.model_dump(mode="json"),
+            **self.opts.judge.model_dump(mode="json"),
+            **self.opts.credit.model_dump(mode="json"),
+            "min_answered": self.opts.min_answered,
+            "call_log": str(Path(self.log).absolute()),
+        }
+        if self.llm is not None:
+            settings.update(model=self.llm.model, thinking=self.llm.thinking,
+                            base_url=self.llm.base_url)
+        ta = self.folder.path / "credit" / "token_advantages.parquet"
+        calls = {}
+        if Path(self.log).exists():
+            from draco_cli.llm.calllog import read_totals
+
+            calls = read_totals(self.log)
+        return Manifest(
+            draco_version=__version__, status=status, train_step=self.train_step,
+            settings=settings,
+            prompt_versions={k: f"{k}.{v}" for k, v in PROMPT_VERSIONS.items()},
+            inputs=self.inputs, stages=self.stages, skipped_this_run=self.skipped, rows=counts,
+            llm_calls=calls, wall_seconds=round(time.perf_counter() - self.t0, 3),
+            updated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            token_advantages=str(ta.absolute()) if ta.exists() else None,
+            health=self._health() if any(getattr(r, "health", None)
+                                         for r in self.stages.values()) else None)
+
+    def _write(self, status: str) -> Manifest:
+        manifest = self._manifest(status)
+        self.folder.write_manifest(manifest)
+        return manifest
+
+    def _finish(self, stopped: str | None) -> RunResult:
+        health = self._health()
+        if stopped:
+            status = stopped
+        elif not health.ok:
+            status = "unhealthy"
+        elif any(r.status != "done" for r in self.stages.values()):
+            status = "partial"
         else:
-            report = st.rubric_generate(rollouts, steps, rubric_dir, llm,
-                                        stages=("generate", "union", "merge"),
-                                        max_criteria=opts.max_criteria, render=render,
-                                        max_tokens=opts.max_tokens, call_log=log, force=True,
-                                        progress=progress)
-            phases.update(report.phases)
-            if report.budget_reached:
-                return _stop(run, manifest_path, old, inputs, stages, phases, opts, llm,
-                             train_step, t0, skipped)
-            stages["rubric"] = {"key": rkey, "status": "done", "kind": "dynamic",
-                                "notes": report.notes}
-        stages["rubric"]["seconds"] = round(time.perf_counter() - t, 3)
-
-    # 2. judge
-    judge_dir = run / "judge"
-    verdicts = judge_dir / "verdicts.parquet"
-    judge_llm = LLMSettings(**{**asdict(llm), "model": opts.judge_model or llm.model})
-    jkey = _stage_key(inputs, stages["rubric"]["key"], judge_llm.model, opts.samples,
-                      opts.aggregate, opts.judge_label, opts.max_tokens, opts.max_prompt_tokens,
-                      opts.redact, judge_llm.thinking, PROMPT_VERSIONS)
-    if not fresh("judge", jkey, [verdicts, judge_dir / "verdicts_raw.parquet"]):
-        t = time.perf_counter()
-        report = st.judge_score(rollouts, steps, rubrics, judge_dir, judge_llm,
-                                samples=opts.samples, aggregate=opts.aggregate,
-                                judge_label=opts.judge_label, render=render,
-                                max_tokens=opts.max_tokens, call_log=log, force=True,
-                                progress=progress)
-        for k, v in report.phases.items():
-            phases[k] = v
-        if report.budget_reached:
-            return _stop(run, manifest_path, old, inputs, stages, phases, opts, llm, train_step,
-                         t0, skipped)
-        stages["judge"] = {"key": jkey, "status": "done", "notes": report.notes,
-                           "seconds": round(time.perf_counter() - t, 3)}
-
-    # 3. filter + credit
-    credit_dir = run / "credit"
-    ckey = _stage_key(inputs, stages["judge"]["key"], credit_kind, opts.estimator, opts.std,
-                      opts.drop, opts.tokens)
-    outs = [credit_dir / f for f in ("rewards.parquet", "step_credit.parquet",
-                                     "token_advantages.parquet")]
-    if not fresh("credit", ckey, outs):
-        t = time.perf_counter()
-        stats = credit_compute(rollouts, steps, verdicts, credit_dir, credit=credit_kind,
-                               estimator=opts.estimator, std=opts.std, drop=opts.drop,
-                               tokens=opts.tokens, force=True)
-        stages["credit"] = {"key": ckey, "status": "done", "stats": asdict(stats),
-                            "seconds": round(time.perf_counter() - t, 3)}
-    manifest = _manifest(run, old, inputs, stages, phases, opts, llm, train_step, t0, skipped,
-                         status="done")
-    write_text_atomic(manifest_path, json.dumps(manifest, indent=2, default=str) + "\n",
-                      force=True)
-    return RunResult(run, manifest, skipped)
-
-
-def _calls_summary(run: Path) -> dict:
-    log = run / "llm_calls.sqlite"
-    if not log.exists():
-        return {}
-    from draco_cli.llm.calllog import read_totals
-
-    return read_totals(log)
-
-
-def _manifest(run, old, inputs, stages, phases, opts, llm, train_step, t0, skipped, status):
-    from draco_cli.io import read_arrow
-
-    counts = {}
-    for rel in ("rubric/rubrics.parquet", "rubric/rubric_candidates.parquet",
-                "judge/verdicts_raw.parquet", "judge/verdicts.parquet",
-                "credit/rewards.parquet", "credit/step_credit.parquet",
-                "credit/token_advantages.parquet"):
-        p = run / rel
-        if p.exists():
-            counts[rel] = read_arrow(p).num_rows
-    settings = asdict(opts)
-    settings["model"] = llm.model
-    settings["thinking"] = llm.thinking
-    settings["base_url"] = llm.base_url
-    return {
-        "draco_version": __version__,
-        "status": status,
-        "train_step": train_step,
-        "settings": settings,
-        "prompt_versions": {k: f"{k}.{v}" for k, v in PROMPT_VERSIONS.items()},
-        "inputs": inputs,
-        "stages": stages,
-        "skipped_this_run": skipped,
-        "rows": counts,
-        "llm_calls": _calls_summary(run),
-        "wall_seconds": round(time.perf_counter() - t0, 3),
-        "updated_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        "token_advantages": str(run / "credit" / "token_advantages.parquet"),
-    }
-
-
-def _stop(run, manifest_path, old, inputs, stages, phases, opts, llm, train_step, t0, skipped):
-    manifest = _manifest(run, old, inputs, stages, phases, opts, llm, train_step, t0, skipped,
-                         status="budget reached")
-    write_text_atomic(manifest_path, json.dumps(manifest, indent=2, default=str) + "\n",
-                      force=True)
-    return RunResult(run, manifest, skipped, budget_reached=True)
+            status = "done"
+        manifest = self._write(status)
+        return RunResult(self.folder.path, manifest.model_dump(mode="json"), self.skipped,
+                         budget_reached=stopped == "budget reached", healthy=health.ok,
+                         events=self.events)

@@ -28,6 +28,47 @@ class StageReport:
     notes: list[str] = field(default_factory=list)
     outputs: list[Path] = field(default_factory=list)
     budget_reached: bool = False
+    rows: int = 0                 # rows of the stage's main output table
+    items: int = 0                # what the stage's answers had to cover (judge: verdicts)
+    items_answered: int = 0
+
+
+def log_position(log_path: Path) -> int:
+    """The call log's last row id (0 when there is none yet): rows after it are this run's."""
+    import sqlite3
+
+    if not Path(log_path).exists():
+        return 0
+    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    try:
+        return int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM calls").fetchone()[0])
+    except sqlite3.OperationalError:  # a log without its table yet
+        return 0
+    finally:
+        conn.close()
+
+
+def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[str, int]:
+    """Why samples of ``phases`` logged after row ``after`` stayed unanswered, counted per
+    reason, read-only from the call log."""
+    import sqlite3
+
+    if not Path(log_path).exists() or not phases:
+        return {}
+    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            f"SELECT error, COUNT(*) FROM calls WHERE status = 'unanswered' AND phase IN "
+            f"({','.join('?' * len(phases))}) AND rowid > ? GROUP BY error",
+            (*phases, after)).fetchall()
+    finally:
+        conn.close()
+    out: dict[str, int] = {}
+    for error, n in rows:
+        # one line, short: the reason names a kind of failure, not a whole server answer
+        reason = (str(error or "no reason recorded").splitlines() or ["?"])[0][:120]
+        out[reason] = out.get(reason, 0) + int(n)
+    return out
 
 
 def _inputs(rollouts, steps):
@@ -86,6 +127,7 @@ def rubric_generate(rollouts, steps, out: Path, settings: LLMSettings, *,
         report.notes.append(f"{res.capped} criteria beyond --max-criteria {max_criteria} dropped")
     report.notes.append(f"{res.rubrics.height} criteria for {res.rubrics['group_id'].n_unique()} "
                         f"groups, {res.candidates.height} candidates")
+    report.rows = res.rubrics.height
     return report
 
 
@@ -129,6 +171,11 @@ def judge_score(rollouts, steps, rubrics, out: Path, settings: LLMSettings, *, s
     write_table(res.verdicts, targets[1], VerdictAggregated, force=force)
     n = res.verdicts.height
     unanswered = res.verdicts["verdict"].null_count()
+    report.rows = n
+    # per sample: a sample verdict left null is an unanswered call or a criterion the answer
+    # left out; aggregated nulls also count samples that disagree, which is not a failure
+    report.items = res.raw.height
+    report.items_answered = res.raw.height - res.raw["verdict"].null_count()
     report.notes.append(f"{n} verdicts ({res.raw.height} sample rows); unanswered "
                         f"{unanswered} ({unanswered / n:.1%})" if n else "no verdicts")
     st = res.stats

@@ -54,23 +54,23 @@ def _read_verdicts(path: Path, judge: str | None):
 def _verdicts_of(path: Path, judge: str | None):
     """Verdicts from a file, or from a draco run folder (its judge/verdicts.parquet, with the
     run's rollouts and train step)."""
-    import json
-
     import polars as pl
 
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
+    from draco_cli.runfolder import RunFolder
+
     if not path.is_dir():
         return _read_verdicts(path, judge), None
-    m = json.loads((path / "manifest.json").read_text())
-    r = read_table(Path(m["inputs"]["rollouts"]["path"]), Rollout,
+    folder = RunFolder.open(path)
+    step = folder.train_step
+    r = read_table(folder.rollouts, Rollout,
                    columns=["rollout_id", "group_id", "task_id", "train_step"])
-    if m.get("train_step") is not None:
-        r = r.with_columns(pl.lit(m["train_step"], pl.Int32).alias("train_step"))
-    v = _read_verdicts(path / "judge" / "verdicts.parquet", judge)
+    if step is not None:
+        r = r.with_columns(pl.lit(step, pl.Int32).alias("train_step"))
+    v = _read_verdicts(folder.table("verdicts"), judge)
     # rollout ids repeat across steps: key them by step so the pairs stay apart
-    step = m.get("train_step")
     if step is not None:
         v = v.with_columns((pl.col("rollout_id") + f"@{step}").alias("rollout_id"))
         r = r.with_columns((pl.col("rollout_id") + f"@{step}").alias("rollout_id"))
@@ -117,6 +117,9 @@ def self_judge(
         refs.append(vb)
         if ra is not None:
             rolls.append(ra)
+    if rollouts is not None and rolls:
+        raise typer.BadParameter("run folders carry their own rollouts and train steps; give "
+                                 "--rollouts only with verdict files", param_hint="--rollouts")
     if rollouts is not None:
         rolls = [read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                         "train_step"])]
@@ -237,7 +240,6 @@ def cost(
 
     Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
-    import json
 
     import polars as pl
 
@@ -249,10 +251,13 @@ def cost(
     for path in calls:
         step = None
         if path.is_dir():
-            manifest = path / "manifest.json"
-            step = json.loads(manifest.read_text()).get("train_step") if manifest.exists() \
-                else None
-            path = path / "llm_calls.sqlite"
+            from draco_cli.runfolder import RunFolder
+
+            if RunFolder.is_run_folder(path):
+                folder = RunFolder.open(path)
+                step, path = folder.train_step, folder.call_log
+            else:
+                path = path / "llm_calls.sqlite"
         frames.append(read_calls(path).with_columns(pl.lit(step, pl.Int32).alias("train_step")))
     r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                "train_step"]) if rollouts else None

@@ -47,7 +47,8 @@ class RewardSource(str, Enum):
 
 RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet (or - for stdin).")]
 StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
-VerdictsOpt = Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")]
+VerdictsOpt = Annotated[Optional[Path], typer.Option(
+    "--verdicts", help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
 DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
                                        "all-pass (no member failed) or also constant (every "
                                        "answered member failed).")]
@@ -59,11 +60,11 @@ JudgeOpt = Annotated[Optional[str], typer.Option(help="Judge label to use when t
 def compute(
     rollouts: RolloutsOpt,
     steps: StepsOpt,
-    verdicts: VerdictsOpt,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
-    credit: Annotated[Credit, typer.Option(help="step: DRACO step credit; uniform: every "
-                                           "policy token gets A_i (the w/o-credit ablation).")]
-    = Credit.step,
+    verdicts: VerdictsOpt = None,
+    credit: Annotated[Optional[Credit], typer.Option(
+        help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
+        "ablation). Default: step, or uniform with --reward outcome.")] = None,
     estimator: Annotated[Estimator, typer.Option(help="grpo: standardised within the group; "
                                                  "rloo: r_i minus the mean of the others.")]
     = Estimator.grpo,
@@ -71,9 +72,9 @@ def compute(
                                      "(Dr. GRPO).")] = Std.sample,
     drop: DropOpt = Drop.all_pass,
     tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.")] = Tokens.spans,
-    reward: Annotated[RewardSource, typer.Option(help="rubric: pass fraction of retained "
-                                                 "criteria; outcome: the environment's outcome.")]
-    = RewardSource.rubric,
+    reward: Annotated[RewardSource, typer.Option(
+        help="rubric: pass fraction of retained criteria; outcome: the environment's outcome "
+        "(vanilla GRPO: implies --credit uniform, needs no verdicts).")] = RewardSource.rubric,
     judge: JudgeOpt = None,
     force: Force = False,
 ) -> None:
@@ -83,30 +84,45 @@ def compute(
     Example: draco credit compute --rollouts run/rollouts.parquet --steps run/steps.parquet
     --verdicts run/verdicts.parquet -o run/credit
     """
+    from draco_cli.options import CreditOptions
     from draco_cli.pipeline import credit_compute
 
+    outcome = reward is RewardSource.outcome
+    options = CreditOptions.build(
+        credit=credit.value if credit else ("uniform" if outcome else "step"),
+        estimator=estimator.value, std=std.value, drop=drop.value, tokens=tokens.value,
+        reward=reward.value, judge=judge)
+    if verdicts is None and not outcome:
+        raise typer.BadParameter("--verdicts is required unless --reward outcome",
+                                 param_hint="--verdicts")
+    if outcome and credit is None:
+        err_console.print("--reward outcome: uniform credit (every policy token gets A_i)"
+                          + ("" if verdicts is not None else " and no criteria filter (no "
+                             "verdicts)") + "; pass --credit step with --verdicts to spread it "
+                          "over steps by the judge's citations", highlight=False)
     with err_console.status("computing credit…"):
-        stats = credit_compute(
-            rollouts, steps, verdicts, out, credit=credit.value, estimator=estimator.value,
-            std=std.value, drop=drop.value, tokens=tokens.value, reward=reward.value, judge=judge,
-            force=force,
-        )
-    _summary(stats, out)
+        stats = credit_compute(rollouts, steps, verdicts, out, options=options, force=force)
+    _summary(stats, out, options.reward)
 
 
-def _summary(stats, out: Path) -> None:
+def _summary(stats, out: Path, reward: str = "rubric") -> None:
     from rich.table import Table
 
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_row("groups / rollouts", f"{stats.groups} / {stats.rollouts}")
-    t.add_row("criteria kept / dropped", f"{stats.criteria_kept} / {stats.criteria_dropped}")
+    if stats.criteria_kept or stats.criteria_dropped or reward == "rubric":
+        t.add_row("criteria kept / dropped", f"{stats.criteria_kept} / {stats.criteria_dropped}")
     t.add_row("credit modes", ", ".join(f"{k} {v}" for k, v in stats.credit_modes.items()))
     if stats.citations_dropped:
         t.add_row("citations dropped", f"{stats.citations_dropped} (outside 1..M)")
     fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
     t.add_row("advantage range", f"{fmt(stats.advantage_min)} .. {fmt(stats.advantage_max)}")
-    t.add_row("mean reward (filtered)", fmt(stats.mean_reward))
-    t.add_row("mean pass rate (unfiltered)", fmt(stats.mean_pass_rate_all))
+    if reward == "outcome":
+        t.add_row("mean reward (environment outcome)", fmt(stats.mean_reward))
+    else:
+        t.add_row("mean reward (filtered)", fmt(stats.mean_reward))
+    if stats.mean_pass_rate_all is not None or reward == "rubric":
+        t.add_row("mean pass rate (unfiltered)", fmt(stats.mean_pass_rate_all))
     if stats.null_rewards:
         t.add_row("rollouts without reward", f"{stats.null_rewards} (advantage 0)")
     err_console.print(t)

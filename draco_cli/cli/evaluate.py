@@ -16,22 +16,21 @@ EVAL_COLUMNS = ["rollout_id", "group_id", "task_id", "train_step", "trial", "sce
 def _rollouts(path: Path):
     """A rollouts table, a folder holding rollouts.parquet, or a draco run folder (its
     manifest names the rollouts it ran on, and its train step)."""
-    import json
-
     import polars as pl
 
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
+    from draco_cli.runfolder import RunFolder
+
     step = None
     if path.is_dir():
-        manifest = path / "manifest.json"
-        if (path / "rollouts.parquet").exists() or not manifest.exists():
+        if (path / "rollouts.parquet").exists() or not RunFolder.is_run_folder(path):
             path = path / "rollouts.parquet"
         else:
-            m = json.loads(manifest.read_text())
-            step = m.get("train_step")
-            path = Path(m["inputs"]["rollouts"]["path"])
+            folder = RunFolder.open(path)
+            step = folder.train_step
+            path = folder.rollouts
     r = read_table(path, Rollout, columns=EVAL_COLUMNS)
     if step is not None:
         # the run folder's training step labels its rollouts (a run made with --train-step N)

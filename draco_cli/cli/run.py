@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+from enum import Enum
 from pathlib import Path
 from typing import Annotated, Optional
 
@@ -7,9 +8,29 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import (BaseUrl, Batch, Concurrency, MaxCost, MaxPromptTokens,
-                                   MaxTokens, Model, ParseRetries, Prices, Redact, Rpm,
-                                   Thinking, Timeout, Tpm)
+from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
+from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, MaxCost,
+                                   MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
+                                   Prices, Redact, Rpm, Thinking, Timeout, Tpm)
+
+
+class Setting(str, Enum):
+    draco = "draco"
+    no_credit = "no-credit"
+    static = "static"
+    static_no_credit = "static-no-credit"
+    outcome = "outcome"
+
+
+class Stage(str, Enum):
+    rubric = "rubric"
+    judge = "judge"
+    credit = "credit"
+
+
+class Aggregate(str, Enum):
+    all = "all"
+    majority = "majority"
 
 
 def run(
@@ -17,57 +38,146 @@ def run(
     steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
                                       "--train-step: RUN_ROOT/step-N).")],
-    model: Model,
-    setting: Annotated[str, typer.Option(help="draco (dynamic rubrics + step credit), "
-                                         "no-credit, static, static-no-credit.")] = "draco",
+    model: Annotated[Optional[str], typer.Option(
+        "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with "
+        "--base-url, replay/PATH); not needed for --setting outcome.")] = None,
+    setting: Annotated[Setting, typer.Option(
+        help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
+        "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "
+        "the environment outcome, uniform, no LLM call).")] = Setting.draco,
     judge_model: Annotated[Optional[str], typer.Option(help="Judge model, if not --model.")]
     = None,
     samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout.")] = 1,
-    aggregate: Annotated[str, typer.Option(help="all or majority.")] = "all",
+    aggregate: Annotated[Aggregate, typer.Option(help="How judge samples combine.")]
+    = Aggregate.all,
     judge_label: Annotated[str, typer.Option(help="Judge arm label.")] = "judge",
-    max_criteria: Annotated[int, typer.Option(min=1)] = 8,
+    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group at most.")] = 8,
     static_rubric: Annotated[Optional[Path], typer.Option(
         help="Static rubric file for the static settings (default: draco's own).")] = None,
-    train_step: Annotated[Optional[int], typer.Option(help="Write into OUT/step-N.")] = None,
-    estimator: Annotated[str, typer.Option(help="grpo or rloo.")] = "grpo",
-    std: Annotated[str, typer.Option(help="sample, population or none.")] = "sample",
-    tokens: Annotated[str, typer.Option(help="spans, dense or both.")] = "spans",
+    train_step: Annotated[Optional[int], typer.Option(min=0, help="Write into OUT/step-N.")]
+    = None,
+    credit: Annotated[Optional[Credit], typer.Option(
+        help="Override the setting's credit: step or uniform.")] = None,
+    reward: Annotated[Optional[RewardSource], typer.Option(
+        help="Override the setting's reward: rubric (pass fraction of retained criteria) or "
+        "outcome (the environment's).")] = None,
+    estimator: Annotated[Estimator, typer.Option(help="Group baseline.")] = Estimator.grpo,
+    std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, none.")]
+    = Std.sample,
+    drop: Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops.")]
+    = Drop.all_pass,
+    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.")]
+    = Tokens.spans,
+    redo: Annotated[Optional[list[Stage]], typer.Option(
+        help="Redo this stage and every stage after it even if unchanged (repeatable); "
+        "answers already in the call log are reused.")] = None,
+    min_answered: Annotated[float, typer.Option(
+        min=0.0, max=1.0, help="Health check: fail the run (exit 1) when a stage's share of "
+        "answered calls is below this.")] = 0.9,
+    no_wait: Annotated[bool, typer.Option(
+        "--no-wait", help="Refuse, instead of waiting, when another draco run is writing the "
+        "same folder.")] = False,
+    call_log: CallLogPath = None,
     base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
-    redact: Redact = None,
+    redact: Redact = None, no_default_redact: NoDefaultRedact = False,
 ) -> None:
     """One training step: rubric → judge → filter → credit, resumable and idempotent.
 
     Example: draco run --rollouts sample_data/appworld_mini/rollouts.parquet --steps sample_data/appworld_mini/steps.parquet --model replay/sample_data/llm_calls.sqlite -o runs/demo
     """
-    from draco_cli.run import RunOptions, run_step
+    from draco_cli.run import RunOptions, run_dir_for, run_step
 
+    # every option is checked here, before any table is read or any call is made
+    opts = RunOptions.for_setting(
+        setting.value, credit=credit.value if credit else None,
+        reward=reward.value if reward else None,
+        rubric={"max_criteria": max_criteria, "static_rubric": static_rubric},
+        prompt={"max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
+                "redact": tuple(redact or ()), "no_default_redact": no_default_redact},
+        judge={"judge_model": judge_model, "samples": samples, "aggregate": aggregate.value,
+               "judge_label": judge_label},
+        credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
+                        "tokens": tokens.value},
+        train_step=train_step, min_answered=min_answered,
+        redo=tuple(s.value for s in redo or ()), call_log=call_log)
     llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                          max_cost, prices, batch, thinking)
-    opts = RunOptions(setting=setting, judge_model=judge_model, samples=samples,
-                      aggregate=aggregate, judge_label=judge_label, max_criteria=max_criteria,
-                      static_rubric=str(static_rubric) if static_rubric else None,
-                      estimator=estimator, std=std, tokens=tokens, max_tokens=max_tokens,
-                      max_prompt_tokens=max_prompt_tokens, redact=redact or [])
-    with llmrun.progress_bar("run") as bar:
-        result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar)
+                          max_cost, prices, batch, thinking) if model else None
+    run_dir = run_dir_for(out, train_step)
+
+    def waiting(holder: str) -> None:
+        err_console.print(f"waiting: another draco run (pid {holder}) is writing {run_dir}",
+                          highlight=False)
+
+    try:
+        with llmrun.progress_bar("run") as bar:
+            result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar,
+                              on_event=_print_event, wait=not no_wait, on_wait=waiting)
+    except KeyboardInterrupt:
+        log = call_log or run_dir / "llm_calls.sqlite"
+        err_console.print(f"interrupted: rerun the same command to resume (answered calls are "
+                          f"kept in {log}; none is paid twice)", highlight=False)
+        raise typer.Exit(130) from None
+    _summary(result, run_dir)
+
+
+def _print_event(e) -> None:
+    def calls() -> str:
+        if not (e.calls_new or e.calls_reused):
+            return ""
+        return (f", calls {e.calls_new} new / {e.calls_reused} reused, ${e.cost_usd:.4f}"
+                + (f", {e.unanswered} unanswered" if e.unanswered else ""))
+
+    rows = f", {e.rows} rows" if e.rows is not None else ""
+    if e.event == "start":
+        line = f"{e.stage}: started"
+    elif e.event == "reused":
+        line = f"{e.stage}: reused (inputs and options unchanged){rows}"
+    else:
+        line = f"{e.stage}: {e.status} in {e.seconds:.1f} s{rows}{calls()}"
+    err_console.print(line, highlight=False, markup=False)
+    for reason, n in sorted(e.reasons.items(), key=lambda kv: -kv[1]):
+        err_console.print(f"  - unanswered ×{n}: {reason}", highlight=False, markup=False)
+    for note in e.notes if e.event == "end" else ():
+        err_console.print(f"  - {note}", highlight=False, markup=False)
+
+
+def _summary(result, run_dir: Path) -> None:
     m = result.manifest
     calls = m["llm_calls"]
     total = sum(v.get("cost_usd", 0) for v in calls.values())
     rows = sum(v.get("rows", 0) for v in calls.values())
     if result.skipped:
         err_console.print(f"unchanged, skipped: {', '.join(result.skipped)}", highlight=False)
-    stats = m["stages"].get("credit", {}).get("stats", {})
+    credit = m["stages"].get("credit", {})
+    stats = credit.get("stats", {})
     if stats:
-        err_console.print(
-            f"{stats['groups']} groups, {stats['rollouts']} rollouts; criteria kept "
-            f"{stats['criteria_kept']} / dropped {stats['criteria_dropped']}; credit modes "
-            f"{stats['credit_modes']}", highlight=False)
+        modes = ", ".join(f"{k} {v}" for k, v in stats["credit_modes"].items())
+        err_console.print(f"{stats['groups']} groups, {stats['rollouts']} rollouts; "
+                          + (f"criteria kept {stats['criteria_kept']} / dropped "
+                             f"{stats['criteria_dropped']}; "
+                             if credit.get("reward") != "outcome" else
+                             "reward: the environment outcome; ")
+                          + f"credit modes: {modes}", highlight=False)
     err_console.print(f"LLM calls logged: {rows} rows, ${total:.4f} in all; "
                       f"{m['wall_seconds']:.1f} s", highlight=False)
+    health = m.get("health") or {}
+    for message in health.get("messages", []):
+        err_console.print(f"[red]unhealthy:[/] {message}", highlight=False)
     if result.budget_reached:
-        err_console.print("[yellow]budget reached (--max-cost): rerun to resume[/]")
+        err_console.print("[yellow]budget reached (--max-cost): rerun with a higher budget to "
+                          "resume[/]")
         raise typer.Exit(1)
+    if not result.healthy:
+        err_console.print(f"[red]health check failed[/] (--min-answered "
+                          f"{health.get('threshold')}); see {run_dir}/manifest.json; fix the "
+                          "cause and rerun the same command: answered calls are reused",
+                          highlight=False)
+        raise typer.Exit(1)
+    if m["status"] == "partial":
+        err_console.print("[yellow]some calls went unanswered[/]: rerun the same command to "
+                          "ask them again (answered ones are reused)", highlight=False)
     err_console.print(f"[green]token advantages:[/] {m['token_advantages']}", highlight=False)
+    err_console.print(f"next: draco report {run_dir} -o {run_dir}/report.html", highlight=False)

@@ -22,8 +22,13 @@ def validate(
     from draco_cli.errors import ValidationFailed
     from draco_cli.validate import validate_paths
 
+    from draco_cli.runfolder import RunFolder
+
     files: list[Path] = []
     for p in paths:
+        if str(p) != "-" and p.is_dir() and RunFolder.is_run_folder(p):
+            files += RunFolder.open(p).table_files()  # a draco run: its inputs and stages
+            continue
         files += sorted(p.glob("*.parquet")) if str(p) != "-" and p.is_dir() else [p]
     counts, problems = validate_paths(files)
     if problems:

@@ -1,0 +1,177 @@
+"""Option objects of the library: one per concern (rubric, judge, credit, run).
+
+Each is defined once here and used by the command line (which builds it from its options) and by
+the Python API. Building one validates every field, so a bad value is refused before any table
+is read or any LLM call is made; the error names the command-line option (``--tokens``).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Annotated, Any, Literal, Optional, TypeVar, cast
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from draco_cli.errors import UsageError
+
+CreditKind = Literal["step", "uniform"]
+Estimator = Literal["grpo", "rloo"]
+StdMode = Literal["sample", "population", "none"]
+Drop = Literal["all-pass", "constant"]
+TokenForm = Literal["spans", "dense", "both"]
+RewardSource = Literal["rubric", "outcome"]
+Aggregate = Literal["all", "majority"]
+RubricKind = Literal["dynamic", "static", "none"]
+Setting = Literal["draco", "no-credit", "static", "static-no-credit", "outcome"]
+Stage = Literal["rubric", "judge", "credit"]
+STAGES: tuple[str, ...] = ("rubric", "judge", "credit")
+
+# setting -> (rubric, credit, reward): the DRACO paper's four ablations (SPEC §3.7) and its
+# principal control, vanilla GRPO on the environment outcome (no rubric, no judge, no LLM).
+SETTINGS: dict[str, tuple[str, str, str]] = {
+    "draco": ("dynamic", "step", "rubric"),
+    "no-credit": ("dynamic", "uniform", "rubric"),
+    "static": ("static", "step", "rubric"),
+    "static-no-credit": ("static", "uniform", "rubric"),
+    "outcome": ("none", "uniform", "outcome"),
+}
+
+# How pydantic field names read on the command line where they differ from --field-name.
+_FLAG = {"judge_model": "--judge-model", "min_answered": "--min-answered"}
+
+
+class _Options(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    @classmethod
+    def build(cls: type[_T], **values: Any) -> _T:
+        """Validate ``values`` into this object; a bad value raises UsageError (exit 2)
+        naming the option, never a pydantic traceback."""
+        try:
+            return cls(**values)
+        except ValidationError as exc:
+            raise UsageError(_one_line(exc)) from None
+
+
+_T = TypeVar("_T", bound=_Options)
+
+
+def _one_line(exc: ValidationError) -> str:
+    err = exc.errors()[0]
+    if err["type"] == "value_error":  # our own checks: the message names its options
+        return str(err["msg"]).removeprefix("Value error, ")
+    loc = [str(p) for p in err["loc"] if not isinstance(p, int)]
+    name = loc[-1] if loc else ""
+    flag = _FLAG.get(name, "--" + name.replace("_", "-")) if name else "options"
+    value = err.get("input")
+    msg = err["msg"]
+    if err["type"] == "literal_error":
+        msg = "choose " + msg.removeprefix("Input should be ").replace("'", "")
+    shown = f" {value!r}" if isinstance(value, (str, int, float)) else ""
+    return f"{flag}{shown}: {msg}"
+
+
+class RubricOptions(_Options):
+    """How the rubric stage writes criteria (``draco rubric generate`` / a static rubric)."""
+
+    kind: RubricKind = "dynamic"
+    max_criteria: Annotated[int, Field(ge=1)] = 8
+    static_rubric: Optional[Path] = None  # None: draco's own default rubric
+
+
+class PromptOptions(_Options):
+    """What every LLM stage sends: answer and prompt budgets, and what is masked first."""
+
+    max_tokens: Annotated[int, Field(ge=16)] = 4096
+    max_prompt_tokens: Annotated[int, Field(ge=500)] = 24000
+    redact: tuple[str, ...] = ()
+    no_default_redact: bool = False
+
+    @model_validator(mode="after")
+    def _regexes_compile(self) -> "PromptOptions":
+        import re
+
+        for pattern in self.redact:
+            try:
+                re.compile(pattern)
+            except re.error as exc:
+                raise ValueError(f"--redact {pattern!r} is not a regular expression: {exc}")
+        return self
+
+
+class JudgeOptions(_Options):
+    """How the judge stage scores rollouts (``draco judge score``)."""
+
+    judge_model: Optional[str] = None  # None: the run's --model
+    samples: Annotated[int, Field(ge=1)] = 1
+    aggregate: Aggregate = "all"
+    judge_label: Annotated[str, Field(min_length=1)] = "judge"
+
+
+class CreditOptions(_Options):
+    """Filter, rewards, advantages and credit (``draco credit compute``)."""
+
+    credit: CreditKind = "step"
+    estimator: Estimator = "grpo"
+    std: StdMode = "sample"
+    drop: Drop = "all-pass"
+    tokens: TokenForm = "spans"
+    reward: RewardSource = "rubric"
+    judge: Optional[str] = None
+
+
+class RunOptions(_Options):
+    """One ``draco run``: a setting, the options of its three stages, and its health rule."""
+
+    setting: Setting = "draco"
+    rubric: RubricOptions = RubricOptions()
+    prompt: PromptOptions = PromptOptions()
+    judge: JudgeOptions = JudgeOptions()
+    credit: CreditOptions = CreditOptions()
+    train_step: Annotated[Optional[int], Field(ge=0)] = None
+    # the health check: a stage whose share of answered calls falls below this fails the run
+    min_answered: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
+    redo: tuple[Stage, ...] = ()
+    call_log: Optional[Path] = None  # None: RUN/llm_calls.sqlite
+
+    @model_validator(mode="after")
+    def _fits_setting(self) -> "RunOptions":
+        rubric = SETTINGS[self.setting][0]
+        if self.setting == "outcome":
+            if self.credit.credit != "uniform":
+                raise ValueError("--setting outcome has no rubric to spread credit by: it "
+                                 "takes --credit uniform only")
+            if self.credit.reward != "outcome":
+                raise ValueError("--setting outcome rewards the environment outcome: it takes "
+                                 "--reward outcome only")
+        if self.rubric.kind != rubric:
+            raise ValueError(f"--setting {self.setting} implies a {rubric} rubric")
+        return self
+
+    @classmethod
+    def for_setting(cls, setting: str = "draco", *, credit: str | None = None,
+                    reward: str | None = None, rubric: dict | None = None,
+                    prompt: dict | None = None, judge: dict | None = None, credit_options: dict | None = None,
+                    **run: Any) -> "RunOptions":
+        """Options of one setting; ``credit`` / ``reward`` override what the setting implies
+        (e.g. ``--setting draco --reward outcome``: dynamic rubrics, outcome reward, step
+        credit spread by the judge's citations)."""
+        if setting not in SETTINGS:
+            raise UsageError(f"--setting {setting!r}: choose {', '.join(SETTINGS)}")
+        kind, default_credit, default_reward = SETTINGS[setting]
+        try:
+            return cls(
+                setting=cast(Setting, setting),
+                rubric=RubricOptions(kind=cast(RubricKind, kind), **(rubric or {})),
+                prompt=PromptOptions(**(prompt or {})),
+                judge=JudgeOptions(**(judge or {})),
+                credit=CreditOptions(credit=cast(CreditKind, credit or default_credit),
+                                     reward=cast(RewardSource, reward or default_reward),
+                                     **(credit_options or {})),
+                **run)
+        except ValidationError as exc:
+            raise UsageError(_one_line(exc)) from None
+
+    @property
+    def uses_llm(self) -> bool:
+        return self.rubric.kind != "none"
