@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from draco_cli.cli.console import err_console
+from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.options import Force
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
@@ -75,6 +76,8 @@ def compute(
                                                  "criteria; outcome: the environment's outcome.")]
     = RewardSource.rubric,
     judge: JudgeOpt = None,
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
     """Rewards, advantages and step credit → OUT/rewards.parquet, OUT/step_credit.parquet,
@@ -85,17 +88,29 @@ def compute(
     """
     from draco_cli.pipeline import credit_compute
 
+    fmt = pick_format(fmt, as_json)
     with err_console.status("computing credit…"):
         stats = credit_compute(
             rollouts, steps, verdicts, out, credit=credit.value, estimator=estimator.value,
             std=std.value, drop=drop.value, tokens=tokens.value, reward=reward.value, judge=judge,
             force=force,
         )
-    _summary(stats, out)
+    _summary(stats, out, fmt)
 
 
-def _summary(stats, out: Path) -> None:
+def _summary(stats, out: Path, fmt: str = "table") -> None:
+    from dataclasses import asdict
+
+    from rich.console import Console
     from rich.table import Table
+
+    if fmt != "table":
+        import polars as pl
+
+        doc = asdict(stats)
+        emit(Report([("credit", pl.DataFrame([{k: v for k, v in doc.items()
+                                               if k != "credit_modes"}]))], document=doc), fmt)
+        return
 
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_row("groups / rollouts", f"{stats.groups} / {stats.rollouts}")
@@ -109,7 +124,7 @@ def _summary(stats, out: Path) -> None:
     t.add_row("mean pass rate (unfiltered)", fmt(stats.mean_pass_rate_all))
     if stats.null_rewards:
         t.add_row("rollouts without reward", f"{stats.null_rewards} (advantage 0)")
-    err_console.print(t)
+    Console(highlight=False).print(t)
     err_console.print(f"[green]wrote[/] {out}/rewards.parquet, step_credit.parquet, "
                       "token_advantages.parquet", highlight=False)
 
