@@ -5,6 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import BaseUrl, Force
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format
 from draco_cli.errors import UsageError
@@ -12,7 +13,8 @@ from draco_cli.errors import UsageError
 app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost.",
                   no_args_is_help=True)
 
-OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.")]
+OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.",
+                                      callback=folder_path)]
 RolloutsOpt = Annotated[Optional[Path], typer.Option(
     "--rollouts", help="rollouts.parquet, for train_step and task_id.")]
 

@@ -8,7 +8,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import Force
+from draco_cli.cli.options import Force, folder_path
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
                   no_args_is_help=True)
@@ -61,7 +61,7 @@ def compute(
     rollouts: RolloutsOpt,
     steps: StepsOpt,
     verdicts: VerdictsOpt,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     credit: Annotated[Credit, typer.Option(help="step: DRACO step credit; uniform: every "
                                            "policy token gets A_i (the w/o-credit ablation).")]
     = Credit.step,

@@ -5,6 +5,7 @@ from typing import Annotated, Optional
 
 import typer
 
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import Force
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
 from draco_cli.errors import InputError
@@ -108,7 +109,8 @@ def evaluate(
         "(a table on stdin); repeat it (one per training step) to follow training: figures per "
         "train_step.")] = None,
     out: Annotated[Optional[Path], typer.Option(
-        "-o", "--out", help="Folder to write metrics.parquet into (optional).")] = None,
+        "-o", "--out", callback=folder_path,
+        help="Folder to write metrics.parquet into (optional).")] = None,
     k: Annotated[str, typer.Option("--k", help="Comma-separated k for pass^k and pass@k.")]
     = "1,2,3",
     by: Annotated[Optional[list[str]], typer.Option(

@@ -7,8 +7,16 @@ from typing import Annotated, Optional
 
 import typer
 
+def folder_path(value):
+    """A folder option: ``-`` (stdout) cannot hold a folder; say so before any work."""
+    if value is not None and str(value) == "-":
+        raise typer.BadParameter("- is stdout, which cannot hold a folder: give a folder path")
+    return value
+
+
 Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
-OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False)]
+OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False,
+                                      callback=folder_path)]
 
 # --- LLM stages -------------------------------------------------------------------------
 Model = Annotated[str, typer.Option(

@@ -7,6 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from draco_cli.cli.console import err_console
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import Force
 
 app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric evolution.",
@@ -96,7 +97,7 @@ def correct_cmd(
     plan_path: Annotated[Path, typer.Option("--plan", help="The plan written before labels.")],
     labels: Annotated[Path, typer.Option("--labels", help="rollout_id, step, side "
                                          "(realized|resampled), sample, return.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     beta: Annotated[float, typer.Option(help="Weight of the rollout's RLOO outcome advantage.")]
     = 0.0,
     rollouts: Annotated[Optional[Path], typer.Option(help="rollouts.parquet (for --beta).")]

@@ -7,6 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (BaseUrl, Batch, Concurrency, MaxCost, MaxPromptTokens,
                                    MaxTokens, Model, ParseRetries, Prices, Redact, Rpm,
                                    Thinking, Timeout, Tpm)
@@ -15,7 +16,7 @@ from draco_cli.cli.options import (BaseUrl, Batch, Concurrency, MaxCost, MaxProm
 def run(
     rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
     steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
+    out: Annotated[Path, typer.Option("-o", "--out", callback=folder_path, help="Run folder (or RUN_ROOT with "
                                       "--train-step: RUN_ROOT/step-N).")],
     model: Model,
     setting: Annotated[str, typer.Option(help="draco (dynamic rubrics + step credit), "
