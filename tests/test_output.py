@@ -124,3 +124,40 @@ def test_self_judge_refuses_verdicts_with_nothing_in_common(runs, tmp_path):
                     "--reference", str(runs / "steps" / "step-0" / "judge" / "verdicts.parquet"),
                     "-o", str(tmp_path / "a"))
     assert res.returncode == 1 and b"share no (rollout_id, criterion_id)" in res.stderr
+
+
+def _commands():
+    import typer
+
+    from draco_cli.cli import app
+    from draco_cli.cli_reference import _commands as walk
+
+    return list(walk(typer.main.get_command(app)))
+
+
+def test_every_option_says_what_it_does_and_flags_show_no_type():
+    missing = [f"{name} {p.opts[0]}" for name, cmd in _commands() for p in cmd.params
+               if p.name != "help" and not (getattr(p, "help", None) or "").strip()]
+    assert missing == []
+    shown = {f"{name} {p.opts[-1]}": p.display_type_rich(None) for name, cmd in _commands()
+             for p in cmd.params if p.name != "help"}
+    assert shown["draco run --setting"] == "<draco|no-credit|static|static-no-credit>"
+    assert shown["draco run --thinking"] == "<on|off>"
+    assert shown["draco eval --format"] == "<table|json|csv>"
+    assert shown["draco audit overlap --matcher"] == "<lexical|embedding|llm>"
+    assert [k for k, v in shown.items() if v == "<bool>"] == []
+    for args in (["run"], ["eval"], ["audit", "cost"]):
+        res = run_draco(*args, "-h")
+        assert res.returncode == 0 and "<bool>" not in res.stdout.decode()
+
+
+@pytest.mark.parametrize("args", [
+    ["eval", "--bogus"], ["eval", "--k", "x", "--rollouts", "r"], ["audit", "cost"],
+    ["run", "--setting", "nope", "--rollouts", "r", "--steps", "s", "--model", "m", "-o", "o"],
+    ["eval", "--rollouts", "does-not-exist.parquet"],
+])
+def test_one_error_style(args):
+    res = run_draco(*args)
+    err = res.stderr.decode()
+    assert res.returncode in (1, 2) and err.startswith("error: "), err
+    assert len(err.strip().splitlines()) == 1 and "╭" not in err and "Traceback" not in err

@@ -26,6 +26,21 @@ from draco_cli.cli import sql as sql_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
 
+def _flags_take_no_value() -> None:
+    """typer prints a type beside on/off flags (``--force <bool>``), as if they took a value;
+    show nothing there, as click and every peer CLI do."""
+    from typer.core import TyperOption
+
+    shown = TyperOption.display_type_rich
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
+
 app = typer.Typer(
     name="draco",
     help="Dynamic rubrics and step-level credit for RL on LLM agents: "

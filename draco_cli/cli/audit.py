@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -172,8 +172,10 @@ def overlap(
     out: OutOpt,
     fmt: Format = None,
     as_json: Json = False,
-    level: Annotated[str, typer.Option(help="rollout (generation) or group (merge).")] = "group",
-    matcher: Annotated[str, typer.Option(help="lexical (offline), embedding or llm.")]
+    level: Annotated[Literal["rollout", "group"], typer.Option(
+        help="rollout (generation) or group (merge).")] = "group",
+    matcher: Annotated[Literal["lexical", "embedding", "llm"], typer.Option(
+        help="lexical (offline), embedding or llm.")]
     = "lexical",
     model: Annotated[Optional[str], typer.Option(
         help="Matcher model: provider/model for llm, openai/EMBEDDING for embedding.")] = None,

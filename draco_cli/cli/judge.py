@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -45,7 +45,7 @@ def score(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     model: Model,
     samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).")] = 1,
-    aggregate: Annotated[Optional[str], typer.Option(
+    aggregate: Annotated[Optional[Literal["all", "majority"]], typer.Option(
         help="all (fail if any sample fails, pass only if all pass; default for k > 1) or "
         "majority.")] = None,
     judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.")]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -38,7 +38,7 @@ Prices = Annotated[Optional[Path], typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).")]
 Batch = Annotated[bool, typer.Option(
     "--batch", help="Use the provider's batch API (half price, hours); resumable.")]
-Thinking = Annotated[str, typer.Option(
+Thinking = Annotated[Literal["on", "off"], typer.Option(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
     "enable_thinking on vLLM/SGLang).")]
 MaxTokens = Annotated[int, typer.Option(min=16, help="Token limit per answer.")]

@@ -184,15 +184,15 @@ def fit_cmd(
 
 @app.command("evolve")
 def evolve_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan")],
-    labels: Annotated[Path, typer.Option("--labels")],
+    plan_path: Annotated[Path, typer.Option("--plan", help="Replay plan (replay plan -o).")],
+    labels: Annotated[Path, typer.Option("--labels", help="Replay labels.")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="For the split by task.")],
     baseline: Annotated[Path, typer.Option("--baseline", help="Features under the current "
                                            "rubric (step_credit.parquet or a features table).")],
     candidate: Annotated[list[Path], typer.Option("--candidate", help="Features under one "
                                                   "rubric edit (repeatable).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Scores (Parquet).")],
-    ridge: float = 1.0,
+    ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
     force: Force = False,
 ) -> None:
@@ -217,8 +217,9 @@ def evolve_cmd(
 @app.command("exact-check")
 def exact_check_cmd(
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side.")] = 2,
-    p_min: Annotated[float, typer.Option("--p-min")] = 0.05,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    p_min: Annotated[float, typer.Option("--p-min", help="Smallest inclusion probability.")] = 0.05,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON on stdout.")]
+    = False,
 ) -> None:
     """Enumerate a small two-decision model exactly and show the corrected estimator's
     expectation equals the analytic gradient (to 1e-9), with variance for uniform vs

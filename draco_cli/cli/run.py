@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -16,23 +16,27 @@ from draco_cli.cli.options import (BaseUrl, Batch, Concurrency, MaxCost, MaxProm
 def run(
     rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
     steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
-    out: Annotated[Path, typer.Option("-o", "--out", callback=folder_path, help="Run folder (or RUN_ROOT with "
-                                      "--train-step: RUN_ROOT/step-N).")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
+                                      "--train-step: RUN_ROOT/step-N).",
+                                      callback=folder_path)],
     model: Model,
-    setting: Annotated[str, typer.Option(help="draco (dynamic rubrics + step credit), "
+    setting: Annotated[Literal["draco", "no-credit", "static", "static-no-credit"],
+                       typer.Option(help="draco (dynamic rubrics + step credit), "
                                          "no-credit, static, static-no-credit.")] = "draco",
     judge_model: Annotated[Optional[str], typer.Option(help="Judge model, if not --model.")]
     = None,
     samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout.")] = 1,
-    aggregate: Annotated[str, typer.Option(help="all or majority.")] = "all",
+    aggregate: Annotated[Literal["all", "majority"], typer.Option(help="all or majority.")] = "all",
     judge_label: Annotated[str, typer.Option(help="Judge arm label.")] = "judge",
-    max_criteria: Annotated[int, typer.Option(min=1)] = 8,
+    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group after merge.")] = 8,
     static_rubric: Annotated[Optional[Path], typer.Option(
         help="Static rubric file for the static settings (default: draco's own).")] = None,
     train_step: Annotated[Optional[int], typer.Option(help="Write into OUT/step-N.")] = None,
-    estimator: Annotated[str, typer.Option(help="grpo or rloo.")] = "grpo",
-    std: Annotated[str, typer.Option(help="sample, population or none.")] = "sample",
-    tokens: Annotated[str, typer.Option(help="spans, dense or both.")] = "spans",
+    estimator: Annotated[Literal["grpo", "rloo"], typer.Option(help="grpo or rloo.")] = "grpo",
+    std: Annotated[Literal["sample", "population", "none"], typer.Option(
+        help="sample, population or none.")] = "sample",
+    tokens: Annotated[Literal["spans", "dense", "both"], typer.Option(
+        help="spans, dense or both.")] = "spans",
     base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
