@@ -43,8 +43,10 @@ def _manifest(run: Path) -> dict:
 
 
 def _runs(run_dirs: list[Path]) -> list[Run]:
+    from draco_cli.sql import expand_run_roots
+
     runs = []
-    for d in run_dirs:
+    for d in expand_run_roots([Path(x) for x in run_dirs]):
         m = _manifest(Path(d))
         step = m.get("train_step")
         runs.append(Run(Path(d), m, f"step {step}" if step is not None else str(d), step))

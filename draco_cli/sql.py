@@ -100,7 +100,7 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
     cat = Catalog()
     if stdin is not None:
         cat.sources.append(Source(stdin_name, None, None, "<stdin>", stdin))
-    for folder in paths:
+    for folder in expand_run_roots(paths):
         run = str(folder)
         if not folder.exists():
             raise InputError("no such file or folder", file=run)
@@ -113,9 +113,10 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
         m = _manifest(folder)
         step = m.get("train_step") if m else None
         found: dict[str, Path] = {}
-        if m:
+        inputs = m.get("inputs") if m else None
+        if isinstance(inputs, dict):  # a run folder's manifest names the tables it ran on
             for name in ("rollouts", "steps"):
-                given = (m.get("inputs") or {}).get(name, {}).get("path")
+                given = (inputs.get(name) or {}).get("path")
                 if given:
                     p = _input_path(given, folder)
                     if p.exists():
@@ -140,6 +141,24 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
             raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
                              "llm_calls.sqlite)", file=run)
     return cat
+
+
+def expand_run_roots(paths: list[Path]) -> list[Path]:
+    """A folder of run folders (``draco run --train-step N -o RUN_ROOT`` writes
+    RUN_ROOT/step-N) stands for its run folders, in training-step order."""
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir() and not (p / "manifest.json").exists():
+            runs = [c for c in p.iterdir() if c.is_dir() and (c / "manifest.json").exists()]
+            if runs:
+                def step(c: Path):
+                    s = (_manifest(c) or {}).get("train_step")
+                    return (s is None, s if s is not None else 0, c.name)
+
+                out += sorted(runs, key=step)
+                continue
+        out.append(p)
+    return out
 
 
 def _quote(text: str) -> str:

@@ -58,6 +58,9 @@ def test_every_table_is_a_view_across_steps(runs):
     conn.close()
     got = sql(s0, s1, "SELECT run, count(*) AS n FROM calls WHERE train_step = 1 GROUP BY 1")
     assert got == [{"run": s1, "n": logged}]
+    # a folder of run folders stands for them all
+    assert sql(str(runs), "SELECT train_step, count(*) AS n FROM rewards GROUP BY 1 ORDER BY 1") \
+        == [{"train_step": 0, "n": 12}, {"train_step": 1, "n": 12}]
     # the rollouts' own train_step is replaced by the folder's: step 1's rows say 1
     rows = sql(s1, "SELECT DISTINCT train_step FROM rollouts")
     assert rows == [{"train_step": 1}]

@@ -194,6 +194,9 @@ def evaluate(
                   for scope in dict.fromkeys(result.metrics["scope"].to_list())
                   if scope != "overall"},
            "warnings": warnings}
+    shown = result.metrics
+    if "train_step" not in by:  # one training step: its column would repeat overall
+        shown = shown.filter(~pl.col("scope").str.starts_with("train_step="))
     emit(Report([(f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks",
-                  metrics_wide(result.metrics))] if fmt != "csv" else
+                  metrics_wide(shown))] if fmt != "csv" else
                 [("metrics", result.metrics)], document=doc), fmt)
