@@ -31,7 +31,9 @@ def _flags_take_no_value() -> None:
     show nothing there, as click and every peer CLI do."""
     from typer.core import TyperOption
 
-    shown = TyperOption.display_type_rich
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # another typer: leave its help as it is
+        return
 
     def display_type_rich(self, ctx):
         return None if self.is_flag else shown(self, ctx)
