@@ -19,6 +19,7 @@ import polars as pl
 from draco_cli.errors import InputError
 
 MAX_ROLLOUTS = 200  # rollouts offered in the picker and drawn in the heatmap
+MAX_GROUP_STRIPS = 24  # above this many groups, histograms replace per-group strips
 OBSERVATION_CHARS = 1500
 CALL_COLUMNS = ["phase", "status", "cost_usd", "input_tokens", "output_tokens"]
 GREEN, RED = (34, 139, 34), (200, 40, 40)
@@ -218,6 +219,17 @@ def _distributions(rw: pl.DataFrame | None) -> str:
 
     if rw is None or rw.height == 0:
         return "<p>No rewards in this run.</p>"
+    if rw["group_id"].n_unique() > MAX_GROUP_STRIPS:
+        # too many groups for a strip each: the distributions over all rollouts
+        fig = make_subplots(rows=1, cols=2, subplot_titles=(
+            "rubric reward", "advantage A<sub>i</sub>"))
+        for col, (name, c) in enumerate((("reward", "#1f77b4"), ("advantage", "#d62728")), 1):
+            fig.add_trace(go.Histogram(x=rw[name].drop_nulls().to_list(), marker_color=c,
+                                       nbinsx=30, name=name, showlegend=False), row=1, col=col)
+        fig.update_yaxes(title="rollouts", row=1, col=1)
+        fig.update_layout(title=f"Reward and advantage over {rw.height} rollouts in "
+                          f"{rw['group_id'].n_unique()} groups", bargap=0.05)
+        return _fig_html(fig, height=400, top=90)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         "rubric reward per group", "advantage A<sub>i</sub> per group"))
     for col, (name, c) in enumerate((("reward", "#1f77b4"), ("advantage", "#d62728")), 1):
@@ -423,9 +435,12 @@ def _criteria(v: pl.DataFrame | None, redact) -> str:
             f"<td class='num'>{r['na']}</td><td class='num'>{r['unanswered']}</td></tr>")
     return (f"<p>{kept} criteria kept, {per.height - kept} dropped by the discriminative filter "
             "(no member of the group failed them, so they cannot tell members apart). Pass rate "
-            "= passes / (passes + fails) over the group's rollouts.</p><table><tr><th>group</th>"
+            "= passes / (passes + fails) over the group's rollouts.</p>"
+            f"<details{' open' if per.height <= 60 else ''}><summary>{per.height} criteria"
+            "</summary><table><tr><th>group</th>"
             "<th>criterion</th><th>filter (kept / dropped)</th><th>pass rate</th><th>pass</th>"
-            "<th>fail</th><th>na</th><th>unanswered</th></tr>" + "".join(rows) + "</table>")
+            "<th>fail</th><th>na</th><th>unanswered</th></tr>" + "".join(rows)
+            + "</table></details>")
 
 
 def _unanswered(runs: list[Run], con) -> str:
