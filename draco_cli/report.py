@@ -144,7 +144,11 @@ def _int_axis(fig, xs: list, title: str = "train step") -> None:
 # --- sections -----------------------------------------------------------------------------
 
 
-def _banner(runs: list[Run], redact) -> str:
+def _banner(runs: list[Run], redact, unanswered: list[str]) -> str:
+    notice = "" if not unanswered else (
+        "<div class='notice'><b>Unanswered calls</b> — these count as neither pass nor fail; "
+        "see <a href='#unanswered'>Unanswered calls</a>.<ul>"
+        + "".join(f"<li>{html.escape(w)}</li>" for w in unanswered) + "</ul></div>")
     items = []
     for r in runs:
         health = r.manifest.get("health")
@@ -153,8 +157,8 @@ def _banner(runs: list[Run], redact) -> str:
         msgs = health.get("messages") or ["the health check failed"]
         items += [f"<li><b>{html.escape(r.label)}</b>: {_esc(m, redact)}</li>" for m in msgs]
     if not items:
-        return ""
-    return ("<div class='banner'><b>Health check failed</b> — the judge or rubric writer left "
+        return notice
+    return notice + ("<div class='banner'><b>Health check failed</b> — the judge or rubric writer left "
             "too many calls unanswered; rewards and credit below rest on what was answered."
             f"<ul>{''.join(items)}</ul></div>")
 
@@ -443,8 +447,9 @@ def _criteria(v: pl.DataFrame | None, redact) -> str:
             + "</table></details>")
 
 
-def _unanswered(runs: list[Run], con) -> str:
-    """Answered shares per stage: from the run's health record, else from its call log."""
+def _unanswered(runs: list[Run], con) -> tuple[str, list[str]]:
+    """Answered shares per stage (from the run's health record, else from its call log), and a
+    warning line for each stage that left calls unanswered."""
     rows = []
     from_health = set()
     for r in runs:
@@ -475,12 +480,16 @@ def _unanswered(runs: list[Run], con) -> str:
                          "unanswered_share": 1 - x["answered"] / x["calls"] if x["calls"]
                          else None, "reasons": x["reasons"] or "—"})
     if not rows:
-        return "<p>No LLM calls logged.</p>"
+        return "<p>No LLM calls logged.</p>", []
     df = pl.DataFrame(rows, schema={"run": pl.String, "stage": pl.String, "calls": pl.Int64,
                                     "answered": pl.Int64, "unanswered_share": pl.Float64,
                                     "reasons": pl.String})
+    warnings = [f"{r['run']}: {r['stage']} left {r['unanswered_share']:.1%} of "
+                f"{r['calls']} calls unanswered ({r['reasons']})"
+                for r in df.iter_rows(named=True) if (r["unanswered_share"] or 0) > 0]
     return ("<p>Calls per stage and the share left unanswered (an unanswered verdict counts "
-            "as neither pass nor fail).</p>" + _table(df, {"unanswered_share": ".1%"}))
+            "as neither pass nor fail).</p>" + _table(df, {"unanswered_share": ".1%"}),
+            warnings)
 
 
 def _over_steps(runs: list[Run], con, summary: pl.DataFrame) -> str:
@@ -585,7 +594,8 @@ table.steps td:nth-child(2){width:45%} table.steps td.judge{width:35%;font-size:
 tr.dropped{color:#999} .dim{color:#999} .note{color:#555;font-size:.9em}
 div.pass{color:#1b6e1b} div.fail{color:#a32020} details summary{cursor:pointer;color:#555}
 .banner{background:#fdecea;border:1px solid #e0a3a0;padding:.8em 1em;border-radius:4px;
-        margin:1em 0} .banner ul{margin:.4em 0 0 1em;padding:0}
+        margin:1em 0} .notice{background:#fff8e1;border:1px solid #e6c65c;padding:.8em 1em;
+        border-radius:4px;margin:1em 0} .notice ul,.banner ul{margin:.4em 0 0 1em;padding:0}
 .bar{display:inline-block;width:60px;height:.7em;background:#eee;vertical-align:middle}
 .bar span{display:block;height:100%;background:#5a9bd5}
 select{font-size:.95em;max-width:100%}
@@ -626,6 +636,7 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     if "rewards" in _views(con):
         rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(last.dir))}")
     summary, summary_html = _per_step(con, runs)
+    unanswered_html, unanswered = _unanswered(runs, con)
     verdicts = _verdicts(last, con)
     credit = _credit(last, con, verdicts, rollout_id, redact)
     sections = [
@@ -634,7 +645,7 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
         (f"Step credit ({html.escape(last.label)})", credit),
         ("Criteria: pass rates, kept and dropped", _criteria(verdicts, redact)),
         ("Over training steps", _over_steps(runs, con, summary)),
-        ("Unanswered calls", _unanswered(runs, con)),
+        ("Unanswered calls", unanswered_html),
         ("Cost per training step", _cost(runs, con)),
     ]
     con.close()
@@ -647,5 +658,5 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
             f"<code>{html.escape(str(last.dir))}</code> ({html.escape(last.label)}), setting "
             f"<code>{html.escape(str(settings.get('setting')))}</code>, model "
             f"<code>{html.escape(str(settings.get('model')))}</code>, draco "
-            f"{html.escape(str(m.get('draco_version', '')))}.</p>{_banner(runs, redact)}{body}"
+            f"{html.escape(str(m.get('draco_version', '')))}.</p>{_banner(runs, redact, unanswered)}{body}"
             f"<script>{SCRIPT}</script></body></html>")

@@ -47,7 +47,7 @@ def test_report_is_self_contained(report):
                     "Unanswered calls", "Cost per training step"):
         assert section in text
     assert text.count("Plotly.newPlot") >= 6
-    assert "Health check failed" not in text  # healthy runs, no banner
+    assert "Health check failed" not in text and "class='notice'" not in text  # all answered
 
 
 def test_credit_heatmap_picker_and_step_table(report, runs):
@@ -134,6 +134,7 @@ def test_health_banner_redaction_and_minimal_call_log(runs, tmp_path):
     assert res.returncode == 0, res.stderr.decode()
     text = (tmp_path / "r.html").read_text()
     assert "Health check failed" in text and "40% of calls answered" in text
+    assert "judge left 60.0% of 40 calls unanswered (invalid 24)" in text
     assert "<td>judge</td><td class='num'>40</td><td class='num'>16</td>" in text
     assert SECRET not in text and "[REDACTED]" in text
 
