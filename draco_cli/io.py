@@ -177,11 +177,22 @@ def refuse_binary_to_terminal() -> None:
                          "another command (| draco validate -) or give a file name")
 
 
+_stdin_table: str | None = None
+
+
+def name_stdin_table(name: str | None) -> None:
+    """Say which draco table the stream on stdin holds (``--table verdicts``): it is then
+    checked against that contract, whatever its own metadata says."""
+    global _stdin_table
+    _stdin_table = name
+
+
 def read_stdin_table(name: str | None = None) -> pa.Table:
     """The table piped on stdin: an Arrow IPC stream (``draco ... -o -``, polars'
     ``write_ipc_stream``), an Arrow IPC file (``write_ipc``) or a Parquet file."""
     import io
 
+    name = name or _stdin_table
     where = "<stdin>" if name in (None, "stdin") else f"<stdin: {name}>"
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("- reads a table from stdin, but nothing is piped in: pipe a Parquet "
@@ -192,13 +203,19 @@ def read_stdin_table(name: str | None = None) -> pa.Table:
                          file=where)
     try:
         if data[:4] == b"PAR1":
-            return pq.read_table(pa.BufferReader(data))
-        if data[:6] == b"ARROW1":
-            return ipc.open_file(pa.BufferReader(data)).read_all()
-        return ipc.open_stream(io.BytesIO(data)).read_all()
+            table = pq.read_table(pa.BufferReader(data))
+        elif data[:6] == b"ARROW1":
+            table = ipc.open_file(pa.BufferReader(data)).read_all()
+        else:
+            table = ipc.open_stream(io.BytesIO(data)).read_all()
     except (pa.ArrowInvalid, OSError) as exc:
         raise InputError(f"neither Parquet nor an Arrow IPC stream ({exc})",
                          file=where) from None
+    if name not in (None, "stdin"):
+        meta = dict(table.schema.metadata or {})
+        meta[b"draco.table"] = name.encode()
+        table = table.replace_schema_metadata(meta)
+    return table
 
 
 def read_arrow(path: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:

@@ -105,6 +105,12 @@ def test_tables_piped_on_stdin(runs, tmp_path):
     garbage = run_draco("sql", "-", "--table", "verdicts", query, input=b"not a table")
     assert garbage.returncode == 1 and b"<stdin: verdicts>: neither Parquet nor" in \
         garbage.stderr
+    # a stream draco did not write is named with --table for validate
+    assert run_draco("validate", "-", input=stream.getvalue()).returncode == 1
+    named = run_draco("validate", "-", "--table", "verdicts", input=stream.getvalue())
+    assert named.returncode == 0 and f"{v.height} verdicts".encode() in named.stderr
+    wrong = run_draco("validate", "-", "--table", "nope", input=stream.getvalue())
+    assert wrong.returncode == 2 and b"choose rewards, rollouts" in wrong.stderr
     # other commands reading - take Parquet too
     r = pl.read_parquet(REPO / "sample_data" / "appworld_mini" / "rollouts.parquet")
     buf = io.BytesIO()
