@@ -1,6 +1,7 @@
 """Reading and writing draco tables.
 
-- Parquet files, or ``-`` for an Arrow IPC stream on stdin/stdout, so commands chain in pipes.
+- Parquet files, or ``-`` for a table on stdin (Parquet or Arrow IPC) or an Arrow IPC stream
+  on stdout (never onto a terminal), so commands chain in pipes.
 - Every read is checked against the table's contract (``draco_cli.schemas``) with whole-column
   operations; the first offending row of each broken rule is named with file, row and field.
 - Every write is atomic (a temporary file in the destination folder, then ``os.replace``), and
@@ -22,7 +23,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from draco_cli.errors import InputError, OutputExistsError
+from draco_cli.errors import InputError, OutputExistsError, UsageError
 from draco_cli.schemas import Column, Table, arrow_schema, columns
 
 STDIO = "-"
@@ -120,6 +121,7 @@ def write_table(
         merged.update({k.encode(): v.encode() for k, v in metadata.items()})
         table = table.replace_schema_metadata(merged)
     if str(path) == STDIO:
+        refuse_binary_to_terminal()
         _write_ipc(table, sys.stdout.buffer)
         return
     with atomic_path(path, force) as tmp:
@@ -168,16 +170,61 @@ class StreamingTableWriter:
 # --- reading ------------------------------------------------------------------------------
 
 
+def refuse_binary_to_terminal() -> None:
+    """Arrow on a terminal is noise that can garble it: ``-o -`` is for pipes."""
+    if sys.stdout.isatty():
+        raise UsageError("-o - writes a binary Arrow stream; stdout is a terminal: pipe it into "
+                         "another command (| draco validate -) or give a file name")
+
+
+_stdin_table: str | None = None
+
+
+def name_stdin_table(name: str | None) -> None:
+    """Say which draco table the stream on stdin holds (``--table verdicts``): it is then
+    checked against that contract, whatever its own metadata says."""
+    global _stdin_table
+    _stdin_table = name
+
+
+def read_stdin_table(name: str | None = None) -> pa.Table:
+    """The table piped on stdin: an Arrow IPC stream (``draco ... -o -``, polars'
+    ``write_ipc_stream``), an Arrow IPC file (``write_ipc``) or a Parquet file."""
+    import io
+
+    name = name or _stdin_table
+    where = "<stdin>" if name in (None, "stdin") else f"<stdin: {name}>"
+    if sys.stdin is None or sys.stdin.isatty():
+        raise UsageError("- reads a table from stdin, but nothing is piped in: pipe a Parquet "
+                         "file or an Arrow stream, or give a file name")
+    data = sys.stdin.buffer.read()
+    if not data:
+        raise InputError("empty input: expected a Parquet file or an Arrow IPC stream",
+                         file=where)
+    try:
+        if data[:4] == b"PAR1":
+            table = pq.read_table(pa.BufferReader(data))
+        elif data[:6] == b"ARROW1":
+            table = ipc.open_file(pa.BufferReader(data)).read_all()
+        else:
+            table = ipc.open_stream(io.BytesIO(data)).read_all()
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"neither Parquet nor an Arrow IPC stream ({exc})",
+                         file=where) from None
+    if name not in (None, "stdin"):
+        meta = dict(table.schema.metadata or {})
+        meta[b"draco.table"] = name.encode()
+        table = table.replace_schema_metadata(meta)
+    return table
+
+
 def read_arrow(path: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
     """Read a Parquet file or (for ``-``) an Arrow IPC stream from stdin, without checks.
 
     ``columns`` reads only those of them the file has (the rest are left to the caller).
     """
     if str(path) == STDIO:
-        try:
-            table = ipc.open_stream(sys.stdin.buffer).read_all()
-        except pa.ArrowInvalid as exc:
-            raise InputError(f"not an Arrow IPC stream ({exc})", file="<stdin>") from None
+        table = read_stdin_table()
         return table if columns is None else table.select(
             [c for c in columns if c in table.column_names])
     p = Path(path)

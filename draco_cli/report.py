@@ -1,222 +1,666 @@
 """``draco report``: one self-contained HTML file (plotly.js inlined, no network needed to
-open it) over one or several run folders written by ``draco run``."""
+open it) over one or several run folders written by ``draco run``.
+
+Cross-step figures (rewards against outcomes, unanswered shares, cost) are DuckDB queries over
+the run folders' views (``draco_cli.sql``), the same views ``draco sql`` offers; the call log
+is read for the few columns the report uses only. Every text that came from a rollout or from an
+LLM is redacted (default patterns) and escaped before it reaches the page.
+"""
 
 from __future__ import annotations
 
 import html
 import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import polars as pl
 
+from draco_cli.errors import InputError
+
+MAX_ROLLOUTS = 200  # rollouts offered in the picker and drawn in the heatmap
+MAX_GROUP_STRIPS = 24  # above this many groups, histograms replace per-group strips
+OBSERVATION_CHARS = 1500
+CALL_COLUMNS = ["phase", "status", "cost_usd", "input_tokens", "output_tokens"]
+GREEN, RED = (34, 139, 34), (200, 40, 40)
 
 
-def _load_run(run: Path) -> dict:
+@dataclass
+class Run:
+    dir: Path
+    manifest: dict
+    label: str  # "step N", or the folder when it has no train step
+    step: int | None
+
+
+def _manifest(run: Path) -> dict:
     from draco_cli.runfolder import RunFolder
 
-    folder = RunFolder.open(run)
-    manifest = folder.manifest.model_dump(mode="json")
-    out = {"dir": run, "manifest": manifest}
-    for key in ("rewards", "step_credit", "verdicts", "rubrics", "agreement"):
-        out[key] = pl.read_parquet(folder.table(key)) if folder.has(key) else None
-    for key in ("rollouts", "steps"):
-        # gone inputs leave the report drawing what the run folder itself holds
-        path = folder.input(key, missing_ok=True)
-        out[key] = pl.read_parquet(path) if path is not None else None
-    calls = folder.call_log
-    if calls.exists():
-        from draco_cli.audit import read_calls
-
-        out["calls"] = read_calls(calls)
-    else:
-        out["calls"] = None
-    return out
+    m = run / "manifest.json"
+    if not run.is_dir() or not m.exists():
+        raise InputError("not a draco run folder (no manifest.json)", file=str(run))
+    if RunFolder.is_run_folder(run):  # typed, versioned; corrupt manifests named
+        return RunFolder.open(run).manifest.model_dump(mode="json")
+    try:
+        return json.loads(m.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"not a readable manifest ({exc})", file=str(m)) from None
 
 
-def _fig_html(fig) -> str:
-    fig.update_layout(margin=dict(l=40, r=20, t=40, b=40), height=360, template="plotly_white")
-    return fig.to_html(full_html=False, include_plotlyjs=False)
+def _runs(run_dirs: list[Path]) -> list[Run]:
+    from draco_cli.sql import expand_run_roots
+
+    runs = []
+    for d in expand_run_roots([Path(x) for x in run_dirs]):
+        m = _manifest(Path(d))
+        step = m.get("train_step")
+        runs.append(Run(Path(d), m, f"step {step}" if step is not None else str(d), step))
+    return runs
 
 
-def _distributions(run: dict) -> str:
+def _frame(con, query: str) -> pl.DataFrame:
+    return pl.from_arrow(con.sql(query).to_arrow_table())
+
+
+def _views(con) -> set[str]:
+    return {r[0] for r in con.sql("SELECT table_name FROM information_schema.tables")
+            .fetchall()}
+
+
+def _connect(runs: list[Run]):
+    """DuckDB views over every run folder; the call log with the report's columns only."""
+    import sqlite3
+
+    import pyarrow as pa
+
+    from draco_cli.sql import Source, catalog, connect
+
+    cat = catalog([r.dir for r in runs])
+    cat.sources = [s for s in cat.sources if s.name != "calls"]
+    for r in runs:
+        log = r.dir / "llm_calls.sqlite"
+        if not log.exists():
+            continue
+        try:
+            conn = sqlite3.connect(f"file:{log}?mode=ro", uri=True)
+            try:
+                have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+                cols = [c for c in CALL_COLUMNS if c in have]
+                rows = conn.execute(f"SELECT {', '.join(cols)} FROM calls").fetchall()
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as exc:
+            raise InputError(f"not a draco call log ({exc})", file=str(log)) from None
+        table = pl.DataFrame(rows, schema=cols, orient="row", infer_schema_length=None)
+        cat.sources.append(Source("calls", None, r.step, str(r.dir), table.to_arrow()
+                                  if table.width else pa.table({})))
+    return connect(cat)
+
+
+# --- small html helpers ------------------------------------------------------------------
+
+
+def _esc(text, redact) -> str:
+    return html.escape(redact(str(text))) if text is not None else ""
+
+
+def _num(v, fmt: str = ".3f") -> str:
+    return "—" if v is None else format(v, fmt)
+
+
+def _table(df: pl.DataFrame, formats: dict | None = None, cls: str = "") -> str:
+    formats = formats or {}
+    head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
+    body = []
+    for row in df.iter_rows(named=True):
+        cells = []
+        for c, v in row.items():
+            if isinstance(v, float):
+                cells.append(f"<td class='num'>{_num(v, formats.get(c, '.3f'))}</td>")
+            elif isinstance(v, int):
+                cells.append(f"<td class='num'>{v}</td>")
+            else:
+                cells.append(f"<td>{html.escape('—' if v is None else str(v))}</td>")
+        body.append("<tr>" + "".join(cells) + "</tr>")
+    return f"<table class='{cls}'><tr>{head}</tr>{''.join(body)}</table>"
+
+
+def _fig_html(fig, div_id: str | None = None, height: int = 360, top: int = 50) -> str:
+    fig.update_layout(margin=dict(l=50, r=20, t=top, b=40), height=height,
+                      template="plotly_white")
+    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                       config={"displaylogo": False, "responsive": True})
+
+
+def _rgba(value: float | None, scale: float) -> str:
+    if value is None or not scale:
+        return "transparent"
+    x = max(-1.0, min(1.0, value / scale))
+    r, g, b = GREEN if x >= 0 else RED
+    return f"rgba({r},{g},{b},{0.08 + 0.62 * abs(x):.2f})"
+
+
+def _int_axis(fig, xs: list, title: str = "train step") -> None:
+    fig.update_xaxes(title=title, tickmode="array", tickvals=xs,
+                     ticktext=[str(x) for x in xs])
+
+
+# --- sections -----------------------------------------------------------------------------
+
+
+def _banner(runs: list[Run], redact, unanswered: list[str]) -> str:
+    notice = "" if not unanswered else (
+        "<div class='notice'><b>Unanswered calls</b> — these count as neither pass nor fail; "
+        "see <a href='#unanswered'>Unanswered calls</a>.<ul>"
+        + "".join(f"<li>{html.escape(w)}</li>" for w in unanswered) + "</ul></div>")
+    items = []
+    for r in runs:
+        health = r.manifest.get("health")
+        if not isinstance(health, dict) or health.get("ok", True):
+            continue
+        msgs = health.get("messages") or ["the health check failed"]
+        items += [f"<li><b>{html.escape(r.label)}</b>: {_esc(m, redact)}</li>" for m in msgs]
+    if not items:
+        return notice
+    return notice + ("<div class='banner'><b>Health check failed</b> — the judge or rubric writer left "
+            "too many calls unanswered; rewards and credit below rest on what was answered."
+            f"<ul>{''.join(items)}</ul></div>")
+
+
+def _per_step(con, runs: list[Run]) -> tuple[pl.DataFrame, str]:
+    """One row per run: rollouts, rewards, outcome, the rubric reward's agreement with the
+    environment outcome, unanswered verdicts, calls and dollars."""
+    views = _views(con)
+    rows = {str(r.dir): {"run": r.label} for r in runs}
+    key = {str(r.dir): str(r.dir) for r in runs}
+    if {"rewards", "rollouts"} <= views:
+        base = _frame(con, """
+            SELECT rw.run, count(*) AS rollouts, avg(rw.reward) AS mean_reward,
+                   avg(ro.outcome) AS mean_outcome, corr(rw.reward, ro.outcome) AS correlation
+            FROM rewards rw JOIN rollouts ro USING (run, rollout_id) GROUP BY 1""")
+        # Within a group (all GRPO sees) the rubric should rank an episode that succeeded
+        # above one that failed: the share of such pairs it orders the same way, ties half.
+        pairs = _frame(con, """
+            WITH j AS (SELECT rw.run, rw.group_id, rw.rollout_id, rw.reward, ro.outcome
+                       FROM rewards rw JOIN rollouts ro USING (run, rollout_id)
+                       WHERE rw.reward IS NOT NULL AND ro.outcome IS NOT NULL)
+            SELECT a.run, count(*) AS pairs,
+                   avg(CASE WHEN a.reward = b.reward THEN 0.5
+                            WHEN (a.reward - b.reward) * (a.outcome - b.outcome) > 0 THEN 1.0
+                            ELSE 0.0 END) AS agreement
+            FROM j a JOIN j b ON a.run = b.run AND a.group_id = b.group_id
+                 AND a.rollout_id < b.rollout_id AND a.outcome <> b.outcome
+            GROUP BY 1""")
+        for frame in (base, pairs):
+            for row in frame.iter_rows(named=True):
+                rows[key.get(row["run"], row["run"])].update(
+                    {k: v for k, v in row.items() if k != "run"})
+    if "verdicts" in views:
+        for row in _frame(con, "SELECT run, avg((verdict IS NULL)::INT) AS unanswered_verdicts "
+                               "FROM verdicts GROUP BY 1").iter_rows(named=True):
+            rows[key.get(row["run"], row["run"])].update(
+                {k: v for k, v in row.items() if k != "run"})
+    if "calls" in views and "cost_usd" in _frame(con, "DESCRIBE calls")["column_name"]:
+        for row in _frame(con, "SELECT run, count(*) AS calls, sum(coalesce(cost_usd, 0)) "
+                               "AS cost_usd FROM calls GROUP BY 1").iter_rows(named=True):
+            rows[key.get(row["run"], row["run"])].update(
+                {k: v for k, v in row.items() if k != "run"})
+    cols = ["run", "rollouts", "mean_reward", "mean_outcome", "agreement", "pairs",
+            "correlation", "unanswered_verdicts", "calls", "cost_usd"]
+    df = pl.DataFrame([{c: r.get(c) for c in cols} for r in rows.values()],
+                      schema={"run": pl.String, "rollouts": pl.Int64, "mean_reward": pl.Float64,
+                              "mean_outcome": pl.Float64, "agreement": pl.Float64,
+                              "pairs": pl.Int64, "correlation": pl.Float64,
+                              "unanswered_verdicts": pl.Float64, "calls": pl.Int64,
+                              "cost_usd": pl.Float64})
+    note = ("<p class='note'><b>agreement</b>: of the pairs of episodes in one group where one "
+            "succeeded and one did not (<b>pairs</b>), the share the rubric reward orders the "
+            "same way as the environment's outcome (ties count half; 0.5 is chance). It falling "
+            "over training while the reward rises is the reward-hacking signal. "
+            "<b>correlation</b>: Pearson's r of reward and outcome over all rollouts.</p>")
+    return df, _table(df, {"cost_usd": ".4f"}) + note
+
+
+def _distributions(rw: pl.DataFrame | None) -> str:
     import plotly.graph_objects as go
+    from plotly.subplots import make_subplots
 
-    rw = run["rewards"]
     if rw is None or rw.height == 0:
         return "<p>No rewards in this run.</p>"
-    fig = go.Figure()
-    fig.add_trace(go.Box(x=rw["group_id"].to_list(), y=rw["reward"].to_list(), name="reward",
-                         boxpoints="all", jitter=0.3))
-    fig.add_trace(go.Box(x=rw["group_id"].to_list(), y=rw["advantage"].to_list(),
-                         name="advantage A_i", boxpoints="all", jitter=0.3))
-    fig.update_layout(boxmode="group", title="Reward and advantage per group")
-    return _fig_html(fig)
+    if rw["group_id"].n_unique() > MAX_GROUP_STRIPS:
+        # too many groups for a strip each: the distributions over all rollouts
+        fig = make_subplots(rows=1, cols=2, subplot_titles=(
+            "rubric reward", "advantage A<sub>i</sub>"))
+        for col, (name, c) in enumerate((("reward", "#1f77b4"), ("advantage", "#d62728")), 1):
+            fig.add_trace(go.Histogram(x=rw[name].drop_nulls().to_list(), marker_color=c,
+                                       nbinsx=30, name=name, showlegend=False), row=1, col=col)
+        fig.update_yaxes(title="rollouts", row=1, col=1)
+        fig.update_layout(title=f"Reward and advantage over {rw.height} rollouts in "
+                          f"{rw['group_id'].n_unique()} groups", bargap=0.05)
+        return _fig_html(fig, height=400, top=90)
+    fig = make_subplots(rows=1, cols=2, subplot_titles=(
+        "rubric reward per group", "advantage A<sub>i</sub> per group"))
+    for col, (name, c) in enumerate((("reward", "#1f77b4"), ("advantage", "#d62728")), 1):
+        d = rw.filter(pl.col(name).is_not_null())
+        # every rollout as a point (groups hold a handful: a box of 4 points says nothing)
+        fig.add_trace(go.Box(x=d["group_id"].to_list(), y=d[name].to_list(),
+                             text=d["rollout_id"].to_list(), boxpoints="all", jitter=0.4,
+                             pointpos=0, fillcolor="rgba(0,0,0,0)",
+                             line=dict(color="rgba(0,0,0,0)"), marker=dict(color=c, size=8),
+                             hovertemplate="%{text}<br>%{y:.3f}<extra></extra>",
+                             name=name, showlegend=False), row=1, col=col)
+        means = d.group_by("group_id", maintain_order=True).agg(pl.col(name).mean())
+        fig.add_trace(go.Scatter(x=means["group_id"].to_list(), y=means[name].to_list(),
+                                 mode="markers", marker=dict(symbol="line-ew-open", size=34,
+                                                             color="#333", line_width=2),
+                                 name="group mean", showlegend=col == 1,
+                                 hovertemplate="mean %{y:.3f}<extra></extra>"), row=1, col=col)
+    fig.update_layout(title="Each rollout's reward and advantage, by group (bar: group mean)")
+    return _fig_html(fig, height=420, top=90)
 
 
-def _color(a: float, scale: float) -> str:
-    x = max(-1.0, min(1.0, a / scale)) if scale else 0.0
-    if x >= 0:
-        return f"rgba(34,139,34,{0.15 + 0.6 * x:.2f})"
-    return f"rgba(200,40,40,{0.15 + 0.6 * -x:.2f})"
+def _pick_rollouts(rw: pl.DataFrame, wanted: str | None) -> list[str]:
+    order = rw.sort(pl.col("advantage").abs(), descending=True, nulls_last=True)
+    ids = order["rollout_id"].to_list()[:MAX_ROLLOUTS]
+    if wanted is not None and wanted not in ids:
+        ids = [wanted] + ids[:MAX_ROLLOUTS - 1]
+    elif wanted is not None:
+        ids.remove(wanted)
+        ids.insert(0, wanted)
+    return ids
 
 
-def _rollout_view(run: dict, rollout_id: str | None) -> str:
-    sc, rw, v, rb, steps = (run[k] for k in ("step_credit", "rewards", "verdicts", "rubrics",
-                                             "steps"))
-    if sc is None or rw is None or steps is None:
+def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, redact) -> str:
+    import plotly.graph_objects as go
+
+    views = _views(con)
+    if not {"rewards", "step_credit", "steps"} <= views:
         return "<p>No step credit in this run.</p>"
-    if rollout_id is None:
-        pick = rw.filter(pl.col("credit_mode") == "step").sort(
-            pl.col("advantage").abs(), descending=True)
-        if pick.height == 0:
-            return "<p>No rollout under step credit.</p>"
-        rollout_id = pick["rollout_id"][0]
-    info = rw.filter(pl.col("rollout_id") == rollout_id).row(0, named=True)
-    mine = sc.filter(pl.col("rollout_id") == rollout_id).sort("step").join(
-        steps.select("rollout_id", "step", "action"), on=["rollout_id", "step"], how="left")
-    titles = dict(zip(rb["criterion_id"], rb["title"])) if rb is not None else {}
-    cites: dict[int, list[str]] = {}
-    if v is not None:
-        for r in v.filter(pl.col("rollout_id") == rollout_id).iter_rows(named=True):
-            if r.get("retained") is False or r["verdict"] not in ("pass", "fail"):
+    rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(run.dir))}")
+    if wanted is not None and wanted not in set(rw["rollout_id"]):
+        sample = ", ".join(rw["rollout_id"].head(3).to_list())
+        raise InputError(f"--rollout {wanted!r}: no such rollout in this run (e.g. {sample})",
+                         file=str(run.dir))
+    ids = _pick_rollouts(rw, wanted)
+    sel = _q_list(ids)
+    runq = _q(str(run.dir))
+    sc = _frame(con, f"""
+        SELECT sc.rollout_id, sc.step, sc.n_tokens, sc.advantage, sc.total, sc.p, sc.f,
+               st.action, st.observation
+        FROM step_credit sc LEFT JOIN steps st
+             ON st.rollout_id = sc.rollout_id AND st.step = sc.step AND st.run = sc.run
+        WHERE sc.run = {runq} AND sc.rollout_id IN ({sel}) ORDER BY sc.rollout_id, sc.step""")
+    if verdicts is not None:
+        verdicts = verdicts.filter(pl.col("rollout_id").is_in(ids))
+    info = {r["rollout_id"]: r for r in rw.iter_rows(named=True)}
+    by_rollout = {k[0]: g for k, g in sc.group_by("rollout_id")} if sc.height else {}
+    cites: dict[tuple[str, int], list[str]] = {}
+    uncited: dict[str, list[str]] = {}
+    if verdicts is not None:
+        for v in verdicts.sort("title").iter_rows(named=True):
+            if v["verdict"] not in ("pass", "fail"):
                 continue
-            for s in r["cited_steps"] or []:
-                mark = "✔" if r["verdict"] == "pass" else "✘"
-                cites.setdefault(s, []).append(f"{mark} {html.escape(titles.get(r['criterion_id'], r['criterion_id']))}")
-    scale = max((abs(x) for x in mine["advantage"].to_list()), default=1.0) or 1.0
-    rows = []
-    for r in mine.iter_rows(named=True):
-        action = html.escape((r["action"] or "")[:400])
-        rows.append(
-            f"<tr><td>{r['step']}</td><td style='background:{_color(r['advantage'], scale)}'>"
-            f"<pre>{action}</pre></td><td>{r['advantage']:+.4f}</td><td>{r['total']:+.2f}</td>"
-            f"<td>{'<br>'.join(cites.get(r['step'], [])) or '<i>uncited</i>'}</td></tr>")
-    reward_text = "—" if info["reward"] is None else f"{info['reward']:.3f}"
-    head = (f"<p>Rollout <b>{html.escape(rollout_id)}</b> (group {html.escape(info['group_id'])})"
-            f": reward {reward_text}, "
-            f"A<sub>i</sub> = {info['advantage']:+.4f}, credit {info['credit_mode']}. Green = "
-            "reinforced, red = suppressed; the step total n<sub>j</sub>·a<sub>j</sub> is what "
-            "to compare across steps.</p>")
-    return head + ("<table class='steps'><tr><th>step</th><th>action</th><th>a<sub>j</sub> per "
-                   "token</th><th>total</th><th>cited by</th></tr>" + "".join(rows) + "</table>")
+            mark = "✔" if v["verdict"] == "pass" else "✘"
+            dropped = " <span class='dim'>(dropped criterion)</span>" if v["retained"] is False \
+                else ""
+            line = (f"<div class='{v['verdict']}'>{mark} <b>{_esc(v['title'], redact)}</b>"
+                    f"{dropped}: {_esc(v['reason'], redact)}</div>")
+            steps = v["cited_steps"] or []
+            for s in steps:
+                cites.setdefault((v["rollout_id"], s), []).append(line)
+            if not steps:
+                uncited.setdefault(v["rollout_id"], []).append(line)
+
+    # heatmap: rollouts x steps, the step total n_j * a_j (what to compare across steps)
+    max_step = int(sc["step"].max()) if sc.height else 0
+    z, hover, labels = [], [], []
+    for rid in ids:
+        g = by_rollout.get(rid)
+        row, tips = [None] * max_step, [""] * max_step
+        if g is not None:
+            for s in g.iter_rows(named=True):
+                row[s["step"] - 1] = s["total"]
+                act = redact(s["action"] or "")[:90].replace("\n", " ")
+                tips[s["step"] - 1] = html.escape(act)
+        z.append(row)
+        hover.append(tips)
+        labels.append(rid)
+    zmax = max((abs(x) for r in z for x in r if x is not None), default=1.0) or 1.0
+    fig = go.Figure(go.Heatmap(
+        z=z, x=list(range(1, max_step + 1)), y=labels, customdata=hover, zmid=0,
+        zmin=-zmax, zmax=zmax, colorscale=[[0, "rgb(200,40,40)"], [0.5, "rgb(247,247,247)"],
+                                           [1, "rgb(34,139,34)"]],
+        colorbar=dict(title="step total"), xgap=1, ygap=1,
+        hovertemplate="%{y} step %{x}<br>total %{z:+.3f}<br>%{customdata}<extra></extra>"))
+    fig.update_yaxes(autorange="reversed", type="category")
+    _int_axis(fig, list(range(1, max_step + 1)), "step")
+    fig.update_layout(title="Step totals n<sub>j</sub>·a<sub>j</sub> per rollout (click a row "
+                      "to open it below)")
+    capped = (f"<p class='note'>The {MAX_ROLLOUTS} rollouts with the largest |A<sub>i</sub>| "
+              f"of {rw.height} are shown.</p>" if rw.height > len(ids) else "")
+    heat = _fig_html(fig, "heatmap", height=min(140 + 22 * len(ids), 4600))
+
+    options, panels = [], []
+    for i, rid in enumerate(ids):
+        r = info[rid]
+        reward = _num(r["reward"])
+        options.append(f"<option value='{i}'>{html.escape(rid)} — group "
+                       f"{html.escape(str(r['group_id']))}, reward {reward}, A "
+                       f"{_num(r['advantage'], '+.3f')}</option>")
+        g = by_rollout.get(rid)
+        rows = []
+        if g is not None:
+            scale = max((abs(x) for x in g["total"].to_list() if x is not None), default=0.0)
+            for s in g.iter_rows(named=True):
+                obs = redact(s["observation"] or "")
+                more = len(obs) > OBSERVATION_CHARS
+                obs_html = html.escape(obs[:OBSERVATION_CHARS]) + (
+                    f"\n[… {len(obs) - OBSERVATION_CHARS} more characters]" if more else "")
+                judged = "".join(cites.get((rid, s["step"]), [])) or "<i class='dim'>uncited" \
+                    "</i>"
+                rows.append(
+                    f"<tr><td class='num'>{s['step']}</td>"
+                    f"<td><pre>{_esc(s['action'], redact)}</pre>"
+                    + (f"<details{' open' if len(obs) <= 300 else ''}><summary>observation"
+                       f"</summary><pre class='obs'>{obs_html}</pre></details>" if obs else "")
+                    + f"</td><td class='num' style='background:{_rgba(s['total'], scale)}'>"
+                    f"{_num(s['total'], '+.3f')}</td><td class='num'>"
+                    f"{_num(s['advantage'], '+.4f')}</td><td class='num'>{s['n_tokens']}</td>"
+                    f"<td class='judge'>{judged}</td></tr>")
+        extra = "".join(uncited.get(rid, []))
+        panels.append(
+            f"<div class='rollout' id='rollout-{i}'{'' if i == 0 else ' hidden'}>"
+            f"<p>Rollout <b>{html.escape(rid)}</b> (group {html.escape(str(r['group_id']))}):"
+            f" reward {reward}, A<sub>i</sub> = {_num(r['advantage'], '+.4f')}, credit "
+            f"{html.escape(str(r['credit_mode']))}; {r['n_pass']} criteria passed, "
+            f"{r['n_fail']} failed, {r['n_na']} not applicable.</p>"
+            "<table class='steps'><tr><th>step</th><th>action (and what the environment "
+            "answered)</th><th>step total n<sub>j</sub>·a<sub>j</sub></th><th>a<sub>j</sub> "
+            "per token</th><th>tokens</th><th>judge: criteria citing this step, with the "
+            "reason</th></tr>" + "".join(rows) + "</table>"
+            + (f"<p>Verdicts citing no step:</p>{extra}" if extra else "") + "</div>")
+    picker = ("<p><label>Rollout: <select id='pick'>" + "".join(options) + "</select></label> "
+              "<span class='note'>Green = reinforced, red = suppressed; the cell colour is "
+              "the step total, comparable across the steps of a rollout.</span></p>")
+    return capped + heat + picker + "".join(panels)
 
 
-def _criteria(run: dict) -> str:
-    v, rb = run["verdicts"], run["rubrics"]
-    if v is None or rb is None:
+def _q(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _q_list(items: list[str]) -> str:
+    return ", ".join(_q(x) for x in items) or "NULL"
+
+
+def _verdicts(run: Run, con) -> pl.DataFrame | None:
+    """The run's verdicts with group, criterion title and ``retained`` (recomputed with the
+    run's --drop when the stored table leaves it empty)."""
+    views = _views(con)
+    if not {"verdicts", "rollouts"} <= views:
+        return None
+    title = "coalesce(rb.title, v.criterion_id)" if "rubrics" in views else "v.criterion_id"
+    join = ("LEFT JOIN rubrics rb ON rb.group_id = ro.group_id AND rb.criterion_id = "
+            "v.criterion_id AND rb.run = v.run") if "rubrics" in views else ""
+    v = _frame(con, f"""
+        SELECT v.rollout_id, ro.group_id, v.criterion_id, v.verdict, v.cited_steps, v.reason,
+               v.retained, {title} AS title
+        FROM verdicts v JOIN rollouts ro ON ro.rollout_id = v.rollout_id AND ro.run = v.run
+        {join} WHERE v.run = {_q(str(run.dir))}""")
+    if v.height and v["retained"].null_count() == v.height:
+        from draco_cli.credit import discriminative_filter
+
+        drop = (run.manifest.get("settings") or {}).get("drop") or "all-pass"
+        v = discriminative_filter(v.drop("retained"), drop)
+    return v
+
+
+def _criteria(v: pl.DataFrame | None, redact) -> str:
+    if v is None or v.height == 0:
         return "<p>No verdicts in this run.</p>"
-    from draco_cli.credit import discriminative_filter
+    verdict = pl.col("verdict")
+    per = v.group_by("group_id", "title").agg(
+        pl.when(pl.col("retained").any()).then(pl.lit("kept")).otherwise(pl.lit("dropped"))
+        .alias("filter"),
+        ((verdict == "pass").sum() / verdict.is_in(["pass", "fail"]).sum()).alias("pass_rate"),
+        (verdict == "pass").sum().alias("pass"), (verdict == "fail").sum().alias("fail"),
+        (verdict == "na").sum().alias("na"), verdict.is_null().sum().alias("unanswered"),
+    ).rename({"group_id": "group", "title": "criterion"}).with_columns(
+        pl.col("pass_rate").fill_nan(None)).sort("group", "filter", "pass_rate",
+                                                 descending=[False, True, False])
+    per = per.with_columns(pl.col("criterion").map_elements(redact, return_dtype=pl.String))
+    kept = int((per["filter"] == "kept").sum())
+    rows = []
+    for r in per.iter_rows(named=True):
+        rate = r["pass_rate"]
+        bar = "" if rate is None else (f"<span class='bar'><span style='width:{100 * rate:.0f}%'>"
+                                       "</span></span>")
+        rows.append(
+            f"<tr class='{r['filter']}'><td>{html.escape(str(r['group']))}</td>"
+            f"<td>{html.escape(r['criterion'])}</td><td>{r['filter']}</td>"
+            f"<td class='num'>{'—' if rate is None else f'{rate:.0%}'} {bar}</td>"
+            f"<td class='num'>{r['pass']}</td><td class='num'>{r['fail']}</td>"
+            f"<td class='num'>{r['na']}</td><td class='num'>{r['unanswered']}</td></tr>")
+    return (f"<p>{kept} criteria kept, {per.height - kept} dropped by the discriminative filter "
+            "(no member of the group failed them, so they cannot tell members apart). Pass rate "
+            "= passes / (passes + fails) over the group's rollouts.</p>"
+            f"<details{' open' if per.height <= 60 else ''}><summary>{per.height} criteria"
+            "</summary><table><tr><th>group</th>"
+            "<th>criterion</th><th>filter (kept / dropped)</th><th>pass rate</th><th>pass</th>"
+            "<th>fail</th><th>na</th><th>unanswered</th></tr>" + "".join(rows)
+            + "</table></details>")
 
-    r = run["rollouts"]
-    vv = v if "group_id" in v.columns else v.join(r.select("rollout_id", "group_id"),
-                                                 on="rollout_id", how="left")
-    if "retained" not in vv.columns or vv["retained"].null_count() == vv.height:
-        vv = discriminative_filter(vv)
-    per = vv.group_by("group_id", "criterion_id").agg(
-        pl.col("retained").first(), (pl.col("verdict") == "fail").sum().alias("fails"),
-        (pl.col("verdict") == "pass").sum().alias("passes"),
-        (pl.col("verdict") == "na").sum().alias("na")).join(
-        rb.select("group_id", "criterion_id", "title"), on=["group_id", "criterion_id"],
-        how="left").sort("group_id", "retained", descending=[False, True])
-    rows = "".join(
-        f"<tr class='{'kept' if r['retained'] else 'dropped'}'><td>{html.escape(r['group_id'])}"
-        f"</td><td>{html.escape(r['title'] or r['criterion_id'])}</td>"
-        f"<td>{'kept' if r['retained'] else 'dropped'}</td><td>{r['fails']}</td>"
-        f"<td>{r['passes']}</td><td>{r['na']}</td></tr>" for r in per.iter_rows(named=True))
-    kept = int(per["retained"].sum())
-    return (f"<p>{kept} criteria kept, {per.height - kept} dropped (nobody failed them).</p>"
-            "<table><tr><th>group</th><th>criterion</th><th></th><th>fail</th><th>pass</th>"
-            f"<th>na</th></tr>{rows}</table>")
+
+def _unanswered(runs: list[Run], con) -> tuple[str, list[str]]:
+    """Answered shares per stage (from the run's health record, else from its call log), and a
+    warning line for each stage that left calls unanswered."""
+    rows = []
+    from_health = set()
+    for r in runs:
+        health = r.manifest.get("health")
+        stages = health.get("stages") if isinstance(health, dict) else None
+        if isinstance(stages, dict) and stages:
+            for stage, s in stages.items():
+                if not isinstance(s, dict):
+                    continue
+                calls, answered = s.get("calls"), s.get("answered")
+                share = s.get("answered_share")
+                reasons = ", ".join(f"{k} {v}" for k, v in (s.get("reasons") or {}).items())
+                from_health.add(str(r.dir))
+                rows.append({"run": r.label, "stage": stage, "calls": calls,
+                             "answered": answered,
+                             "unanswered_share": None if share is None else 1 - share,
+                             "reasons": reasons or "—"})
+    if "calls" in _views(con):
+        labels = {str(r.dir): r.label for r in runs}
+        got = _frame(con, """SELECT run, phase, count(*) AS calls,
+                                    sum((status = 'ok')::INT) AS answered,
+                                    string_agg(DISTINCT CASE WHEN status <> 'ok' THEN status END,
+                                               ', ') AS reasons
+                             FROM calls GROUP BY 1, 2 ORDER BY 1, 2""")
+        for x in got.filter(~pl.col("run").is_in(list(from_health))).iter_rows(named=True):
+            rows.append({"run": labels.get(x["run"], x["run"]), "stage": x["phase"],
+                         "calls": x["calls"], "answered": x["answered"],
+                         "unanswered_share": 1 - x["answered"] / x["calls"] if x["calls"]
+                         else None, "reasons": x["reasons"] or "—"})
+    if not rows:
+        return "<p>No LLM calls logged.</p>", []
+    df = pl.DataFrame(rows, schema={"run": pl.String, "stage": pl.String, "calls": pl.Int64,
+                                    "answered": pl.Int64, "unanswered_share": pl.Float64,
+                                    "reasons": pl.String})
+    warnings = [f"{r['run']}: {r['stage']} left {r['unanswered_share']:.1%} of "
+                f"{r['calls']} calls unanswered ({r['reasons']})"
+                for r in df.iter_rows(named=True) if (r["unanswered_share"] or 0) > 0]
+    return ("<p>Calls per stage and the share left unanswered (an unanswered verdict counts "
+            "as neither pass nor fail).</p>" + _table(df, {"unanswered_share": ".1%"}),
+            warnings)
 
 
-def _over_steps(runs: list[dict]) -> str:
+def _over_steps(runs: list[Run], con, summary: pl.DataFrame) -> str:
     import plotly.graph_objects as go
 
     from draco_cli.evaluate import evaluate
 
+    if len(runs) < 2:
+        return ("<p>Give several run folders (one per training step, e.g. "
+                "<code>draco report runs/step-*</code>) to see trends.</p>")
     parts = []
-    xs, ph, term = [], {}, {}
-    for i, run in enumerate(runs):
-        r = run["rollouts"]
-        if r is None:
-            continue
-        x = run["manifest"].get("train_step")
-        xs.append(x if x is not None else i)
-        res = evaluate(r, [1, 2, 3])
-        for k, v in res.summary["pass_hat_k"].items():
-            ph.setdefault(k, []).append(v)
-        for mode in set(term) | set(res.summary["termination_shares"]):
-            term.setdefault(mode, [0.0] * (len(xs) - 1)).append(
-                res.summary["termination_shares"].get(mode, 0.0))
-        for mode in term:
-            while len(term[mode]) < len(xs):
-                term[mode].append(0.0)
-    if len(xs) > 1:
+    xs = [r.step if r.step is not None else i for i, r in enumerate(runs)]
+    if "rollouts" in _views(con):
+        ph, term = {}, {}
+        for i, r in enumerate(runs):
+            ro = _frame(con, f"SELECT * EXCLUDE (run) FROM rollouts WHERE run = {_q(str(r.dir))}")
+            if ro.height == 0:
+                continue
+            res = evaluate(ro, [1, 2, 3])
+            for k, v in res.summary["pass_hat_k"].items():
+                ph.setdefault(k, [None] * len(runs))[i] = v
+            for mode, share in res.summary["termination_shares"].items():
+                term.setdefault(mode, [0.0] * len(runs))[i] = share
         fig = go.Figure([go.Scatter(x=xs, y=v, mode="lines+markers", name=f"pass^{k}")
                          for k, v in ph.items()])
-        fig.update_layout(title="pass^k over training steps", xaxis_title="train step")
+        fig.update_layout(title="pass^k over training steps", yaxis_range=[0, 1.02])
+        _int_axis(fig, xs)
         parts.append(_fig_html(fig))
-        fig = go.Figure([go.Bar(x=xs, y=v, name=m) for m, v in term.items()])
+        fig = go.Figure([go.Bar(x=xs, y=v, name=m) for m, v in sorted(term.items())])
         fig.update_layout(barmode="stack", title="Termination modes over training steps",
-                          xaxis_title="train step")
+                          yaxis_title="share of rollouts")
+        _int_axis(fig, xs)
         parts.append(_fig_html(fig))
-    agreement = [run["agreement"] for run in runs if run["agreement"] is not None]
-    if agreement:
-        a = pl.concat(agreement).filter(pl.col("scope").str.starts_with("step:")).with_columns(
-            pl.col("scope").str.replace("step:", "").cast(pl.Int64).alias("step")).sort("step")
+    fig = go.Figure()
+    for col, name in (("agreement", "rubric reward agrees with outcome (pairs in a group)"),
+                      ("correlation", "correlation of reward and outcome"),
+                      ("mean_reward", "mean rubric reward"), ("mean_outcome", "mean outcome")):
+        fig.add_trace(go.Scatter(x=xs, y=summary[col].to_list(), mode="lines+markers",
+                                 name=name, line=dict(dash="dot") if col.startswith("mean")
+                                 else None))
+    fig.update_layout(title="Does the rubric reward still track the environment's outcome?",
+                      legend=dict(orientation="h", y=-0.2))
+    _int_axis(fig, xs)
+    parts.append(_fig_html(fig, height=400))
+    if "agreement" in _views(con):
+        a = _frame(con, "SELECT scope, agreement, false_pass_rate, false_fail_rate FROM agreement "
+                        "WHERE starts_with(scope, 'step:')")
         if a.height:
+            a = a.with_columns(pl.col("scope").str.replace("step:", "").cast(pl.Int64)
+                               .alias("step")).unique("step").sort("step")
             fig = go.Figure([go.Scatter(x=a["step"].to_list(), y=a[c].to_list(),
                                         mode="lines+markers", name=c)
                              for c in ("agreement", "false_pass_rate", "false_fail_rate")])
-            fig.update_layout(title="Self-judge vs reference over training steps",
-                              xaxis_title="train step")
+            fig.update_layout(title="Self-judge vs reference judge over training steps")
+            _int_axis(fig, a["step"].to_list())
             parts.append(_fig_html(fig))
-    return "".join(parts) or "<p>Give several run folders (one per training step) to see " \
-        "trends; an audit in RUN/audit/agreement.parquet adds judge agreement.</p>"
+    return "".join(parts)
 
 
-def _cost(runs: list[dict]) -> str:
+def _cost(runs: list[Run], con) -> str:
     import plotly.graph_objects as go
 
-    frames = [run["calls"] for run in runs if run["calls"] is not None and run["calls"].height]
-    if not frames:
+    if "calls" not in _views(con):
         return "<p>No LLM calls logged.</p>"
-    c = pl.concat(frames, how="diagonal_relaxed").group_by("phase").agg(
-        pl.col("cost_usd").fill_null(0).sum(), pl.len().alias("rows")).sort("phase")
-    fig = go.Figure([go.Bar(x=c["phase"].to_list(), y=c["rows"].to_list(), name="calls",
-                            text=[f"${x:.4f}" for x in c["cost_usd"].to_list()],
-                            textposition="outside")])
-    fig.update_layout(title=f"LLM calls and dollars per phase (total ${c['cost_usd'].sum():.4f})",
-                      yaxis_title="logged calls")
-    return _fig_html(fig)
+    c = _frame(con, """SELECT run, phase, count(*) AS calls,
+                              sum(coalesce(cost_usd, 0)) AS cost_usd
+                       FROM calls GROUP BY 1, 2 ORDER BY 1, 2""")
+    if c.height == 0:
+        return "<p>No LLM calls logged.</p>"
+    order = {str(r.dir): (r.step if r.step is not None else i) for i, r in enumerate(runs)}
+    c = c.with_columns(pl.col("run").replace_strict(order, return_dtype=pl.Int64).alias("x"))
+    xs = sorted(set(c["x"].to_list()))
+    total = float(c["cost_usd"].sum())
+    # replayed or self-hosted calls cost nothing: then the calls themselves are the cost
+    y, unit = ("cost_usd", "USD") if total > 0 else ("calls", "calls")
+    fig = go.Figure()
+    for phase in sorted(set(c["phase"].to_list())):
+        p = c.filter(pl.col("phase") == phase)
+        fig.add_trace(go.Bar(x=p["x"].to_list(), y=p[y].to_list(), name=phase,
+                             customdata=p[["calls", "cost_usd"]].rows(),
+                             hovertemplate="%{x}: $%{customdata[1]:.4f}, %{customdata[0]} "
+                             "calls"))
+    title = (f"Dollars per training step, by phase (total ${total:.4f})" if total > 0 else
+             "Calls per training step, by phase (no dollars logged: replayed or free calls)")
+    fig.update_layout(barmode="stack", title=title, yaxis_title=unit, yaxis_rangemode="tozero")
+    _int_axis(fig, xs)
+    table = c.group_by("phase").agg(pl.col("calls").sum(), pl.col("cost_usd").sum()).sort(
+        "phase")
+    return (_fig_html(fig) + "<p>Calls and dollars per phase, all steps:</p>"
+            + _table(table, {"cost_usd": ".4f"}))
 
 
 CSS = """
-body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1100px;color:#222}
+body{font-family:system-ui,sans-serif;margin:2em auto;max-width:1200px;color:#222;padding:0 1em}
 h1{font-size:1.6em} h2{margin-top:2em;border-bottom:1px solid #ddd}
-table{border-collapse:collapse;font-size:.9em;width:100%} td,th{border:1px solid #ddd;padding:4px 6px;vertical-align:top}
-pre{margin:0;white-space:pre-wrap;font-size:.85em} tr.dropped{color:#999}
+table{border-collapse:collapse;font-size:.88em;width:100%;table-layout:auto}
+td,th{border:1px solid #ddd;padding:4px 6px;vertical-align:top;text-align:left}
+th{background:#f6f6f6} td.num{text-align:right;white-space:nowrap}
+pre{margin:0;white-space:pre-wrap;overflow-wrap:anywhere;font-size:.95em;max-height:24em;
+    overflow:auto} pre.obs{color:#555;background:#fafafa}
+table.steps td:nth-child(2){width:45%} table.steps td.judge{width:35%;font-size:.92em}
+tr.dropped{color:#999} .dim{color:#999} .note{color:#555;font-size:.9em}
+div.pass{color:#1b6e1b} div.fail{color:#a32020} details summary{cursor:pointer;color:#555}
+.banner{background:#fdecea;border:1px solid #e0a3a0;padding:.8em 1em;border-radius:4px;
+        margin:1em 0} .notice{background:#fff8e1;border:1px solid #e6c65c;padding:.8em 1em;
+        border-radius:4px;margin:1em 0} .notice ul,.banner ul{margin:.4em 0 0 1em;padding:0}
+.bar{display:inline-block;width:60px;height:.7em;background:#eee;vertical-align:middle}
+.bar span{display:block;height:100%;background:#5a9bd5}
+select{font-size:.95em;max-width:100%}
+"""
+
+SCRIPT = """
+(function(){
+  var pick = document.getElementById('pick');
+  if (!pick) return;
+  function show(i){
+    document.querySelectorAll('div.rollout').forEach(function(d){ d.hidden = true; });
+    var d = document.getElementById('rollout-' + i); if (d) d.hidden = false;
+    pick.value = String(i);
+  }
+  pick.addEventListener('change', function(){ show(pick.value); });
+  var heat = document.getElementById('heatmap');
+  if (heat && heat.on) heat.on('plotly_click', function(ev){
+    var id = ev.points[0].y;
+    for (var i = 0; i < pick.options.length; i++)
+      if (pick.options[i].text.indexOf(id + ' — ') === 0) { show(i);
+        document.getElementById('rollout-' + i).scrollIntoView({behavior: 'smooth'}); break; }
+  });
+})();
 """
 
 
 def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     from plotly.offline import get_plotlyjs
 
-    runs = [_load_run(Path(d)) for d in run_dirs]
+    from draco_cli.redact import Redactor
+
+    redact = Redactor()
+    runs = _runs(run_dirs)
+    con = _connect(runs)
     last = runs[-1]
-    m = last["manifest"]
+    m = last.manifest
+    rw = None
+    if "rewards" in _views(con):
+        rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(last.dir))}")
+    summary, summary_html = _per_step(con, runs)
+    unanswered_html, unanswered = _unanswered(runs, con)
+    verdicts = _verdicts(last, con)
+    credit = _credit(last, con, verdicts, rollout_id, redact)
     sections = [
-        ("Rewards and advantages", _distributions(last)),
-        ("One rollout, step by step", _rollout_view(last, rollout_id)),
-        ("Criteria kept and dropped", _criteria(last)),
-        ("Over training steps", _over_steps(runs)),
-        ("Cost", _cost(runs)),
+        ("Training steps at a glance", summary_html),
+        ("Rewards and advantages", _distributions(rw)),
+        (f"Step credit ({html.escape(last.label)})", credit),
+        ("Criteria: pass rates, kept and dropped", _criteria(verdicts, redact)),
+        ("Over training steps", _over_steps(runs, con, summary)),
+        ("Unanswered calls", unanswered_html),
+        ("Cost per training step", _cost(runs, con)),
     ]
-    body = "".join(f"<h2>{t}</h2>{s}" for t, s in sections)
-    setting = html.escape(json.dumps(m.get("settings", {}).get("setting")))
+    con.close()
+    body = "".join(f"<h2 id='{anchor}'>{t}</h2>{s}" for (t, s), anchor in zip(
+        sections, ("steps", "rewards", "credit", "criteria", "trends", "unanswered", "cost")))
+    settings = m.get("settings") or {}
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>draco report</title>"
             f"<style>{CSS}</style><script>{get_plotlyjs()}</script></head><body>"
             f"<h1>draco report</h1><p>{len(runs)} run(s); latest: "
-            f"<code>{html.escape(str(last['dir']))}</code>, setting {setting}, model "
-            f"<code>{html.escape(str(m.get('settings', {}).get('model')))}</code>, draco "
-            f"{html.escape(m.get('draco_version', ''))}.</p>{body}</body></html>")
+            f"<code>{html.escape(str(last.dir))}</code> ({html.escape(last.label)}), setting "
+            f"<code>{html.escape(str(settings.get('setting')))}</code>, model "
+            f"<code>{html.escape(str(settings.get('model')))}</code>, draco "
+            f"{html.escape(str(m.get('draco_version', '')))}.</p>{_banner(runs, redact, unanswered)}{body}"
+            f"<script>{SCRIPT}</script></body></html>")

@@ -172,7 +172,7 @@ def test_cli_self_judge_json(tmp_path):
     out = json.loads(res.stdout)
     assert out["overall"]["agreement"] == 0.5 and len(out["tests"]) == 6
     assert pl.read_parquet(tmp_path / "a" / "agreement.parquet").height == 5
-    assert b"false_pass_rate" in res.stderr
+    assert b"false_pass_rate" in res.stdout and b"false_pass_rate" not in res.stderr
 
 
 @pytest.mark.parametrize("matcher", ["embedding", "llm"])

@@ -46,7 +46,7 @@ def test_credit_compute_end_to_end(sample_run, tmp_path):
                     "--steps", str(d / "steps.parquet"), "--verdicts", str(d / "verdicts.parquet"),
                     "-o", str(out), "--tokens", "both")
     assert res.returncode == 0, res.stderr.decode()
-    err = res.stderr.decode()
+    err = res.stdout.decode()  # results on stdout
     for words in ("groups / rollouts", "3 / 12", "criteria kept / dropped", "credit modes",
                   "advantage range", "mean pass rate (unfiltered)", "citations dropped"):
         assert words in err, err
@@ -113,7 +113,7 @@ def test_judge_filter_cli_and_judge_narrowing(tmp_path):
                     "--steps", str(tmp_path / "steps.parquet"), "--verdicts",
                     str(tmp_path / "f.parquet"), "-o", str(tmp_path / "c"), "--tokens", "dense")
     assert res.returncode == 0, res.stderr.decode()
-    assert "15 / 60" in res.stderr.decode()
+    assert "15 / 60" in res.stdout.decode()
 
 
 def test_bad_inputs_name_file_row_field(sample_run, tmp_path):

@@ -207,3 +207,37 @@ def test_display_metrics_property(n_tasks, n_trials, seed, p_drop):
     got = evaluate(df, ks=list(ref)).summary
     for k, v in ref.items():
         assert got["pass_hat_k"][k] == pytest.approx(v, abs=1e-15)
+def test_several_run_dirs_show_per_step_figures_and_warn_on_repeated_ids(tmp_path):
+    for n in (0, 1):
+        assert run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
+                         "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+                         "replay/sample_data/llm_calls.sqlite", "--train-step", str(n),
+                         "-o", str(tmp_path)).returncode == 0
+    args = ["eval", "--rollouts", str(tmp_path / "step-0"), "--rollouts",
+            str(tmp_path / "step-1"), "--k", "1,2", "--by", "difficulty"]
+    res = run_draco(*args, "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    doc = json.loads(res.stdout)
+    one = doc["by"]["train_step=1"]
+    assert one["tgc"] == pytest.approx((2 / 4 + 1 / 4 + 2 / 4) / 3) and one["n_rollouts"] == 12
+    assert set(one["pass_hat_k"]) == {"1", "2"}
+    assert any(scope.startswith("difficulty=") for scope in doc["by"])
+    assert "12 rollout id(s) appear in several train steps" in res.stderr.decode()
+    assert doc["warnings"] and doc["n_rollouts"] == 24
+    screen = run_draco(*args).stdout.decode()
+    assert "train_step=0" in screen and "train_step=1" in screen and "difficulty=" in screen
+    same = run_draco("eval", "--rollouts", str(tmp_path / "step-0"), "--rollouts",
+                     str(tmp_path / "step-0"))
+    assert same.returncode == 2 and b"same rollouts twice" in same.stderr
+
+
+def test_eval_bad_k_and_compare_without_shared_tasks(tau_dir, tmp_path):
+    for bad in ("abc", "0,1", ","):
+        res = run_draco("eval", "--rollouts", str(tau_dir), "--k", bad)
+        assert res.returncode == 2 and b"--k" in res.stderr and b"Traceback" not in res.stderr
+    other = pl.read_parquet(tau_dir / "rollouts.parquet").with_columns(
+        pl.col("task_id") + "-elsewhere")
+    other.write_parquet(tmp_path / "other.parquet")
+    res = run_draco("eval", "--compare", str(tau_dir), "--compare",
+                    str(tmp_path / "other.parquet"), "--json")
+    assert res.returncode == 1 and b"share no task_id" in res.stderr and res.stdout == b""

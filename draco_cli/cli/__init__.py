@@ -22,8 +22,26 @@ from draco_cli.cli import report as report_cmd
 from draco_cli.cli import rubric as rubric_cmd
 from draco_cli.cli import run as run_cmd
 from draco_cli.cli import schema as schema_cmd
+from draco_cli.cli import sql as sql_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
+
+def _flags_take_no_value() -> None:
+    """typer prints a type beside on/off flags (``--force <bool>``), as if they took a value;
+    show nothing there, as click and every peer CLI do."""
+    from typer.core import TyperOption
+
+    shown = getattr(TyperOption, "display_type_rich", None)
+    if shown is None:  # another typer: leave its help as it is
+        return
+
+    def display_type_rich(self, ctx):
+        return None if self.is_flag else shown(self, ctx)
+
+    TyperOption.display_type_rich = display_type_rich
+
+
+_flags_take_no_value()
 
 app = typer.Typer(
     name="draco",
@@ -39,6 +57,7 @@ app.command("validate")(validate_cmd.validate)
 app.command("eval")(eval_cmd.evaluate)
 app.command("run")(run_cmd.run)
 app.command("report")(report_cmd.report)
+app.command("sql")(sql_cmd.sql)
 app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")
@@ -67,10 +86,32 @@ def main() -> None:
     from draco_cli._allocator import tune_allocator
     from draco_cli.errors import DracoError
 
+    try:  # typer >= 0.20 carries its own copy of click
+        from typer._click import exceptions as cx
+    except ImportError:  # pragma: no cover
+        from click import exceptions as cx
+
     tune_allocator()
     try:
-        # standalone mode: typer reports usage errors itself (exit 2); ours come out here.
-        app()
+        # Not standalone: usage errors come out here too, so every error has one style.
+        code = app(standalone_mode=False)
+        sys.exit(code if isinstance(code, int) else 0)
+    except cx.NoArgsIsHelpError as exc:
+        typer.echo(exc.ctx.get_help() if exc.ctx else str(exc))
+        sys.exit(2)
+    except cx.ClickException as exc:
+        from rich.markup import escape
+
+        ctx = getattr(exc, "ctx", None)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None and isinstance(
+            exc, cx.UsageError) else ""
+        message = exc.format_message().replace("Value error, ", "")  # pydantic's prefix
+        err_console.print(f"[bold red]error:[/] {escape(message)}{hint}",
+                          highlight=False, markup=True, soft_wrap=True)
+        sys.exit(exc.exit_code)
+    except typer.Abort:
+        err_console.print("[bold red]error:[/] aborted", highlight=False)
+        sys.exit(130)
     except DracoError as exc:
         if os.environ.get("DRACO_DEBUG"):
             raise

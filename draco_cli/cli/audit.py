@@ -1,34 +1,22 @@
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
-from draco_cli.cli.console import err_console
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import BaseUrl, Force
+from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format
+from draco_cli.errors import UsageError
 
 app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost.",
                   no_args_is_help=True)
 
-OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.")]
+OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.",
+                                      callback=folder_path)]
 RolloutsOpt = Annotated[Optional[Path], typer.Option(
     "--rollouts", help="rollouts.parquet, for train_step and task_id.")]
-
-
-def _table(title: str, df, digits: int = 4) -> None:
-    from rich.table import Table
-
-    t = Table(title=title, title_justify="left", box=None, pad_edge=False)
-    for c in df.columns:
-        t.add_column(c, justify="left" if df[c].dtype == str or c in ("scope", "metric", "test",
-                                                                       "phase", "unit", "title")
-                     else "right")
-    for row in df.iter_rows():
-        t.add_row(*["—" if v is None else f"{v:.{digits}g}" if isinstance(v, float) else str(v)
-                    for v in row])
-    err_console.print(t)
 
 
 def _write(out: Path, tables: dict, force: bool) -> None:
@@ -62,7 +50,10 @@ def _verdicts_of(path: Path, judge: str | None):
     from draco_cli.runfolder import RunFolder
 
     if not path.is_dir():
-        return _read_verdicts(path, judge), None
+        return _read_verdicts(path, judge), None, None
+    if not RunFolder.is_run_folder(path):
+        raise UsageError(f"{path}: a folder without manifest.json; give a draco run folder or "
+                         "a verdicts.parquet file")
     folder = RunFolder.open(path)
     step = folder.train_step
     r = read_table(folder.rollouts, Rollout,
@@ -70,11 +61,43 @@ def _verdicts_of(path: Path, judge: str | None):
     if step is not None:
         r = r.with_columns(pl.lit(step, pl.Int32).alias("train_step"))
     v = _read_verdicts(folder.table("verdicts"), judge)
-    # rollout ids repeat across steps: key them by step so the pairs stay apart
-    if step is not None:
-        v = v.with_columns((pl.col("rollout_id") + f"@{step}").alias("rollout_id"))
-        r = r.with_columns((pl.col("rollout_id") + f"@{step}").alias("rollout_id"))
-    return v, r
+    return v, r, step
+
+
+def _pairs(selfs: list[Path], refs: list[Path]) -> list[tuple[Path, Path]]:
+    """Pair --self with --reference: by train step when every input is a run folder with one
+    (whatever the order given), else in the order given."""
+    import json
+
+    from draco_cli.runfolder import RunFolder
+
+    def step(p: Path):
+        return RunFolder.open(p).train_step if p.is_dir() and RunFolder.is_run_folder(p) \
+            else None
+
+    for a, b in zip(selfs, refs):
+        if a.is_dir() != b.is_dir():
+            raise UsageError(f"--self {a} and --reference {b}: pair run folders with run "
+                             "folders and files with files")
+    sa, sb = [step(p) for p in selfs], [step(p) for p in refs]
+    if len(selfs) == 1 and None not in sa + sb and sa != sb:
+        raise UsageError(f"--self {selfs[0]} is train step {sa[0]} but --reference {refs[0]} is "
+                         f"train step {sb[0]}: compare two judges on the same step's rollouts")
+    if len(selfs) == 1 or None in sa + sb:
+        if len(selfs) > 1 and any(x is not None for x in sa + sb):
+            raise UsageError("some run folders have a train step and some not: make every run "
+                             "folder with --train-step, or audit them one pair at a time")
+        return list(zip(selfs, refs))
+    for side, steps in (("--self", sa), ("--reference", sb)):
+        dup = sorted({x for x in steps if steps.count(x) > 1})
+        if dup:
+            raise UsageError(f"{side}: train step {dup[0]} given twice")
+    if set(sa) != set(sb):
+        missing = sorted(set(sa) ^ set(sb))
+        raise UsageError(f"train step {missing[0]} has a --self or a --reference folder but not "
+                         "both: give one pair per training step")
+    by_step = dict(zip(sb, refs))
+    return [(a, by_step[x]) for a, x in zip(selfs, sa)]
 
 
 @app.command("self-judge")
@@ -90,8 +113,8 @@ def self_judge(
         "--self-judge", help="Judge label to take from --self if it holds several.")] = None,
     reference_judge: Annotated[Optional[str], typer.Option(
         help="Judge label to take from --reference if it holds several.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print overall figures and p-values "
-                                          "as JSON on stdout.")] = False,
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
     """Agreement of a self-judge with a reference judge, overall, per train step and first vs
@@ -102,17 +125,29 @@ def self_judge(
     import polars as pl
 
     from draco_cli.audit import self_judge_audit
+
+    fmt = pick_format(fmt, as_json)
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
+    from draco_cli.errors import InputError
+
     if len(self_v) != len(reference):
-        raise typer.BadParameter("give as many --reference as --self (one pair per step)")
+        raise typer.BadParameter("give as many --reference as --self (one pair per step)",
+                                 param_hint="--reference")
     selfs, refs, rolls = [], [], []
-    for a, b in zip(self_v, reference):
-        va, ra = _verdicts_of(a, self_judge_label)
-        vb, _ = _verdicts_of(b, reference_judge)
-        if ra is not None and b.is_dir() is False:
-            raise typer.BadParameter("pair run folders with run folders")
+    for a, b in _pairs(self_v, reference):
+        va, ra, step = _verdicts_of(a, self_judge_label)
+        vb, _, _ = _verdicts_of(b, reference_judge)
+        shared = va.select("rollout_id", "criterion_id").join(
+            vb.select("rollout_id", "criterion_id"), on=["rollout_id", "criterion_id"]).height
+        if shared == 0:
+            raise InputError(f"--self {a} and --reference {b} share no (rollout_id, "
+                             "criterion_id): judge the same rollouts with the same rubric")
+        if step is not None and len(self_v) > 1:
+            # rollout ids repeat across steps: key them by step so the pairs stay apart
+            tag = pl.col("rollout_id") + f"@{step}"
+            va, vb, ra = (x.with_columns(tag.alias("rollout_id")) for x in (va, vb, ra))
         selfs.append(va)
         refs.append(vb)
         if ra is not None:
@@ -127,12 +162,11 @@ def self_judge(
     agreement, tests = self_judge_audit(pl.concat(selfs, how="vertical_relaxed"),
                                         pl.concat(refs, how="vertical_relaxed"), r)
     _write(out, {"agreement": agreement, "tests": tests}, force)
-    _table("self-judge vs reference", agreement)
-    if tests.height:
-        _table("tests", tests)
-    if as_json:
-        overall = agreement.filter(agreement["scope"] == "overall").to_dicts()[0]
-        typer.echo(json.dumps({"overall": overall, "tests": tests.to_dicts()}))
+    overall = agreement.filter(agreement["scope"] == "overall").to_dicts()[0]
+    emit(Report([("self-judge vs reference", agreement)] + ([("tests", tests)] if tests.height
+                                                            else []),
+                document={"overall": overall, "scopes": agreement.to_dicts(),
+                          "tests": tests.to_dicts()}), fmt)
 
 
 @app.command("overlap")
@@ -141,8 +175,12 @@ def overlap(
                                       "--level rollout, rubrics for --level group).")],
     reference: Annotated[Path, typer.Option("--reference", help="The reference rubric table.")],
     out: OutOpt,
-    level: Annotated[str, typer.Option(help="rollout (generation) or group (merge).")] = "group",
-    matcher: Annotated[str, typer.Option(help="lexical (offline), embedding or llm.")]
+    fmt: Format = None,
+    as_json: Json = False,
+    level: Annotated[Literal["rollout", "group"], typer.Option(
+        help="rollout (generation) or group (merge).")] = "group",
+    matcher: Annotated[Literal["lexical", "embedding", "llm"], typer.Option(
+        help="lexical (offline), embedding or llm.")]
     = "lexical",
     model: Annotated[Optional[str], typer.Option(
         help="Matcher model: provider/model for llm, openai/EMBEDDING for embedding.")] = None,
@@ -189,7 +227,8 @@ def overlap(
     if matcher == "llm":
         log.close()
     _write(out, {"overlap": summary, "overlap_units": per_unit}, force)
-    _table(f"overlap ({level} level, {matcher} matcher)", summary)
+    emit(Report([(f"overlap ({level} level, {matcher} matcher)", summary)],
+                keys=["overlap"]), pick_format(fmt, as_json))
 
 
 @app.command("rubric")
@@ -199,6 +238,8 @@ def rubric(
     out: OutOpt,
     rollouts: RolloutsOpt = None,
     judge: Annotated[Optional[str], typer.Option(help="Judge label, if several.")] = None,
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
     """Rubric statistics: discriminative share, criteria per group, single-task criteria and
@@ -214,9 +255,11 @@ def rubric(
         if rollouts else None
     summary, per = rubric_audit(read_table(rubrics, Rubric), _read_verdicts(verdicts, judge), r)
     _write(out, {"rubric_summary": summary, "rubric_criteria": per}, force)
-    _table("rubric statistics", summary)
-    _table("na rate per criterion (worst 10)",
-           per.select("title", "judgments", "na_rate", "fails", "passes").head(10))
+    fmt = pick_format(fmt, as_json)
+    emit(Report([("rubric statistics", summary),
+                 ("na rate per criterion (worst 10)" if fmt == "table" else "criteria",
+                  per.select("title", "judgments", "na_rate", "fails", "passes").head(10)
+                  if fmt == "table" else per)], keys=["summary", "criteria"]), fmt)
 
 
 @app.command("cost")
@@ -231,6 +274,8 @@ def cost(
         "repeatable. Adds replay and reconstruction rows to the cost by category.")] = None,
     steps: Annotated[Optional[Path], typer.Option(
         "--steps", help="steps.parquet: the original rollouts' actions and tokens.")] = None,
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
     """Calls, tokens and dollars per phase and per train step, and the projection per 100
@@ -247,12 +292,12 @@ def cost(
     from draco_cli.io import read_table
     from draco_cli.schemas import Rollout
 
+    from draco_cli.runfolder import RunFolder
+
     frames = []
     for path in calls:
         step = None
         if path.is_dir():
-            from draco_cli.runfolder import RunFolder
-
             if RunFolder.is_run_folder(path):
                 folder = RunFolder.open(path)
                 step, path = folder.train_step, folder.call_log
@@ -273,10 +318,12 @@ def cost(
                               pl.concat(rc, how="diagonal_relaxed") if rc else None)
     _write(out, {"cost_phase": per_phase, "cost_step": per_step, "cost_category": by_cat},
            force)
-    _table("cost by category", by_cat)
-    _table("cost per phase", per_phase)
-    if per_step.height:
-        _table("cost per train step", per_step)
     total = float(per_phase["cost_usd"].sum()) if per_phase.height else 0.0
-    err_console.print(f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
-                                               if projected is not None else ""), highlight=False)
+    emit(Report([("cost by category", by_cat), ("cost per phase", per_phase)]
+                + ([("cost per train step", per_step)] if per_step.height else []),
+                document={"per_phase": per_phase.to_dicts(), "per_step": per_step.to_dicts(),
+                          "by_category": by_cat.to_dicts(),
+                          "total_usd": total, "projected_usd_per_100_steps": projected},
+                lines=[f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
+                                                if projected is not None else "")]),
+         pick_format(fmt, as_json))

@@ -7,7 +7,8 @@ from typing import Annotated, Optional
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import Force
+from draco_cli.cli.output import Format, Json, Report, emit, pick_format
+from draco_cli.cli.options import Force, folder_path
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
                   no_args_is_help=True)
@@ -60,7 +61,7 @@ JudgeOpt = Annotated[Optional[str], typer.Option(help="Judge label to use when t
 def compute(
     rollouts: RolloutsOpt,
     steps: StepsOpt,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     verdicts: VerdictsOpt = None,
     credit: Annotated[Optional[Credit], typer.Option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
@@ -76,6 +77,8 @@ def compute(
         help="rubric: pass fraction of retained criteria; outcome: the environment's outcome "
         "(vanilla GRPO: implies --credit uniform, needs no verdicts).")] = RewardSource.rubric,
     judge: JudgeOpt = None,
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
     """Rewards, advantages and step credit → OUT/rewards.parquet, OUT/step_credit.parquet,
@@ -87,6 +90,7 @@ def compute(
     from draco_cli.options import CreditOptions
     from draco_cli.pipeline import credit_compute
 
+    fmt = pick_format(fmt, as_json)
     outcome = reward is RewardSource.outcome
     options = CreditOptions.build(
         credit=credit.value if credit else ("uniform" if outcome else "step"),
@@ -102,11 +106,22 @@ def compute(
                           "over steps by the judge's citations", highlight=False)
     with err_console.status("computing credit…"):
         stats = credit_compute(rollouts, steps, verdicts, out, options=options, force=force)
-    _summary(stats, out, options.reward)
+    _summary(stats, out, fmt, options.reward)
 
 
-def _summary(stats, out: Path, reward: str = "rubric") -> None:
+def _summary(stats, out: Path, fmt: str = "table", reward: str = "rubric") -> None:
+    from dataclasses import asdict
+
+    from rich.console import Console
     from rich.table import Table
+
+    if fmt != "table":
+        import polars as pl
+
+        doc = asdict(stats)
+        emit(Report([("credit", pl.DataFrame([{k: v for k, v in doc.items()
+                                               if k != "credit_modes"}]))], document=doc), fmt)
+        return
 
     t = Table(show_header=False, box=None, pad_edge=False)
     t.add_row("groups / rollouts", f"{stats.groups} / {stats.rollouts}")
@@ -125,7 +140,7 @@ def _summary(stats, out: Path, reward: str = "rubric") -> None:
         t.add_row("mean pass rate (unfiltered)", fmt(stats.mean_pass_rate_all))
     if stats.null_rewards:
         t.add_row("rollouts without reward", f"{stats.null_rewards} (advantage 0)")
-    err_console.print(t)
+    Console(highlight=False).print(t)
     err_console.print(f"[green]wrote[/] {out}/rewards.parquet, step_credit.parquet, "
                       "token_advantages.parquet", highlight=False)
 

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
-import json
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
-from draco_cli.cli.console import err_console
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import Force
+from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
+from draco_cli.errors import InputError
 
 EVAL_COLUMNS = ["rollout_id", "group_id", "task_id", "train_step", "trial", "scenario_id",
                 "difficulty", "outcome", "termination", "n_turns"]
@@ -38,12 +39,77 @@ def _rollouts(path: Path):
     return r
 
 
+def _parse_ks(k: str) -> list[int]:
+    try:
+        ks = [int(x) for x in k.split(",") if x.strip()]
+    except ValueError:
+        raise typer.BadParameter(f"{k!r} is not a comma-separated list of positive integers, "
+                                 "e.g. 1,2,3", param_hint="--k") from None
+    if not ks or min(ks) < 1:
+        raise typer.BadParameter(f"{k!r}: give positive integers, e.g. 1,2,3", param_hint="--k")
+    return ks
+
+
+def _scope_document(metrics, scope: str) -> dict:
+    """The JSON form of one scope's figures, from the long metrics table."""
+    doc: dict = {"pass_hat_k": {}, "pass_at_k": {}, "termination_shares": {}}
+    for row in metrics.filter(metrics["scope"] == scope).iter_rows(named=True):
+        m, k, v = row["metric"], row["k"], row["value"]
+        if m in ("pass_hat_k", "pass_at_k", "sgc_hat_k"):
+            doc.setdefault(m, {})[str(k)] = v
+        elif m.startswith("termination:"):
+            doc["termination_shares"][m.split(":", 1)[1]] = v
+        elif m == "retention":
+            doc["retention"] = {"k": k, "tgc": v, "sgc": doc.get("retention", {}).get("sgc")}
+        elif m == "sgc_retention":
+            doc.setdefault("retention", {"k": k, "tgc": None})["sgc"] = v
+        else:
+            doc[m] = v
+        if m == "mean_turns":
+            doc["n_rollouts"] = row["n"]
+        if m == "tgc":
+            doc["n_tasks"] = row["n"]
+    return doc
+
+
+def _label(metric: str, k) -> str:
+    names = {"pass_hat_k": f"pass^{k}", "pass_at_k": f"pass@{k}", "sgc_hat_k": f"SGC^{k}",
+             "tgc": "TGC (p^1)", "sgc": "SGC", "retention": f"retention p^{k}/p^1",
+             "sgc_retention": f"SGC retention ^{k}/^1", "mean_turns": "mean turns"}
+    if metric.startswith("termination:"):
+        return "termination " + metric.split(":", 1)[1]
+    return names.get(metric, metric)
+
+
+def metrics_wide(metrics):
+    """One row per figure, one column per scope (overall first): the screen form."""
+    import polars as pl
+
+    scopes = list(dict.fromkeys(metrics["scope"].to_list()))
+    order = {"tgc": 0, "sgc": 1, "pass_hat_k": 2, "pass_at_k": 3, "sgc_hat_k": 4,
+             "retention": 5, "sgc_retention": 6, "mean_turns": 7}
+    keyed = metrics.with_columns(
+        pl.struct("metric", "k").map_elements(lambda s: _label(s["metric"], s["k"]),
+                                              return_dtype=pl.String).alias("figure"),
+        pl.col("metric").replace_strict(order, default=8, return_dtype=pl.Int32).alias("_o"))
+    rows = keyed.group_by("figure").agg(pl.col("_o").min(), pl.col("k").min()).sort(
+        "_o", "k", "figure")
+    wide = rows.select("figure")
+    for scope in scopes:
+        part = keyed.filter(pl.col("scope") == scope).select(
+            "figure", pl.col("value").alias(scope))
+        wide = wide.join(part, on="figure", how="left", maintain_order="left")
+    return wide
+
+
 def evaluate(
     rollouts: Annotated[Optional[list[Path]], typer.Option(
-        "--rollouts", help="rollouts.parquet, a folder holding one, or a draco run folder; "
-        "repeat it (one per training step) to follow training: figures per train_step.")]
-    = None,
-    out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Output folder.")] = None,
+        "--rollouts", help="rollouts.parquet, a folder holding one, a draco run folder, or - "
+        "(a table on stdin); repeat it (one per training step) to follow training: figures per "
+        "train_step.")] = None,
+    out: Annotated[Optional[Path], typer.Option(
+        "-o", "--out", callback=folder_path,
+        help="Folder to write metrics.parquet into (optional).")] = None,
     k: Annotated[str, typer.Option("--k", help="Comma-separated k for pass^k and pass@k.")]
     = "1,2,3",
     by: Annotated[Optional[list[str]], typer.Option(
@@ -52,82 +118,90 @@ def evaluate(
     compare: Annotated[Optional[list[Path]], typer.Option(
         "--compare", help="Two runs (rollouts.parquet or folders): A then B. Prints both with "
         "B − A and a paired bootstrap 95% CI over tasks.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON on stdout.")]
-    = False,
-    missing: Annotated[str, typer.Option(
+    missing: Annotated[Literal["fail", "drop"], typer.Option(
         "--missing", help="Unbalanced trials: fail = every task has the data's number of "
         "distinct trials and a missing one counts as a failure (tau-bench's display_metrics, "
         "comparable with its leaderboard); drop = each task's own trials.")] = "fail",
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
-    """TGC, SGC, pass^k, pass@k, retention, termination modes and turns → OUT/metrics.parquet.
+    """TGC, SGC, pass^k, pass@k, retention, termination modes and turns: printed per scope
+    (overall, each train step, each --by value), and written to OUT/metrics.parquet.
 
-    Example: draco eval --rollouts runs/tau/rollouts.parquet --k 1,2,3,4 -o runs/tau/eval --json
+    Example: draco eval --rollouts runs/step-0 --rollouts runs/step-1 --k 1,2,3 --format json
     """
-    from rich.table import Table
+    import polars as pl
 
     from draco_cli.evaluate import compare as compare_runs
     from draco_cli.evaluate import evaluate as run_eval
     from draco_cli.evaluate import missing_note
     from draco_cli.io import atomic_path, check_writable
 
-    ks = [int(x) for x in k.split(",") if x.strip()]
+    fmt = pick_format(fmt, as_json)
+    ks = _parse_ks(k)
     if compare:
         if len(compare) != 2:
-            raise typer.BadParameter("--compare takes exactly two runs: --compare A --compare B")
-        res = compare_runs(_rollouts(compare[0]), _rollouts(compare[1]), ks, missing=missing)
-        t = Table(title=f"A = {compare[0]}   B = {compare[1]}", title_justify="left", box=None)
-        for c in res.columns:
-            t.add_column(c, justify="right")
-        for row in res.iter_rows():
-            t.add_row(*[f"{v:.4f}" if isinstance(v, float) else str(v) for v in row])
-        err_console.print(t)
-        if as_json:
-            typer.echo(json.dumps(res.to_dicts()))
+            raise typer.BadParameter("--compare takes exactly two runs: --compare A --compare B",
+                                     param_hint="--compare")
+        a, b = _rollouts(compare[0]), _rollouts(compare[1])
+        shared = set(a["task_id"].drop_nulls()) & set(b["task_id"].drop_nulls())
+        if not shared:
+            raise InputError(f"{compare[0]} and {compare[1]} share no task_id: nothing to "
+                             "compare (B − A is taken task by task)")
+        res = compare_runs(a, b, ks, missing=missing)
+        if res.height == 0:
+            raise InputError(f"the {len(shared)} shared task(s) have fewer than k={min(ks)} "
+                             "scored trials in one of the runs: lower --k")
+        emit(Report([(f"A = {compare[0]}   B = {compare[1]}", res)],
+                     document=res.to_dicts()), fmt)
         return
     if not rollouts:
-        raise typer.BadParameter("give --rollouts (or --compare A --compare B)")
-    import polars as pl
+        raise typer.BadParameter("give --rollouts (or --compare A --compare B)",
+                                 param_hint="--rollouts")
 
     frames = [_rollouts(p) for p in rollouts]
     by = list(by or [])
     if len(frames) > 1:
         keyed = [set(zip(f["rollout_id"], f["train_step"])) for f in frames]
-        if len(set().union(*keyed)) < sum(len(k) for k in keyed):
-            raise typer.BadParameter("the runs share rollout ids but not train steps: pass run "
-                                     "folders made with --train-step")
+        if len(set().union(*keyed)) < sum(len(x) for x in keyed):
+            raise typer.BadParameter(
+                "the inputs share rollout ids within one train step (the same rollouts twice?): "
+                "pass run folders made with --train-step, or each rollouts table once",
+                param_hint="--rollouts")
         if "train_step" not in by:
             by.append("train_step")
-    result = run_eval(pl.concat(frames, how="vertical_relaxed"), ks, by, missing)
+    pooled = pl.concat(frames, how="vertical_relaxed")
+    repeated = pooled["rollout_id"].is_duplicated().sum()
+    result = run_eval(pooled, ks, by, missing)
     if out is not None:
         target = out / "metrics.parquet"
         check_writable(target, force)
         with atomic_path(target, force) as tmp:
             result.metrics.write_parquet(tmp)
+        note(f"wrote {target}")
+    warnings = list(result.warnings)
+    if repeated:
+        ids = pooled.filter(pl.col("rollout_id").is_duplicated())["rollout_id"].n_unique()
+        warnings.append(f"{ids} rollout id(s) appear in several train steps; the overall "
+                        "figures pool all steps, the train_step columns keep them apart")
+    for w in warnings:
+        warn(w)
     s = result.summary
-    t = Table(title=f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks", title_justify="left",
-              box=None)
-    t.add_column("metric")
-    t.add_column("value", justify="right")
-    fmt = lambda v: "—" if v is None else f"{v:.4f}"  # noqa: E731
-    t.add_row("TGC (p^1)", fmt(s["tgc"]))
-    t.add_row("SGC", fmt(s["sgc"]))
-    for kk in ks:
-        t.add_row(f"pass^{kk}", fmt(s["pass_hat_k"].get(kk)))
-        t.add_row(f"pass@{kk}", fmt(s["pass_at_k"].get(kk)))
-    t.add_row(f"retention p^{s['retention']['k']}/p^1", fmt(s["retention"]["tgc"]))
-    t.add_row("mean turns", fmt(s["mean_turns"]))
-    for mode, share in s["termination_shares"].items():
-        t.add_row(f"termination {mode}", fmt(share))
-    err_console.print(t)
-    err_console.print(missing_note(s), highlight=False)
-    for w in result.warnings:
-        err_console.print(f"[yellow]warning:[/] {w}", highlight=False)
-    if as_json:
-        typer.echo(json.dumps({
-            "tgc": s["tgc"], "sgc": s["sgc"],
-            "pass_hat_k": {str(kk): v for kk, v in s["pass_hat_k"].items()},
-            "pass_at_k": {str(kk): v for kk, v in s["pass_at_k"].items()},
-            "retention": s["retention"], "mean_turns": s["mean_turns"],
-            "termination_shares": s["termination_shares"], "n_tasks": s["n_tasks"],
-            "n_rollouts": s["n_rollouts"], "missing": s["missing"]}))
+    note(missing_note(s))
+    doc = {"tgc": s["tgc"], "sgc": s["sgc"],
+           "pass_hat_k": {str(kk): v for kk, v in s["pass_hat_k"].items()},
+           "pass_at_k": {str(kk): v for kk, v in s["pass_at_k"].items()},
+           "retention": s["retention"], "mean_turns": s["mean_turns"],
+           "termination_shares": s["termination_shares"], "n_tasks": s["n_tasks"],
+           "n_rollouts": s["n_rollouts"],
+           "by": {scope: _scope_document(result.metrics, scope)
+                  for scope in dict.fromkeys(result.metrics["scope"].to_list())
+                  if scope != "overall"},
+           "warnings": warnings}
+    shown = result.metrics
+    if "train_step" not in by:  # one training step: its column would repeat overall
+        shown = shown.filter(~pl.col("scope").str.starts_with("train_step="))
+    emit(Report([(f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks",
+                  metrics_wide(shown))] if fmt != "csv" else
+                [("metrics", result.metrics)], document=doc), fmt)

@@ -1,13 +1,14 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt, VerdictsOpt
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
                                    ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
@@ -41,10 +42,10 @@ def score(
     rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
     steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
     rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     model: Model,
     samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).")] = 1,
-    aggregate: Annotated[Optional[str], typer.Option(
+    aggregate: Annotated[Optional[Literal["all", "majority"]], typer.Option(
         help="all (fail if any sample fails, pass only if all pass; default for k > 1) or "
         "majority.")] = None,
     judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.")]

@@ -6,6 +6,7 @@ from typing import Annotated
 import typer
 
 from draco_cli.cli.console import err_console
+from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.options import BaseUrl, Force, Model, Timeout
 
 app = typer.Typer(help="The LLM layer: call logs and a connection check.", no_args_is_help=True)
@@ -15,6 +16,8 @@ app = typer.Typer(help="The LLM layer: call logs and a connection check.", no_ar
 def export(
     calls: Annotated[Path, typer.Option("--calls", help="Call log (llm_calls.sqlite).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Parquet file to write.")],
+    fmt: Format = None,
+    as_json: Json = False,
     force: Force = False,
 ) -> None:
     """Export a call log as Parquet, to query with DuckDB or polars.
@@ -23,8 +26,15 @@ def export(
     """
     from draco_cli.llm.calllog import export_parquet
 
+    fmt = pick_format(fmt, as_json)
     n = export_parquet(calls, out, force=force)
-    err_console.print(f"wrote {n} calls → {out}", highlight=False)
+    if fmt == "table":
+        err_console.print(f"wrote {n} calls → {out}", highlight=False)
+    else:
+        import polars as pl
+
+        emit(Report([("export", pl.DataFrame([{"file": str(out), "calls": n}]))],
+                    document={"file": str(out), "calls": n}), fmt)
 
 
 @app.command("check")

@@ -3,12 +3,20 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
+def folder_path(value):
+    """A folder option: ``-`` (stdout) cannot hold a folder; say so before any work."""
+    if value is not None and str(value) == "-":
+        raise typer.BadParameter("- is stdout, which cannot hold a folder: give a folder path")
+    return value
+
+
 Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
-OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False)]
+OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False,
+                                      callback=folder_path)]
 
 # --- LLM stages -------------------------------------------------------------------------
 Model = Annotated[str, typer.Option(
@@ -30,7 +38,7 @@ Prices = Annotated[Optional[Path], typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).")]
 Batch = Annotated[bool, typer.Option(
     "--batch", help="Use the provider's batch API (half price, hours); resumable.")]
-Thinking = Annotated[str, typer.Option(
+Thinking = Annotated[Literal["on", "off"], typer.Option(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
     "enable_thinking on vLLM/SGLang).")]
 MaxTokens = Annotated[int, typer.Option(min=16, help="Token limit per answer.")]

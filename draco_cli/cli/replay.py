@@ -8,6 +8,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.options import BaseUrl, Concurrency, Force, MaxCost, Model, Prices, Timeout
+from draco_cli.cli.options import folder_path
 
 app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric evolution.",
                   no_args_is_help=True)
@@ -164,7 +165,7 @@ def correct_cmd(
     plan_path: Annotated[Path, typer.Option("--plan", help="The plan written before labels.")],
     labels: Annotated[Path, typer.Option("--labels", help="rollout_id, step, side "
                                          "(realized|resampled), sample, return.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     beta: Annotated[float, typer.Option(help="Weight of the rollout's RLOO outcome advantage.")]
     = 0.0,
     rollouts: Annotated[Optional[Path], typer.Option(help="rollouts.parquet (for --beta).")]
@@ -276,15 +277,15 @@ def _print_table(df, title: str) -> None:
 
 @app.command("evolve")
 def evolve_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan")],
-    labels: Annotated[Path, typer.Option("--labels")],
+    plan_path: Annotated[Path, typer.Option("--plan", help="Replay plan (replay plan -o).")],
+    labels: Annotated[Path, typer.Option("--labels", help="Replay labels.")],
     rollouts: Annotated[Path, typer.Option("--rollouts", help="For the split by task.")],
     baseline: Annotated[Path, typer.Option("--baseline", help="Features under the current "
                                            "rubric (step_credit.parquet or a features table).")],
     candidate: Annotated[list[Path], typer.Option("--candidate", help="Features under one "
                                                   "rubric edit (repeatable).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Scores (Parquet).")],
-    ridge: float = 1.0,
+    ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
     force: Force = False,
 ) -> None:
@@ -421,11 +422,12 @@ def diagnose_cmd(
 @app.command("exact-check")
 def exact_check_cmd(
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side.")] = 2,
-    p_min: Annotated[float, typer.Option("--p-min")] = 0.05,
+    p_min: Annotated[float, typer.Option("--p-min", help="Smallest inclusion probability.")] = 0.05,
     sweep: Annotated[Optional[str], typer.Option(
         "--sweep-replays", help="Also sweep M (replays per side) under one fixed expected "
         "budget, e.g. 1,2,4: the paper asks not to treat M as a free accuracy knob.")] = None,
-    as_json: Annotated[bool, typer.Option("--json")] = False,
+    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON on stdout.")]
+    = False,
 ) -> None:
     """Enumerate a two-decision, 16-trajectory model (the shape of the paper's §4.1 check)
     exactly and show the corrected estimator's expectation equals the analytic gradient (to

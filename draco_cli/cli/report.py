@@ -7,24 +7,30 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.options import Force
+from draco_cli.errors import UsageError
 
 
 def report(
     runs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR...", help="Run folders written "
                                                "by draco run (several: one per training step).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")],
-    rollout: Annotated[Optional[str], typer.Option(help="Rollout to show step by step "
-                                                   "(default: the largest |advantage|).")] = None,
+    rollout: Annotated[Optional[str], typer.Option(
+        help="Rollout to open first in the step-credit view (default: the largest "
+        "|advantage|).")] = None,
     force: Force = False,
 ) -> None:
-    """One self-contained HTML report: reward and advantage distributions, one rollout's steps
-    coloured by credit with the criteria citing them, criteria kept and dropped, trends over
-    training steps, cost per phase.
+    """One self-contained HTML report: a health banner, per-step summary with the rubric
+    reward's agreement with the environment outcome, a credit heatmap with every step's judge
+    reasons, criteria pass rates, trends over training steps, unanswered shares and cost.
 
     Example: draco report runs/step-0 runs/step-1 -o report.html
     """
-    from draco_cli.io import write_text_atomic
+    from draco_cli.io import check_writable, write_text_atomic
     from draco_cli.report import build_report
 
+    if str(out) == "-" or out.is_dir():
+        raise UsageError(f"-o {out}: give an HTML file to write, e.g. {out}/report.html"
+                         if str(out) != "-" else "-o -: give an HTML file to write")
+    check_writable(out, force)
     write_text_atomic(out, build_report(runs, rollout), force=force)
     err_console.print(f"wrote {out}", highlight=False)

@@ -7,6 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
                                    ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
@@ -17,7 +18,7 @@ app = typer.Typer(help="Rubrics: dynamic (written by an LLM per group) or static
 
 RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")]
 StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
-OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder.")]
+OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)]
 
 
 @app.command("generate")

@@ -9,6 +9,7 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
+from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, MaxCost,
                                    MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
                                    Prices, Redact, Rpm, Thinking, Timeout, Tpm)
@@ -37,7 +38,8 @@ def run(
     rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
     steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
-                                      "--train-step: RUN_ROOT/step-N).")],
+                                      "--train-step: RUN_ROOT/step-N).",
+                                      callback=folder_path)],
     model: Annotated[Optional[str], typer.Option(
         "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with "
         "--base-url, replay/PATH); not needed for --setting outcome.")] = None,

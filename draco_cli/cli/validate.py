@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Optional
 
 import typer
 
@@ -14,6 +14,9 @@ def validate(
         typer.Argument(metavar="PATH...", help="Parquet tables, folders of them, or - for an "
                        "Arrow IPC stream on stdin."),
     ],
+    table: Annotated[Optional[str], typer.Option(
+        "--table", help="Which table - (stdin) holds, e.g. verdicts: needed for a stream "
+        "draco did not write.")] = None,
 ) -> None:
     """Check tables against their contracts and each other; exit 1 listing every problem.
 
@@ -23,6 +26,14 @@ def validate(
     from draco_cli.validate import validate_paths
 
     from draco_cli.runfolder import RunFolder
+    if table is not None:
+        from draco_cli.io import name_stdin_table
+        from draco_cli.schemas import TABLES
+
+        if table not in TABLES:
+            raise typer.BadParameter(f"{table!r}: choose {', '.join(sorted(TABLES))}",
+                                     param_hint="--table")
+        name_stdin_table(table)
 
     files: list[Path] = []
     for p in paths:

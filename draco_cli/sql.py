@@ -1,0 +1,245 @@
+"""Every table of one or many run folders as DuckDB views, to query with SQL.
+
+A run folder (``draco run``) holds rubrics, verdicts, rewards, step credit, token advantages
+and a call log, and names the rollouts and steps it ran on in its manifest. ``views`` opens
+them all, lazily (DuckDB reads the Parquet files as a query needs them), and unions each table
+across folders with two columns added: ``train_step`` (from the folder's manifest, else the
+table's own column) and ``run`` (the folder), so a query can follow training step by step.
+
+The call log is SQLite; it is read through Python's ``sqlite3`` (DuckDB's own SQLite reader is
+an extension it would download at first use, which an offline machine cannot do).
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from draco_cli.errors import InputError, UsageError
+
+# The run folder's own tables, by the name a query uses. Anything else found in a run folder
+# (audit outputs, future stages) is added under its file name.
+KNOWN = {
+    "rubric_candidates": "rubric/rubric_candidates.parquet",
+    "rubrics": "rubric/rubrics.parquet",
+    "verdicts_raw": "judge/verdicts_raw.parquet",
+    "verdicts": "judge/verdicts.parquet",
+    "rewards": "credit/rewards.parquet",
+    "step_credit": "credit/step_credit.parquet",
+    "token_advantages": "credit/token_advantages.parquet",
+}
+CALL_LOG = "llm_calls.sqlite"
+# Per-stage Parquet exports of the call log: the SQLite log itself is the complete one.
+SKIP = {"llm_calls"}
+
+
+@dataclass
+class Source:
+    """One table of one input: a Parquet file, or an Arrow table already in memory."""
+
+    name: str
+    path: Path | None
+    train_step: int | None
+    run: str
+    arrow: pa.Table | None = None
+
+
+@dataclass
+class Catalog:
+    sources: list[Source] = field(default_factory=list)
+    notes: list[str] = field(default_factory=list)
+
+    def names(self) -> list[str]:
+        return sorted({s.name for s in self.sources})
+
+
+def _manifest(folder: Path) -> dict | None:
+    m = folder / "manifest.json"
+    if not m.exists():
+        return None
+    try:
+        return json.loads(m.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise InputError(f"not a readable manifest ({exc})", file=str(m)) from None
+
+
+def _input_path(value: str, folder: Path) -> Path:
+    """A manifest's input path: as written (relative to where draco ran), else relative to the
+    run folder."""
+    p = Path(value)
+    if p.exists() or p.is_absolute():
+        return p
+    return folder / p if (folder / p).exists() else p
+
+
+def read_call_log(path: Path) -> pa.Table:
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            cur = conn.execute("SELECT * FROM calls")
+            names = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
+    import polars as pl
+
+    return pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None).to_arrow()
+
+
+def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = "stdin"
+            ) -> Catalog:
+    """What ``paths`` hold: run folders, folders of tables (``draco ingest`` output) or single
+    Parquet files; ``stdin`` is a table read from a stream, named ``stdin_name``."""
+    cat = Catalog()
+    if stdin is not None:
+        cat.sources.append(Source(stdin_name, None, None, "<stdin>", stdin))
+    for folder in expand_run_roots(paths):
+        run = str(folder)
+        if not folder.exists():
+            raise InputError("no such file or folder", file=run)
+        if folder.is_file():
+            if folder.suffix == ".sqlite":
+                cat.sources.append(Source("calls", None, None, run, read_call_log(folder)))
+            else:
+                cat.sources.append(Source(folder.stem, folder, None, run))
+            continue
+        m = _manifest(folder)
+        step = m.get("train_step") if m else None
+        found: dict[str, Path] = {}
+        inputs = m.get("inputs") if m else None
+        from draco_cli.runfolder import RunFolder
+
+        run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
+        if isinstance(inputs, dict):  # a run folder's manifest names the tables it ran on
+            for name in ("rollouts", "steps"):
+                given = (inputs.get(name) or {}).get("path")
+                if given:
+                    p = _input_path(given, folder)
+                    if run_folder is not None and name in run_folder.manifest.inputs:
+                        # absolute path, else where it moved with the folder
+                        p = run_folder.input(name, verify=False, missing_ok=True) or p
+                    if p.exists():
+                        found[name] = p
+                    else:
+                        cat.notes.append(f"{run}: its {name} table {given} is gone; no "
+                                         f"{name} view from this folder")
+        for name, rel in KNOWN.items():
+            if (folder / rel).exists():
+                found[name] = folder / rel
+        for p in sorted(folder.rglob("*.parquet")):
+            if p in found.values() or p.stem in SKIP or any(part.startswith(".")
+                                                              for part in p.parts):
+                continue
+            name = p.stem if p.stem not in found else f"{p.parent.name}_{p.stem}"
+            found.setdefault(name, p)
+        for name, p in found.items():
+            cat.sources.append(Source(name, p, step, run))
+        log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
+        if log.exists():
+            cat.sources.append(Source("calls", None, step, run, read_call_log(log)))
+        if not found and not log.exists():
+            raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
+                             "llm_calls.sqlite)", file=run)
+    return cat
+
+
+def expand_run_roots(paths: list[Path]) -> list[Path]:
+    """A folder of run folders (``draco run --train-step N -o RUN_ROOT`` writes
+    RUN_ROOT/step-N) stands for its run folders, in training-step order."""
+    out: list[Path] = []
+    for p in paths:
+        if p.is_dir() and not (p / "manifest.json").exists():
+            runs = [c for c in p.iterdir() if c.is_dir() and (c / "manifest.json").exists()]
+            if runs:
+                def step(c: Path):
+                    s = (_manifest(c) or {}).get("train_step")
+                    return (s is None, s if s is not None else 0, c.name)
+
+                out += sorted(runs, key=step)
+                continue
+        out.append(p)
+    return out
+
+
+def _quote(text: str) -> str:
+    return "'" + text.replace("'", "''") + "'"
+
+
+def _ident(name: str) -> str:
+    return '"' + name.replace('"', '""') + '"'
+
+
+def connect(cat: Catalog, database: str = ":memory:"):
+    """A DuckDB connection with one view per table name, unioned by column name across
+    inputs, with ``train_step`` and ``run`` columns."""
+    import duckdb
+
+    con = duckdb.connect(database)
+    by_name: dict[str, list[Source]] = {}
+    for s in cat.sources:
+        by_name.setdefault(s.name, []).append(s)
+    for name, sources in by_name.items():
+        parts = []
+        for i, s in enumerate(sources):
+            if s.arrow is not None:
+                reg = f"__{name}_{i}"
+                con.register(reg, s.arrow)
+                cols, rel = s.arrow.column_names, _ident(reg)
+            else:
+                try:
+                    cols = pq.read_schema(s.path).names
+                except (pa.ArrowInvalid, OSError) as exc:
+                    raise InputError(f"not a readable Parquet file ({exc})",
+                                     file=str(s.path)) from None
+                rel = f"read_parquet({_quote(str(s.path))})"
+            step = "NULL::INTEGER" if s.train_step is None else f"{int(s.train_step)}::INTEGER"
+            if "train_step" in cols:
+                # the folder's training step labels its rows (a run made with --train-step N)
+                select = f"SELECT * REPLACE (coalesce({step}, train_step::INTEGER) AS train_step)"
+            else:
+                select = f"SELECT *, {step} AS train_step"
+            if "run" not in cols:
+                select += f", {_quote(s.run)} AS run"
+            parts.append(f"{select} FROM {rel}")
+        con.execute(f"CREATE VIEW {_ident(name)} AS " + " UNION ALL BY NAME ".join(parts))
+    if "calls" in by_name and "llm_calls" not in by_name:
+        con.execute('CREATE VIEW llm_calls AS SELECT * FROM calls')
+    return con
+
+
+def run_query(con, sql: str) -> pa.Table | None:
+    """Run one or more statements; the last one's result as Arrow (None if it returns none)."""
+    import duckdb
+
+    try:
+        rel = con.sql(sql)
+    except duckdb.Error as exc:
+        raise UsageError(f"SQL: {_first_line(str(exc))}") from None
+    if rel is None:
+        return None
+    try:
+        return rel.to_arrow_table()
+    except duckdb.Error as exc:
+        raise UsageError(f"SQL: {_first_line(str(exc))}") from None
+
+
+def _first_line(text: str) -> str:
+    lines = [x for x in text.strip().splitlines() if x.strip()]
+    return " ".join(x.strip() for x in lines[:2]) if lines else text
+
+
+def describe(con) -> pa.Table:
+    """Each view with its rows and columns: what ``.tables`` shows."""
+    return con.sql(
+        "SELECT table_name AS name, "
+        "string_agg(column_name, ', ' ORDER BY ordinal_position) AS columns "
+        "FROM information_schema.columns WHERE table_schema = 'main' "
+        "AND NOT starts_with(table_name, '__') "
+        "GROUP BY table_name ORDER BY table_name").to_arrow_table()
