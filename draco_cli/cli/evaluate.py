@@ -194,7 +194,7 @@ def evaluate(
            "pass_at_k": {str(kk): v for kk, v in s["pass_at_k"].items()},
            "retention": s["retention"], "mean_turns": s["mean_turns"],
            "termination_shares": s["termination_shares"], "n_tasks": s["n_tasks"],
-           "n_rollouts": s["n_rollouts"],
+           "n_rollouts": s["n_rollouts"], "missing": s["missing"],
            "by": {scope: _scope_document(result.metrics, scope)
                   for scope in dict.fromkeys(result.metrics["scope"].to_list())
                   if scope != "overall"},

@@ -322,7 +322,7 @@ def propose_cmd(
     max_edits: Annotated[int, typer.Option("--max-edits", min=1, help="Edits asked for.")] = 3,
     evidence: Annotated[int, typer.Option("--evidence", min=1, help="Worst-predicted held-out "
                                           "steps shown to the LLM.")] = 8,
-    ridge: float = 1.0,
+    ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head refitted per edit.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
     base_url: BaseUrl = None, concurrency: Concurrency = 16, max_cost: MaxCost = None,
     prices: Prices = None, timeout: Timeout = 120.0,
