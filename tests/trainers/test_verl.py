@@ -177,3 +177,44 @@ def test_several_step_files_for_async_batches(tmp_path, monkeypatch):
                                                 T))
     table = load_token_advantages([p1, p2])
     assert [table.train_step(r.rollout_id) for r in rows] == [1] * 4 + [2] * 4
+
+
+def test_setup_hook_reaches_a_ray_actor(tmp_path):
+    """The estimator runs in verl's TaskRunner, a Ray actor in another process: a registration
+    in the launch script does not reach it, the worker_process_setup_hook does."""
+    ray = pytest.importorskip("ray", reason="needs the trainers extra (ray)")
+    rng = np.random.default_rng(5)
+    T = 16
+    rollouts = make_rollouts(rng, ["u1", "u2"], 4, lengths="random", T=T, turns=2)
+    path = draco_token_file(tmp_path, rollouts, rng=rng)
+    batch = _batch(rollouts, T, rng, {draco_verl.ROW_ID_FIELD: [r.rollout_id for r in rollouts],
+                                      "truth": [r.rollout_id for r in rollouts]})
+    _balance(batch, 2)
+    core_algos.register_adv_est("launch_script_only")(lambda **kw: None)
+    ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
+             runtime_env={"worker_process_setup_hook": "draco_cli.integrations.verl.setup",
+                          "env_vars": {draco_verl.ENV_FILES: str(path)}})
+    try:
+        @ray.remote(num_cpus=1)
+        class TaskRunner:
+            def run(self, tensors, non_tensors):
+                import warnings
+
+                warnings.simplefilter("ignore")
+                from verl.protocol import DataProto
+                from verl.trainer.ppo import core_algos, ray_trainer
+
+                data = DataProto.from_dict(tensors=tensors, non_tensors=non_tensors)
+                out = ray_trainer.compute_advantage(data, adv_estimator="draco", config={})
+                return (sorted(core_algos.ADV_ESTIMATOR_REGISTRY),
+                        out.batch["advantages"].numpy())
+
+        tensors = {k: batch.batch[k] for k in ("responses", "response_mask",
+                                               "token_level_rewards", "attention_mask")}
+        names, adv = ray.get(TaskRunner.remote().run.remote(tensors,
+                                                            dict(batch.non_tensor_batch)))
+    finally:
+        ray.shutdown()
+    assert "draco" in names and "launch_script_only" not in names
+    np.testing.assert_array_equal(adv, expected_rows(path, list(batch.non_tensor_batch["truth"]),
+                                                     T))
