@@ -260,6 +260,15 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
             counts = [counter.count(p.text) for p in parts]
             # A step is at least one token even if the counter says 0 (e.g. approx on "").
             counts = [max(c, 1) if p.is_step else c for c, p in zip(counts, parts)]
+            # The end-of-turn token the policy generated (n_tokens convention, docs/ingest.md):
+            # part of a message step, a gap token after a code block or tool call.
+            eot = counter.end_of_turn()
+            if eot:
+                if opts.step_unit == "message" and parts[-1].is_step:
+                    counts[-1] += eot
+                else:
+                    parts = parts + [Part("", is_step=False)]
+                    counts.append(eot)
         if logged and len(parts) == 1 and parts[0].is_step and counts[0] < 1:
             raise InputError(
                 f"logged token count {counts[0]} for a step (must be >= 1)",
@@ -285,7 +294,7 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
         if all(m.n_tokens is not None for m in block):
             return sum(m.n_tokens or 0 for m in block)
         if counter is not None:
-            return sum(counter.count(m.text()) for m in block)
+            return counter.observation_block([(m.role, m.text()) for m in block])
         return None
 
     # Lay the response out; positions stay unknown past the first block we cannot count.

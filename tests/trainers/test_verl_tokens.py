@@ -28,7 +28,7 @@ with warnings.catch_warnings():
     from verl.utils.tokenizer.continuous_token import QwenContinuousTokenBuilder
 
 
-def _conversation(tok):
+def _conversation(tok, obs_role="tool"):
     """Run verl's token builder over: user, assistant (tool call), tool, assistant."""
     ct = QwenContinuousTokenBuilder(tok)
     messages = [{"role": "user", "content": "Find the flights and book the cheapest one."}]
@@ -48,7 +48,7 @@ def _conversation(tok):
         messages = messages + [{"role": "assistant", "content": reply}]
         if t < len(tool_results):
             messages_before_tool = list(messages)
-            messages = messages + [{"role": "tool", "content": tool_results[t]}]
+            messages = messages + [{"role": obs_role, "content": tool_results[t]}]
             merged = ct.merge_context_tokens(messages_before_tool, messages, runtime)
             mask, _ = ct.align_response_metadata(merged, mask)
             runtime = merged.token_ids
@@ -125,3 +125,23 @@ def test_ingest_positions_match_verl_under_the_documented_convention(tmp_path):
     print(f"\nheader counted with the assistant message: {on_masked} step tokens on positions "
           "verl's mask excludes")
     assert on_masked > 0
+
+
+def test_tokenizer_counts_follow_the_convention_for_chatml(tmp_path):
+    """--tokenizer PATH with a ChatML tokenizer.json: no counts in the log, and the positions
+    still land exactly on verl's mask (text-only counts drifted by the template tokens)."""
+    tok = chatml_tokenizer()
+    messages, response, mask, replies, obs = _conversation(tok, obs_role="user")
+    path = tmp_path / "tokenizer.json"
+    tok.backend_tokenizer.save(str(path))
+    log = tmp_path / "log.jsonl"
+    log.write_text(json.dumps({"rollout_id": "r", "task_id": "t", "messages": messages}) + "\n")
+    ingest("openai-jsonl", [log], tmp_path / "out", tokenizer=str(path))
+    r = pl.read_parquet(tmp_path / "out" / "rollouts.parquet").row(0, named=True)
+    runs = mask_runs(mask)
+    assert r["policy_spans"] == [list(x) for x in runs]
+    assert r["response_len"] == len(mask)
+    text_only = len(tok.encode(replies[0], add_special_tokens=False)) + \
+        len(tok.encode(obs[0], add_special_tokens=False))
+    print(f"\ntext-only counts put turn 2 at token {text_only}, verl at {runs[1][0]}")
+    assert text_only != runs[1][0]
