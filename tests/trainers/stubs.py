@@ -4,6 +4,7 @@ raises, so a test that reached GPU code would fail rather than pass on a stub.""
 
 from __future__ import annotations
 
+import contextlib
 import importlib.abc
 import importlib.machinery
 import sys
@@ -50,11 +51,21 @@ class _Finder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
         pass
 
 
-def install() -> None:
-    """Install the stand-ins for packages that are not really installed."""
+@contextlib.contextmanager
+def installed():
+    """The stand-ins, for the packages not really installed, only while importing OpenRLHF:
+    left in place they would make other libraries (TRL, transformers) think vLLM is there."""
     import importlib.util
 
     missing = [n for n in GPU_ONLY if n not in sys.modules and
                importlib.util.find_spec(n) is None]
-    if missing and not any(isinstance(f, _Finder) for f in sys.meta_path):
-        sys.meta_path.append(_Finder())
+    finder = _Finder()
+    if missing:
+        sys.meta_path.append(finder)
+    try:
+        yield
+    finally:
+        if missing:
+            sys.meta_path.remove(finder)
+            for name in [m for m in sys.modules if m.split(".")[0] in missing]:
+                del sys.modules[name]

@@ -20,12 +20,13 @@ from tests.trainers.draco_files import Rollout, draco_token_file, expected_rows
 pytestmark = pytest.mark.trainers
 torch = pytest.importorskip("torch", reason="needs the trainers extra (torch)")
 pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
-stubs.install()
+with stubs.installed():
+    from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker  # noqa: E402
-from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator  # noqa: E402
+    from draco_cli.integrations import openrlhf as draco_orl
 
-from draco_cli.integrations import openrlhf as draco_orl  # noqa: E402
+    draco_orl.DracoExperienceMaker  # built now, while OpenRLHF's imports resolve
 from draco_cli.trainer import AlignmentError, load_token_advantages  # noqa: E402
 
 MAX_LEN = 200
