@@ -158,3 +158,21 @@ def test_integrations_import_no_torch():
             "print(any(m in sys.modules for m in ('torch', 'verl', 'trl', 'openrlhf', 'ray')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+def test_trl_ids_count_the_group_index_across_processes():
+    from draco_cli.integrations.trl import rollout_ids
+
+    # 2 processes, 4 rows each, groups of 4 contiguous in the all-process order.
+    rows = [{"task_id": t} for t in ["a", "a", "a", "a", "b", "b", "b", "b"]]
+    p0 = rollout_ids(rows[:4], id_column="task_id", num_generations=4, process_index=0)
+    p1 = rollout_ids(rows[4:], id_column="task_id", num_generations=4, process_index=1)
+    assert p0 + p1 == [f"{t}:{k}" for t in "ab" for k in range(4)]
+    # groups of 4 split across processes of 2 rows each
+    q = [rollout_ids(rows[2 * i: 2 * i + 2], id_column="task_id", num_generations=4,
+                     process_index=i) for i in range(4)]
+    assert sum(q, []) == [f"{t}:{k}" for t in "ab" for k in range(4)]
+    with pytest.raises(AlignmentError, match="share a rollout id"):
+        rollout_ids([{"task_id": "a"}] * 4, id_column="task_id", num_generations=2)
+    with pytest.raises(AlignmentError, match="no dataset column 'task'"):
+        rollout_ids(rows[:1], id_column="task", num_generations=2)

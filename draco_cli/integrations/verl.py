@@ -12,7 +12,8 @@ see the rows' identity just before they call it:
   padding uid (``pad`` + 32 hex digits) are marked padding and get zeros.
 - legacy trainer: ``compute_advantage`` receives the DataProto; the row id is the
   ``draco_rollout_id`` the agent loop put in ``extra_fields`` (copied by verl into
-  ``non_tensor_batch``), and ``responses`` gives the fingerprint check.
+  ``non_tensor_batch``), ``responses`` gives the fingerprint check, and an optional
+  ``draco_train_step`` extra field the train-step check.
 
 Launch with::
 
@@ -41,10 +42,11 @@ from draco_cli.trainer import AlignmentError, TokenAdvantageTable, load_token_ad
 ESTIMATOR = "draco"
 ENV_FILES = "DRACO_TOKEN_ADVANTAGES"
 ROW_ID_FIELD = "draco_rollout_id"  # legacy trainer: the agent loop's extra_fields key
+STEP_FIELD = "draco_train_step"  # legacy trainer, optional: the train step the row claims
 _PAD_UID = re.compile(r"pad[0-9a-f]{32}")
 
 __all__ = ["setup", "row_ids_from_keys", "rollout_id", "draco_advantages", "ESTIMATOR",
-           "ENV_FILES", "ROW_ID_FIELD"]
+           "ENV_FILES", "ROW_ID_FIELD", "STEP_FIELD"]
 
 
 @dataclass
@@ -54,6 +56,7 @@ class Rows:
     ids: list[str | None]
     padding: np.ndarray
     response_ids: np.ndarray | None = None
+    train_step: list[int] | None = None
 
 
 _current = threading.local()
@@ -109,7 +112,8 @@ def draco_advantages(token_level_rewards, response_mask, config=None, index=None
     wanted = [i for i in rows.ids if i is not None]
     table: TokenAdvantageTable = load_token_advantages(_files(), rollout_ids=wanted)
     mask = response_mask.detach().cpu().numpy()
-    adv = table.batch(rows.ids, mask, response_ids=rows.response_ids, padding=rows.padding)
+    adv = table.batch(rows.ids, mask, response_ids=rows.response_ids, padding=rows.padding,
+                      train_step=rows.train_step)
     out = torch.as_tensor(adv, device=response_mask.device, dtype=token_level_rewards.dtype)
     return out, out.clone()
 
@@ -148,7 +152,9 @@ def _wrap_legacy(fn):
         ids = [None if i is None else str(i) for i in data.non_tensor_batch[ROW_ID_FIELD]]
         responses = data.batch["responses"].cpu().numpy() if "responses" in data.batch.keys() \
             else None
-        rows = Rows(ids, np.array([i is None for i in ids]), responses)
+        steps = data.non_tensor_batch.get(STEP_FIELD)
+        rows = Rows(ids, np.array([i is None for i in ids]), responses,
+                    None if steps is None else [int(x) for x in steps])
         return _with_rows(rows, lambda: fn(data, adv_estimator, *args, **kw))
 
     compute_advantage._draco = True  # type: ignore[attr-defined]

@@ -168,7 +168,9 @@ def test_several_step_files_for_async_batches(tmp_path, monkeypatch):
     monkeypatch.setenv(draco_verl.ENV_FILES, str(tmp_path / "step-*" / "credit" /
                                                  "token_advantages.parquet"))
     rows = old + new
+    steps = [1] * len(old) + [2] * len(new)
     batch = _batch(rows, T, rng, {draco_verl.ROW_ID_FIELD: [r.rollout_id for r in rows],
+                                  draco_verl.STEP_FIELD: steps,
                                   "truth": [r.rollout_id for r in rows]})
     _balance(batch, 2)
     out = ray_trainer.compute_advantage(batch, adv_estimator="draco", config={})
@@ -177,6 +179,12 @@ def test_several_step_files_for_async_batches(tmp_path, monkeypatch):
                                                 T))
     table = load_token_advantages([p1, p2])
     assert [table.train_step(r.rollout_id) for r in rows] == [1] * 4 + [2] * 4
+    # A row that claims another step than its file records is refused, naming both.
+    claimed = np.array(batch.non_tensor_batch[draco_verl.STEP_FIELD], dtype=object)
+    claimed[0] = 3 - claimed[0]
+    batch.non_tensor_batch[draco_verl.STEP_FIELD] = claimed
+    with pytest.raises(AlignmentError, match=r"trainer row 0\): the file is from train step"):
+        ray_trainer.compute_advantage(batch, adv_estimator="draco", config={})
 
 
 def test_setup_hook_reaches_a_ray_actor(tmp_path):
