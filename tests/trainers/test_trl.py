@@ -36,7 +36,8 @@ def _model(tok):
     return model
 
 
-def test_one_train_step_loss_is_minus_sum_of_draco_advantages(tmp_path):
+@pytest.mark.parametrize("mask_truncated", [False, True])
+def test_one_train_step_loss_is_minus_sum_of_draco_advantages(tmp_path, mask_truncated):
     from datasets import Dataset
     from trl import GRPOConfig
 
@@ -68,7 +69,8 @@ def test_one_train_step_loss_is_minus_sum_of_draco_advantages(tmp_path):
                       num_generations=G, max_completion_length=8, max_steps=1,
                       gradient_accumulation_steps=1, steps_per_generation=1, loss_type="dapo",
                       beta=0.0, learning_rate=1e-3, use_cpu=True, report_to=[],
-                      logging_steps=1, save_strategy="no", seed=0, bf16=False)
+                      logging_steps=1, save_strategy="no", seed=0, bf16=False,
+                      mask_truncated_completions=mask_truncated)
     seen = {}
 
     class Recording(DracoGRPOTrainer):
@@ -97,15 +99,21 @@ def test_one_train_step_loss_is_minus_sum_of_draco_advantages(tmp_path):
     for r in logged:
         by_tokens.setdefault(tuple(r.response_ids), []).append(r.rollout_id)
     got: dict[tuple, list] = {}
-    for b in range(A.shape[0]):
+    live = mask.sum(axis=1) > 0
+    for b in np.flatnonzero(live):
         key = tuple(comp[b, : int(mask[b].sum())])
         got.setdefault(key, []).append(A[b, : len(key)].tolist())
-    assert set(got) == set(by_tokens)
-    for key, rids in by_tokens.items():
-        assert sorted(got[key]) == sorted(table.get(r).tolist() for r in rids)
-    assert np.any(A != 0) and len(set(mask.sum(axis=1).tolist())) > 1
+    for key, rows in got.items():
+        assert sorted(rows) == sorted(table.get(r).tolist() for r in by_tokens[key])
+    # Truncated rows under mask_truncated_completions: all-zero mask, marked padding, zeros.
+    assert not A[~live].any()
+    if mask_truncated:
+        assert (~live).any(), "no completion was truncated: the case is not exercised"
+    else:
+        assert live.all() and set(got) == set(by_tokens)
+    assert np.any(A != 0) and len(set(mask[live].sum(axis=1).tolist())) > 1
     # dapo, beta 0, first step on-policy (ratio 1): loss = -sum(A * mask) / num_items.
     expected = -float((A * mask).sum()) / float(inputs["num_items_in_batch"])
-    print(f"\nTRL loss {seen['loss']:.6f} expected {expected:.6f}; A rows:", A.round(3).tolist(), "mask:", mask.tolist())
+    print(f"\nTRL loss {seen['loss']:.6f}, -sum(A*mask)/num_items {expected:.6f}")
     assert abs(expected) > 1e-3
     assert seen["loss"] == pytest.approx(expected, rel=1e-5)
