@@ -22,7 +22,7 @@ import numpy as np
 
 from draco_cli.trainer import AlignmentError, TokenAdvantageTable, load_token_advantages
 
-__all__ = ["DracoExperienceMaker", "experience_rollout_ids", "place", "ID_KEY", "STEP_KEY"]
+__all__ = ["ID_KEY", "STEP_KEY", "DracoExperienceMaker", "experience_rollout_ids", "place"]  # noqa: F822
 
 ID_KEY = "draco_rollout_id"
 STEP_KEY = "draco_train_step"

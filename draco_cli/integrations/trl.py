@@ -18,11 +18,9 @@ from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import Any
 
-import numpy as np
-
 from draco_cli.trainer import AlignmentError, load_token_advantages
 
-__all__ = ["DracoGRPOTrainer", "rollout_ids"]
+__all__ = ["DracoGRPOTrainer", "rollout_ids"]  # noqa: F822 (built lazily, see __getattr__)
 
 Files = str | Path | Sequence[str | Path]
 

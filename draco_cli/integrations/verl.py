@@ -45,8 +45,16 @@ ROW_ID_FIELD = "draco_rollout_id"  # legacy trainer: the agent loop's extra_fiel
 STEP_FIELD = "draco_train_step"  # legacy trainer, optional: the train step the row claims
 _PAD_UID = re.compile(r"pad[0-9a-f]{32}")
 
-__all__ = ["setup", "row_ids_from_keys", "rollout_id", "draco_advantages", "ESTIMATOR",
-           "ENV_FILES", "ROW_ID_FIELD", "STEP_FIELD"]
+__all__ = [
+    "ENV_FILES",
+    "ESTIMATOR",
+    "ROW_ID_FIELD",
+    "STEP_FIELD",
+    "draco_advantages",
+    "rollout_id",
+    "row_ids_from_keys",
+    "setup",
+]
 
 
 @dataclass

@@ -17,7 +17,7 @@ from draco_cli.trainer import load_token_advantages
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "trainers.md"
-BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.S)
+BLOCKS = re.findall(r"```python\n(.*?)```", DOC.read_text(), re.DOTALL)
 
 
 @pytest.fixture(scope="module")
@@ -80,7 +80,11 @@ def test_trl_block(sample_runs, tmp_path):
 def test_openrlhf_block(tmp_path):
     pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
     from tests.trainers.draco_files import draco_token_file
-    from tests.trainers.test_openrlhf import _agent_outputs, _experiences, _expected_on_actions
+    from tests.trainers.test_openrlhf import (
+        _agent_outputs,
+        _expected_on_actions,
+        _experiences,
+    )
 
     outputs, rollouts = _agent_outputs(np.random.default_rng(2), n_groups=2, n=2)
     path = draco_token_file(tmp_path, rollouts, train_step=7)

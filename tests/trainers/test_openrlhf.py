@@ -26,8 +26,8 @@ with stubs.installed():
 
     from draco_cli.integrations import openrlhf as draco_orl
 
-    draco_orl.DracoExperienceMaker  # built now, while OpenRLHF's imports resolve
-from draco_cli.trainer import AlignmentError, load_token_advantages  # noqa: E402
+    _ = draco_orl.DracoExperienceMaker  # built now, while OpenRLHF's imports resolve
+from draco_cli.trainer import AlignmentError, load_token_advantages
 
 MAX_LEN = 200
 

@@ -15,7 +15,12 @@ import numpy as np
 import pytest
 
 from draco_cli.trainer import AlignmentError, group_rollout_ids, load_token_advantages
-from tests.trainers.draco_files import draco_token_file, expected_rows, make_rollouts, padded
+from tests.trainers.draco_files import (
+    draco_token_file,
+    expected_rows,
+    make_rollouts,
+    padded,
+)
 
 pytestmark = pytest.mark.trainers
 verl = pytest.importorskip("verl", reason="needs the trainers extra (verl 0.9.1)")
@@ -27,7 +32,7 @@ with warnings.catch_warnings():
     from verl.trainer.ppo import core_algos, ray_trainer
     from verl.trainer.ppo.v1 import utils as v1_utils
 
-from draco_cli.integrations import verl as draco_verl  # noqa: E402
+from draco_cli.integrations import verl as draco_verl
 
 P = 12  # prompt tokens
 

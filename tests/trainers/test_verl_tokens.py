@@ -91,7 +91,7 @@ def test_ingest_positions_match_verl_under_the_documented_convention(tmp_path):
     (through <|im_end|>); the newline, the next turns and the next assistant header belong to
     the observation block that follows. Logged that way, draco's positions are verl's mask."""
     tok = chatml_tokenizer()
-    messages, response, mask, replies, tools = _conversation(tok)
+    messages, response, mask, _, _ = _conversation(tok)
     messages = _for_draco(messages)
     runs = mask_runs(mask)
     gen = [b - a for a, b in runs]
@@ -119,7 +119,7 @@ def test_ingest_positions_match_verl_under_the_documented_convention(tmp_path):
     wrong = [messages[0], {**messages[1], "n_tokens": gen[0] + header + 1},
              {**messages[2], "n_tokens": block - header - 1},
              {**messages[3], "n_tokens": gen[1] + header}]
-    r3, s3 = _ingest(tmp_path, {**base, "messages": wrong}, "misread")
+    _, s3 = _ingest(tmp_path, {**base, "messages": wrong}, "misread")
     on_masked = sum(int(np.sum(np.asarray(mask)[st:st + n] == 0)) + max(0, st + n - len(mask))
                     for st, n in zip(s3["token_start"], s3["n_tokens"]))
     print(f"\nheader counted with the assistant message: {on_masked} step tokens on positions "
@@ -131,7 +131,7 @@ def test_tokenizer_counts_follow_the_convention_for_chatml(tmp_path):
     """--tokenizer PATH with a ChatML tokenizer.json: no counts in the log, and the positions
     still land exactly on verl's mask (text-only counts drifted by the template tokens)."""
     tok = chatml_tokenizer()
-    messages, response, mask, replies, obs = _conversation(tok, obs_role="user")
+    messages, _, mask, replies, obs = _conversation(tok, obs_role="user")
     path = tmp_path / "tokenizer.json"
     tok.backend_tokenizer.save(str(path))
     log = tmp_path / "log.jsonl"
