@@ -19,7 +19,7 @@ from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
 CREDIT_ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "outcome", "response_len",
-                          "policy_spans"]
+                          "policy_spans", "train_step", "response_fingerprint"]
 CREDIT_STEP_COLUMNS = ["rollout_id", "step", "n_tokens", "token_start"]
 CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cited_steps",
                           "retained"]

@@ -81,6 +81,9 @@ class Rollout(Table):
         description="Half-open [start, end) token ranges the policy generated: exactly where "
         "the trainer's response_mask is 1.",
     )
+    response_fingerprint: Optional[str] = Field(
+        None, description="Hash of the trainer's response token ids, when ingest took positions "
+        "from them (draco_cli.trainer.fingerprint); copied into token_advantages.")
 
 
 class Step(Table):
@@ -218,6 +221,14 @@ class TokenAdvantages(Table):
     span_start: Optional[list[Int32]] = Field(None, description="Spans form: range starts.")
     span_end: Optional[list[Int32]] = Field(None, description="Spans form: range ends.")
     span_value: Optional[list[Float32]] = Field(None, description="Spans form: range values.")
+    train_step: Optional[Int32] = Field(
+        None, description="Self-check: the train step of the rollout (a loader refuses rows of "
+        "another step).")
+    n_policy_tokens: Optional[Int32] = Field(
+        None, ge=0, description="Self-check: tokens the trainer's response mask should mark 1.")
+    response_fingerprint: Optional[str] = Field(
+        None, description="Self-check: hash of the trainer's response token ids, when positions "
+        "came from them (draco_cli.trainer.fingerprint).")
 
 
 TABLES: dict[str, type[Table]] = {

@@ -163,6 +163,7 @@ def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndar
     if not pieces:  # no rollouts at all
         pieces.append(_canonical(*(np.zeros(0, dtype=t) for t in
                                    (np.int64, np.int32, np.int32, np.float32)), R))
+    n_policy = _policy_token_counts(ps, has_ps, sa, R)
     counts = np.concatenate([np.diff(off) for off, *_ in pieces])
     offsets = np.zeros(R + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
@@ -174,8 +175,33 @@ def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndar
         "span_start": _list_array(offsets, start_c, pa.int32()),
         "span_end": _list_array(offsets, end_c, pa.int32()),
         "span_value": _list_array(offsets, value_c, pa.float32()),
+        **_self_check_columns(rollouts, n_policy),
     })
     return pl.from_arrow(table)
+
+
+def _policy_token_counts(ps: pa.Array, has_ps: np.ndarray, sa, R: int) -> np.ndarray:
+    """Tokens each rollout's trainer mask should mark 1: the policy spans when known, else
+    the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens)."""
+    steps_n = np.bincount(sa.r, weights=sa.n.astype(np.int64), minlength=R).astype(np.int64)
+    if not has_ps.any():
+        return steps_n
+    parent, pstart, pend = _policy_pairs(ps)
+    spans_n = np.bincount(parent, weights=pend - pstart, minlength=R).astype(np.int64)
+    return np.where(has_ps, spans_n, steps_n)
+
+
+def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array]:
+    """SPEC §2 self-check columns: what a loader compares with the trainer's rows."""
+    R = rollouts.height
+    cols = {"n_policy_tokens": pa.array(n_policy.astype(np.int32))}
+    cols["train_step"] = (rollouts["train_step"].cast(pl.Int32).to_arrow()
+                          if "train_step" in rollouts.columns else pa.nulls(R, pa.int32()))
+    cols["response_fingerprint"] = (
+        rollouts["response_fingerprint"].cast(pl.String).to_arrow()
+        if "response_fingerprint" in rollouts.columns else pa.nulls(R, pa.string()))
+    return {k: (v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v)
+            for k, v in cols.items()}
 
 
 def _policy_pairs(ps: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

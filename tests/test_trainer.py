@@ -12,7 +12,12 @@ import pytest
 from draco_cli.io import write_table
 from draco_cli.schemas import TokenAdvantages
 from draco_cli.token_advantages import spans_to_dense
-from draco_cli.trainer import AlignmentError, group_rollout_ids, load_token_advantages
+from draco_cli.trainer import (
+    AlignmentError,
+    fingerprint,
+    group_rollout_ids,
+    load_token_advantages,
+)
 
 
 @pytest.fixture
@@ -36,7 +41,8 @@ def test_verl_batch_keyed_by_uid(table, form):
     # verl: non_tensor_batch["uid"] is an object array, one group id per row, rows of a group
     # in rollout order; response_mask is [bs, response_length], right-padded.
     uid = np.array(["u1", "u2", "u1"], dtype=object)
-    ids = group_rollout_ids(uid)
+    with pytest.warns(UserWarning, match="batch order"):  # valid only while order holds
+        ids = group_rollout_ids(uid)
     assert ids == ["u1:0", "u2:0", "u1:1"]
     mask = np.array([[1, 1, 1, 0, 1, 1, 0, 0],
                      [1, 1, 1, 0, 0, 0, 0, 0],
@@ -75,3 +81,98 @@ def test_trainer_module_imports_no_torch_and_no_polars():
             "print(any(m in sys.modules for m in ('torch', 'polars', 'typer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
+
+
+# --- the self-checking file: per-row identity, counts, fingerprints, train step ------------
+
+@pytest.fixture
+def checked(tmp_path):
+    """Two rollouts with equal masks (4 tokens each) and different token ids, from step 5."""
+    ids = {"a": [11, 12, 13, 14], "b": [21, 22, 23, 24]}
+    spans = pl.DataFrame({
+        "rollout_id": ["a", "b"], "length": [4, 4], "layout": ["positions"] * 2,
+        "span_start": [[0], [0]], "span_end": [[4], [4]], "span_value": [[1.5], [-0.5]],
+        "train_step": [5, 5], "n_policy_tokens": [4, 4],
+        "response_fingerprint": [fingerprint(ids["a"]), fingerprint(ids["b"])],
+    }, schema_overrides={"length": pl.Int32, "span_start": pl.List(pl.Int32),
+                         "span_end": pl.List(pl.Int32), "span_value": pl.List(pl.Float32),
+                         "train_step": pl.Int32, "n_policy_tokens": pl.Int32})
+    write_table(spans, tmp_path / "ta.parquet", TokenAdvantages, drop_absent_optional=True)
+    return load_token_advantages(tmp_path / "ta.parquet"), ids
+
+
+def test_swapped_pair_under_equal_masks_is_refused_by_the_fingerprint(checked):
+    t, ids = checked
+    mask = np.ones((2, 6), dtype=np.int64)
+    mask[:, 4:] = 0
+    resp = np.array([ids["a"] + [0, 0], ids["b"] + [0, 0]])
+    adv = t.batch(["a", "b"], mask, response_ids=resp, train_step=5)
+    np.testing.assert_array_equal(adv[:, :4], [[1.5] * 4, [-0.5] * 4])
+    # Counts agree, strict mode finds nothing: only the fingerprint can tell.
+    t.batch(["b", "a"], mask)
+    with pytest.raises(AlignmentError, match=r"rollout 'b' \(trainer row 0\).*fingerprint"):
+        t.batch(["b", "a"], mask, response_ids=resp)
+
+
+def test_row_checks_name_rollout_and_trainer_row(checked):
+    t, _ = checked
+    mask = np.ones((2, 4), dtype=np.int64)
+    with pytest.raises(AlignmentError, match=r"no token advantages for rollout 'zz'.*trainer row 1"):
+        t.batch(["a", "zz"], mask)
+    with pytest.raises(AlignmentError, match=r"rollout 'b' \(trainer row 1\): the file is from "
+                                             r"train step 5, the row from step 6"):
+        t.batch(["a", "b"], mask, train_step=[5, 6])
+    short = mask.copy()
+    short[1, 3] = 0
+    with pytest.raises(AlignmentError, match=r"rollout 'b' \(trainer row 1\): the response mask "
+                                             r"marks 3 policy tokens, the file expects 4"):
+        t.batch(["a", "b"], short)
+    with pytest.raises(AlignmentError, match="trainer row 1 carries no rollout id"):
+        t.batch(["a", None], mask)
+
+
+def test_padding_rows_get_zeros_only_when_marked(checked):
+    t, _ = checked
+    mask = np.ones((3, 4), dtype=np.int64)
+    with pytest.raises(AlignmentError, match="pad0"):
+        t.batch(["a", "pad0", "b"], mask)
+    adv = t.batch(["a", "pad0", "b"], mask, padding=[False, True, False])
+    np.testing.assert_array_equal(adv[1], np.zeros(4))
+    np.testing.assert_array_equal(adv[2], [-0.5] * 4)
+
+
+def test_file_without_train_step_refuses_a_claimed_step(table):
+    t = load_token_advantages(table / "spans.parquet")
+    with pytest.raises(AlignmentError, match="records no train_step"):
+        t.batch(["u1:0"], length=6, train_step=3)
+
+
+def test_group_rollout_ids_warns_that_order_must_hold():
+    with pytest.warns(UserWarning, match="batch order"):
+        assert group_rollout_ids(["u", "u"]) == ["u:0", "u:1"]
+
+
+def test_integrations_import_no_torch():
+    code = ("import sys, draco_cli, draco_cli.integrations.verl, draco_cli.integrations.trl, "
+            "draco_cli.integrations.openrlhf; "
+            "print(any(m in sys.modules for m in ('torch', 'verl', 'trl', 'openrlhf', 'ray')))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.stdout.strip() == "False", out.stderr
+
+
+def test_trl_ids_count_the_group_index_across_processes():
+    from draco_cli.integrations.trl import rollout_ids
+
+    # 2 processes, 4 rows each, groups of 4 contiguous in the all-process order.
+    rows = [{"task_id": t} for t in ["a", "a", "a", "a", "b", "b", "b", "b"]]
+    p0 = rollout_ids(rows[:4], id_column="task_id", num_generations=4, process_index=0)
+    p1 = rollout_ids(rows[4:], id_column="task_id", num_generations=4, process_index=1)
+    assert p0 + p1 == [f"{t}:{k}" for t in "ab" for k in range(4)]
+    # groups of 4 split across processes of 2 rows each
+    q = [rollout_ids(rows[2 * i: 2 * i + 2], id_column="task_id", num_generations=4,
+                     process_index=i) for i in range(4)]
+    assert sum(q, []) == [f"{t}:{k}" for t in "ab" for k in range(4)]
+    with pytest.raises(AlignmentError, match="share a rollout id"):
+        rollout_ids([{"task_id": "a"}] * 4, id_column="task_id", num_generations=2)
+    with pytest.raises(AlignmentError, match="no dataset column 'task'"):
+        rollout_ids(rows[:1], id_column="task", num_generations=2)

@@ -114,3 +114,23 @@ def parse_messages(raw: Any, ctx: EntryContext, field: str = "messages") -> list
     if not isinstance(raw, list):
         raise ctx.error("expected a list of messages", field)
     return [parse_message(m, ctx, f"{field}[{i}]") for i, m in enumerate(raw)]
+
+
+def trainer_tokens(raw: dict, ctx: EntryContext) -> tuple[list[int] | None, list[int] | None]:
+    """The trainer's ``response_mask`` (0/1 per response token) and optional ``response_ids``
+    of an entry: positions straight from the trainer, exact by construction."""
+    mask = ctx.optional(raw, "response_mask", list)
+    ids = ctx.optional(raw, "response_ids", list)
+    if ids is not None and mask is None:
+        raise ctx.error("response_ids needs response_mask beside it", "response_ids")
+    if mask is None:
+        return None, None
+    if any(m not in (0, 1) or isinstance(m, bool) for m in mask):
+        raise ctx.error("response_mask must hold only 0 and 1", "response_mask")
+    if ids is not None:
+        if len(ids) != len(mask):
+            raise ctx.error(f"response_ids has {len(ids)} tokens, response_mask {len(mask)}",
+                            "response_ids")
+        if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
+            raise ctx.error("response_ids must hold non-negative integers", "response_ids")
+    return mask, ids

@@ -19,6 +19,7 @@ from typing import Any, Literal
 
 from draco_cli.errors import InputError
 from draco_cli.ingest.tokens import TokenCounter, apportion
+from draco_cli.trainer import fingerprint
 
 StepUnit = Literal["message", "code-block", "tool-call"]
 STEP_UNITS: tuple[str, ...] = ("message", "code-block", "tool-call")
@@ -81,6 +82,10 @@ class Episode:
     # log tells them as a block (tau2: from the growth of prompt_tokens between calls).
     block_tokens: dict[int, int] = field(default_factory=dict)
     messages_field: str = "messages"  # what the log calls its message list, for errors
+    # The trainer's own response tokens (verl agent-loop output, TRL completion_ids with
+    # tool_mask, OpenRLHF action ranges): when given, positions come from them exactly.
+    response_mask: list[int] | None = None
+    response_ids: list[int] | None = None
 
 
 @dataclass
@@ -164,6 +169,34 @@ def _render_observation(msgs: list[Message]) -> str:
     return "\n".join(out)
 
 
+def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
+    """Half-open [start, end) runs of 1s in a response mask: the policy's generated turns."""
+    runs: list[tuple[int, int]] = []
+    start = None
+    for t, m in enumerate(mask):
+        if m and start is None:
+            start = t
+        elif not m and start is not None:
+            runs.append((start, t))
+            start = None
+    if start is not None:
+        runs.append((start, len(mask)))
+    return runs
+
+
+def _trainer_runs(ep: Episode, policy_idx: list[int], source: str) -> list[tuple[int, int]] | None:
+    """The policy messages' token ranges from the trainer's response mask, one run each."""
+    if ep.response_mask is None:
+        return None
+    runs = mask_runs(ep.response_mask)
+    if len(runs) != len(policy_idx):
+        raise InputError(
+            f"response_mask has {len(runs)} runs of policy tokens but the episode has "
+            f"{len(policy_idx)} policy messages (one run per generated turn expected)",
+            file=source, row=ep.where, field="response_mask")
+    return runs
+
+
 def build(ep: Episode, opts: BuildOptions) -> Built:
     """Turn one episode into its rollouts row and steps rows (raises InputError)."""
     source, counter = opts.source, opts.counter
@@ -171,6 +204,10 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
     msgs = ep.messages
     policy_idx = [i for i, m in enumerate(msgs) if m.role == "assistant" and m.policy]
 
+    runs = _trainer_runs(ep, policy_idx, source)
+    if runs is not None:
+        for i, (a, b) in zip(policy_idx, runs):
+            msgs[i].n_tokens = b - a
     logged = bool(policy_idx) and all(msgs[i].n_tokens is not None for i in policy_idx)
     if policy_idx and not logged and counter is None:
         raise InputError(
@@ -223,6 +260,15 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
             counts = [counter.count(p.text) for p in parts]
             # A step is at least one token even if the counter says 0 (e.g. approx on "").
             counts = [max(c, 1) if p.is_step else c for c, p in zip(counts, parts)]
+            # The end-of-turn token the policy generated (n_tokens convention, docs/ingest.md):
+            # part of a message step, a gap token after a code block or tool call.
+            eot = counter.end_of_turn()
+            if eot:
+                if opts.step_unit == "message" and parts[-1].is_step:
+                    counts[-1] += eot
+                else:
+                    parts = parts + [Part("", is_step=False)]
+                    counts.append(eot)
         if logged and len(parts) == 1 and parts[0].is_step and counts[0] < 1:
             raise InputError(
                 f"logged token count {counts[0]} for a step (must be >= 1)",
@@ -248,7 +294,7 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
         if all(m.n_tokens is not None for m in block):
             return sum(m.n_tokens or 0 for m in block)
         if counter is not None:
-            return sum(counter.count(m.text()) for m in block)
+            return counter.observation_block([(m.role, m.text()) for m in block])
         return None
 
     # Lay the response out; positions stay unknown past the first block we cannot count.
@@ -275,6 +321,14 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
             break
         offset += blen
         response_len = offset
+
+    if runs is not None:
+        # The trainer's mask is the truth: steps sit on its runs of 1s, the rest is observation.
+        assert ep.response_mask is not None
+        starts = {i: a for i, (a, _) in zip(policy_idx, runs)}
+        spans = [[a, b] for a, b in runs]
+        response_len = len(ep.response_mask)
+        layout_known = True
 
     steps: list[dict[str, Any]] = []
     for i in policy_idx:
@@ -323,9 +377,13 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
         "response_len": response_len if layout_known else None,
         "policy_spans": spans if layout_known else None,
         "termination_raw": ep.termination_raw,
+        "response_fingerprint": None if ep.response_ids is None
+        else fingerprint(ep.response_ids),
     }
     if not policy_idx:
         source_kind = "none"
+    elif runs is not None:
+        source_kind = "trainer+tokenizer" if used_counter else "trainer"
     elif logged:
         source_kind = "log+tokenizer" if used_counter else "log"
     else:

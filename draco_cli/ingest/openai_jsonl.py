@@ -4,6 +4,8 @@
  "difficulty"?, "instruction"?, "outcome"?, "termination"?, "messages": [OpenAI messages]}
 
 Messages may carry ``n_tokens``: that message's tokens in the trainer's response sequence.
+An entry may carry the trainer's own ``response_mask`` (and ``response_ids``): then positions
+are taken from them, one run of 1s per policy message (docs/ingest.md).
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from pathlib import Path
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.chat import EntryContext, parse_messages, trainer_tokens
 from draco_cli.ingest.episode import Episode
 from draco_cli.schemas import Termination
 
@@ -60,6 +62,7 @@ def to_episode(raw: Any, ctx: EntryContext, default_id: str) -> Episode:
     gid = ctx.optional(raw, "group_id", (str, int))
     scen = ctx.optional(raw, "scenario_id", (str, int))
     diff = ctx.optional(raw, "difficulty", (str, int))
+    mask, ids = trainer_tokens(raw, ctx)
     return Episode(
         rollout_id=str(rid) if rid is not None else default_id,
         task_id=str(task_id),
@@ -74,4 +77,6 @@ def to_episode(raw: Any, ctx: EntryContext, default_id: str) -> Episode:
         scenario_id=str(scen) if scen is not None else None,
         difficulty=str(diff) if diff is not None else None,
         group_id=str(gid) if gid is not None else None,
+        response_mask=mask,
+        response_ids=ids,
     )

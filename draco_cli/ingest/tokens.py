@@ -15,6 +15,7 @@ from draco_cli.errors import InputError, UsageError
 
 APPROX = "approx"
 APPROX_CHARS_PER_TOKEN = 4
+CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
 
 
 class TokenCounter(Protocol):
@@ -22,6 +23,10 @@ class TokenCounter(Protocol):
     exact: bool
 
     def count(self, text: str) -> int: ...
+
+    def end_of_turn(self) -> int: ...
+
+    def observation_block(self, messages: list[tuple[str, str]]) -> int: ...
 
 
 class ApproxCounter:
@@ -37,9 +42,22 @@ class ApproxCounter:
     def count(self, text: str) -> int:
         return math.ceil(len(text) / APPROX_CHARS_PER_TOKEN)
 
+    def end_of_turn(self) -> int:
+        return 0
+
+    def observation_block(self, messages: list[tuple[str, str]]) -> int:
+        return sum(self.count(text) for _, text in messages)
+
 
 class HFTokenizerCounter:
-    """Counts with a Hugging Face ``tokenizer.json`` (no special tokens, no chat template)."""
+    """Counts with a Hugging Face ``tokenizer.json``.
+
+    When the tokenizer is a ChatML one (it has ``<|im_start|>`` and ``<|im_end|>``), counts
+    follow the n_tokens convention of docs/ingest.md, as verl's and TRL's masks lay tokens out:
+    an assistant message is its text plus the ``<|im_end|>`` the policy generated; an
+    observation block is the newline after it, each message with its ChatML header and end,
+    and the next ``<|im_start|>assistant\\n`` header. Other tokenizers count text only.
+    """
 
     exact = True
 
@@ -59,6 +77,18 @@ class HFTokenizerCounter:
             raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
         self.name = str(p)
         self._cache: dict[str, int] = {}
+        vocab = self._tok.get_vocab(with_added_tokens=True)
+        self.chat_template = "chatml" if all(t in vocab for t in CHATML_TOKENS) else None
+
+    def end_of_turn(self) -> int:
+        return self.count(CHATML_TOKENS[1]) if self.chat_template else 0
+
+    def observation_block(self, messages: list[tuple[str, str]]) -> int:
+        if not self.chat_template:
+            return sum(self.count(text) for _, text in messages)
+        start, end = CHATML_TOKENS
+        rendered = "\n" + "".join(f"{start}{role}\n{text}{end}\n" for role, text in messages)
+        return self.count(rendered + f"{start}assistant\n")
 
     def count(self, text: str) -> int:
         if not text:
