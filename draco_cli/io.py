@@ -10,6 +10,7 @@
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import sys
 import tempfile
@@ -288,6 +289,59 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
                 row=row,
                 field=col.name,
             )
+    if col.le is not None and (df[col.name].max() or 0) > col.le:
+        row = _first_row(df, c.is_not_null() & (c > col.le))
+        if row is not None:
+            raise InputError(
+                f"implausible value {df[col.name][row]} (more than {col.le:.0f}); "
+                "refusing it before allocating anything for it",
+                file=source,
+                row=row,
+                field=col.name,
+            )
+    is_list = isinstance(df.schema[col.name], pl.List)
+    if col.item_ge is not None and is_list and df.height:
+        low = df[col.name].list.min().min()
+        if low is not None and low < col.item_ge:
+            row = _first_row(df, c.list.min() < col.item_ge)
+            assert row is not None
+            raise InputError(
+                f"every element must be >= {col.item_ge:g}, got {df[col.name][row].to_list()}",
+                file=source, row=row, field=col.name,
+            )
+    if col.finite:
+        row = first_non_finite(df, col.name)
+        if row is not None:
+            value = df[col.name][row]
+            if is_list:
+                value = next(x for x in value.to_list() if x is not None and not math.isfinite(x))
+            raise InputError(f"must be a finite number, got {value}", file=source, row=row,
+                             field=col.name)
+
+
+def first_non_finite(df: pl.DataFrame, name: str) -> int | None:
+    """Row of the first NaN or ±inf in a float (or list-of-float) column; None if all finite.
+
+    One whole-column pass; nulls are not this check's business (nullability is)."""
+    s = df[name]
+    if isinstance(s.dtype, pl.List):
+        flat = s.explode()
+        if not flat.dtype.is_float() or flat.is_finite().fill_null(True).all():
+            return None
+        return _first_row(df, pl.col(name).list.eval(~pl.element().is_finite()).list.any())
+    if not s.dtype.is_float() or s.is_finite().fill_null(True).all():
+        return None
+    return _first_row(df, ~pl.col(name).is_finite())
+
+
+def require_finite(df: pl.DataFrame, names: list[str] | tuple[str, ...], source: str) -> None:
+    """Raise InputError at the first NaN or ±inf in any of ``names`` (columns it has)."""
+    for name in names:
+        if name in df.columns:
+            row = first_non_finite(df, name)
+            if row is not None:
+                raise InputError(f"must be a finite number, got {df[name][row]}", file=source,
+                                 row=row, field=name)
 
 
 def _check_unique(df: pl.DataFrame, model: type[Table], source: str) -> None:

@@ -46,6 +46,7 @@ class IngestResult:
     layout_unknown: int = 0
     terminations: Counter = field(default_factory=Counter)
     manifest: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _sha256(path: Path) -> str:
@@ -103,15 +104,17 @@ def ingest(
     step_writer = StreamingTableWriter(targets[1], Step, force=force)
     rejects: list[dict] = []
     seen_ids: dict[str, str] = {}
-    groups: set[str] = set()
+    groups: Counter = Counter()
     rollout_rows: list[dict] = []
     step_rows: list[dict] = []
     try:
         for path in paths:
             source = str(path)
+            entries = 0
             with path.open("r", encoding="utf-8", errors="strict") as fp:
                 try:
                     for where, item in FORMATS[fmt](fp, source):
+                        entries += 1
                         try:
                             if isinstance(item, InputError):
                                 raise item
@@ -138,7 +141,7 @@ def ingest(
                             keys = ("task_id", "train_step") if row["train_step"] is not None \
                                 else ("task_id",)
                             row["group_id"] = group_key(row, keys)
-                        groups.add(row["group_id"])
+                        groups[row["group_id"]] += 1
                         rollout_rows.append(row)
                         step_rows.extend(built.steps)
                         result.rollouts += 1
@@ -155,11 +158,30 @@ def ingest(
                 except UnicodeDecodeError as exc:
                     raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
                                      file=source) from None
+                except RecursionError:
+                    raise InputError("JSON nested too deeply to be a log entry",
+                                     file=source) from None
+            if entries == 0:
+                raise InputError(f"no rollouts in this file (empty {fmt} input)", file=source)
+        if result.rollouts == 0:
+            # Exit 0 with empty tables would look like success; say what happened instead.
+            first = f" (first: {rejects[0]['reason']})" if rejects else ""
+            raise InputError(f"all {result.rejected} entries were rejected, no rollout "
+                             f"left to write{first}", file=", ".join(map(str, paths)))
         rollout_writer.write_rows(rollout_rows)
         step_writer.write_rows(step_rows)
         if progress:
             progress(result.rollouts)
         result.groups = len(groups)
+        singles = sum(1 for n in groups.values() if n == 1)
+        if singles == len(groups):
+            result.warnings.append(
+                f"every group has a single rollout ({len(groups)} groups): every group "
+                "advantage will be 0. Ingest the trials of each task together, or choose the "
+                f"grouping with --group-by (fields: {', '.join(GROUP_FIELDS)})")
+        elif singles:
+            result.warnings.append(f"{singles} of {len(groups)} groups have a single rollout: "
+                                   "their group advantage will be 0")
         token_counts = sorted(k for k in result.token_sources if k != "none")
         result.manifest = {
             "draco_version": __version__,
@@ -178,6 +200,7 @@ def ingest(
             "rollouts": result.rollouts,
             "steps": result.steps,
             "groups": result.groups,
+            "single_rollout_groups": singles,
             "rejected": result.rejected,
             "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
                                                           key=lambda kv: str(kv[0]))},

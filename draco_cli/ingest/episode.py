@@ -13,6 +13,7 @@ Positions are known only when every part of that sequence has a count.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -81,6 +82,7 @@ class Episode:
     # log tells them as a block (tau2: from the growth of prompt_tokens between calls).
     block_tokens: dict[int, int] = field(default_factory=dict)
     messages_field: str = "messages"  # what the log calls its message list, for errors
+    outcome_field: str = "outcome"  # what the log calls the outcome, for errors
 
 
 @dataclass
@@ -167,6 +169,10 @@ def _render_observation(msgs: list[Message]) -> str:
 def build(ep: Episode, opts: BuildOptions) -> Built:
     """Turn one episode into its rollouts row and steps rows (raises InputError)."""
     source, counter = opts.source, opts.counter
+    if ep.outcome is not None and not math.isfinite(ep.outcome):
+        # json accepts NaN and Infinity; a NaN outcome becomes NaN advantages for its group.
+        raise InputError(f"must be a finite number, got {ep.outcome}", file=source,
+                         row=ep.where, field=ep.outcome_field)
     check_messages(ep, source)
     msgs = ep.messages
     policy_idx = [i for i, m in enumerate(msgs) if m.role == "assistant" and m.policy]

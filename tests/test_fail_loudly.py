@@ -1,0 +1,218 @@
+"""Fail loudly (issue 13): a corpus of bad inputs, faults and crashes, run through the real CLI.
+
+Every case ends in a one-line error naming the file, row, field or option, exit 1 (bad input,
+failure) or 2 (usage), no traceback, and nothing that existed before destroyed.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+
+import numpy as np
+import polars as pl
+import pytest
+
+from draco_cli.io import write_table
+from draco_cli.schemas import Rollout, TokenAdvantages, VerdictAggregated
+from tests.conftest import SAMPLE, TAU2, run_draco, write_jsonl
+
+
+def one_line_error(res, code: int, *needles: str) -> str:
+    """The command failed with ``code``, one 'error:' line, no traceback, naming ``needles``."""
+    err = res.stderr.decode()
+    assert res.returncode == code, err
+    assert "Traceback" not in err, err
+    lines = [x for x in err.splitlines() if x.strip()]
+    assert len(lines) == 1 and lines[0].startswith("error: "), err
+    for n in needles:
+        assert n in lines[0], (n, lines[0])
+    return lines[0]
+
+
+def snapshot(folder) -> dict[str, bytes]:
+    """Every file under ``folder`` with its bytes (hidden bookkeeping files included)."""
+    return {str(p.relative_to(folder)): p.read_bytes()
+            for p in sorted(folder.rglob("*")) if p.is_file()}
+
+
+@pytest.fixture(scope="module")
+def sample(tmp_path_factory):
+    """A real ingest of the sample, with verdicts and a credit output beside it."""
+    d = tmp_path_factory.mktemp("sample")
+    res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                    "--tokenizer", "approx", "-o", str(d / "data"))
+    assert res.returncode == 0, res.stderr.decode()
+    steps = pl.read_parquet(d / "data" / "steps.parquet")
+    rollouts = pl.read_parquet(d / "data" / "rollouts.parquet")
+    rng = np.random.default_rng(0)
+    m = dict(steps.group_by("rollout_id").len().iter_rows())
+    rows = [{"rollout_id": rid, "criterion_id": f"c{c}", "judge": "j",
+             "verdict": str(rng.choice(["pass", "fail"])), "cited_steps": [1, m[rid]] if rid in m else [],
+             "reason": "r"} for rid in rollouts["rollout_id"] for c in range(4)]
+    write_table(pl.DataFrame(rows, schema_overrides={"cited_steps": pl.List(pl.Int32)}),
+                d / "data" / "verdicts.parquet", VerdictAggregated)
+    return d / "data"
+
+
+def credit_args(data, out, rollouts=None, verdicts=None):
+    return ("credit", "compute", "--rollouts", str(rollouts or data / "rollouts.parquet"),
+            "--steps", str(data / "steps.parquet"),
+            "--verdicts", str(verdicts or data / "verdicts.parquet"), "-o", str(out))
+
+
+# --- 1. never silently wrong: NaN / ±inf ----------------------------------------------------
+
+NON_FINITE = [("nan", "NaN"), ("inf", "Infinity"), ("-inf", "-Infinity")]
+
+
+@pytest.mark.parametrize("shown,literal", NON_FINITE, ids=[n for n, _ in NON_FINITE])
+def test_ingest_openai_jsonl_non_finite_outcome(tmp_path, chat_row, shown, literal):
+    src = tmp_path / "x.jsonl"
+    good = json.dumps(chat_row(rollout_id="a"))
+    bad = json.dumps(chat_row(rollout_id="b", outcome=0.5)).replace("0.5", literal)
+    src.write_text(good + "\n" + bad + "\n")
+    res = run_draco("ingest", "openai-jsonl", str(src), "-o", str(tmp_path / "out"))
+    one_line_error(res, 1, "x.jsonl", "line 2", "field 'outcome'", shown)
+    assert not (tmp_path / "out").exists() or not any((tmp_path / "out").glob("*.parquet"))
+
+
+@pytest.mark.parametrize("shown,literal", NON_FINITE, ids=[n for n, _ in NON_FINITE])
+def test_ingest_tau2_non_finite_reward(tmp_path, shown, literal):
+    doc = json.loads(TAU2.read_text())
+    doc["simulations"] = doc["simulations"][:3]
+    doc["simulations"][2]["reward_info"]["reward"] = 0.123456
+    text = json.dumps(doc).replace("0.123456", literal)
+    bad = tmp_path / "t2.json"
+    bad.write_text(text)
+    res = run_draco("ingest", "tau2-bench", str(bad), "-o", str(tmp_path / "out"))
+    one_line_error(res, 1, "t2.json", "simulations[2]", "field 'reward_info.reward'", shown)
+
+
+def _rollouts_with_outcome(data, tmp_path, value, row=3):
+    r = pl.read_parquet(data / "rollouts.parquet")
+    outcome = r["outcome"].to_list()
+    outcome[row] = value
+    path = tmp_path / "rollouts.parquet"
+    # written as a plain Parquet file, as a user's own script would
+    r.with_columns(pl.Series("outcome", outcome, dtype=pl.Float64)).write_parquet(path)
+    return path
+
+
+@pytest.mark.parametrize("value", [math.nan, math.inf, -math.inf], ids=["nan", "inf", "-inf"])
+def test_credit_compute_reward_outcome_refuses_non_finite(sample, tmp_path, value):
+    bad = _rollouts_with_outcome(sample, tmp_path, value)
+    out = tmp_path / "credit"
+    res = run_draco(*credit_args(sample, out, rollouts=bad), "--reward", "outcome")
+    one_line_error(res, 1, str(bad), "row 3", "field 'outcome'")
+    assert not out.exists() or not any(out.glob("*.parquet"))
+
+
+def test_validate_catches_non_finite_outcome(sample, tmp_path):
+    bad = _rollouts_with_outcome(sample, tmp_path, math.nan)
+    res = run_draco("validate", str(bad))
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "Traceback" not in err
+    assert "row 3: field 'outcome': must be a finite number, got nan" in err, err
+    assert "ok" not in err.split("error:")[0]
+
+
+@pytest.fixture
+def credit_out(sample, tmp_path):
+    out = tmp_path / "credit"
+    res = run_draco(*credit_args(sample, out), "--tokens", "both")
+    assert res.returncode == 0, res.stderr.decode()
+    return out
+
+
+@pytest.mark.parametrize("column", ["advantages", "span_value"])
+def test_credit_expand_refuses_non_finite(credit_out, tmp_path, column):
+    ta = pl.read_parquet(credit_out / "token_advantages.parquet")
+    values = ta[column].to_list()
+    values[2] = list(values[2]) + [float("nan")]
+    bad = tmp_path / "token_advantages.parquet"
+    ta.with_columns(pl.Series(column, values, dtype=pl.List(pl.Float32))).write_parquet(bad)
+    res = run_draco("credit", "expand", "--token-advantages", str(bad), "-o",
+                    str(tmp_path / "dense.parquet"))
+    one_line_error(res, 1, str(bad), "row 2", f"field '{column}'", "nan")
+    assert not (tmp_path / "dense.parquet").exists()
+
+
+@pytest.mark.parametrize("table,column", [("rewards", "advantage"), ("step_credit", "advantage"),
+                                          ("rewards", "reward")])
+def test_validate_catches_non_finite_credit_tables(credit_out, tmp_path, table, column):
+    df = pl.read_parquet(credit_out / f"{table}.parquet")
+    values = df[column].to_list()
+    values[1] = float("inf")
+    path = tmp_path / f"{table}.parquet"
+    df.with_columns(pl.Series(column, values, dtype=pl.Float64)).write_parquet(path)
+    res = run_draco("validate", str(path))
+    assert res.returncode == 1
+    assert f"row 1: field '{column}': must be a finite number, got inf" in res.stderr.decode()
+
+
+@pytest.mark.parametrize("which,column", [("plan", "prediction"), ("labels", "return")])
+def test_replay_correct_refuses_non_finite(tmp_path, which, column):
+    plan = pl.DataFrame({"rollout_id": ["a", "a"], "step": [1, 2], "prediction": [0.1, 0.2],
+                         "p": [1.0, 1.0], "selected": [True, True]})
+    labels = pl.DataFrame({"rollout_id": ["a"] * 4, "step": [1, 1, 2, 2],
+                           "side": ["realized", "resampled"] * 2,
+                           "return": [1.0, 0.0, 1.0, 0.5]})
+    frames = {"plan": plan, "labels": labels}
+    frames[which] = frames[which].with_columns(
+        pl.when(pl.int_range(pl.len()) == 1).then(float("nan")).otherwise(pl.col(column))
+        .alias(column))
+    for name, df in frames.items():
+        df.write_parquet(tmp_path / f"{name}.parquet")
+    res = run_draco("replay", "correct", "--plan", str(tmp_path / "plan.parquet"),
+                    "--labels", str(tmp_path / "labels.parquet"), "-o", str(tmp_path / "c"))
+    one_line_error(res, 1, f"{which}.parquet", "row 1", f"field '{column}'", "nan")
+
+
+# --- 1. never silently wrong: empty inputs, groups of one ----------------------------------
+
+EMPTY = [
+    ("openai-jsonl", "empty.jsonl", "", "empty.jsonl: no rollouts in this file"),
+    ("openai-jsonl", "blank.jsonl", "\n\n  \n", "blank.jsonl: no rollouts in this file"),
+    ("tau-bench", "empty.json", "[]", "empty.json: no rollouts in this file"),
+    ("tau2-bench", "nosims.json", '{"timestamp": "x", "tasks": []}',
+     "nosims.json: field 'simulations': no simulations"),
+    ("tau2-bench", "emptysims.json", '{"tasks": [], "simulations": []}',
+     "emptysims.json: field 'simulations': no simulations"),
+]
+
+
+@pytest.mark.parametrize("fmt,name,text,message", EMPTY, ids=[c[1] for c in EMPTY])
+def test_empty_inputs_are_errors(tmp_path, fmt, name, text, message):
+    src = tmp_path / name
+    src.write_text(text)
+    res = run_draco("ingest", fmt, str(src), "--tokenizer", "approx", "-o", str(tmp_path / "o"))
+    one_line_error(res, 1, message)
+    assert not (tmp_path / "o" / "rollouts.parquet").exists()
+
+
+def test_all_entries_rejected_is_an_error(tmp_path):
+    src = write_jsonl(tmp_path / "x.jsonl", ["{broken", "[1]"])
+    res = run_draco("ingest", "openai-jsonl", str(src), "--skip-invalid", "-o",
+                    str(tmp_path / "o"))
+    one_line_error(res, 1, "all 2 entries were rejected", "invalid JSON")
+
+
+def test_groups_of_one_warn(tmp_path):
+    doc = json.loads(TAU2.read_text())
+    doc["simulations"] = doc["simulations"][:4]
+    src = tmp_path / "t2.json"
+    src.write_text(json.dumps(doc))
+    res = run_draco("ingest", "tau2-bench", str(src), "-o", str(tmp_path / "o"))
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    assert "warning: every group has a single rollout" in err
+    assert "every group advantage will be 0" in err and "--group-by" in err
+    manifest = json.loads((tmp_path / "o" / "manifest.json").read_text())
+    assert manifest["single_rollout_groups"] == manifest["groups"] == 4
+
+
+def test_groups_with_members_do_not_warn(sample, tmp_path):
+    res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                    "--tokenizer", "approx", "-o", str(tmp_path / "o"))
+    assert res.returncode == 0 and "warning" not in res.stderr.decode()
