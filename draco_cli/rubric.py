@@ -244,12 +244,19 @@ def _criteria_from(data, source: str) -> list[dict]:
         raise InputError("expected a non-empty list of criteria (or {criteria: [...]})",
                          file=source, field="criteria")
     out = []
+    seen: dict[tuple[str, str], int] = {}
     for i, c in enumerate(items):
         if not isinstance(c, dict):
             raise InputError("a criterion must be a mapping", file=source, row=f"criterion {i}")
         for key in ("title", "requirement"):
             if not isinstance(c.get(key), str) or not c[key].strip():
                 raise InputError("missing or empty", file=source, row=f"criterion {i}", field=key)
+        key = (normalise(c["title"]), normalise(c["requirement"]))
+        if key in seen:
+            # The same text gets the same criterion id: two rows with one key downstream.
+            raise InputError(f"repeats criterion {seen[key]} (same title and requirement)",
+                             file=source, row=f"criterion {i}", field="title")
+        seen[key] = i
         out.append({"title": c["title"].strip(), "requirement": c["requirement"].strip()})
     return out
 

@@ -8,7 +8,10 @@ from __future__ import annotations
 
 from pathlib import Path
 
+import numpy as np
 import polars as pl
+import pyarrow as pa
+import pyarrow.compute as pc
 
 from draco_cli.errors import InputError
 from draco_cli.io import conform, read_arrow
@@ -76,6 +79,10 @@ def validate_paths(paths: list[str | Path]) -> tuple[dict[str, int], list[str]]:
     for name in ("verdicts", "verdicts_raw"):
         if name in frames and "rollouts" in frames:
             problems += check_known_rollouts(frames[name], frames["rollouts"])
+        if name in frames and "steps" in frames:
+            problems += check_citations(frames[name], frames["steps"])
+    if "token_advantages" in frames:
+        problems += check_token_advantages(*frames["token_advantages"])
     return counts, problems
 
 
@@ -92,29 +99,10 @@ def check_rollouts(source: str, df: pl.DataFrame) -> list[str]:
             f"{source}: field 'group_id': task {row['task_id']!r} at train_step "
             f"{row['train_step']} is split over groups {sorted(row['g'])}"
         )
-    spans = df.with_row_index("__row").filter(pl.col("policy_spans").is_not_null())
-    if spans.height:
-        flat = spans.select("__row", "response_len", pl.col("policy_spans")).explode("policy_spans")
-        flat = flat.filter(pl.col("policy_spans").is_not_null()).with_columns(
-            pl.col("policy_spans").list.len().alias("__len"),
-            pl.col("policy_spans").list.get(0, null_on_oob=True).alias("s"),
-            pl.col("policy_spans").list.get(1, null_on_oob=True).alias("e"),
-        )
-        bad_shape = pl.col("__len") != 2
-        rows, n = _rows(flat, bad_shape)
-        _report(problems, source, "policy_spans", "a span must be [start, end)",
-                [int(flat["__row"][r]) for r in rows], n)
-        ok = flat.filter(~bad_shape)
-        rows, n = _rows(ok, (pl.col("s") < 0) | (pl.col("e") <= pl.col("s")))
-        _report(problems, source, "policy_spans", "span with start < 0 or end <= start",
-                sorted({int(ok["__row"][r]) for r in rows}), n)
-        rows, n = _rows(ok, pl.col("response_len").is_not_null() & (pl.col("e") > pl.col("response_len")))
-        _report(problems, source, "policy_spans", "span ends past response_len",
-                sorted({int(ok["__row"][r]) for r in rows}), n)
-        order = ok.with_columns(pl.col("e").shift(1).over("__row").alias("prev_e"))
-        rows, n = _rows(order, pl.col("prev_e").is_not_null() & (pl.col("s") < pl.col("prev_e")))
-        _report(problems, source, "policy_spans", "spans overlap or are out of order",
-                sorted({int(order["__row"][r]) for r in rows}), n)
+    if "policy_spans" in df.columns:
+        resp = df["response_len"] if "response_len" in df.columns else None
+        for rows, n, what in policy_span_issues(df["policy_spans"].to_arrow(), resp):
+            _report(problems, source, "policy_spans", what, rows, n)
     return problems
 
 
@@ -175,4 +163,120 @@ def check_known_rollouts(table: tuple[str, pl.DataFrame], rollouts: tuple[str, p
     problems: list[str] = []
     _report(problems, src, "rollout_id", f"no such rollout in {rsrc}",
             orphan["__row"].head(MAX_PER_RULE).to_list(), orphan.height)
+    return problems
+
+
+# --- checks shared with the commands that read these columns --------------------------------
+# Each returns (first rows, how many, what is wrong) per broken rule: validate lists them all,
+# a command raises the first (``raise_first``). One check, so validate and the commands that
+# compute from these columns can never disagree about what is valid.
+
+Issue = tuple[list[int], int, str]
+
+
+def _issue(rows: np.ndarray, what: str) -> list[Issue]:
+    rows = np.unique(rows)
+    return [(rows[:MAX_PER_RULE].tolist(), int(rows.size), what)] if rows.size else []
+
+
+def _combined(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+    return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
+
+
+def _is_list(t: pa.DataType) -> bool:
+    return pa.types.is_list(t) or pa.types.is_large_list(t)
+
+
+def policy_span_issues(spans: pa.Array | pa.ChunkedArray,
+                       response_len: pl.Series | None = None) -> list[Issue]:
+    """policy_spans: list<list<int>> of half-open [start, end) pairs, start >= 0, end > start,
+    sorted and non-overlapping within a rollout, ending at or before response_len."""
+    t = spans.type
+    if not (_is_list(t) and _is_list(t.value_type) and pa.types.is_integer(t.value_type.value_type)):
+        return [([], 1, f"expected list<list<int32>>, got {t}")]
+    spans = _combined(spans)
+    parent = pc.list_parent_indices(spans).to_numpy().astype(np.int64)
+    inner = pc.list_flatten(spans)
+    lens = pc.list_value_length(inner).fill_null(0).to_numpy(zero_copy_only=False)
+    shape = _issue(parent[lens != 2], "a span must be a [start, end) pair")
+    if shape:
+        return shape
+    pairs = pc.list_flatten(inner)
+    if pairs.null_count:
+        null = pc.is_null(pairs).to_numpy(zero_copy_only=False).reshape(-1, 2).any(axis=1)
+        return _issue(parent[null], "a span bound is null")
+    pairs = pairs.to_numpy(zero_copy_only=False).astype(np.int64)
+    start, end = pairs[0::2], pairs[1::2]
+    issues = _issue(parent[(start < 0) | (end <= start)], "span with start < 0 or end <= start")
+    if response_len is not None:
+        resp = response_len.fill_null(-1).to_numpy().astype(np.int64)[parent]
+        issues += _issue(parent[(resp >= 0) & (end > resp)], "span ends past response_len")
+    same = parent[1:] == parent[:-1]
+    issues += _issue(parent[1:][same & (start[1:] < end[:-1])],
+                     "spans overlap or are out of order")
+    return issues
+
+
+def token_advantage_issues(df: pl.DataFrame) -> list[tuple[str, Issue]]:
+    """token_advantages: span lists of equal length, each span inside 0..length, non-empty,
+    sorted and non-overlapping; a dense list of exactly ``length`` values."""
+    out: list[tuple[str, Issue]] = []
+    length = df["length"].to_numpy().astype(np.int64)
+    if "advantages" in df.columns:
+        n = df["advantages"].list.len()
+        bad = np.flatnonzero((n.is_not_null() & (n != df["length"])).to_numpy())
+        out += [("advantages", i) for i in _issue(bad, "holds a different number of values "
+                                                   "than length")]
+    if all(c in df.columns for c in ("span_start", "span_end", "span_value")):
+        ns = [df[c].list.len().fill_null(0).to_numpy() for c in
+              ("span_start", "span_end", "span_value")]
+        bad = np.flatnonzero((ns[0] != ns[1]) | (ns[0] != ns[2]))
+        issue = _issue(bad, "span_start, span_end and span_value differ in length")
+        if issue:
+            return out + [("span_start", i) for i in issue]
+        row = np.repeat(np.arange(df.height, dtype=np.int64), ns[0])
+        start = _combined(pc.list_flatten(_combined(df["span_start"].to_arrow())))
+        end = _combined(pc.list_flatten(_combined(df["span_end"].to_arrow())))
+        start = start.to_numpy(zero_copy_only=False).astype(np.int64)
+        end = end.to_numpy(zero_copy_only=False).astype(np.int64)
+        out += [("span_start", i) for i in _issue(
+            row[(start < 0) | (end <= start) | (end > length[row])],
+            "span outside 0..length, or empty")]
+        same = row[1:] == row[:-1]
+        out += [("span_start", i) for i in _issue(
+            row[1:][same & (start[1:] < end[:-1])], "token spans overlap or are out of order")]
+    return out
+
+
+def raise_first(issues: list[Issue], source: str, field: str) -> None:
+    """Raise the first issue as an InputError (how commands use the shared checks)."""
+    if issues:
+        rows, n, what = issues[0]
+        more = f" ({n} rows)" if n > 1 else ""
+        raise InputError(what + more, file=source, row=rows[0] if rows else None, field=field)
+
+
+def check_token_advantages(source: str, df: pl.DataFrame) -> list[str]:
+    problems: list[str] = []
+    for field, (rows, n, what) in token_advantage_issues(df):
+        _report(problems, source, field, what, rows, n)
+    return problems
+
+
+def check_citations(table: tuple[str, pl.DataFrame], steps: tuple[str, pl.DataFrame]):
+    """Every cited step exists: 1 <= step <= the rollout's last step."""
+    (src, df), (ssrc, s) = table, steps
+    last = s.group_by("rollout_id").agg(pl.col("step").max().alias("__M"))
+    cited = (df.select("rollout_id", "cited_steps").with_row_index("__row")
+             .explode("cited_steps").filter(pl.col("cited_steps").is_not_null())
+             .join(last, on="rollout_id", how="left").with_columns(pl.col("__M").fill_null(0)))
+    bad = cited.filter((pl.col("cited_steps") < 1) | (pl.col("cited_steps") > pl.col("__M")))
+    problems: list[str] = []
+    if bad.height:
+        first = bad.row(0, named=True)
+        rows = sorted(set(bad["__row"].to_list()))
+        _report(problems, src, "cited_steps",
+                f"cites steps that do not exist in {ssrc} (e.g. step {first['cited_steps']} of "
+                f"rollout {first['rollout_id']!r}, which has {first['__M']})",
+                rows[:MAX_PER_RULE], len(rows))
     return problems

@@ -216,3 +216,116 @@ def test_groups_with_members_do_not_warn(sample, tmp_path):
     res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
                     "--tokenizer", "approx", "-o", str(tmp_path / "o"))
     assert res.returncode == 0 and "warning" not in res.stderr.decode()
+
+
+# --- 2. contracts validate used to miss ------------------------------------------------------
+
+
+def _verdicts_citing(sample, tmp_path, steps):
+    v = pl.read_parquet(sample / "verdicts.parquet")
+    cited = v["cited_steps"].to_list()
+    cited[5] = steps
+    path = tmp_path / "verdicts.parquet"
+    v.with_columns(pl.Series("cited_steps", cited, dtype=pl.List(pl.Int32))).write_parquet(path)
+    return path
+
+
+def test_validate_flags_citations_past_the_last_step(sample, tmp_path):
+    bad = _verdicts_citing(sample, tmp_path, [1, 999])
+    res = run_draco("validate", str(sample / "rollouts.parquet"), str(sample / "steps.parquet"),
+                    str(bad))
+    err = res.stderr.decode()
+    assert res.returncode == 1, err
+    assert "verdicts.parquet: row 5: field 'cited_steps': cites steps that do not exist" in err
+    assert "step 999" in err
+
+
+@pytest.mark.parametrize("command", ["validate", "credit"])
+def test_negative_citation_refused(sample, tmp_path, command):
+    bad = _verdicts_citing(sample, tmp_path, [-4])
+    if command == "validate":
+        res = run_draco("validate", str(bad))
+        assert res.returncode == 1
+        assert "row 5: field 'cited_steps': every element must be >= 1, got [-4]" in \
+            res.stderr.decode()
+    else:
+        res = run_draco(*credit_args(sample, tmp_path / "c", verdicts=bad))
+        one_line_error(res, 1, str(bad), "row 5", "field 'cited_steps'", "[-4]")
+
+
+def _rollouts_with(sample, tmp_path, **columns):
+    r = pl.read_parquet(sample / "rollouts.parquet")
+    for name, (row, value) in columns.items():
+        values = r[name].to_list()
+        values[row] = value
+        r = r.with_columns(pl.Series(name, values, dtype=r.schema[name]))
+    path = tmp_path / "rollouts.parquet"
+    r.write_parquet(path)
+    return path
+
+
+SPAN_CASES = [
+    ("overlap", lambda sp: [sp[0], [sp[0][0] + 1, sp[0][1]]] + sp[1:],
+     "spans overlap or are out of order"),
+    ("reversed", lambda sp: [[sp[0][1], sp[0][0]]] + sp[1:], "span with start < 0 or end <= start"),
+    ("past end", lambda sp: sp[:-1] + [[sp[-1][0], sp[-1][1] + 10_000]],
+     "span ends past response_len"),
+    ("triple", lambda sp: [sp[0] + [1]] + sp[1:], "a span must be a [start, end) pair"),
+]
+
+
+@pytest.mark.parametrize("name,mutate,message", SPAN_CASES, ids=[c[0] for c in SPAN_CASES])
+def test_policy_spans_one_rule_for_validate_and_credit(sample, tmp_path, name, mutate, message):
+    r = pl.read_parquet(sample / "rollouts.parquet")
+    spans = r["policy_spans"][4].to_list()
+    bad = _rollouts_with(sample, tmp_path, policy_spans=(4, mutate(spans)))
+    val = run_draco("validate", str(bad))
+    assert val.returncode == 1
+    assert f"row 4: field 'policy_spans': {message}" in val.stderr.decode()
+    res = run_draco(*credit_args(sample, tmp_path / "c", rollouts=bad), "--credit", "uniform")
+    one_line_error(res, 1, str(bad), "row 4", "field 'policy_spans'", message)
+    assert not (tmp_path / "c").exists() or not any((tmp_path / "c").glob("*.parquet"))
+
+
+def test_overlapping_token_spans(credit_out, tmp_path):
+    ta = pl.read_parquet(credit_out / "token_advantages.parquet").drop("advantages")
+    row = next(i for i, s in enumerate(ta["span_start"].to_list()) if len(s) >= 2)
+    starts = ta["span_start"].to_list()
+    starts[row] = [starts[row][0], starts[row][0]] + starts[row][2:]  # 2nd starts inside 1st
+    bad = tmp_path / "token_advantages.parquet"
+    ta.with_columns(pl.Series("span_start", starts, dtype=pl.List(pl.Int32))).write_parquet(bad)
+    val = run_draco("validate", str(bad))
+    assert val.returncode == 1
+    assert f"row {row}: field 'span_start': token spans overlap" in val.stderr.decode()
+    res = run_draco("credit", "expand", "--token-advantages", str(bad), "-o",
+                    str(tmp_path / "d.parquet"))
+    one_line_error(res, 1, str(bad), f"row {row}", "field 'span_start'", "overlap")
+
+
+def test_repeated_static_criterion_refused(sample, tmp_path):
+    rubric = tmp_path / "r.yaml"
+    rubric.write_text("criteria:\n"
+                      "  - {title: Pages, requirement: Reads every page.}\n"
+                      "  - {title: Stops, requirement: Stops when done.}\n"
+                      "  - {title: 'pages!', requirement: 'Reads every  page'}\n")
+    res = run_draco("rubric", "static", "--rollouts", str(sample / "rollouts.parquet"),
+                    "--rubric", str(rubric), "-o", str(tmp_path / "rb"))
+    one_line_error(res, 1, "r.yaml", "criterion 2", "field 'title'", "repeats criterion 0")
+
+
+def test_duplicate_group_criterion_key_in_validate(tmp_path):
+    rb = pl.DataFrame({"group_id": ["g", "g"], "criterion_id": ["c1", "c1"],
+                       "title": ["a", "a"], "requirement": ["r", "r"],
+                       "source": ["static", "static"]})
+    rb.write_parquet(tmp_path / "rubrics.parquet")
+    res = run_draco("validate", str(tmp_path / "rubrics.parquet"))
+    assert res.returncode == 1
+    assert "row 1: field '(group_id, criterion_id)': duplicate key" in res.stderr.decode()
+
+
+def test_implausible_response_len_refused_before_allocating(sample, tmp_path):
+    bad = _rollouts_with(sample, tmp_path, response_len=(2, 2**31 - 1))
+    res = run_draco(*credit_args(sample, tmp_path / "c", rollouts=bad), "--tokens", "dense")
+    one_line_error(res, 1, str(bad), "row 2", "field 'response_len'", "implausible value 2147483647")
+    val = run_draco("validate", str(bad))
+    assert val.returncode == 1 and "implausible value 2147483647" in val.stderr.decode()
