@@ -5,15 +5,23 @@
   operations; the first offending row of each broken rule is named with file, row and field.
 - Every write is atomic (a temporary file in the destination folder, then ``os.replace``), and
   refuses to replace an existing file unless ``force`` is set.
+- A command's outputs are one *output set* (``OutputSet``): written into a hidden staging
+  folder under a per-folder lock, then published by renames recorded in a journal, so a set
+  appears whole or not at all, and carries one id in every table's metadata.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
 import math
 import os
+import shutil
 import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -23,7 +31,7 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from draco_cli.errors import InputError, OutputExistsError
+from draco_cli.errors import DracoError, InputError, OutputExistsError, UsageError
 from draco_cli.schemas import Column, Table, arrow_schema, columns
 
 STDIO = "-"
@@ -46,7 +54,9 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
     """
     dest = Path(path)
     check_writable(dest, force)
-    dest.parent.mkdir(parents=True, exist_ok=True)
+    if dest.is_dir():
+        raise UsageError(f"{dest}: is a folder, expected a file name")
+    prepare_out_dir(dest.parent, "output folder")
     fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
     os.close(fd)
     try:
@@ -60,6 +70,166 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(tmp)
         raise
+
+
+def prepare_out_dir(out: str | os.PathLike, option: str = "-o") -> Path:
+    """Create the output folder, or say in one line why it cannot be one."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option} {out}: is a file, expected a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        parent = next((p for p in out.parents if p.exists() and not p.is_dir()), out.parent)
+        raise UsageError(f"{option} {out}: {parent} is a file, not a folder") from None
+    return out
+
+
+# --- output sets: a folder lock, a staging folder, a journalled publication ---------------
+
+LOCK_FILE = ".draco-write.lock"
+STAGING_PREFIX = ".draco-staging-"
+JOURNAL_FILE = ".draco-publish.json"
+SET_ID_KEY = "draco.output_set"
+SET_MEMBERS_KEY = "draco.output_set_members"
+DEFAULT_LOCK_WAIT = 30.0  # seconds a second writer waits before refusing
+
+
+class FolderBusy(DracoError):
+    """Another process holds the folder's write lock for longer than we wait."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, wait: float | None = None) -> Iterator[None]:
+    """Hold ``folder``'s write lock (an flock, released by the kernel even on kill -9).
+
+    A second writer polls for up to ``wait`` seconds (``DRACO_LOCK_WAIT``, default 30), then
+    refuses with the holder's pid."""
+    if wait is None:
+        wait = float(os.environ.get("DRACO_LOCK_WAIT", DEFAULT_LOCK_WAIT))
+    path = Path(folder) / LOCK_FILE
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    raise FolderBusy(
+                        f"{folder} is being written by another draco command (pid {holder}); "
+                        f"waited {wait:g}s; rerun when it has finished") from None
+                time.sleep(0.05)
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        try:
+            yield
+        finally:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def recover_folder(folder: Path) -> bool:
+    """Under the folder's lock: finish a publication a killed process left half done (its
+    journal lists the renames; each is idempotent), and remove stale staging folders.
+    Returns whether a publication was completed."""
+    journal = folder / JOURNAL_FILE
+    completed = False
+    if journal.exists():
+        try:
+            plan = json.loads(journal.read_text())
+            staging = folder / plan["staging"]
+            for name in plan["files"]:
+                if (staging / name).exists():
+                    os.replace(staging / name, folder / name)
+            completed = True
+        except (ValueError, KeyError, TypeError):
+            pass  # written atomically, so unreadable means not ours: nothing was renamed
+        journal.unlink()
+    for stale in folder.glob(STAGING_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return completed
+
+
+class OutputSet:
+    """The files one command writes into one folder, published together.
+
+    Usage: ``with OutputSet(out, ["a.parquet", "b.parquet"], force=f) as s: s.write_table(...)``.
+    On entry: the folder is created and locked, an interrupted earlier publication is
+    completed, existing outputs are refused without ``force``. Writes go to a hidden staging
+    folder. On a clean exit the files are renamed into place (a journal makes the renames
+    restartable); on an exception nothing is published and the staging folder is removed.
+    ``replaceable`` names may be written over without ``force`` (e.g. rejects.jsonl).
+    """
+
+    def __init__(self, folder: str | os.PathLike, names: list[str], *, force: bool = False,
+                 replaceable: tuple[str, ...] = (), option: str = "-o") -> None:
+        self.folder = Path(folder)
+        self.names = list(names) + [n for n in replaceable if n not in names]
+        self.checked = list(names)
+        self.force = force
+        self.option = option
+        self.id = uuid.uuid4().hex
+        self._stack = contextlib.ExitStack()
+        self.staging: Path | None = None
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        tables = [n for n in self.names if n.endswith(".parquet")]
+        return {SET_ID_KEY: self.id, SET_MEMBERS_KEY: ",".join(tables)}
+
+    def __enter__(self) -> OutputSet:
+        self._created = not self.folder.exists()
+        prepare_out_dir(self.folder, self.option)
+        with contextlib.ExitStack() as stack:
+            stack.enter_context(folder_lock(self.folder))
+            recover_folder(self.folder)
+            for name in self.checked:
+                check_writable(self.folder / name, self.force)
+            self.staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
+            self._stack = stack.pop_all()
+        return self
+
+    def path(self, name: str) -> Path:
+        if name not in self.names or self.staging is None:
+            raise ValueError(f"{name} is not part of this output set")
+        return self.staging / name
+
+    def write_table(self, df: pl.DataFrame | pa.Table, name: str, model: type[Table],
+                    **kwargs) -> None:
+        meta = {**(kwargs.pop("metadata", None) or {}), **self.metadata}
+        write_table(df, self.path(name), model, force=True, metadata=meta, **kwargs)
+
+    def write_text(self, name: str, text: str) -> None:
+        self.path(name).write_text(text, encoding="utf-8")
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                self._publish()
+        finally:
+            assert self.staging is not None
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self._stack.close()
+            if exc_type is not None and self._created:
+                # A failed first write leaves no trace: not even the folder it made.
+                with contextlib.suppress(OSError):
+                    if os.listdir(self.folder) == [LOCK_FILE]:
+                        os.unlink(self.folder / LOCK_FILE)
+                        os.rmdir(self.folder)
+
+    def _publish(self) -> None:
+        assert self.staging is not None
+        files = [n for n in self.names if (self.staging / n).exists()]
+        journal = self.folder / JOURNAL_FILE
+        write_text_atomic(journal, json.dumps({"set": self.id, "staging": self.staging.name,
+                                               "files": files}), force=True)
+        for name in files:
+            os.replace(self.staging / name, self.folder / name)
+        journal.unlink()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, force: bool = False) -> None:
@@ -139,9 +309,14 @@ class StreamingTableWriter:
     Memory stays bounded by the batch size, whatever the input size.
     """
 
-    def __init__(self, path: str | os.PathLike, model: type[Table], force: bool = False):
+    def __init__(self, path: str | os.PathLike, model: type[Table], force: bool = False,
+                 metadata: dict[str, str] | None = None):
         self.model = model
         self.schema = arrow_schema(model)
+        if metadata:
+            merged = dict(self.schema.metadata or {})
+            merged.update({k.encode(): v.encode() for k, v in metadata.items()})
+            self.schema = self.schema.with_metadata(merged)
         self._ctx = atomic_path(path, force)
         self._tmp = self._ctx.__enter__()
         self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")

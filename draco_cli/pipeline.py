@@ -13,7 +13,8 @@ import pyarrow as pa
 from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
     narrow_judge
 from draco_cli.errors import InputError
-from draco_cli.io import STDIO, check_writable, conform, read_arrow, read_table, write_table
+from draco_cli.io import STDIO, OutputSet, check_writable, conform, read_arrow, read_table, \
+    write_table
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
@@ -83,10 +84,11 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     layouts = sorted(set(ta["layout"].to_list()))
     meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
             "draco.token_form": tokens}
-    write_table(result.rewards, targets[0], Reward, force=force)
-    write_table(result.step_credit, targets[1], StepCredit, force=force)
-    write_table(ta, targets[2], TokenAdvantages, force=force, drop_absent_optional=True,
-                metadata=meta)
+    with OutputSet(out, [t.name for t in targets], force=force) as output:
+        output.write_table(result.rewards, targets[0].name, Reward)
+        output.write_table(result.step_credit, targets[1].name, StepCredit)
+        output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
+                           metadata=meta)
     return result.stats
 
 

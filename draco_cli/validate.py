@@ -6,15 +6,18 @@ find, each naming file, row and field, so a user fixes a log in one pass.
 
 from __future__ import annotations
 
+import json
+from dataclasses import dataclass
 from pathlib import Path
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
+import pyarrow.parquet as pq
 
 from draco_cli.errors import InputError
-from draco_cli.io import conform, read_arrow
+from draco_cli.io import JOURNAL_FILE, SET_ID_KEY, SET_MEMBERS_KEY, STDIO, conform, read_arrow
 from draco_cli.schemas import TABLES, Table
 
 MAX_PER_RULE = 5  # rows listed per broken rule; the count says how many in all
@@ -44,46 +47,260 @@ def _report(problems: list[str], source: str, field: str, what: str, rows: list[
         problems.append(f"{source}: row {listed}: field '{field}': {what}")
 
 
-def validate_paths(paths: list[str | Path]) -> tuple[dict[str, int], list[str]]:
-    """Validate files; return (rows per table, problems). Tables are matched to their
-    contract by metadata or file name (rollouts.parquet, steps.parquet, ...)."""
-    frames: dict[str, tuple[str, pl.DataFrame]] = {}
-    problems: list[str] = []
-    counts: dict[str, int] = {}
-    for path in paths:
+LLM_CALLS = "llm_calls.parquet"  # draco's export of a call log (draco_cli.llm.calllog)
+LLM_CALLS_COLUMNS = ("request_hash", "phase", "status")
+
+
+@dataclass
+class Loaded:
+    source: str
+    model: type[Table] | None  # None: the call-log export
+    df: pl.DataFrame
+    metadata: dict[bytes, bytes]
+
+
+class _Loader:
+    """Reads each file once, however many sets it is context for."""
+
+    def __init__(self) -> None:
+        self.cache: dict[str, Loaded | str] = {}
+
+    def __call__(self, path: str | Path) -> Loaded | str:
+        """The checked table, or the problem that stopped reading it."""
+        key = str(path)
+        if key not in self.cache:
+            self.cache[key] = self._load(path)
+        return self.cache[key]
+
+    def _load(self, path: str | Path) -> Loaded | str:
         try:
             arrow = read_arrow(path)
-            model = detect_table(path, arrow.schema.metadata)
+            meta = dict(arrow.schema.metadata or {})
+            if Path(path).name == LLM_CALLS and b"draco.table" not in meta:
+                df = pl.from_arrow(arrow)
+                missing = [c for c in LLM_CALLS_COLUMNS if c not in df.columns]
+                if missing:
+                    return f"{path}: field '{missing[0]}': missing column of a draco call log"
+                return Loaded(_name(path), None, df, meta)
+            model = detect_table(path, meta)
             if model is None:
-                problems.append(
-                    f"{path}: cannot tell which table this is (name it after the table, "
-                    f"e.g. rollouts.parquet, or write it with draco)"
-                )
-                continue
+                return (f"{path}: cannot tell which table this is (name it after the table, "
+                        f"e.g. rollouts.parquet, or write it with draco)")
             df = conform(pl.from_arrow(arrow), model, _name(path))
         except InputError as exc:
-            problems.append(str(exc))
+            return str(exc)
+        return Loaded(_name(path), model, df, meta)
+
+
+def validate_paths(paths: list[str | Path], context: list[str | Path] = (),
+                   loader: _Loader | None = None) -> tuple[dict[str, int], list[str]]:
+    """Validate files as one set; return (rows per table, problems). Tables are matched to
+    their contract by metadata or file name (rollouts.parquet, steps.parquet, ...).
+
+    ``context`` tables (e.g. a run's rollouts and steps, for its verdicts) take part in the
+    checks across tables but are not themselves checked or counted here."""
+    load = loader or _Loader()
+    frames: dict[str, tuple[str, pl.DataFrame]] = {}
+    own: set[str] = set()
+    problems: list[str] = []
+    counts: dict[str, int] = {}
+    loaded: list[tuple[Path, Loaded]] = []
+    manifests: list[Path] = []
+    for path in paths:
+        if Path(path).name == "manifest.json":
+            manifests.append(Path(path))
             continue
-        if model.table_name in frames:
-            problems.append(f"{path}: a second '{model.table_name}' table (first: "
-                            f"{frames[model.table_name][0]}); validate one set at a time")
+        item = load(path)
+        if isinstance(item, str):
+            problems.append(item)
             continue
-        frames[model.table_name] = (_name(path), df)
-        counts[model.table_name] = df.height
-    if "rollouts" in frames:
+        name = "llm_calls" if item.model is None else item.model.table_name
+        if name in frames:
+            problems.append(f"{path}: a second '{name}' table (first: "
+                            f"{frames[name][0]}); validate one set at a time")
+            continue
+        frames[name] = (item.source, item.df)
+        own.add(name)
+        counts[name] = item.df.height
+        loaded.append((Path(path), item))
+    for path in context:
+        item = load(path)
+        if not isinstance(item, str) and item.model is not None \
+                and item.model.table_name not in frames:
+            frames[item.model.table_name] = (item.source, item.df)
+    if "llm_calls" in own:
+        problems += check_llm_calls(*frames["llm_calls"])
+    if "rollouts" in own:
         problems += check_rollouts(*frames["rollouts"])
-    if "steps" in frames:
+    if "steps" in own:
         problems += check_steps(*frames["steps"])
-    if "rollouts" in frames and "steps" in frames:
+    if "rollouts" in frames and "steps" in frames and own & {"rollouts", "steps"}:
         problems += check_rollouts_steps(frames["rollouts"], frames["steps"])
     for name in ("verdicts", "verdicts_raw"):
-        if name in frames and "rollouts" in frames:
+        if name in own and "rollouts" in frames:
             problems += check_known_rollouts(frames[name], frames["rollouts"])
-        if name in frames and "steps" in frames:
+        if name in own and "steps" in frames:
             problems += check_citations(frames[name], frames["steps"])
-    if "token_advantages" in frames:
+    if "token_advantages" in own:
         problems += check_token_advantages(*frames["token_advantages"])
+    problems += check_output_sets(loaded)
+    for m in manifests:
+        problems += check_manifest(m, counts, loaded)
     return counts, problems
+
+
+# --- whole folders ------------------------------------------------------------------------
+
+
+def _skip(path: Path) -> bool:
+    return path.name.startswith(".")  # staging folders, lock and journal files
+
+
+def folder_sets(root: Path) -> list[tuple[Path, list[Path]]]:
+    """Each folder under ``root`` (itself included) holding tables or a manifest, with them."""
+    out = []
+    for folder in [root, *sorted(d for d in root.rglob("*") if d.is_dir())]:
+        if any(_skip(p) for p in folder.relative_to(root).parts):
+            continue
+        files = sorted(p for p in folder.glob("*.parquet") if not _skip(p))
+        if (folder / "manifest.json").is_file():
+            files.append(folder / "manifest.json")
+        if files:
+            out.append((folder, files))
+    return out
+
+
+def _context_for(folder: Path, root: Path) -> list[Path]:
+    """Tables a folder's tables are checked against: those of the folders above it (up to
+    the root given), and the inputs a run manifest above it records."""
+    ctx: list[Path] = []
+    for up in [folder, *folder.parents]:
+        if up != folder:
+            ctx += sorted(p for p in up.glob("*.parquet") if not _skip(p))
+        manifest = up / "manifest.json"
+        if manifest.is_file():
+            inputs = _read_json(manifest)
+            inputs = inputs.get("inputs") if isinstance(inputs, dict) else None
+            if isinstance(inputs, dict):
+                for entry in inputs.values():
+                    if isinstance(entry, dict) and isinstance(entry.get("path"), str):
+                        p = Path(entry["path"])
+                        if p.is_file() and p.suffix == ".parquet":
+                            ctx.append(p)
+        if up == root or up == up.parent:
+            break
+    return ctx
+
+
+def validate_targets(paths: list[str | Path]) -> tuple[list[tuple[str, dict[str, int]]],
+                                                       list[str]]:
+    """``draco validate``: files given together form one set; a folder is walked, and each
+    folder in it (a run folder's rubric/, judge/, credit/, ...) is checked as its own set,
+    against the tables above it. Returns ((label, rows per table) per set, problems)."""
+    load = _Loader()
+    sets: list[tuple[str, dict[str, int]]] = []
+    problems: list[str] = []
+    files = [p for p in paths if str(p) == STDIO or not Path(p).is_dir()]
+    if files:
+        counts, found = validate_paths(files, loader=load)
+        problems += found
+        sets.append((", ".join(_name(f) for f in files), counts))
+    for root in (Path(p) for p in paths if str(p) != STDIO and Path(p).is_dir()):
+        found_sets = folder_sets(root)
+        if not found_sets:
+            problems.append(f"{root}: no draco tables in this folder or below it")
+        for folder, members in found_sets:
+            counts, found = validate_paths(members, _context_for(folder, root), loader=load)
+            problems += found
+            sets.append((str(folder), counts))
+            journal = folder / JOURNAL_FILE
+            if journal.exists():
+                problems.append(f"{journal}: a publication was interrupted (killed process); "
+                                "the next draco command writing this folder completes it")
+    return sets, problems
+
+
+def _read_json(path: Path):
+    try:
+        return json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+
+
+def check_manifest(path: Path, counts: dict[str, int], loaded: list[tuple[Path, Loaded]]
+                   ) -> list[str]:
+    """A manifest must parse, and what it says about its folder's tables must hold."""
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except UnicodeDecodeError:
+        return [f"{path}: not UTF-8 text (a corrupt manifest)"]
+    except ValueError as exc:
+        return [f"{path}: not valid JSON ({exc}); a corrupt manifest"]
+    if not isinstance(data, dict):
+        return [f"{path}: expected a JSON object"]
+    problems = []
+    for table in ("rollouts", "steps"):  # an ingest manifest counts its tables
+        n = data.get(table)
+        if isinstance(n, int) and table in counts and counts[table] != n:
+            problems.append(f"{path}: field '{table}': says {n} rows, "
+                            f"{table}.parquet has {counts[table]}")
+    set_id = data.get("output_set")
+    if isinstance(set_id, str):
+        for p, item in loaded:
+            other = item.metadata.get(SET_ID_KEY.encode())
+            if other is not None and other.decode() != set_id:
+                problems.append(f"{path}: field 'output_set': {p.name} comes from another "
+                                "write than this manifest (an interrupted or concurrent write)")
+    rows = data.get("rows")
+    if isinstance(rows, dict):  # a run manifest counts the stages' tables
+        for rel, n in rows.items():
+            table = path.parent / rel
+            if isinstance(n, int) and table.is_file():
+                try:
+                    actual = pq.read_metadata(table).num_rows
+                except (OSError, pa.ArrowInvalid):
+                    continue  # the table's own check reports it
+                if actual != n:
+                    problems.append(f"{path}: field 'rows': says {n} rows for {rel}, "
+                                    f"the file has {actual}")
+    return problems
+
+
+def check_output_sets(loaded: list[tuple[Path, Loaded]]) -> list[str]:
+    """Tables written by one command carry one output-set id and name their fellow members;
+    a member beside them with another id means a mixed (interrupted or concurrent) write."""
+    problems: list[str] = []
+    reported: set[frozenset] = set()
+    for path, item in loaded:
+        set_id = item.metadata.get(SET_ID_KEY.encode())
+        members = item.metadata.get(SET_MEMBERS_KEY.encode())
+        if set_id is None or not members or str(path) == STDIO:
+            continue
+        for name in members.decode().split(","):
+            sibling = path.parent / name
+            if name == path.name or not sibling.is_file():
+                continue
+            try:
+                meta = pq.read_schema(sibling).metadata or {}
+            except (OSError, pa.ArrowInvalid):
+                continue  # reported by the sibling's own check
+            other = meta.get(SET_ID_KEY.encode())
+            pair = frozenset((path.name, name))
+            if other != set_id and pair not in reported:
+                reported.add(pair)
+                problems.append(
+                    f"{path.parent}: {path.name} and {name} come from different writes "
+                    f"(output sets {set_id.decode()[:8]} and "
+                    f"{other.decode()[:8] if other else 'none'}): a mixed output; rerun the "
+                    "command that writes them")
+    return problems
+
+
+def check_llm_calls(source: str, df: pl.DataFrame) -> list[str]:
+    problems: list[str] = []
+    rows, n = _rows(df, pl.col("status").is_null())
+    _report(problems, source, "status", "must not be null", rows, n)
+    return problems
 
 
 def check_rollouts(source: str, df: pl.DataFrame) -> list[str]:

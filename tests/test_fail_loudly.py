@@ -329,3 +329,161 @@ def test_implausible_response_len_refused_before_allocating(sample, tmp_path):
     one_line_error(res, 1, str(bad), "row 2", "field 'response_len'", "implausible value 2147483647")
     val = run_draco("validate", str(bad))
     assert val.returncode == 1 and "implausible value 2147483647" in val.stderr.decode()
+
+
+# --- 3. never a mixed or doubled result ----------------------------------------------------
+
+import os  # noqa: E402
+import random  # noqa: E402
+import signal  # noqa: E402
+import subprocess  # noqa: E402
+import sys  # noqa: E402
+import time  # noqa: E402
+
+import pyarrow.parquet as pq  # noqa: E402
+
+from tests.conftest import REPO  # noqa: E402
+
+CREDIT_TABLES = ("rewards.parquet", "step_credit.parquet", "token_advantages.parquet")
+
+
+def set_ids(folder) -> set[str]:
+    return {(pq.read_schema(folder / t).metadata or {}).get(b"draco.output_set", b"").decode()
+            for t in CREDIT_TABLES}
+
+
+def tables(folder) -> dict[str, pl.DataFrame]:
+    return {t: pl.read_parquet(folder / t) for t in CREDIT_TABLES}
+
+
+def same_tables(a: dict, b: dict) -> bool:
+    return all(a[t].equals(b[t]) for t in CREDIT_TABLES)
+
+
+def popen_draco(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "draco_cli", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+
+
+@pytest.fixture(scope="module")
+def references(sample, tmp_path_factory):
+    """The grpo and rloo outputs, each computed alone: what a whole set must equal."""
+    d = tmp_path_factory.mktemp("refs")
+    out = {}
+    for est in ("grpo", "rloo"):
+        res = run_draco(*credit_args(sample, d / est), "--estimator", est)
+        assert res.returncode == 0, res.stderr.decode()
+        out[est] = tables(d / est)
+    return out
+
+
+def test_one_output_set_id_across_every_table(sample, credit_out):
+    ids = set_ids(credit_out)
+    assert len(ids) == 1 and len(ids.pop()) == 32
+    manifest = json.loads((sample / "manifest.json").read_text())
+    for t in ("rollouts.parquet", "steps.parquet"):
+        meta = pq.read_schema(sample / t).metadata
+        assert meta[b"draco.output_set"].decode() == manifest["output_set"]
+
+
+def test_validate_detects_a_mixed_set(sample, credit_out, tmp_path):
+    other = tmp_path / "other"
+    assert run_draco(*credit_args(sample, other), "--estimator", "rloo").returncode == 0
+    (credit_out / "rewards.parquet").write_bytes((other / "rewards.parquet").read_bytes())
+    res = run_draco("validate", str(credit_out))
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "ok" not in err.split("error:")[0], err
+    assert "rewards.parquet and step_credit.parquet come from different writes" in err, err
+
+
+def test_second_writer_refuses_while_the_folder_is_locked(sample, tmp_path):
+    out = tmp_path / "credit"
+    out.mkdir()
+    holder = subprocess.Popen(
+        [sys.executable, "-c", "import sys, time\nfrom draco_cli.io import folder_lock\n"
+         f"with folder_lock({str(out)!r}):\n    print('locked', flush=True)\n    time.sleep(60)"],
+        stdout=subprocess.PIPE, cwd=REPO)
+    try:
+        assert holder.stdout.readline().strip() == b"locked"
+        t0 = time.monotonic()
+        res = subprocess.run([sys.executable, "-m", "draco_cli", *credit_args(sample, out)],
+                             cwd=REPO, capture_output=True,
+                             env={**os.environ, "DRACO_LOCK_WAIT": "1"})
+        waited = time.monotonic() - t0
+        one_line_error(res, 1, str(out), "being written by another draco command",
+                       f"pid {holder.pid}")
+        assert waited >= 1.0
+        assert not any(out.glob("*.parquet"))
+    finally:
+        holder.kill()
+        holder.wait()
+    # kill -9 of the holder released the lock: the next writer goes through
+    res = run_draco(*credit_args(sample, out))
+    assert res.returncode == 0, res.stderr.decode()
+
+
+def test_concurrent_force_writers_leave_one_whole_set(sample, tmp_path, references):
+    out = tmp_path / "credit"
+    deadline = time.monotonic() + 120
+    for pair in range(4):
+        if time.monotonic() > deadline:
+            break
+        a = popen_draco(*credit_args(sample, out), "--estimator", "grpo", "--force")
+        b = popen_draco(*credit_args(sample, out), "--estimator", "rloo", "--force")
+        for p in (a, b):
+            _, err = p.communicate(timeout=120)
+            assert p.returncode == 0, err.decode()
+        assert len(set_ids(out)) == 1
+        got = tables(out)
+        assert same_tables(got, references["grpo"]) or same_tables(got, references["rloo"])
+        assert sorted(p.name for p in out.iterdir() if not p.name.startswith(".")) == \
+            sorted(CREDIT_TABLES)
+    assert pair >= 1
+
+
+def test_kill_9_during_force_keeps_a_whole_set(sample, tmp_path, references):
+    out = tmp_path / "credit"
+    assert run_draco(*credit_args(sample, out), "--estimator", "grpo").returncode == 0
+    old_ids = set_ids(out)
+    t0 = time.monotonic()
+    assert run_draco(*credit_args(sample, tmp_path / "timing"), "--estimator", "rloo") \
+        .returncode == 0
+    duration = time.monotonic() - t0
+    rng = random.Random(13)
+    outcomes = {"old": 0, "new": 0}
+    deadline = time.monotonic() + 150
+    kills = 0
+    while kills < 10 and time.monotonic() < deadline:
+        p = popen_draco(*credit_args(sample, out), "--estimator", "rloo", "--force")
+        time.sleep(rng.uniform(0.2, 1.1) * duration)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        kills += 1
+        visible = sorted(x.name for x in out.iterdir() if not x.name.startswith("."))
+        assert visible == sorted(CREDIT_TABLES), visible  # no orphan shown as a table
+        if (out / ".draco-publish.json").exists():
+            # killed between two renames: validate says so, the next writer completes it
+            res = run_draco("validate", str(out))
+            assert res.returncode == 1 and "publication was interrupted" in res.stderr.decode()
+            from draco_cli.io import folder_lock, recover_folder
+
+            with folder_lock(out):
+                assert recover_folder(out)
+        ids = set_ids(out)
+        assert len(ids) == 1
+        got = tables(out)
+        if ids == old_ids:
+            outcomes["old"] += 1
+            assert same_tables(got, references["grpo"])
+        else:
+            outcomes["new"] += 1
+            assert same_tables(got, references["rloo"])
+            # start over from the old set, so every kill lands on a --force over older output
+            assert run_draco(*credit_args(sample, out), "--estimator", "grpo", "--force") \
+                .returncode == 0
+            old_ids = set_ids(out)
+        res = run_draco("validate", str(out))
+        assert res.returncode == 0, res.stderr.decode()
+    print(f"kill -9 outcomes after {kills} kills: {outcomes}")
+    assert kills >= 3 and outcomes["old"] >= 1, outcomes

@@ -11,24 +11,22 @@ from draco_cli.cli.console import err_console
 def validate(
     paths: Annotated[
         list[Path],
-        typer.Argument(metavar="PATH...", help="Parquet tables, folders of them, or - for an "
-                       "Arrow IPC stream on stdin."),
+        typer.Argument(metavar="PATH...", help="Parquet tables (checked as one set), folders "
+                       "(every folder below checked as its own set, e.g. a whole run folder), "
+                       "or - for an Arrow IPC stream on stdin."),
     ],
 ) -> None:
-    """Check tables against their contracts and each other; exit 1 listing every problem.
+    """Check tables and manifests against their contracts and each other; exit 1 listing
+    every problem.
 
-    Example: draco validate data/step-0
+    Example: draco validate data/step-0 runs/step-0
     """
     from draco_cli.errors import ValidationFailed
-    from draco_cli.validate import validate_paths
+    from draco_cli.validate import validate_targets
 
-    files: list[Path] = []
-    for p in paths:
-        files += sorted(p.glob("*.parquet")) if str(p) != "-" and p.is_dir() else [p]
-    counts, problems = validate_paths(files)
+    sets, problems = validate_targets(paths)
     if problems:
         raise ValidationFailed(problems)
-    summary = ", ".join(f"{n} {t}" for t, n in counts.items())
-    err_console.print(f"[green]ok[/]: {summary or 'no tables found'}", highlight=False)
-    if not counts:
-        raise typer.Exit(1)
+    for label, counts in sets:
+        summary = ", ".join(f"{n} {t}" for t, n in counts.items()) or "manifest only"
+        err_console.print(f"[green]ok[/] {label}: {summary}", highlight=False, soft_wrap=True)

@@ -21,7 +21,7 @@ from draco_cli.errors import InputError, UsageError
 from draco_cli.ingest import openai_jsonl, tau2_bench, tau_bench
 from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Episode, build
 from draco_cli.ingest.tokens import make_counter
-from draco_cli.io import StreamingTableWriter, check_writable, write_text_atomic
+from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 
 Reader = Callable[[TextIO, str], Iterator[tuple[str, "Episode | InputError"]]]
@@ -92,16 +92,25 @@ def ingest(
         if not p.is_file():
             raise InputError("no such file", file=str(p))
     out = Path(out_dir)
-    targets = [out / "rollouts.parquet", out / "steps.parquet", out / "manifest.json"]
-    for t in targets:
-        check_writable(t, force)
-    rejects_path = out / "rejects.jsonl"
+    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
+    for name in names:
+        check_writable(out / name, force)
     counter = make_counter(tokenizer)
     opts_by_source = {str(p): BuildOptions(step_unit, counter, str(p)) for p in paths}  # type: ignore[arg-type]
 
+    with OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output:
+        return _ingest(fmt, paths, output, opts_by_source, counter, step_unit, group_by,
+                       train_step, skip_invalid, progress)
+
+
+def _ingest(fmt, paths, output: OutputSet, opts_by_source, counter, step_unit, group_by,
+            train_step, skip_invalid, progress) -> IngestResult:
+    out = output.folder
     result = IngestResult(out_dir=out)
-    rollout_writer = StreamingTableWriter(targets[0], Rollout, force=force)
-    step_writer = StreamingTableWriter(targets[1], Step, force=force)
+    rollout_writer = StreamingTableWriter(output.path("rollouts.parquet"), Rollout, force=True,
+                                          metadata=output.metadata)
+    step_writer = StreamingTableWriter(output.path("steps.parquet"), Step, force=True,
+                                       metadata=output.metadata)
     rejects: list[dict] = []
     seen_ids: dict[str, str] = {}
     groups: Counter = Counter()
@@ -204,6 +213,7 @@ def ingest(
             "rejected": result.rejected,
             "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
                                                           key=lambda kv: str(kv[0]))},
+            "output_set": output.id,
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
     except BaseException:
@@ -212,7 +222,7 @@ def ingest(
         raise
     rollout_writer.commit()
     step_writer.commit()
-    if rejects or rejects_path.exists():
-        write_text_atomic(rejects_path, "".join(json.dumps(r) + "\n" for r in rejects), force=True)
-    write_text_atomic(targets[2], json.dumps(result.manifest, indent=2) + "\n", force=force)
+    if rejects or (out / "rejects.jsonl").exists():
+        output.write_text("rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects))
+    output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
     return result
