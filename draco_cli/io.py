@@ -95,6 +95,9 @@ SET_MEMBERS_KEY = "draco.output_set_members"
 DEFAULT_LOCK_WAIT = 30.0  # seconds a second writer waits before refusing
 
 
+_HELD: set[str] = set()  # lock files this process holds
+
+
 class FolderBusy(DracoError):
     """Another process holds the folder's write lock for longer than we wait."""
 
@@ -108,6 +111,10 @@ def folder_lock(folder: str | os.PathLike, wait: float | None = None) -> Iterato
     if wait is None:
         wait = float(os.environ.get("DRACO_LOCK_WAIT", DEFAULT_LOCK_WAIT))
     path = Path(folder) / LOCK_FILE
+    key = os.path.realpath(path)
+    if key in _HELD:  # re-entrant within a process (a stage locks, then publishes its set)
+        yield
+        return
     fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
     try:
         deadline = time.monotonic() + wait
@@ -124,9 +131,11 @@ def folder_lock(folder: str | os.PathLike, wait: float | None = None) -> Iterato
                 time.sleep(0.05)
         os.ftruncate(fd, 0)
         os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD.add(key)
         try:
             yield
         finally:
+            _HELD.discard(key)
             fcntl.flock(fd, fcntl.LOCK_UN)
     finally:
         os.close(fd)

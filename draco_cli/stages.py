@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from draco_cli.io import OutputSet, check_writable, read_table
+from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
 from draco_cli.llm.calllog import CallLog, export_parquet
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
@@ -67,7 +67,8 @@ def rubric_generate(rollouts, steps, out: Path, settings: LLMSettings, *,
     r, s = _inputs(rollouts, steps)
     report = StageReport(outputs=targets)
     log_path = _call_log_path(out, call_log)
-    with CallLog(log_path) as log:
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
                                render=render, batch=settings.batch, progress=progress,
@@ -117,7 +118,8 @@ def judge_score(rollouts, steps, rubrics, out: Path, settings: LLMSettings, *, s
     rb = read_table(rubrics, Rubric)
     report = StageReport(outputs=targets)
     log_path = _call_log_path(out, call_log)
-    with CallLog(log_path) as log:
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
                              judge=judge_label, render=render, batch=settings.batch,

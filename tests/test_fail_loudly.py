@@ -487,3 +487,30 @@ def test_kill_9_during_force_keeps_a_whole_set(sample, tmp_path, references):
         assert res.returncode == 0, res.stderr.decode()
     print(f"kill -9 outcomes after {kills} kills: {outcomes}")
     assert kills >= 3 and outcomes["old"] >= 1, outcomes
+
+
+def test_two_rubric_writers_on_one_folder_pay_each_call_once(tmp_path, monkeypatch):
+    """Real processes against the local protocol server: the second writer waits for the
+    folder's lock, then answers every call from the first one's call log."""
+    from tests.conftest import TAU
+    from tests.llm_server import FakeLLMServer
+    from tests.test_rubric_judge import KEY, scripted
+
+    data = tmp_path / "data"
+    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx", "-o",
+                     str(data)).returncode == 0
+    server = FakeLLMServer(answer=scripted, latency=0.01).start()
+    try:
+        args = ("rubric", "generate", "--rollouts", str(data / "rollouts.parquet"), "--steps",
+                str(data / "steps.parquet"), "-o", str(tmp_path / "rubric"), "--model",
+                "openai/judge-model", "--base-url", server.url + "/v1", "--force")
+        env = {"OPENAI_API_KEY": KEY, "DRACO_LOCK_WAIT": "120"}
+        procs = [popen_draco(*args, env=env) for _ in range(2)]
+        for p in procs:
+            _, err = p.communicate(timeout=180)
+            assert p.returncode == 0, err.decode()
+        assert server.hits["chat"] == 60 + 15 + 15  # one run's calls, not two
+    finally:
+        server.stop()
+    res = run_draco("validate", str(tmp_path / "rubric"))
+    assert res.returncode == 0, res.stderr.decode()
