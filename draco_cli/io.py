@@ -31,7 +31,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from draco_cli.errors import DracoError, InputError, OutputExistsError, UsageError
+from draco_cli.errors import (DracoError, InputError, OutputError, OutputExistsError, UsageError,
+                              describe_os_error)
 from draco_cli.schemas import Column, Table, arrow_schema, columns
 
 STDIO = "-"
@@ -53,11 +54,14 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
     On any exception the temporary file is removed and ``path`` is left as it was.
     """
     dest = Path(path)
-    check_writable(dest, force)
     if dest.is_dir():
         raise UsageError(f"{dest}: is a folder, expected a file name")
+    check_writable(dest, force)
     prepare_out_dir(dest.parent, "output folder")
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    except OSError as exc:
+        raise OutputError(describe_os_error(exc, dest)) from None
     os.close(fd)
     try:
         yield Path(tmp)
@@ -66,9 +70,11 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OutputError(describe_os_error(exc, dest)) from None
         raise
 
 
@@ -193,13 +199,16 @@ class OutputSet:
     def __enter__(self) -> OutputSet:
         self._created = not self.folder.exists()
         prepare_out_dir(self.folder, self.option)
-        with contextlib.ExitStack() as stack:
-            stack.enter_context(folder_lock(self.folder))
-            recover_folder(self.folder)
-            for name in self.checked:
-                check_writable(self.folder / name, self.force)
-            self.staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
-            self._stack = stack.pop_all()
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(folder_lock(self.folder))
+                recover_folder(self.folder)
+                for name in self.checked:
+                    check_writable(self.folder / name, self.force)
+                self.staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
+                self._stack = stack.pop_all()
+        except OSError as exc:
+            raise OutputError(describe_os_error(exc, self.folder)) from None
         return self
 
     def path(self, name: str) -> Path:
@@ -210,15 +219,32 @@ class OutputSet:
     def write_table(self, df: pl.DataFrame | pa.Table, name: str, model: type[Table],
                     **kwargs) -> None:
         meta = {**(kwargs.pop("metadata", None) or {}), **self.metadata}
-        write_table(df, self.path(name), model, force=True, metadata=meta, **kwargs)
+        with self._named(name):
+            write_table(df, self.path(name), model, force=True, metadata=meta, **kwargs)
 
     def write_text(self, name: str, text: str) -> None:
-        self.path(name).write_text(text, encoding="utf-8")
+        with self._named(name):
+            try:
+                self.path(name).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise OutputError(describe_os_error(exc, self.path(name))) from None
+
+    @contextlib.contextmanager
+    def _named(self, name: str) -> Iterator[None]:
+        """Errors name the output the user asked for, not its staging copy."""
+        try:
+            yield
+        except OutputError as exc:
+            raise OutputError(str(exc).replace(str(self.path(name)),
+                                               str(self.folder / name))) from None
 
     def __exit__(self, exc_type, exc, tb) -> None:
         try:
             if exc_type is None:
-                self._publish()
+                try:
+                    self._publish()
+                except OSError as err:
+                    raise OutputError(describe_os_error(err, self.folder)) from None
         finally:
             assert self.staging is not None
             shutil.rmtree(self.staging, ignore_errors=True)

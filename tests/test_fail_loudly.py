@@ -514,3 +514,137 @@ def test_two_rubric_writers_on_one_folder_pay_each_call_once(tmp_path, monkeypat
         server.stop()
     res = run_draco("validate", str(tmp_path / "rubric"))
     assert res.returncode == 0, res.stderr.decode()
+
+
+# --- 4. never a traceback ------------------------------------------------------------------
+
+import contextlib  # noqa: E402
+import shutil  # noqa: E402
+import tempfile  # noqa: E402
+
+
+@contextlib.contextmanager
+def tmpfs(size: str = "4m"):
+    """A real small filesystem of its own (for ENOSPC and read-only), or skip where this
+    process may not mount one."""
+    where = tempfile.mkdtemp(prefix="draco-fs-", dir="/tmp")
+    os.chmod(where, 0o755)
+    res = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs",
+                          where], capture_output=True)
+    if res.returncode != 0:
+        os.rmdir(where)
+        pytest.skip(f"cannot mount a tmpfs here: {res.stderr.decode().strip()}")
+    try:
+        yield Path(where)
+    finally:
+        subprocess.run(["mount", "-o", "remount,rw", where], capture_output=True)
+        subprocess.run(["umount", where], check=True)
+        os.rmdir(where)
+
+
+from pathlib import Path  # noqa: E402
+
+
+def _old_credit_in(folder, sample):
+    out = folder / "credit"
+    assert run_draco(*credit_args(sample, out)).returncode == 0
+    return out, snapshot(out)
+
+
+def test_full_disk_keeps_the_old_output(sample):
+    with tmpfs("2m") as fs:
+        out, before = _old_credit_in(fs, sample)
+        # fill the filesystem to the last block, as a real full disk is
+        with contextlib.suppress(OSError), open(fs / "filler", "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+        res = run_draco(*credit_args(sample, out), "--force", "--estimator", "rloo")
+        one_line_error(res, 1, str(out), "no space left on the device")
+        assert snapshot(out) == before | {k: v for k, v in snapshot(out).items()
+                                          if k.startswith(".draco-write.lock")}
+        assert not list(out.glob(".draco-staging-*"))
+
+
+def test_read_only_folder_keeps_the_old_output(sample):
+    with tmpfs() as fs:
+        out, before = _old_credit_in(fs, sample)
+        assert subprocess.run(["mount", "-o", "remount,ro", str(fs)]).returncode == 0
+        res = run_draco(*credit_args(sample, out), "--force")
+        one_line_error(res, 1, str(out), "read-only file system")
+        res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--tokenizer", "approx",
+                        "-o", str(fs / "new"))
+        one_line_error(res, 1, str(fs / "new"), "read-only file system")
+        assert snapshot(out) == before
+
+
+def test_folder_without_write_permission(sample):
+    """As root, permissions do not apply: run the command as nobody (setpriv), as a user is."""
+    with tmpfs() as fs:
+        for name in ("rollouts.parquet", "steps.parquet", "verdicts.parquet"):
+            shutil.copy(sample / name, fs / name)
+        (fs / "out").mkdir(mode=0o755)
+        prefix = ["setpriv", "--reuid=65534", "--regid=65534", "--clear-groups"] \
+            if os.geteuid() == 0 else []
+        if not prefix:
+            os.chmod(fs / "out", 0o555)
+        res = subprocess.run([*prefix, sys.executable, "-m", "draco_cli",
+                              *credit_args(fs, fs / "out")], capture_output=True, cwd=REPO)
+        one_line_error(res, 1, str(fs / "out"), "permission denied")
+        res = subprocess.run([*prefix, sys.executable, "-m", "draco_cli",
+                              *credit_args(fs, fs / "out" / "sub")], capture_output=True, cwd=REPO)
+        one_line_error(res, 1, str(fs / "out" / "sub"), "permission denied")
+
+
+def test_output_option_that_is_a_file(sample, tmp_path):
+    f = tmp_path / "afile"
+    f.write_text("keep me")
+    res = run_draco(*credit_args(sample, f))
+    one_line_error(res, 2, f"-o {f}: is a file, expected a folder")
+    res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--tokenizer", "approx", "-o", str(f))
+    one_line_error(res, 2, f"-o {f}: is a file, expected a folder")
+    res = run_draco(*credit_args(sample, f / "sub" / "dir"))
+    one_line_error(res, 2, f"-o {f / 'sub' / 'dir'}: {f} is a file, not a folder")
+    assert f.read_text() == "keep me"
+
+
+def test_file_output_that_is_a_folder(credit_out, tmp_path):
+    res = run_draco("credit", "expand", "--token-advantages",
+                    str(credit_out / "token_advantages.parquet"), "-o", str(tmp_path), "--force")
+    one_line_error(res, 2, f"{tmp_path}: is a folder, expected a file name")
+
+
+@pytest.mark.parametrize("kind", ["binary", "folder", "latin1"])
+def test_rubric_file_that_is_not_text(sample, tmp_path, kind):
+    path = tmp_path / "rubric.yaml"
+    if kind == "binary":
+        path.write_bytes(bytes(range(256)) * 4)
+    elif kind == "latin1":
+        path.write_bytes("criteria:\n  - {title: Caf\xe9, requirement: x}\n".encode("latin-1"))
+    else:
+        path.mkdir()
+    res = run_draco("rubric", "static", "--rollouts", str(sample / "rollouts.parquet"),
+                    "--rubric", str(path), "-o", str(tmp_path / "rb"))
+    one_line_error(res, 1, str(path), {"binary": "not UTF-8", "latin1": "not UTF-8",
+                                       "folder": "is a folder"}[kind])
+
+
+DEEP = 100_000
+
+
+@pytest.mark.parametrize("fmt,where", [("openai-jsonl", "line 1"), ("tau-bench", "entry 0"),
+                                       ("tau2-bench", "simulations[0]")])
+def test_deeply_nested_json(tmp_path, fmt, where):
+    nest = "[" * DEEP + "]" * DEEP
+    text = {"openai-jsonl": '{"task_id": "t", "messages": ' + nest + "}\n",
+            "tau-bench": "[" + nest + "]",
+            "tau2-bench": '{"tasks": [], "simulations": [' + nest + "]}"}[fmt]
+    src = tmp_path / "deep.json"
+    src.write_text(text)
+    res = run_draco("ingest", fmt, str(src), "--tokenizer", "approx", "-o", str(tmp_path / "o"))
+    one_line_error(res, 1, "deep.json", where, "nested too deeply")
+
+
+def test_audit_overlap_given_the_wrong_table(sample, tmp_path):
+    res = run_draco("audit", "overlap", "--own", str(sample / "steps.parquet"), "--reference",
+                    str(sample / "steps.parquet"), "-o", str(tmp_path / "a"))
+    one_line_error(res, 1, "steps.parquet", "field 'title'", "--level group compares rubrics")
