@@ -10,6 +10,7 @@ from pathlib import Path
 import polars as pl
 
 from draco_cli.errors import InputError
+from draco_cli.redact import redact
 
 
 def _load_run(run: Path) -> dict:
@@ -90,7 +91,7 @@ def _rollout_view(run: dict, rollout_id: str | None) -> str:
     scale = max((abs(x) for x in mine["advantage"].to_list()), default=1.0) or 1.0
     rows = []
     for r in mine.iter_rows(named=True):
-        action = html.escape((r["action"] or "")[:400])
+        action = html.escape(redact(r["action"] or "")[:400])  # secrets masked, as for a judge
         rows.append(
             f"<tr><td>{r['step']}</td><td style='background:{_color(r['advantage'], scale)}'>"
             f"<pre>{action}</pre></td><td>{r['advantage']:+.4f}</td><td>{r['total']:+.2f}</td>"

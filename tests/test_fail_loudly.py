@@ -648,3 +648,119 @@ def test_audit_overlap_given_the_wrong_table(sample, tmp_path):
     res = run_draco("audit", "overlap", "--own", str(sample / "steps.parquet"), "--reference",
                     str(sample / "steps.parquet"), "-o", str(tmp_path / "a"))
     one_line_error(res, 1, "steps.parquet", "field 'title'", "--level group compares rubrics")
+
+
+# --- 5. secrets ----------------------------------------------------------------------------
+
+from draco_cli.redact import MASK, Redactor, redact  # noqa: E402
+
+AWS_SECRET = "wJalrXUtnFEMI/K7MDENG/bPxRfiCYEXAMPLEKEY"
+JWT = ("eyJhbGciOiJIUzI1NiIsInR5cCI6IkpXVCJ9.eyJzdWIiOiIxMjM0NTY3ODkwIiwibmFtZSI6IkpvaG4ifQ."
+       "SflKxwRJSMeKKF2QT4fwpMeJf36POk6yJV_adQssw5c")
+# (text with a planted secret, the secret itself, what must survive around it)
+PLANTED = [
+    ("{'password': 'hunter2-dict'}", "hunter2-dict", "{'password': '"),
+    ('{"password":"hunter2-json"}', "hunter2-json", '{"password":"'),
+    ('{"password": "hunter 2 spaced"}', "hunter 2 spaced", '"password": "'),
+    ('password = "hunter2-assign"', "hunter2-assign", 'password = "'),
+    ("DB_PASSWORD=hunter2-env\nHOST=x", "hunter2-env", "HOST=x"),
+    ("login?user=a&password=hunter2-url&next=/", "hunter2-url", "&next=/"),
+    ("the password: hunter2-prose", "hunter2-prose", "the password: "),
+    ("passwd=hunter2-passwd", "hunter2-passwd", "passwd="),
+    ("token github_pat_11ABCDEFG0123456789_abcdefghijABCDEFGHIJ0123456789abcdefghijKLMNOP end",
+     "github_pat_11ABCDEFG0123456789_abcdefghij", "end"),
+    ("ghp_" + "a1B2" * 9, "ghp_" + "a1B2" * 9, ""),
+    (f"aws_secret_access_key = {AWS_SECRET}", AWS_SECRET, "aws_secret_access_key = "),
+    (f'{{"SecretAccessKey": "{AWS_SECRET}"}}', AWS_SECRET, '"SecretAccessKey": "'),
+    ("id AKIAIOSFODNN7EXAMPLE ok", "AKIAIOSFODNN7EXAMPLE", " ok"),
+    ("maps key=AIzaSyDdI0hCZtE6vySjMm-WEfRq3CPzqKqqsHI;", "AIzaSyDdI0hCZtE6vySjMm-WEfRq3CPzqKqqsHI",
+     ";"),
+    (f"cookie {JWT} done", JWT, " done"),
+    ("Authorization: Bearer abcdef123456789xyz", "abcdef123456789xyz", "Authorization: Bearer "),
+    ("key sk-proj-abcdefghijklmnop1234", "sk-proj-abcdefghijklmnop1234", "key "),
+    ("xoxb-123456789012-abcdefghij", "xoxb-123456789012-abcdefghij", ""),
+]
+
+
+@pytest.mark.parametrize("text,secret,kept", PLANTED, ids=[p[1][:16] for p in PLANTED])
+def test_default_redaction_masks_planted_secrets(text, secret, kept):
+    r = Redactor()
+    out = r(text)
+    assert secret not in out and MASK in out and kept in out, out
+    assert r.count >= 1 and redact(text) == out
+
+
+@pytest.mark.parametrize("text", [
+    "passwordless login works", "the password is strong", "n_tokens = 5",
+    "the passenger from Asia booked flight HAT001", "ask the user for their secret question",
+    "ghp_short", "Bearer of bad news", "eyJ alone", "sk-short",
+])
+def test_default_redaction_leaves_ordinary_text(text):
+    assert Redactor()(text) == text
+
+
+def test_user_patterns_keep_their_groups_and_defaults_can_be_off():
+    r = Redactor([r"(id)-(\d+)-\2"], defaults=False)
+    assert r("id-42-42 password=x") == f"{MASK} password=x"
+    res = run_draco("rubric", "generate", "--rollouts", str(SAMPLE), "--steps", str(SAMPLE),
+                    "-o", "z", "--model", "openai/m", "--redact", "(")
+    one_line_error(res, 2, "--redact: not a regular expression")
+
+
+def test_planted_secrets_never_reach_the_provider_or_the_call_log(tmp_path, chat_row):
+    """Real CLI, real SDK, local server: every planted secret is masked before it leaves."""
+    from tests.llm_server import FakeLLMServer
+    from tests.test_rubric_judge import KEY, scripted
+
+    rows = []
+    for i, (text, _, _) in enumerate(PLANTED):
+        row = chat_row(rollout_id=f"r{i}", task_id=f"t{i % 3}")
+        row["messages"][1]["content"] = f"do it; {text}"
+        row["messages"][3]["content"] = text  # a tool result echoing the secret
+        row["messages"][4]["content"] = f"done, used {text}"
+        rows.append(row)
+    src = write_jsonl(tmp_path / "x.jsonl", rows)
+    assert run_draco("ingest", "openai-jsonl", str(src), "-o", str(tmp_path / "d")).returncode == 0
+    server = FakeLLMServer(answer=scripted).start()
+    try:
+        res = subprocess.run(
+            [sys.executable, "-m", "draco_cli", "rubric", "generate", "--rollouts",
+             str(tmp_path / "d" / "rollouts.parquet"), "--steps",
+             str(tmp_path / "d" / "steps.parquet"), "-o", str(tmp_path / "rb"), "--model",
+             "openai/judge-model", "--base-url", server.url + "/v1"],
+            cwd=REPO, capture_output=True, env={**os.environ, "OPENAI_API_KEY": KEY})
+        assert res.returncode == 0, res.stderr.decode()
+        sent = json.dumps(server.bodies)
+    finally:
+        server.stop()
+    assert MASK in sent
+    written = b"".join(p.read_bytes() for p in (tmp_path / "rb").rglob("*") if p.is_file())
+    for _, secret, _ in PLANTED:
+        assert secret not in sent, secret
+        assert secret.encode() not in written, secret
+
+
+def test_report_masks_secrets_in_the_rollout_it_shows(tmp_path):
+    from tests.test_report import SAMPLE as RUN_ARGS
+
+    data = tmp_path / "data"
+    data.mkdir()
+    for name in ("rollouts.parquet", "steps.parquet"):
+        shutil.copy(REPO / "sample_data" / "appworld_mini" / name, data / name)
+    args = [a.replace("sample_data/appworld_mini", str(data)) for a in RUN_ARGS]
+    res = run_draco("run", *args, "-o", str(tmp_path / "run"))
+    assert res.returncode == 0, res.stderr.decode()
+    rewards = pl.read_parquet(tmp_path / "run" / "credit" / "rewards.parquet")
+    rid = rewards.filter(pl.col("credit_mode") == "step")["rollout_id"][0]
+    steps = pl.read_parquet(data / "steps.parquet")
+    steps = steps.with_columns(
+        pl.when((pl.col("rollout_id") == rid) & (pl.col("step") == 1))
+        .then(pl.lit(f"login(password='hunter2-report', token='{JWT}')"))
+        .otherwise(pl.col("action")).alias("action"))
+    steps.write_parquet(data / "steps.parquet")
+    res = run_draco("report", str(tmp_path / "run"), "--rollout", rid, "-o",
+                    str(tmp_path / "r.html"))
+    assert res.returncode == 0, res.stderr.decode()
+    html_text = (tmp_path / "r.html").read_text()
+    assert "hunter2-report" not in html_text and JWT not in html_text
+    assert "password=&#x27;[REDACTED]" in html_text
