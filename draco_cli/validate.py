@@ -160,7 +160,7 @@ def folder_sets(root: Path) -> list[tuple[Path, list[Path]]]:
     """Each folder under ``root`` (itself included) holding tables or a manifest, with them."""
     out = []
     for folder in [root, *sorted(d for d in root.rglob("*") if d.is_dir())]:
-        if any(_skip(p) for p in folder.relative_to(root).parts):
+        if any(part.startswith(".") for part in folder.relative_to(root).parts):
             continue
         files = sorted(p for p in folder.glob("*.parquet") if not _skip(p))
         if (folder / "manifest.json").is_file():

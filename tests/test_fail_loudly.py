@@ -764,3 +764,95 @@ def test_report_masks_secrets_in_the_rollout_it_shows(tmp_path):
     html_text = (tmp_path / "r.html").read_text()
     assert "hunter2-report" not in html_text and JWT not in html_text
     assert "password=&#x27;[REDACTED]" in html_text
+
+
+# --- 6. validate a whole run folder ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def run_folder(tmp_path_factory):
+    from tests.test_report import SAMPLE as RUN_ARGS
+
+    d = tmp_path_factory.mktemp("runs")
+    res = run_draco("run", *RUN_ARGS, "--train-step", "0", "-o", str(d))
+    assert res.returncode == 0, res.stderr.decode()
+    return d
+
+
+def _copy_run(run_folder, tmp_path):
+    dst = tmp_path / "runs"
+    shutil.copytree(run_folder, dst)
+    return dst
+
+
+def no_ok(err: str) -> None:
+    assert not any(line.startswith("ok") for line in err.splitlines()), err
+
+
+def test_validate_a_whole_run_folder(run_folder):
+    res = run_draco("validate", str(run_folder), "sample_data/appworld_mini")
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    for part in ("step-0/credit: 12 rewards, 48 step_credit, 12 token_advantages",
+                 "step-0/judge: ", "llm_calls", "step-0/rubric: ", "10 rubrics",
+                 "appworld_mini: 12 rollouts, 48 steps", "step-0: manifest only"):
+        assert part in err, (part, err)
+
+
+def test_run_folder_verdicts_checked_against_the_runs_inputs(run_folder, tmp_path):
+    runs = _copy_run(run_folder, tmp_path)
+    v = runs / "step-0" / "judge" / "verdicts.parquet"
+    df = pl.read_parquet(v)
+    cited = df["cited_steps"].to_list()
+    cited[0] = [999]
+    meta = pq.read_schema(v).metadata
+    table = df.with_columns(pl.Series("cited_steps", cited, dtype=pl.List(pl.Int32))).to_arrow()
+    pq.write_table(table.replace_schema_metadata(meta), v)  # same set id: only the citation is bad
+    res = run_draco("validate", str(runs))
+    err = res.stderr.decode()
+    assert res.returncode == 1, err
+    no_ok(err)
+    assert "judge/verdicts.parquet: row 0: field 'cited_steps': cites steps that do not exist" in err
+
+
+def test_corrupt_manifest_is_reported(run_folder, tmp_path):
+    runs = _copy_run(run_folder, tmp_path)
+    (runs / "step-0" / "manifest.json").write_text('{"stages": {"rubric": ')
+    res = run_draco("validate", str(runs))
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "Traceback" not in err
+    no_ok(err)
+    assert "step-0/manifest.json: not valid JSON" in err
+
+
+def test_run_manifest_row_counts_are_checked(run_folder, tmp_path):
+    runs = _copy_run(run_folder, tmp_path)
+    r = runs / "step-0" / "credit" / "rewards.parquet"
+    meta = pq.read_schema(r).metadata
+    pq.write_table(pq.read_table(r).slice(0, 5).replace_schema_metadata(meta), r)
+    res = run_draco("validate", str(runs))
+    err = res.stderr.decode()
+    assert res.returncode == 1
+    assert "field 'rows': says 12 rows for credit/rewards.parquet, the file has 5" in err
+
+
+def test_several_folders_one_bad_means_no_ok(run_folder, tmp_path, sample):
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    res = run_draco("validate", str(run_folder), str(sample), str(empty))
+    err = res.stderr.decode()
+    assert res.returncode == 1
+    no_ok(err)
+    assert f"{empty}: no draco tables in this folder or below it" in err
+
+
+def test_ingest_manifest_checked_against_its_tables(sample, tmp_path):
+    d = tmp_path / "d"
+    shutil.copytree(sample, d)
+    m = json.loads((d / "manifest.json").read_text())
+    m["rollouts"] = 99
+    (d / "manifest.json").write_text(json.dumps(m))
+    res = run_draco("validate", str(d))
+    assert res.returncode == 1
+    assert "manifest.json: field 'rollouts': says 99 rows, rollouts.parquet has 12" in \
+        res.stderr.decode()
