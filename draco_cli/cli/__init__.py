@@ -96,9 +96,13 @@ def main() -> None:
     except Exception as exc:  # noqa: BLE001 — the last line of defence against a traceback
         import sqlite3
 
-        if os.environ.get("DRACO_DEBUG") or not isinstance(exc, sqlite3.Error):
+        if os.environ.get("DRACO_DEBUG"):
             raise
-        _fail(f"call log: {exc}", 1)
+        if isinstance(exc, sqlite3.Error):  # e.g. "database or disk is full"
+            _fail(f"call log: {exc}", 1)
+        first = (str(exc).splitlines() or [""])[0][:300]
+        _fail(f"internal error ({type(exc).__name__}: {first}); rerun with DRACO_DEBUG=1 for "
+              "the traceback, and please report it", 1)
 
 
 def _fail(message: str, code: int) -> None:
