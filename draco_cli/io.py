@@ -135,8 +135,9 @@ def folder_lock(folder: str | os.PathLike, wait: float | None = None) -> Iterato
                         f"{folder} is being written by another draco command (pid {holder}); "
                         f"waited {wait:g}s; rerun when it has finished") from None
                 time.sleep(0.05)
-        os.ftruncate(fd, 0)
-        os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        with contextlib.suppress(OSError):  # the pid is a courtesy (a full disk refuses it)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
         _HELD.add(key)
         try:
             yield

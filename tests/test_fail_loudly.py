@@ -856,3 +856,30 @@ def test_ingest_manifest_checked_against_its_tables(sample, tmp_path):
     assert res.returncode == 1
     assert "manifest.json: field 'rollouts': says 99 rows, rollouts.parquet has 12" in \
         res.stderr.decode()
+
+
+def test_full_disk_under_an_llm_stage(tmp_path):
+    """SQLite's own 'database or disk is full' comes out as one line too."""
+    from tests.conftest import TAU
+    from tests.llm_server import FakeLLMServer
+    from tests.test_rubric_judge import KEY, scripted
+
+    with tmpfs("3m") as fs:
+        d = fs / "d"
+        assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx", "-o",
+                         str(d)).returncode == 0
+        with contextlib.suppress(OSError), open(fs / "filler", "wb", buffering=0) as f:
+            while True:
+                f.write(b"\0" * 4096)
+        server = FakeLLMServer(answer=scripted).start()
+        try:
+            res = subprocess.run(
+                [sys.executable, "-m", "draco_cli", "rubric", "generate", "--rollouts",
+                 str(d / "rollouts.parquet"), "--steps", str(d / "steps.parquet"), "-o",
+                 str(fs / "rb"), "--model", "openai/m", "--base-url", server.url + "/v1"],
+                capture_output=True, cwd=REPO, env={**os.environ, "OPENAI_API_KEY": KEY})
+        finally:
+            server.stop()
+        line = one_line_error(res, 1)
+        assert "disk is full" in line or "no space left" in line, line
+        assert server.hits["chat"] == 0
