@@ -883,3 +883,19 @@ def test_full_disk_under_an_llm_stage(tmp_path):
         line = one_line_error(res, 1)
         assert "disk is full" in line or "no space left" in line, line
         assert server.hits["chat"] == 0
+
+
+def test_two_ingests_into_one_new_folder_publish_once(tmp_path):
+    """Without --force, two concurrent writers never both publish: the second re-checks under
+    the folder's lock and refuses."""
+    for attempt in range(3):
+        out = tmp_path / f"o{attempt}"
+        args = ("ingest", "openai-jsonl", str(SAMPLE), "--tokenizer", "approx", "-o", str(out))
+        procs = [popen_draco(*args) for _ in range(2)]
+        results = [(p.wait(timeout=120), p.stderr.read().decode()) for p in procs]
+        codes = sorted(code for code, _ in results)
+        assert codes == [0, 1], results
+        err = next(e for code, e in results if code == 1)
+        assert "already exists; pass --force to overwrite it" in err and "Traceback" not in err
+        res = run_draco("validate", str(out))
+        assert res.returncode == 0, res.stderr.decode()
