@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import DracoError, InputError, UsageError
 
 EPS = 1e-6
 Drop = Literal["all-pass", "constant"]
@@ -412,6 +412,11 @@ def compute_credit(
     p, f, dropped = citation_arrays(sa, verdicts)
     arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
     rw = rw.with_columns(pl.Series("credit_mode", arrays["mode_r"]))
+    # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer
+    # given one NaN advantage gets NaN gradients.
+    if not (np.isfinite(arrays["advantage"]).all() and rw["advantage"].is_finite().all()):
+        raise DracoError("internal error: credit produced a non-finite advantage; nothing "
+                         "was written (please report this with your inputs)")
     step_table = step_credit_frame(sa, arrays)
     crit = verdicts.group_by("group_id", "criterion_id").agg(pl.col("retained").first())
     stats = CreditStats(

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import errno
+import os
+
 
 class DracoError(Exception):
     """Base of every error draco raises on purpose. Exit code 1 at the command line."""
@@ -58,3 +61,42 @@ class ValidationFailed(DracoError):
         self.problems = problems
         head = f"{len(problems)} problem(s) found"
         super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in problems))
+
+
+class OutputError(DracoError):
+    """Writing an output failed (no space, no permission, read-only, ...); nothing was
+    published, and what existed before is as it was."""
+
+
+# One wording per OSError family, used at the command-line edge and where a write knows its
+# path: new commands inherit it without a line of their own.
+_OS_ERRORS = {
+    errno.ENOSPC: "no space left on the device (nothing was written; free space and rerun)",
+    errno.EDQUOT: "disk quota exceeded (nothing was written)",
+    errno.EROFS: "read-only file system",
+    errno.EACCES: "permission denied",
+    errno.EPERM: "operation not permitted",
+    errno.ENOTDIR: "a part of this path is a file, not a folder",
+    errno.EISDIR: "is a folder, expected a file",
+    errno.ENOENT: "no such file or folder",
+    errno.EEXIST: "already exists",
+    errno.ENAMETOOLONG: "file name too long",
+    errno.EMFILE: "too many open files",
+    errno.EIO: "input/output error",
+}
+
+
+def describe_os_error(exc: OSError, path: str | os.PathLike | None = None) -> str:
+    """One line: the path (the one given, else the one the error names) and what happened."""
+    what = _OS_ERRORS.get(exc.errno) if exc.errno is not None else None
+    if what is None:
+        what = exc.strerror or str(exc) or type(exc).__name__
+        # pyarrow reports "IOError: [Errno 28] ..." in its message with errno unset
+        for code, text in _OS_ERRORS.items():
+            if f"[Errno {code}]" in str(exc) or f"(os error {code})" in str(exc):
+                what = text
+                break
+    where = path if path is not None else exc.filename
+    if exc.filename2 is not None and path is None:
+        where = f"{exc.filename} -> {exc.filename2}"
+    return f"{where}: {what}" if where is not None else what

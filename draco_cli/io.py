@@ -6,14 +6,23 @@
   operations; the first offending row of each broken rule is named with file, row and field.
 - Every write is atomic (a temporary file in the destination folder, then ``os.replace``), and
   refuses to replace an existing file unless ``force`` is set.
+- A command's outputs are one *output set* (``OutputSet``): written into a hidden staging
+  folder under a per-folder lock, then published by renames recorded in a journal, so a set
+  appears whole or not at all, and carries one id in every table's metadata.
 """
 
 from __future__ import annotations
 
 import contextlib
+import fcntl
+import json
+import math
 import os
+import shutil
 import sys
 import tempfile
+import time
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from typing import BinaryIO
@@ -23,7 +32,8 @@ import pyarrow as pa
 import pyarrow.ipc as ipc
 import pyarrow.parquet as pq
 
-from draco_cli.errors import InputError, OutputExistsError, UsageError
+from draco_cli.errors import (DracoError, InputError, OutputError, OutputExistsError, UsageError,
+                              describe_os_error)
 from draco_cli.schemas import Column, Table, arrow_schema, columns
 
 STDIO = "-"
@@ -45,9 +55,14 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
     On any exception the temporary file is removed and ``path`` is left as it was.
     """
     dest = Path(path)
+    if dest.is_dir():
+        raise UsageError(f"{dest}: is a folder, expected a file name")
     check_writable(dest, force)
-    dest.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    prepare_out_dir(dest.parent, "output folder")
+    try:
+        fd, tmp = tempfile.mkstemp(prefix=f".{dest.name}.", suffix=".tmp", dir=dest.parent)
+    except OSError as exc:
+        raise OutputError(describe_os_error(exc, dest)) from None
     os.close(fd)
     try:
         yield Path(tmp)
@@ -56,10 +71,202 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
         os.umask(umask)
         os.chmod(tmp, 0o666 & ~umask)
         os.replace(tmp, dest)
-    except BaseException:
-        with contextlib.suppress(FileNotFoundError):
+    except BaseException as exc:
+        with contextlib.suppress(OSError):
             os.unlink(tmp)
+        if isinstance(exc, OSError):
+            raise OutputError(describe_os_error(exc, dest)) from None
         raise
+
+
+def prepare_out_dir(out: str | os.PathLike, option: str = "-o") -> Path:
+    """Create the output folder, or say in one line why it cannot be one."""
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise UsageError(f"{option} {out}: is a file, expected a folder")
+    try:
+        out.mkdir(parents=True, exist_ok=True)
+    except (FileExistsError, NotADirectoryError):
+        parent = next((p for p in out.parents if p.exists() and not p.is_dir()), out.parent)
+        raise UsageError(f"{option} {out}: {parent} is a file, not a folder") from None
+    return out
+
+
+# --- output sets: a folder lock, a staging folder, a journalled publication ---------------
+
+LOCK_FILE = ".draco-write.lock"
+STAGING_PREFIX = ".draco-staging-"
+JOURNAL_FILE = ".draco-publish.json"
+SET_ID_KEY = "draco.output_set"
+SET_MEMBERS_KEY = "draco.output_set_members"
+DEFAULT_LOCK_WAIT = 30.0  # seconds a second writer waits before refusing
+
+
+_HELD: set[str] = set()  # lock files this process holds
+
+
+class FolderBusy(DracoError):
+    """Another process holds the folder's write lock for longer than we wait."""
+
+
+@contextlib.contextmanager
+def folder_lock(folder: str | os.PathLike, wait: float | None = None) -> Iterator[None]:
+    """Hold ``folder``'s write lock (an flock, released by the kernel even on kill -9).
+
+    A second writer polls for up to ``wait`` seconds (``DRACO_LOCK_WAIT``, default 30), then
+    refuses with the holder's pid."""
+    if wait is None:
+        wait = float(os.environ.get("DRACO_LOCK_WAIT", DEFAULT_LOCK_WAIT))
+    path = Path(folder) / LOCK_FILE
+    key = os.path.realpath(path)
+    if key in _HELD:  # re-entrant within a process (a stage locks, then publishes its set)
+        yield
+        return
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o644)
+    try:
+        deadline = time.monotonic() + wait
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() >= deadline:
+                    holder = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+                    raise FolderBusy(
+                        f"{folder} is being written by another draco command (pid {holder}); "
+                        f"waited {wait:g}s; rerun when it has finished") from None
+                time.sleep(0.05)
+        with contextlib.suppress(OSError):  # the pid is a courtesy (a full disk refuses it)
+            os.ftruncate(fd, 0)
+            os.pwrite(fd, f"{os.getpid()}\n".encode(), 0)
+        _HELD.add(key)
+        try:
+            yield
+        finally:
+            _HELD.discard(key)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+    finally:
+        os.close(fd)
+
+
+def recover_folder(folder: Path) -> bool:
+    """Under the folder's lock: finish a publication a killed process left half done (its
+    journal lists the renames; each is idempotent), and remove stale staging folders.
+    Returns whether a publication was completed."""
+    journal = folder / JOURNAL_FILE
+    completed = False
+    if journal.exists():
+        try:
+            plan = json.loads(journal.read_text())
+            staging = folder / plan["staging"]
+            for name in plan["files"]:
+                if (staging / name).exists():
+                    os.replace(staging / name, folder / name)
+            completed = True
+        except (ValueError, KeyError, TypeError):
+            pass  # written atomically, so unreadable means not ours: nothing was renamed
+        journal.unlink()
+    for stale in folder.glob(STAGING_PREFIX + "*"):
+        shutil.rmtree(stale, ignore_errors=True)
+    return completed
+
+
+class OutputSet:
+    """The files one command writes into one folder, published together.
+
+    Usage: ``with OutputSet(out, ["a.parquet", "b.parquet"], force=f) as s: s.write_table(...)``.
+    On entry: the folder is created and locked, an interrupted earlier publication is
+    completed, existing outputs are refused without ``force``. Writes go to a hidden staging
+    folder. On a clean exit the files are renamed into place (a journal makes the renames
+    restartable); on an exception nothing is published and the staging folder is removed.
+    ``replaceable`` names may be written over without ``force`` (e.g. rejects.jsonl).
+    """
+
+    def __init__(self, folder: str | os.PathLike, names: list[str], *, force: bool = False,
+                 replaceable: tuple[str, ...] = (), option: str = "-o") -> None:
+        self.folder = Path(folder)
+        self.names = list(names) + [n for n in replaceable if n not in names]
+        self.checked = list(names)
+        self.force = force
+        self.option = option
+        self.id = uuid.uuid4().hex
+        self._stack = contextlib.ExitStack()
+        self.staging: Path | None = None
+
+    @property
+    def metadata(self) -> dict[str, str]:
+        tables = [n for n in self.names if n.endswith(".parquet")]
+        return {SET_ID_KEY: self.id, SET_MEMBERS_KEY: ",".join(tables)}
+
+    def __enter__(self) -> OutputSet:
+        self._created = not self.folder.exists()
+        prepare_out_dir(self.folder, self.option)
+        try:
+            with contextlib.ExitStack() as stack:
+                stack.enter_context(folder_lock(self.folder))
+                recover_folder(self.folder)
+                for name in self.checked:
+                    check_writable(self.folder / name, self.force)
+                self.staging = Path(tempfile.mkdtemp(prefix=STAGING_PREFIX, dir=self.folder))
+                self._stack = stack.pop_all()
+        except OSError as exc:
+            raise OutputError(describe_os_error(exc, self.folder)) from None
+        return self
+
+    def path(self, name: str) -> Path:
+        if name not in self.names or self.staging is None:
+            raise ValueError(f"{name} is not part of this output set")
+        return self.staging / name
+
+    def write_table(self, df: pl.DataFrame | pa.Table, name: str, model: type[Table],
+                    **kwargs) -> None:
+        meta = {**(kwargs.pop("metadata", None) or {}), **self.metadata}
+        with self._named(name):
+            write_table(df, self.path(name), model, force=True, metadata=meta, **kwargs)
+
+    def write_text(self, name: str, text: str) -> None:
+        with self._named(name):
+            try:
+                self.path(name).write_text(text, encoding="utf-8")
+            except OSError as exc:
+                raise OutputError(describe_os_error(exc, self.path(name))) from None
+
+    @contextlib.contextmanager
+    def _named(self, name: str) -> Iterator[None]:
+        """Errors name the output the user asked for, not its staging copy."""
+        try:
+            yield
+        except OutputError as exc:
+            raise OutputError(str(exc).replace(str(self.path(name)),
+                                               str(self.folder / name))) from None
+
+    def __exit__(self, exc_type, exc, tb) -> None:
+        try:
+            if exc_type is None:
+                try:
+                    self._publish()
+                except OSError as err:
+                    raise OutputError(describe_os_error(err, self.folder)) from None
+        finally:
+            assert self.staging is not None
+            shutil.rmtree(self.staging, ignore_errors=True)
+            self._stack.close()
+            if exc_type is not None and self._created:
+                # A failed first write leaves no trace: not even the folder it made.
+                with contextlib.suppress(OSError):
+                    if os.listdir(self.folder) == [LOCK_FILE]:
+                        os.unlink(self.folder / LOCK_FILE)
+                        os.rmdir(self.folder)
+
+    def _publish(self) -> None:
+        assert self.staging is not None
+        files = [n for n in self.names if (self.staging / n).exists()]
+        journal = self.folder / JOURNAL_FILE
+        write_text_atomic(journal, json.dumps({"set": self.id, "staging": self.staging.name,
+                                               "files": files}), force=True)
+        for name in files:
+            os.replace(self.staging / name, self.folder / name)
+        journal.unlink()
 
 
 def write_text_atomic(path: str | os.PathLike, text: str, force: bool = False) -> None:
@@ -140,9 +347,14 @@ class StreamingTableWriter:
     Memory stays bounded by the batch size, whatever the input size.
     """
 
-    def __init__(self, path: str | os.PathLike, model: type[Table], force: bool = False):
+    def __init__(self, path: str | os.PathLike, model: type[Table], force: bool = False,
+                 metadata: dict[str, str] | None = None):
         self.model = model
         self.schema = arrow_schema(model)
+        if metadata:
+            merged = dict(self.schema.metadata or {})
+            merged.update({k.encode(): v.encode() for k, v in metadata.items()})
+            self.schema = self.schema.with_metadata(merged)
         self._ctx = atomic_path(path, force)
         self._tmp = self._ctx.__enter__()
         self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
@@ -335,6 +547,59 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
                 row=row,
                 field=col.name,
             )
+    if col.le is not None and (df[col.name].max() or 0) > col.le:
+        row = _first_row(df, c.is_not_null() & (c > col.le))
+        if row is not None:
+            raise InputError(
+                f"implausible value {df[col.name][row]} (more than {col.le:.0f}); "
+                "refusing it before allocating anything for it",
+                file=source,
+                row=row,
+                field=col.name,
+            )
+    is_list = isinstance(df.schema[col.name], pl.List)
+    if col.item_ge is not None and is_list and df.height:
+        low = df[col.name].list.min().min()
+        if low is not None and low < col.item_ge:
+            row = _first_row(df, c.list.min() < col.item_ge)
+            assert row is not None
+            raise InputError(
+                f"every element must be >= {col.item_ge:g}, got {df[col.name][row].to_list()}",
+                file=source, row=row, field=col.name,
+            )
+    if col.finite:
+        row = first_non_finite(df, col.name)
+        if row is not None:
+            value = df[col.name][row]
+            if is_list:
+                value = next(x for x in value.to_list() if x is not None and not math.isfinite(x))
+            raise InputError(f"must be a finite number, got {value}", file=source, row=row,
+                             field=col.name)
+
+
+def first_non_finite(df: pl.DataFrame, name: str) -> int | None:
+    """Row of the first NaN or ±inf in a float (or list-of-float) column; None if all finite.
+
+    One whole-column pass; nulls are not this check's business (nullability is)."""
+    s = df[name]
+    if isinstance(s.dtype, pl.List):
+        flat = s.explode()
+        if not flat.dtype.is_float() or flat.is_finite().fill_null(True).all():
+            return None
+        return _first_row(df, pl.col(name).list.eval(~pl.element().is_finite()).list.any())
+    if not s.dtype.is_float() or s.is_finite().fill_null(True).all():
+        return None
+    return _first_row(df, ~pl.col(name).is_finite())
+
+
+def require_finite(df: pl.DataFrame, names: list[str] | tuple[str, ...], source: str) -> None:
+    """Raise InputError at the first NaN or ±inf in any of ``names`` (columns it has)."""
+    for name in names:
+        if name in df.columns:
+            row = first_non_finite(df, name)
+            if row is not None:
+                raise InputError(f"must be a finite number, got {df[name][row]}", file=source,
+                                 row=row, field=name)
 
 
 def _check_unique(df: pl.DataFrame, model: type[Table], source: str) -> None:

@@ -13,7 +13,8 @@ import pyarrow as pa
 from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
     narrow_judge
 from draco_cli.errors import InputError, UsageError
-from draco_cli.io import STDIO, check_writable, conform, read_arrow, read_table, write_table
+from draco_cli.io import STDIO, OutputSet, check_writable, conform, read_arrow, read_table, \
+    write_table
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
@@ -29,16 +30,13 @@ def _name(path: str | Path) -> str:
     return "<stdin>" if str(path) == STDIO else str(path)
 
 
-def _check_spans_type(spans: pa.ChunkedArray | None, source: str) -> None:
-    if spans is None:
-        return
-    t = spans.type
-    ok = (pa.types.is_list(t) or pa.types.is_large_list(t)) and (
-        pa.types.is_list(t.value_type) or pa.types.is_large_list(t.value_type)
-    ) and pa.types.is_integer(t.value_type.value_type)
-    if not ok:
-        raise InputError(f"expected list<list<int32>>, got {t}", file=source,
-                         field="policy_spans")
+def _check_spans_type(spans: pa.ChunkedArray | None, source: str,
+                      response_len: pl.Series | None = None) -> None:
+    """The policy_spans rules of ``draco validate``, raised at the first broken one."""
+    from draco_cli.validate import policy_span_issues, raise_first
+
+    if spans is not None:
+        raise_first(policy_span_issues(spans, response_len), source, "policy_spans")
 
 
 def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
@@ -88,7 +86,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     r = conform(pl.from_arrow(arrow.drop_columns(["policy_spans"]) if spans is not None
                               else arrow), Rollout, _name(rollouts),
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
-    _check_spans_type(spans, _name(rollouts))
+    _check_spans_type(spans, _name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
     s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
     v = _no_verdicts() if verdicts is None else \
@@ -108,10 +106,11 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     layouts = sorted(set(ta["layout"].to_list()))
     meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
             "draco.token_form": tokens}
-    write_table(result.rewards, targets[0], Reward, force=force)
-    write_table(result.step_credit, targets[1], StepCredit, force=force)
-    write_table(ta, targets[2], TokenAdvantages, force=force, drop_absent_optional=True,
-                metadata=meta)
+    with OutputSet(out, [t.name for t in targets], force=force) as output:
+        output.write_table(result.rewards, targets[0].name, Reward)
+        output.write_table(result.step_credit, targets[1].name, StepCredit)
+        output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
+                           metadata=meta)
     return result.stats
 
 
@@ -122,6 +121,10 @@ def credit_expand(token_advantages: str | Path, out: str | Path, *,
 
     check_writable(out, force)
     ta = read_table(token_advantages, TokenAdvantages)
+    from draco_cli.validate import raise_first, token_advantage_issues
+
+    for field, issue in token_advantage_issues(ta)[:1]:
+        raise_first([issue], _name(token_advantages), field)
     present = [c for c in ("advantages", "span_start", "span_end", "span_value")
                if c in ta.columns and ta[c].null_count() < ta.height]
     ta = ta.select("rollout_id", "length", "layout", *present)

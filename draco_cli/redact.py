@@ -1,38 +1,106 @@
-"""Masking secrets in rollout text before any of it leaves the machine (``--redact``)."""
+"""Masking secrets in rollout text before any of it leaves the machine (``--redact``) or is
+shown (``draco report``).
+
+The default patterns are combined into one regular expression, so a text is scanned once
+whatever the number of patterns, and only when a prefilter of literal substrings says it may
+hold a secret (then by the combination of just the patterns it may match) (the judge stage redacts every action and observation of every rollout: this is
+on its hot path; see benchmarks/bench_redact.py). Where a secret follows a key (``password = "x"``), the key is
+kept and only the value masked: each such pattern captures its key in a named group, and the
+replacement template puts back whichever of those groups matched (unmatched groups are empty).
+"""
 
 from __future__ import annotations
 
+import functools
 import re
 
 MASK = "[REDACTED]"
 
-# Default patterns: API keys of common providers, bearer tokens, and password-like assignments.
-DEFAULT_PATTERNS = (
-    r"sk-[A-Za-z0-9_\-]{16,}",                       # OpenAI / Anthropic style keys
-    r"(?:AKIA|ASIA)[A-Z0-9]{16}",                    # AWS access key ids
-    r"gh[pousr]_[A-Za-z0-9]{30,}",                   # GitHub tokens
-    r"xox[baprs]-[A-Za-z0-9\-]{10,}",                # Slack tokens
-    r"(?i)(?<=bearer )[A-Za-z0-9._\-~+/]{12,}=*",    # Authorization: Bearer <token>
-    r"(?i)(?<=\"password\": \")[^\"]+",              # JSON "password": "..."
-    r"(?i)(?<=password=)[^\s&'\",;]+",                # password=... in URLs, code
-    r"(?i)(?<=password: )[^\s'\",;]+",                # password: ... in prose
-    r"(?i)(?<=passwd=)[^\s&'\",;]+",
+_PASSWORD_KEY = r"(?i:password|passwd|passphrase|pwd)"
+_AWS_SECRET_KEY = r"(?i:(?:aws_?)?secret_?access_?key)"
+
+# (name of the group holding the kept key, or None; pattern). Order matters only between
+# alternatives that can start at the same character: the longer, more specific one first.
+_DEFAULTS: tuple[tuple[str | None, str], ...] = (
+    (None, r"github_pat_[A-Za-z0-9_]{22,}"),                  # GitHub fine-grained tokens
+    (None, r"gh[pousr]_[A-Za-z0-9]{30,}"),                    # GitHub classic tokens
+    (None, r"sk-[A-Za-z0-9_\-]{16,}"),                        # OpenAI / Anthropic style keys
+    (None, r"\b(?:AKIA|ASIA)[A-Z0-9]{16}\b"),                 # AWS access key ids
+    (None, r"\bAIza[0-9A-Za-z_\-]{35}"),                      # Google API keys
+    (None, r"xox[baprs]-[A-Za-z0-9\-]{10,}"),                 # Slack tokens
+    (None, r"\beyJ[A-Za-z0-9_\-]{8,}\.eyJ[A-Za-z0-9_\-]{8,}\.[A-Za-z0-9_\-]{8,}"),  # JWTs
+    # AWS secret access keys: 40 base64 characters after their key name
+    ("k_aws", _AWS_SECRET_KEY + r"""["']?\s*[:=]\s*["']?(?=[A-Za-z0-9/+]{40})"""),
+    ("k_bearer", r"(?i:\bbearer)\s+(?=[A-Za-z0-9._\-~+/]{12,})"),  # Authorization: Bearer ...
+    # password = "x", 'password': 'x', "password":"x", password: "x" — quoted value
+    ("k_pwq", _PASSWORD_KEY + r"""["']?\s*[:=]\s*["'](?=[^"'\n])"""),
+    # password=x (URLs, code, env files), password: x (prose) — bare value
+    ("k_pw", _PASSWORD_KEY + r"""["']?\s*[:=]\s*(?=[^\s&'",;}\]])"""),
 )
+# What each keyed pattern masks after its key.
+_VALUES = {
+    "k_aws": r"[A-Za-z0-9/+=]{40,}",
+    "k_bearer": r"[A-Za-z0-9._\-~+/]{12,}=*",
+    "k_pwq": r"""[^"'\n]+""",
+    "k_pw": r"""[^\s&'",;}\]]+""",
+}
+
+# Kept for callers that list the patterns; each is a full pattern on its own.
+DEFAULT_PATTERNS: tuple[str, ...] = tuple(
+    p if key is None else f"(?P<{key}>{p}){_VALUES[key]}" for key, p in _DEFAULTS)
+
+# Every default pattern contains one of its (lower-cased) literals. Most texts contain none,
+# and a few substring searches in C cost far less than one regex scan of the text; a text that
+# does contain some is scanned once by the combination of just the patterns it may match.
+_TRIGGERS: tuple[tuple[str, ...], ...] = (
+    ("github_pat_",), ("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), ("sk-",), ("akia", "asia"),
+    ("aiza",), ("xox",), ("eyj",), ("secret",), ("bearer",),
+    ("password", "passwd", "passphrase", "pwd"), ("password", "passwd", "passphrase", "pwd"),
+)
+assert len(_TRIGGERS) == len(_DEFAULTS)
+
+
+@functools.lru_cache(maxsize=256)
+def _combination(active: tuple[int, ...]) -> tuple[re.Pattern, str]:
+    keys = [_DEFAULTS[i][0] for i in active if _DEFAULTS[i][0]]
+    return (re.compile("|".join(DEFAULT_PATTERNS[i] for i in active)),
+            "".join(rf"\g<{k}>" for k in keys) + MASK)
+
+
+def _redact_defaults(text: str) -> tuple[str, int]:
+    low = text.lower()
+    active = tuple(i for i, trig in enumerate(_TRIGGERS) if any(t in low for t in trig))
+    if not active:
+        return text, 0
+    pattern, template = _combination(active)
+    return pattern.subn(template, text)
 
 
 class Redactor:
     def __init__(self, extra: list[str] | tuple[str, ...] = (), defaults: bool = True) -> None:
-        patterns = list(DEFAULT_PATTERNS if defaults else ()) + list(extra)
+        # User patterns stay separate: combining them would renumber their groups (and break
+        # any backreference they hold).
         try:
-            self._res = [re.compile(p) for p in patterns]
+            self._extra = [re.compile(p) for p in extra]
         except re.error as exc:
             from draco_cli.errors import UsageError
 
             raise UsageError(f"--redact: not a regular expression ({exc})") from None
+        self._defaults = defaults
         self.count = 0
 
     def __call__(self, text: str) -> str:
-        for r in self._res:
+        if not text:
+            return text
+        if self._defaults:
+            text, n = _redact_defaults(text)
+            self.count += n
+        for r in self._extra:
             text, n = r.subn(MASK, text)
             self.count += n
         return text
+
+
+def redact(text: str) -> str:
+    """The default redaction, for text shown rather than sent (``draco report``)."""
+    return _redact_defaults(text)[0] if text else text

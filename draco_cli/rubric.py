@@ -209,14 +209,25 @@ def load_static_rubric(path: str | Path | None) -> list[dict]:
     p = Path(path)
     if not p.exists():
         raise InputError("no such rubric file", file=str(p))
+    if p.is_dir():
+        raise InputError("is a folder, expected a rubric file (.yaml, .json or .parquet)",
+                         file=str(p))
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        df = pl.read_parquet(p)
+        from draco_cli.io import read_arrow
+
+        df = pl.from_arrow(read_arrow(p))
         for col in ("title", "requirement"):
             if col not in df.columns:
                 raise InputError("missing column", file=str(p), field=col)
         return _criteria_from({"criteria": df.select("title", "requirement").to_dicts()}, str(p))
-    text = p.read_text(encoding="utf-8")
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not UTF-8 text (byte {exc.start}): a rubric file is YAML or JSON",
+                         file=str(p)) from None
+    if "\x00" in text:
+        raise InputError("binary data: a rubric file is YAML or JSON text", file=str(p))
     if suffix == ".json":
         try:
             data = json.loads(text)
@@ -244,12 +255,19 @@ def _criteria_from(data, source: str) -> list[dict]:
         raise InputError("expected a non-empty list of criteria (or {criteria: [...]})",
                          file=source, field="criteria")
     out = []
+    seen: dict[tuple[str, str], int] = {}
     for i, c in enumerate(items):
         if not isinstance(c, dict):
             raise InputError("a criterion must be a mapping", file=source, row=f"criterion {i}")
         for key in ("title", "requirement"):
             if not isinstance(c.get(key), str) or not c[key].strip():
                 raise InputError("missing or empty", file=source, row=f"criterion {i}", field=key)
+        key = (normalise(c["title"]), normalise(c["requirement"]))
+        if key in seen:
+            # The same text gets the same criterion id: two rows with one key downstream.
+            raise InputError(f"repeats criterion {seen[key]} (same title and requirement)",
+                             file=source, row=f"criterion {i}", field="title")
+        seen[key] = i
         out.append({"title": c["title"].strip(), "requirement": c["requirement"].strip()})
     return out
 

@@ -29,6 +29,13 @@ class ArrowType:
 
 Int32 = Annotated[int, ArrowType(pa.int32())]
 Float32 = Annotated[float, ArrowType(pa.float32())]
+StepNumber = Annotated[int, ArrowType(pa.int32()), annotated_types.Ge(1)]
+
+# The largest token count any one rollout may claim (response length, a step's tokens, an
+# offset). Far above any model's context today (10M tokens), far below what would make a dense
+# float32 layout of one rollout exhaust memory: a corrupt 2**31 - 1 is refused at read, before
+# anything is allocated for it.
+MAX_TOKENS = 1 << 24
 
 Termination = Literal["submitted", "max_length", "max_turns", "env_error", "no_action"]
 Verdict = Literal["pass", "fail", "na"]
@@ -73,6 +80,7 @@ class Rollout(Table):
     response_len: Optional[Int32] = Field(
         None,
         ge=0,
+        le=MAX_TOKENS,
         description="Tokens of the trainer's response sequence, observation and gap tokens "
         "included.",
     )
@@ -96,9 +104,11 @@ class Step(Table):
     step: Int32 = Field(ge=1, description="1-based step number, contiguous within a rollout.")
     action: str = Field(description="The step's text (message text, code block or tool call).")
     observation: str = Field(description="What came back before the next step.")
-    n_tokens: Int32 = Field(ge=1, description="The step's tokens in the trainer's tokenizer.")
+    n_tokens: Int32 = Field(ge=1, le=MAX_TOKENS,
+                            description="The step's tokens in the trainer's tokenizer.")
     token_start: Optional[Int32] = Field(
-        None, ge=0, description="Offset of the step's first token in the response sequence."
+        None, ge=0, le=MAX_TOKENS,
+        description="Offset of the step's first token in the response sequence."
     )
 
 
@@ -144,7 +154,9 @@ class VerdictRaw(Table):
     judge: str = Field(description="Judge arm label, e.g. frontier or self.")
     sample: int = Field(ge=0, description="Sample index 0..k-1.")
     verdict: Optional[Verdict] = Field(None, description="pass, fail, na, or null = unanswered.")
-    cited_steps: list[Int32] = Field(description="Steps that justify the verdict (1-based).")
+    cited_steps: list[StepNumber] = Field(
+        description="Steps that justify the verdict (1-based)."
+    )
     reason: Optional[str] = Field(None, description="The judge's short reason.")
 
 
@@ -158,7 +170,9 @@ class VerdictAggregated(Table):
     criterion_id: str = Field(description="Criterion judged.")
     judge: str = Field(description="Judge arm label.")
     verdict: Optional[Verdict] = Field(None, description="Aggregated verdict; null = unanswered.")
-    cited_steps: list[Int32] = Field(description="Union of citations of the agreeing samples.")
+    cited_steps: list[StepNumber] = Field(
+        description="Union of citations of the agreeing samples."
+    )
     reason: Optional[str] = Field(None, description="Reason (or why unanswered).")
     retained: Optional[bool] = Field(
         None, description="Criterion failed by at least one member of the group (SPEC §3.3)."
@@ -190,7 +204,7 @@ class StepCredit(Table):
 
     rollout_id: str = Field(description="The rollout.")
     step: Int32 = Field(ge=1, description="1-based step.")
-    n_tokens: Int32 = Field(ge=1, description="Tokens of the step.")
+    n_tokens: Int32 = Field(ge=1, le=MAX_TOKENS, description="Tokens of the step.")
     p: Int32 = Field(ge=0, description="Passed criteria citing the step.")
     f: Int32 = Field(ge=0, description="Failed criteria citing the step.")
     cited: bool = Field(description="Whether any pass/fail criterion cites the step.")
@@ -199,7 +213,8 @@ class StepCredit(Table):
     advantage: float = Field(description="a_j: advantage of every token of the step.")
     total: float = Field(description="n_j * a_j.")
     token_start: Optional[Int32] = Field(
-        None, ge=0, description="The step's token_start, carried over for the token layout."
+        None, ge=0, le=MAX_TOKENS,
+        description="The step's token_start, carried over for the token layout."
     )
 
 
@@ -210,7 +225,8 @@ class TokenAdvantages(Table):
     keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
 
     rollout_id: str = Field(description="The rollout.")
-    length: Int32 = Field(ge=0, description="Tokens in the rollout's response sequence.")
+    length: Int32 = Field(ge=0, le=MAX_TOKENS,
+                          description="Tokens in the rollout's response sequence.")
     layout: Literal["positions", "end_to_end"] = Field(
         description="positions: tokens where the steps' token_start put them; end_to_end: no "
         "positions were known, steps laid end to end in step order (no gap or observation tokens)."
@@ -261,6 +277,11 @@ class Column:
     choices: tuple[str, ...] | None
     ge: float | None
     description: str
+    le: float | None = None
+    item_ge: float | None = None  # bound on every element of a list column
+    # Float columns (and lists of floats) never hold NaN or ±inf: a trainer fed one gets NaN
+    # gradients, so every float a contract carries is checked finite wherever it is read.
+    finite: bool = False
 
 
 def _unwrap(annotation: object) -> tuple[object, bool, list[object]]:
@@ -309,10 +330,19 @@ def columns(model: type[Table]) -> list[Column]:
     for name, info in model.model_fields.items():
         bare, nullable, _ = _unwrap(hints[name])
         choices = tuple(typing.get_args(bare)) if typing.get_origin(bare) is Literal else None
-        ge = None
+        ge = le = item_ge = None
         for m in info.metadata:
             if isinstance(m, annotated_types.Ge):
                 ge = float(m.ge)
+            if isinstance(m, annotated_types.Le):
+                le = float(m.le)
+        if typing.get_origin(bare) is list:
+            (item,) = typing.get_args(bare)
+            for m in _unwrap(item)[2]:
+                if isinstance(m, annotated_types.Ge):
+                    item_ge = float(m.ge)
+        arrow = arrow_type_of(hints[name])
+        value_type = arrow.value_type if pa.types.is_list(arrow) else arrow
         out.append(
             Column(
                 name=name,
@@ -322,6 +352,9 @@ def columns(model: type[Table]) -> list[Column]:
                 choices=choices,
                 ge=ge,
                 description=info.description or "",
+                le=le,
+                item_ge=item_ge,
+                finite=pa.types.is_floating(value_type),
             )
         )
     return out

@@ -8,7 +8,7 @@ from pathlib import Path
 
 import polars as pl
 
-from draco_cli.io import check_writable, read_table, write_table
+from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
 from draco_cli.llm.calllog import CallLog, export_parquet
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
@@ -108,7 +108,8 @@ def rubric_generate(rollouts, steps, out: Path, settings: LLMSettings, *,
     r, s = _inputs(rollouts, steps)
     report = StageReport(outputs=targets)
     log_path = _call_log_path(out, call_log)
-    with CallLog(log_path) as log:
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
                                render=render, batch=settings.batch, progress=progress,
@@ -118,8 +119,9 @@ def rubric_generate(rollouts, steps, out: Path, settings: LLMSettings, *,
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
-    write_table(res.candidates, targets[0], RubricCandidate, force=force)
-    write_table(res.rubrics, targets[1], Rubric, force=force)
+    with OutputSet(out, [t.name for t in targets], force=force) as output:
+        output.write_table(res.candidates, targets[0].name, RubricCandidate)
+        output.write_table(res.rubrics, targets[1].name, Rubric)
     if res.groups_without_rubric:
         report.notes.append(f"{len(res.groups_without_rubric)} group(s) got no criteria "
                             f"(unanswered calls): {', '.join(res.groups_without_rubric[:5])}")
@@ -140,7 +142,8 @@ def rubric_static(rollouts, rubric_file: Path | None, out: Path, force: bool = F
     r = read_table(rollouts, Rollout, columns=ROLLOUT_COLUMNS)
     criteria = load_static_rubric(rubric_file)
     rb = static_rubrics(r, criteria)
-    write_table(rb, target, Rubric, force=force)
+    with OutputSet(out, [target.name], force=force) as output:
+        output.write_table(rb, target.name, Rubric)
     return len(criteria), r["group_id"].n_unique(), target
 
 
@@ -157,7 +160,8 @@ def judge_score(rollouts, steps, rubrics, out: Path, settings: LLMSettings, *, s
     rb = read_table(rubrics, Rubric)
     report = StageReport(outputs=targets)
     log_path = _call_log_path(out, call_log)
-    with CallLog(log_path) as log:
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
                              judge=judge_label, render=render, batch=settings.batch,
@@ -167,8 +171,9 @@ def judge_score(rollouts, steps, rubrics, out: Path, settings: LLMSettings, *, s
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
-    write_table(res.raw, targets[0], VerdictRaw, force=force)
-    write_table(res.verdicts, targets[1], VerdictAggregated, force=force)
+    with OutputSet(out, [t.name for t in targets], force=force) as output:
+        output.write_table(res.raw, targets[0].name, VerdictRaw)
+        output.write_table(res.verdicts, targets[1].name, VerdictAggregated)
     n = res.verdicts.height
     unanswered = res.verdicts["verdict"].null_count()
     report.rows = n

@@ -88,3 +88,56 @@ def test_unknown_table_and_missing_file(tmp_path):
     _, problems = validate_paths([tmp_path / "mystery.parquet", tmp_path / "nope.parquet"])
     assert "cannot tell which table" in problems[0]
     assert "nope.parquet: no such file" in problems[1]
+
+
+# --- the checks shared by validate and the commands --------------------------------------
+
+import pyarrow as pa  # noqa: E402
+
+from draco_cli.validate import policy_span_issues, token_advantage_issues  # noqa: E402
+
+SPANS = pa.list_(pa.list_(pa.int32()))
+
+
+@pytest.mark.parametrize("spans,resp,expected", [
+    ([[[0, 5], [7, 9]], None, [[0, 3]]], [9, None, 3], []),
+    ([[[0, 5], [4, 9]]], [9], ["spans overlap or are out of order"]),
+    ([[[7, 9], [0, 5]]], [9], ["spans overlap or are out of order"]),
+    ([[[0, 5, 6]]], [9], ["a span must be a [start, end) pair"]),
+    ([[[0, None]]], [9], ["a span bound is null"]),
+    ([[[-1, 5]]], [9], ["span with start < 0 or end <= start"]),
+    ([[[3, 3]]], [9], ["span with start < 0 or end <= start"]),
+    ([[[0, 10]]], [9], ["span ends past response_len"]),
+])
+def test_policy_span_rules(spans, resp, expected):
+    issues = policy_span_issues(pa.array(spans, type=SPANS), pl.Series(resp, dtype=pl.Int32))
+    assert [what for _, _, what in issues] == expected
+
+
+def test_policy_spans_of_the_wrong_type():
+    issues = policy_span_issues(pa.array([[1, 2]], type=pa.list_(pa.int64())))
+    assert issues and "expected list<list<int32>>" in issues[0][2]
+
+
+def ta(**over):
+    base = {"rollout_id": ["a", "b"], "length": [10, 4], "layout": ["positions"] * 2,
+            "span_start": [[0, 5], [1]], "span_end": [[3, 8], [4]],
+            "span_value": [[0.5, -1.0], [2.0]]}
+    base.update(over)
+    return pl.DataFrame(base, schema_overrides={"span_start": pl.List(pl.Int32),
+                                                "span_end": pl.List(pl.Int32),
+                                                "span_value": pl.List(pl.Float32)})
+
+
+@pytest.mark.parametrize("frame,expected", [
+    (ta(), []),
+    (ta(span_end=[[3, 11], [4]]), [("span_start", [0], "span outside 0..length, or empty")]),
+    (ta(span_start=[[0, 2], [1]]), [("span_start", [0], "token spans overlap or are out of order")]),
+    (ta(span_value=[[0.5], [2.0]]),
+     [("span_start", [0], "span_start, span_end and span_value differ in length")]),
+    (ta().with_columns(pl.Series("advantages", [[0.0] * 10, [0.0] * 3], dtype=pl.List(pl.Float32))),
+     [("advantages", [1], "holds a different number of values than length")]),
+])
+def test_token_advantage_rules(frame, expected):
+    got = [(field, rows, what) for field, (rows, _, what) in token_advantage_issues(frame)]
+    assert got == expected

@@ -115,10 +115,42 @@ def main() -> None:
     except DracoError as exc:
         if os.environ.get("DRACO_DEBUG"):
             raise
-        from rich.markup import escape
+        _fail(str(exc), exc.exit_code)
+    except OSError as exc:
+        # The generic failures of any command (a full disk, a read-only folder, no permission,
+        # a path through a file), mapped once here so every command inherits the wording.
+        if os.environ.get("DRACO_DEBUG"):
+            raise
+        from draco_cli.errors import describe_os_error
 
-        from draco_cli.llm.keys import scrub
+        _fail(describe_os_error(exc), 1)
+    except RecursionError:
+        if os.environ.get("DRACO_DEBUG"):
+            raise
+        _fail("input nested too deeply to process", 1)
+    except MemoryError:
+        if os.environ.get("DRACO_DEBUG"):
+            raise
+        _fail("out of memory (nothing was written); try a smaller input", 1)
+    except KeyboardInterrupt:
+        _fail("interrupted (nothing was published; rerun to resume)", 130)
+    except Exception as exc:  # noqa: BLE001 — the last line of defence against a traceback
+        import sqlite3
 
-        err_console.print(f"[bold red]error:[/] {escape(scrub(str(exc)) or '')}",
-                          highlight=False, markup=True, soft_wrap=True)
-        sys.exit(exc.exit_code)
+        if os.environ.get("DRACO_DEBUG"):
+            raise
+        if isinstance(exc, sqlite3.Error):  # e.g. "database or disk is full"
+            _fail(f"call log: {exc}", 1)
+        first = (str(exc).splitlines() or [""])[0][:300]
+        _fail(f"internal error ({type(exc).__name__}: {first}); rerun with DRACO_DEBUG=1 for "
+              "the traceback, and please report it", 1)
+
+
+def _fail(message: str, code: int) -> None:
+    from rich.markup import escape
+
+    from draco_cli.llm.keys import scrub
+
+    err_console.print(f"[bold red]error:[/] {escape(scrub(message) or '')}",
+                      highlight=False, markup=True, soft_wrap=True)
+    sys.exit(code)

@@ -169,6 +169,21 @@ def self_judge(
                           "tests": tests.to_dicts()}), fmt)
 
 
+def _rubric_table(path: Path, level: str, read_arrow):
+    """A rubric table with the columns --level needs, or a one-line error naming the file."""
+    import polars as pl
+
+    from draco_cli.errors import InputError
+
+    df = pl.from_arrow(read_arrow(path))
+    table = "rubric_candidates" if level == "rollout" else "rubrics"
+    for col in ("title", "requirement", "origin_rollout_id" if level == "rollout" else "group_id"):
+        if col not in df.columns:
+            raise InputError(f"missing column: --level {level} compares {table} tables",
+                             file=str(path), field=col)
+    return df
+
+
 @app.command("overlap")
 def overlap(
     own: Annotated[Path, typer.Option("--own", help="Your rubric table (rubric_candidates for "
@@ -203,7 +218,7 @@ def overlap(
 
     r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                "train_step"]) if rollouts else None
-    a, b = pl.from_arrow(read_arrow(own)), pl.from_arrow(read_arrow(reference))
+    a, b = _rubric_table(own, level, read_arrow), _rubric_table(reference, level, read_arrow)
     if matcher == "lexical":
         sim = lexical_similarity
     elif matcher == "embedding":

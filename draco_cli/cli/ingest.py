@@ -76,5 +76,7 @@ def ingest(
     )
     if m["tokenizer_exact"] is False:
         err_console.print("[yellow]note:[/] token counts are approximate (--tokenizer approx)")
+    for warning in result.warnings:
+        err_console.print(f"[yellow]warning:[/] {warning}", highlight=False)
     if result.rejected:
         err_console.print(f"[yellow]rejected[/] {result.rejected} entries → {out}/rejects.jsonl")

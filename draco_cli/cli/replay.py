@@ -187,8 +187,15 @@ def correct_cmd(
 
     from draco_cli.credo import correct
 
+    from draco_cli.io import require_finite
+
     r = _read(rollouts) if rollouts else None
-    credit, info = correct(_read(plan_path), _read(labels), beta=beta, rollouts=r,
+    plan_df, labels_df = _read(plan_path), _read(labels)
+    for df, cols, src in ((plan_df, ("prediction", "p"), plan_path),
+                          (labels_df, ("return",), labels), (r, ("outcome",), rollouts)):
+        if df is not None:
+            require_finite(df, cols, str(src))
+    credit, info = correct(plan_df, labels_df, beta=beta, rollouts=r,
                            no_correction=no_correction, clip=clip)
     out.mkdir(parents=True, exist_ok=True)
     _write(credit.with_columns(pl.lit(json.dumps(info)).alias("settings")),

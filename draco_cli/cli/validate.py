@@ -11,21 +11,22 @@ from draco_cli.cli.console import err_console
 def validate(
     paths: Annotated[
         list[Path],
-        typer.Argument(metavar="PATH...", help="Parquet tables, folders of them, or - for an "
-                       "Arrow IPC stream on stdin."),
+        typer.Argument(metavar="PATH...", help="Parquet tables (checked as one set), folders "
+                       "(every folder below checked as its own set, e.g. a whole run folder), "
+                       "or - for an Arrow IPC stream on stdin."),
     ],
     table: Annotated[Optional[str], typer.Option(
         "--table", help="Which table - (stdin) holds, e.g. verdicts: needed for a stream "
         "draco did not write.")] = None,
 ) -> None:
-    """Check tables against their contracts and each other; exit 1 listing every problem.
+    """Check tables and manifests against their contracts and each other; exit 1 listing
+    every problem.
 
-    Example: draco validate data/step-0
+    Example: draco validate data/step-0 runs/step-0
     """
     from draco_cli.errors import ValidationFailed
-    from draco_cli.validate import validate_paths
+    from draco_cli.validate import validate_targets
 
-    from draco_cli.runfolder import RunFolder
     if table is not None:
         from draco_cli.io import name_stdin_table
         from draco_cli.schemas import TABLES
@@ -35,16 +36,9 @@ def validate(
                                      param_hint="--table")
         name_stdin_table(table)
 
-    files: list[Path] = []
-    for p in paths:
-        if str(p) != "-" and p.is_dir() and RunFolder.is_run_folder(p):
-            files += RunFolder.open(p).table_files()  # a draco run: its inputs and stages
-            continue
-        files += sorted(p.glob("*.parquet")) if str(p) != "-" and p.is_dir() else [p]
-    counts, problems = validate_paths(files)
+    sets, problems = validate_targets(paths)
     if problems:
         raise ValidationFailed(problems)
-    summary = ", ".join(f"{n} {t}" for t, n in counts.items())
-    err_console.print(f"[green]ok[/]: {summary or 'no tables found'}", highlight=False)
-    if not counts:
-        raise typer.Exit(1)
+    for label, counts in sets:
+        summary = ", ".join(f"{n} {t}" for t, n in counts.items()) or "manifest only"
+        err_console.print(f"[green]ok[/] {label}: {summary}", highlight=False, soft_wrap=True)

@@ -21,7 +21,7 @@ from draco_cli.errors import InputError, UsageError
 from draco_cli.ingest import openai_jsonl, tau2_bench, tau_bench
 from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Episode, build
 from draco_cli.ingest.tokens import make_counter
-from draco_cli.io import StreamingTableWriter, check_writable, write_text_atomic
+from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 
 Reader = Callable[[TextIO, str], Iterator[tuple[str, "Episode | InputError"]]]
@@ -46,6 +46,7 @@ class IngestResult:
     layout_unknown: int = 0
     terminations: Counter = field(default_factory=Counter)
     manifest: dict = field(default_factory=dict)
+    warnings: list[str] = field(default_factory=list)
 
 
 def _sha256(path: Path) -> str:
@@ -91,27 +92,38 @@ def ingest(
         if not p.is_file():
             raise InputError("no such file", file=str(p))
     out = Path(out_dir)
-    targets = [out / "rollouts.parquet", out / "steps.parquet", out / "manifest.json"]
-    for t in targets:
-        check_writable(t, force)
-    rejects_path = out / "rejects.jsonl"
+    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
+    for name in names:
+        check_writable(out / name, force)
     counter = make_counter(tokenizer)
     opts_by_source = {str(p): BuildOptions(step_unit, counter, str(p)) for p in paths}  # type: ignore[arg-type]
 
+    with OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output:
+        return _ingest(fmt, paths, output, opts_by_source, counter, step_unit, group_by,
+                       train_step, skip_invalid, progress)
+
+
+def _ingest(fmt, paths, output: OutputSet, opts_by_source, counter, step_unit, group_by,
+            train_step, skip_invalid, progress) -> IngestResult:
+    out = output.folder
     result = IngestResult(out_dir=out)
-    rollout_writer = StreamingTableWriter(targets[0], Rollout, force=force)
-    step_writer = StreamingTableWriter(targets[1], Step, force=force)
+    rollout_writer = StreamingTableWriter(output.path("rollouts.parquet"), Rollout, force=True,
+                                          metadata=output.metadata)
+    step_writer = StreamingTableWriter(output.path("steps.parquet"), Step, force=True,
+                                       metadata=output.metadata)
     rejects: list[dict] = []
     seen_ids: dict[str, str] = {}
-    groups: set[str] = set()
+    groups: Counter = Counter()
     rollout_rows: list[dict] = []
     step_rows: list[dict] = []
     try:
         for path in paths:
             source = str(path)
+            entries = 0
             with path.open("r", encoding="utf-8", errors="strict") as fp:
                 try:
                     for where, item in FORMATS[fmt](fp, source):
+                        entries += 1
                         try:
                             if isinstance(item, InputError):
                                 raise item
@@ -138,7 +150,7 @@ def ingest(
                             keys = ("task_id", "train_step") if row["train_step"] is not None \
                                 else ("task_id",)
                             row["group_id"] = group_key(row, keys)
-                        groups.add(row["group_id"])
+                        groups[row["group_id"]] += 1
                         rollout_rows.append(row)
                         step_rows.extend(built.steps)
                         result.rollouts += 1
@@ -155,11 +167,30 @@ def ingest(
                 except UnicodeDecodeError as exc:
                     raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
                                      file=source) from None
+                except RecursionError:
+                    raise InputError("JSON nested too deeply to be a log entry",
+                                     file=source) from None
+            if entries == 0:
+                raise InputError(f"no rollouts in this file (empty {fmt} input)", file=source)
+        if result.rollouts == 0:
+            # Exit 0 with empty tables would look like success; say what happened instead.
+            first = f" (first: {rejects[0]['reason']})" if rejects else ""
+            raise InputError(f"all {result.rejected} entries were rejected, no rollout "
+                             f"left to write{first}", file=", ".join(map(str, paths)))
         rollout_writer.write_rows(rollout_rows)
         step_writer.write_rows(step_rows)
         if progress:
             progress(result.rollouts)
         result.groups = len(groups)
+        singles = sum(1 for n in groups.values() if n == 1)
+        if singles == len(groups):
+            result.warnings.append(
+                f"every group has a single rollout ({len(groups)} groups): every group "
+                "advantage will be 0. Ingest the trials of each task together, or choose the "
+                f"grouping with --group-by (fields: {', '.join(GROUP_FIELDS)})")
+        elif singles:
+            result.warnings.append(f"{singles} of {len(groups)} groups have a single rollout: "
+                                   "their group advantage will be 0")
         token_counts = sorted(k for k in result.token_sources if k != "none")
         result.manifest = {
             "draco_version": __version__,
@@ -178,9 +209,11 @@ def ingest(
             "rollouts": result.rollouts,
             "steps": result.steps,
             "groups": result.groups,
+            "single_rollout_groups": singles,
             "rejected": result.rejected,
             "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
                                                           key=lambda kv: str(kv[0]))},
+            "output_set": output.id,
             "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
         }
     except BaseException:
@@ -189,7 +222,7 @@ def ingest(
         raise
     rollout_writer.commit()
     step_writer.commit()
-    if rejects or rejects_path.exists():
-        write_text_atomic(rejects_path, "".join(json.dumps(r) + "\n" for r in rejects), force=True)
-    write_text_atomic(targets[2], json.dumps(result.manifest, indent=2) + "\n", force=force)
+    if rejects or (out / "rejects.jsonl").exists():
+        output.write_text("rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects))
+    output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
     return result

@@ -13,6 +13,7 @@ Positions are known only when every part of that sequence has a count.
 from __future__ import annotations
 
 import json
+import math
 import re
 from dataclasses import dataclass, field
 from typing import Any, Literal
@@ -86,6 +87,7 @@ class Episode:
     # tool_mask, OpenRLHF action ranges): when given, positions come from them exactly.
     response_mask: list[int] | None = None
     response_ids: list[int] | None = None
+    outcome_field: str = "outcome"  # what the log calls the outcome, for errors
 
 
 @dataclass
@@ -200,6 +202,10 @@ def _trainer_runs(ep: Episode, policy_idx: list[int], source: str) -> list[tuple
 def build(ep: Episode, opts: BuildOptions) -> Built:
     """Turn one episode into its rollouts row and steps rows (raises InputError)."""
     source, counter = opts.source, opts.counter
+    if ep.outcome is not None and not math.isfinite(ep.outcome):
+        # json accepts NaN and Infinity; a NaN outcome becomes NaN advantages for its group.
+        raise InputError(f"must be a finite number, got {ep.outcome}", file=source,
+                         row=ep.where, field=ep.outcome_field)
     check_messages(ep, source)
     msgs = ep.messages
     policy_idx = [i for i, m in enumerate(msgs) if m.role == "assistant" and m.policy]

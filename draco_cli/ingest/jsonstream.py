@@ -86,6 +86,9 @@ class JsonStream:
                     file=self.source,
                     row=where,
                 ) from None
+            except RecursionError:
+                raise InputError("JSON nested too deeply to be a log entry",
+                                 file=self.source, row=where) from None
             self.pos = end
             return obj
 

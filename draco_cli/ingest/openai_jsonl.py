@@ -39,6 +39,10 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
             yield where, InputError(f"{what} ({exc.msg} at column {exc.colno})",
                                     file=source, row=where)
             continue
+        except RecursionError:
+            yield where, InputError("JSON nested too deeply to be a rollout", file=source,
+                                    row=where)
+            continue
         try:
             yield where, to_episode(raw, EntryContext(source, where), f"{stem}:{lineno}")
         except InputError as exc:

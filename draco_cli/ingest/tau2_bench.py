@@ -39,6 +39,7 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
     tasks: dict[str, dict] | None = None
     pending: list[tuple[int, Any]] = []  # simulations seen before the task list (unusual)
     walk = iter_object_with_array(fp, source, "simulations", _label)
+    seen_simulations = False
     while True:
         try:
             key, value = next(walk)
@@ -53,6 +54,7 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
                 yield _convert(index, raw, tasks, source)
             pending = []
         elif key == "simulations":
+            seen_simulations = True
             index, raw = value
             if tasks is None:
                 pending.append((index, raw))
@@ -60,6 +62,10 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
                 yield _convert(index, raw, tasks, source)
     for index, raw in pending:  # no task list at all: instructions come from the dialogue
         yield _convert(index, raw, {}, source)
+    if not seen_simulations:
+        yield "file", InputError("no simulations: a tau2-bench results file holds a "
+                                 "non-empty 'simulations' list", file=source,
+                                 field="simulations")
 
 
 def _task_index(value: Any) -> dict[str, dict]:
@@ -117,7 +123,7 @@ def to_episode(raw: Any, ctx: EntryContext, tasks: dict[str, dict]) -> Episode:
         if all(isinstance(x, int) for x in (pa_, pb, ca)) and pb - pa_ - ca >= 0:
             block_tokens[a] = pb - pa_ - ca
     reward_info = raw.get("reward_info") if isinstance(raw.get("reward_info"), dict) else {}
-    reward = reward_info.get("reward")
+    reward = ctx.optional(reward_info, "reward", (int, float), "reward_info.")
     reason = raw.get("termination_reason")
     reason = reason if isinstance(reason, str) else None
     instruction = instruction_of(tasks.get(task_id))
@@ -131,7 +137,8 @@ def to_episode(raw: Any, ctx: EntryContext, tasks: dict[str, dict]) -> Episode:
         instruction=instruction,
         messages=messages,
         where=ctx.where,
-        outcome=float(reward) if isinstance(reward, (int, float)) else None,
+        outcome=float(reward) if reward is not None else None,
+        outcome_field="reward_info.reward",
         termination=TERMINATION.get(reason) if reason else None,
         termination_raw=reason,
         trial=trial,

@@ -73,4 +73,5 @@ def to_episode(raw: Any, ctx: EntryContext) -> Episode:
         termination_raw=term_raw,
         trial=trial,
         messages_field="traj",
+        outcome_field="reward",
     )
