@@ -164,10 +164,26 @@ def folder_sets(root: Path) -> list[tuple[Path, list[Path]]]:
             continue
         files = sorted(p for p in folder.glob("*.parquet") if not _skip(p))
         if (folder / "manifest.json").is_file():
-            files.append(folder / "manifest.json")
+            files = _run_inputs(folder) + files + [folder / "manifest.json"]
         if files:
             out.append((folder, files))
     return out
+
+
+def _run_inputs(folder: Path) -> list[Path]:
+    """The rollouts and steps a run folder's manifest records, where they are now (checked
+    with the run's own tables as one set); none for other folders or corrupt manifests."""
+    from draco_cli.errors import DracoError
+    from draco_cli.runfolder import RunFolder
+
+    if not RunFolder.is_run_folder(folder):
+        return []
+    try:
+        run = RunFolder.open(folder)
+        return [p for name in ("rollouts", "steps") if name in run.manifest.inputs
+                for p in [run.input(name, verify=False, missing_ok=True)] if p is not None]
+    except DracoError:  # a corrupt manifest is reported by check_manifest
+        return []
 
 
 def _context_for(folder: Path, root: Path) -> list[Path]:

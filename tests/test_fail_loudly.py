@@ -795,7 +795,7 @@ def test_validate_a_whole_run_folder(run_folder):
     assert res.returncode == 0, err
     for part in ("step-0/credit: 12 rewards, 48 step_credit, 12 token_advantages",
                  "step-0/judge: ", "llm_calls", "step-0/rubric: ", "10 rubrics",
-                 "appworld_mini: 12 rollouts, 48 steps", "step-0: manifest only"):
+                 "appworld_mini: 12 rollouts, 48 steps", "step-0: 12 rollouts, 48 steps"):
         assert part in err, (part, err)
 
 

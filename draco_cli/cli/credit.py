@@ -99,13 +99,13 @@ def compute(
     if verdicts is None and not outcome:
         raise typer.BadParameter("--verdicts is required unless --reward outcome",
                                  param_hint="--verdicts")
+    with err_console.status("computing credit…"):
+        stats = credit_compute(rollouts, steps, verdicts, out, options=options, force=force)
     if outcome and credit is None:
         err_console.print("--reward outcome: uniform credit (every policy token gets A_i)"
                           + ("" if verdicts is not None else " and no criteria filter (no "
                              "verdicts)") + "; pass --credit step with --verdicts to spread it "
                           "over steps by the judge's citations", highlight=False)
-    with err_console.status("computing credit…"):
-        stats = credit_compute(rollouts, steps, verdicts, out, options=options, force=force)
     _summary(stats, out, fmt, options.reward)
 
 
