@@ -27,6 +27,7 @@ class FakeLLMServer:
         self.answer = answer
         self.latency = latency
         self.faults: deque = deque()
+        self.fault_count = 0
         self.hits: Counter = Counter()
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
@@ -94,9 +95,15 @@ class FakeLLMServer:
             return None, None
         kind, kw = self.faults.popleft()
         if kind in ("429", "500", "529"):
+            self.fault_count += 1  # transient errors rarely repeat their body word for word
             headers = {"retry-after": str(kw["retry_after"])} if "retry_after" in kw else {}
-            return web.json_response({"error": {"message": f"injected {kind}", "type": "x"}},
+            return web.json_response({"error": {"message": f"injected {kind} "
+                                                f"#{self.fault_count}", "type": "x"}},
                                      status=int(kind), headers=headers), None
+        if kind in ("400", "500_same"):  # a request the server will never take, as llama.cpp
+            return web.json_response({"error": {"message": kw.get(
+                "message", "Input should be 'text' or 'json_object'"), "type": "x"}},
+                status=int(kind[:3])), None
         if kind == "401_echo":  # like a real API quoting the key it rejected
             auth = request.headers.get("Authorization", request.headers.get("x-api-key", ""))
             return web.json_response({"error": {"message": f"Incorrect API key provided: "

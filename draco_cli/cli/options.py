@@ -45,3 +45,18 @@ CallLogPath = Annotated[Optional[Path], typer.Option(
     "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.")]
 ShowPrompt = Annotated[bool, typer.Option(
     "--show-prompt", help="Print the rendered prompt for the first rollout and exit; no call.")]
+StructuredOutput = Annotated[str, typer.Option(
+    help="How answers are constrained to JSON: auto, json-schema (OpenAI strict), "
+    "json-schema-loose (strict false; SGLang, Ollama), json-object (llama.cpp), vllm "
+    "(structured_outputs, vLLM >= 0.12), prompt (schema in the prompt, validated and re-asked), "
+    "output-format or tool (Anthropic). `draco llm check` says which one a server takes.")]
+SystemRole = Annotated[str, typer.Option(
+    help="keep: instructions in the system role; fold: into the first user message (chat "
+    "formats that drop system messages, e.g. Gemma).")]
+UseN = Annotated[bool, typer.Option(
+    "--use-n/--no-use-n", help="Ask k samples in one request with n (servers that ignore n "
+    "get the missing samples re-asked one per call either way).")]
+Temperature = Annotated[Optional[float], typer.Option(
+    min=0.0, help="Sampling temperature (default: the server's).")]
+Seed = Annotated[Optional[int], typer.Option(
+    help="Sampling seed, where the server honours one (enters the cache key).")]

@@ -7,7 +7,8 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import (BaseUrl, Batch, Concurrency, MaxCost, MaxPromptTokens,
+from draco_cli.cli.options import (Seed, StructuredOutput, SystemRole, Temperature, UseN,
+                                   BaseUrl, Batch, Concurrency, MaxCost, MaxPromptTokens,
                                    MaxTokens, Model, ParseRetries, Prices, Redact, Rpm,
                                    Thinking, Timeout, Tpm)
 
@@ -37,6 +38,8 @@ def run(
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
     redact: Redact = None,
+    structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
+    use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
 ) -> None:
     """One training step: rubric → judge → filter → credit, resumable and idempotent.
 
@@ -45,7 +48,9 @@ def run(
     from draco_cli.run import RunOptions, run_step
 
     llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                          max_cost, prices, batch, thinking)
+                          max_cost, prices, batch, thinking,
+                        structured_output=structured_output, system_role=system_role,
+                        use_n=use_n, temperature=temperature, seed=seed)
     opts = RunOptions(setting=setting, judge_model=judge_model, samples=samples,
                       aggregate=aggregate, judge_label=judge_label, max_criteria=max_criteria,
                       static_rubric=str(static_rubric) if static_rubric else None,
@@ -55,7 +60,7 @@ def run(
         result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar)
     m = result.manifest
     calls = m["llm_calls"]
-    total = sum(v.get("cost_usd", 0) for v in calls.values())
+    total = sum(v.get("cost_usd") or 0 for v in calls.values())
     rows = sum(v.get("rows", 0) for v in calls.values())
     if result.skipped:
         err_console.print(f"unchanged, skipped: {', '.join(result.skipped)}", highlight=False)

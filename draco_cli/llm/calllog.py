@@ -210,9 +210,12 @@ def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
         "SELECT phase, COUNT(*), SUM(status = 'ok'), SUM(input_tokens), SUM(cached_tokens), "
         "SUM(output_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM calls GROUP BY phase"
     ):
-        out[row[0]] = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
-                                "output_tokens", "reasoning_tokens", "cost_usd"),
-                               (x or 0 for x in row[1:])))
+        totals = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
+                           "output_tokens", "reasoning_tokens", "cost_usd"),
+                          (x or 0 for x in row[1:])))
+        if row[-1] is None:
+            totals["cost_usd"] = None  # unpriced model: unknown, not $0
+        out[row[0]] = totals
     return out
 
 
