@@ -408,3 +408,176 @@ def test_cli_check_and_export(server, tmp_path):
     res = run_draco("llm", "export", "--calls", str(tmp_path / "calls.sqlite"), "-o",
                     str(tmp_path / "calls.parquet"))
     assert res.returncode == 0 and pl.read_parquet(tmp_path / "calls.parquet").height == 1
+
+
+# --- servers nobody here wrote behave like this (issue 18) ---------------------------------
+
+
+def _rows(path) -> list[dict]:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.row_factory = sqlite3.Row
+    rows = [dict(r) for r in conn.execute("SELECT * FROM calls ORDER BY id")]
+    conn.close()
+    return rows
+
+
+def test_a_rejected_request_is_not_retried_and_its_reason_is_kept(server, tmp_path):
+    server.push("400", message="context_length_exceeded: 9000 tokens > 2048")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(LLMError, match="HTTP 400: context_length_exceeded"):
+            client(server, log).run([req("a")])
+    assert server.hits["chat"] == 1
+    [row] = _rows(tmp_path / "calls.sqlite")
+    assert row["status"] == "http_error" and "context_length_exceeded" in row["response"]
+
+
+def test_a_500_repeating_its_body_is_a_rejection_not_a_busy_server(server, tmp_path):
+    for _ in range(10):
+        server.push("500_same")  # what llama-cpp-python answers to response_format json_schema
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(LLMError, match="Input should be 'text' or 'json_object'"):
+            client(server, log).run([req("a")])
+    assert server.hits["chat"] == 3  # not 7 attempts over a minute
+    rows = _rows(tmp_path / "calls.sqlite")
+    assert all("json_object" in r["response"] for r in rows)
+
+
+def test_missing_choices_are_asked_again_one_per_call(server, tmp_path):
+    server.push("fewer_choices")  # like llama.cpp, which ignores n
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [answers] = client(server, log).run([req("a", samples=3)])
+    assert [a.status for a in answers] == ["ok"] * 3 and [a.sample for a in answers] == [0, 1, 2]
+    assert [b.get("n", 1) for b in server.bodies] == [3, 1]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log).run([req("a", samples=3)])
+    assert server.hits["chat"] == 2  # all three are logged as answered
+
+
+def test_no_use_n_asks_one_sample_per_call(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [answers] = client(server, log, use_n=False).run([req("a", samples=2)])
+    assert all(a.status == "ok" for a in answers)
+    assert [b.get("n", 1) for b in server.bodies] == [1, 1]
+
+
+def test_connection_refused_is_one_clear_error(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = LLMClient("openai/m", call_log=log, base_url=f"http://127.0.0.1:{port}/v1",
+                      backoff_base=0.01)
+        with pytest.raises(LLMError) as err:
+            c.run([req("a")])
+    msg = str(err.value)
+    assert "connection refused" in msg and "timeout" not in msg and "\n" not in msg
+    assert "after 3 attempts" in msg
+
+
+def test_missing_api_key_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("DRACO_BASE_URL", raising=False)
+    for model, var in (("openai/gpt-4.1", "OPENAI_API_KEY"),
+                       ("anthropic/claude-sonnet-4-5", "ANTHROPIC_API_KEY")):
+        with CallLog(tmp_path / "calls.sqlite") as log:
+            with pytest.raises(LLMError, match=f"{var} is not set"):
+                LLMClient(model, call_log=log).run([req("a")])
+
+
+@pytest.mark.parametrize("form,field", [
+    ("json-schema", lambda b: b["response_format"]["json_schema"]["strict"] is True),
+    ("json-schema-loose", lambda b: b["response_format"]["json_schema"]["strict"] is False),
+    ("json-object", lambda b: b["response_format"]["type"] == "json_object"
+     and b["response_format"]["schema"]["properties"]["verdict"]["enum"] == ["pass", "fail"]),
+    ("vllm", lambda b: "response_format" not in b
+     and b["structured_outputs"]["json"]["required"] == ["verdict", "steps", "reason"]),
+    ("prompt", lambda b: "response_format" not in b
+     and "JSON schema" in b["messages"][-1]["content"]),
+])
+def test_structured_output_forms(server, tmp_path, form, field):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log, structured_output=form).run([req("a")])
+    assert a.status == "ok" and field(server.bodies[-1])
+
+
+def test_anthropic_tool_form_and_folded_system(server, tmp_path):
+    def tool_answer(body, i):
+        return json.dumps({"verdict": "pass", "steps": [1], "reason": "ok"})
+
+    server.answer = tool_answer
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log, model="anthropic/test-claude", structured_output="tool",
+                       system_role=False).run([req("a")])
+    body = server.bodies[-1]
+    assert body["tool_choice"] == {"type": "tool", "name": "answer"} and "system" not in body
+    assert body["messages"][0]["content"].startswith("You judge.\n\nJudge rollout a.")
+    assert a.status == "ok"
+
+
+def test_a_form_a_provider_does_not_take_is_a_usage_error(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(Exception, match="anthropic/ models take"):
+            client(server, log, model="anthropic/test-claude",
+                   structured_output="json-object").run([req("a")])
+
+
+def test_fold_system_role_on_openai(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, system_role=False).run([req("a")])
+    msgs = server.bodies[-1]["messages"]
+    assert [m["role"] for m in msgs] == ["user"] and msgs[0]["content"].startswith("You judge.")
+
+
+def test_answer_checks_reask_and_old_logged_answers_are_rechecked(server, tmp_path):
+    def needs_two_steps(value):
+        return None if len(value.steps) >= 2 else "cite at least two steps"
+
+    answers = iter(['{"verdict": "pass", "steps": [1], "reason": "x"}',
+                    '{"verdict": "pass", "steps": [1, 2], "reason": "x"}'])
+    server.answer = lambda body, i: next(answers)
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log).run([req("a", check=needs_two_steps)])
+    assert a.status == "ok" and a.value.steps == [1, 2]
+    assert "cite at least two steps" in server.bodies[-1]["messages"][-1]["content"]
+    # an answer logged without the check is not served once a check rejects it
+    server.answer = lambda body, i: '{"verdict": "pass", "steps": [3], "reason": "x"}'
+    with CallLog(tmp_path / "other.sqlite") as log:
+        client(server, log).run([req("b")])
+    n = server.hits["chat"]
+    with CallLog(tmp_path / "other.sqlite") as log:
+        [[b]] = client(server, log, parse_retries=0).run(
+            [req("b", check=lambda v: None if v.steps != [3] else "no step 3")])
+    assert server.hits["chat"] == n + 1 and b.status == "unanswered"
+
+
+def test_budget_stops_within_one_call_at_any_concurrency(server, tmp_path):
+    per_call = (80 * 1 + 20 * 0.5 + 10 * 2) / 1e6
+    server.latency = 0.05
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=16, max_cost=per_call * 5.5)
+        c.run([req(f"r{i}") for i in range(40)])
+    assert c.spent <= per_call * 5.5 + per_call
+    assert server.hits["chat"] <= 6
+
+
+def test_unpriced_models_are_null_not_zero(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = LLMClient("openai/self-hosted", call_log=log, base_url=server.url + "/v1")
+        c.run([req("a")])
+        assert c.stats["score"].priced is False
+        assert log.totals()["score"]["cost_usd"] is None
+    assert _rows(tmp_path / "calls.sqlite")[0]["cost_usd"] is None
+
+
+def test_temperature_and_seed_reach_the_request_and_the_cache_key(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, temperature=0.7, seed=11).run([req("a")])
+        client(server, log, temperature=0.2, seed=11).run([req("a")])
+    assert [(b["temperature"], b["seed"]) for b in server.bodies] == [(0.7, 11), (0.2, 11)]

@@ -166,7 +166,11 @@ async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[di
         text = _body_text(exc)
         raise Retryable(f"HTTP {exc.status_code}" + (f": {_brief(exc)}" if text else ""),
                         _retry_after(exc), body=text, status=exc.status_code) from None
-    except sdk.APITimeoutError:
+    except sdk.APITimeoutError as exc:
+        # The SDKs' aiohttp transport reports a refused connection as a connect "timeout".
+        if _refused(exc):
+            raise Retryable("connection refused (is the server running?)",
+                            kind="refused") from None
         raise Retryable("timeout (no reply within --timeout)", kind="timeout") from None
     except sdk.APIConnectionError as exc:
         if _refused(exc):
