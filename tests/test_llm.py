@@ -581,3 +581,59 @@ def test_temperature_and_seed_reach_the_request_and_the_cache_key(server, tmp_pa
         client(server, log, temperature=0.7, seed=11).run([req("a")])
         client(server, log, temperature=0.2, seed=11).run([req("a")])
     assert [(b["temperature"], b["seed"]) for b in server.bodies] == [(0.7, 11), (0.2, 11)]
+
+
+# --- damaged and old call logs (issue 13) --------------------------------------------------
+
+
+def test_damaged_call_logs_are_named_never_restarted(server, tmp_path):
+    from draco_cli.errors import InputError
+    from draco_cli.llm.calllog import read_totals
+
+    good = tmp_path / "good.sqlite"
+    with CallLog(good) as log:
+        client(server, log).run([req(f"r{i}") for i in range(30)])
+    data = good.read_bytes()
+    cases = {"empty": b"", "text": b"hello, not a database\n" * 10,
+             "truncated": data[: len(data) // 2]}
+    for name, content in cases.items():
+        p = tmp_path / f"{name}.sqlite"
+        p.write_bytes(content)
+        for open_it in (lambda: CallLog(p), lambda: read_totals(p),
+                        lambda: export_parquet(p, tmp_path / "x.parquet", force=True),
+                        lambda: LLMClient(f"replay/{p}", call_log=CallLog(tmp_path / f"n{name}"))
+                        .run([req("r0")])):
+            with pytest.raises(InputError, match=f"{p.name}: .*move it aside"):
+                open_it()
+        assert p.read_bytes() == content  # untouched
+
+
+def test_old_logs_migrate_and_newer_ones_are_refused(server, tmp_path):
+    import sqlite3
+
+    from draco_cli.errors import InputError
+    from draco_cli.llm.calllog import SCHEMA_VERSION, schema_version
+
+    p = tmp_path / "calls.sqlite"
+    with CallLog(p) as log:
+        client(server, log).run([req("a")])
+    conn = sqlite3.connect(p)
+    conn.execute("PRAGMA user_version = 0")  # as written before versions were stamped
+    conn.commit()
+    conn.close()
+    assert schema_version(p) == 1
+    with CallLog(p) as log:
+        client(server, log).run([req("a")])
+    assert server.hits["chat"] == 1 and schema_version(p) == SCHEMA_VERSION
+    conn = sqlite3.connect(p)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(InputError, match="newer draco"):
+        CallLog(p)
+
+
+def test_shipped_sample_log_still_replays():
+    from draco_cli.llm.calllog import ReplayLog
+
+    assert ReplayLog(REPO / "sample_data" / "llm_calls.sqlite").answers
