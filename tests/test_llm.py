@@ -637,3 +637,30 @@ def test_shipped_sample_log_still_replays():
     from draco_cli.llm.calllog import ReplayLog
 
     assert ReplayLog(REPO / "sample_data" / "llm_calls.sqlite").answers
+
+
+def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
+    import socket
+
+    from tests.conftest import run_draco
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    proc = subprocess.Popen([sys.executable, "-m", "draco_cli", "llm", "mock-server", "--port",
+                             str(port)], cwd=REPO, env=env, stderr=subprocess.PIPE)
+    try:
+        line = proc.stderr.readline().decode()
+        assert f"127.0.0.1:{port}" in line
+        for model, url in ((f"openai/mock", f"http://127.0.0.1:{port}/v1"),
+                           ("anthropic/mock", f"http://127.0.0.1:{port}")):
+            res = subprocess.run([sys.executable, "-m", "draco_cli", "llm", "check", "--model",
+                                  model, "--base-url", url, "--no-parallelism"], cwd=REPO,
+                                 env=env, capture_output=True)
+            assert res.returncode == 0, res.stderr.decode()
+            assert b"answered valid JSON" in res.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
