@@ -664,3 +664,15 @@ def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
     finally:
         proc.send_signal(signal.SIGINT)
         proc.wait(10)
+
+
+@pytest.mark.parametrize("extra", [[], ["--setting", "static"], ["--setting", "static-no-credit"],
+                                   ["--samples", "3"]])
+def test_the_shipped_sample_runs_offline_in_every_recorded_setting(tmp_path, extra):
+    from tests.conftest import run_draco
+
+    data = REPO / "sample_data" / "appworld_mini"
+    res = run_draco("run", "--rollouts", str(data / "rollouts.parquet"), "--steps",
+                    str(data / "steps.parquet"), "--model",
+                    "replay/sample_data/llm_calls.sqlite", "-o", str(tmp_path / "run"), *extra)
+    assert res.returncode == 0, res.stderr.decode()
