@@ -676,3 +676,50 @@ def test_the_shipped_sample_runs_offline_in_every_recorded_setting(tmp_path, ext
                     str(data / "steps.parquet"), "--model",
                     "replay/sample_data/llm_calls.sqlite", "-o", str(tmp_path / "run"), *extra)
     assert res.returncode == 0, res.stderr.decode()
+
+
+def test_concurrency_adapts_to_a_server_that_serves_one_at_a_time(server, tmp_path):
+    server.serial, server.latency = True, 0.02
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=32)
+        c.run([req(f"r{i}") for i in range(120)])
+    assert c.limit.limit <= 2, c.limit.history
+    assert server.in_flight_max <= 8  # never the 32 the ceiling allows
+    server.serial = False
+    with CallLog(tmp_path / "other.sqlite") as log:  # a parallel server: the limit grows
+        c = client(server, log, concurrency=32)
+        c.run([req(f"r{i}") for i in range(400)])
+    assert c.limit.limit >= 16, c.limit.history
+
+
+def test_a_short_timeout_on_a_serial_server_does_not_pile_up_copies(server, tmp_path):
+    server.serial, server.latency = True, 0.3
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=8, timeout=0.5)
+        out = c.run([req(f"r{i}") for i in range(12)])
+    # a call queued behind others may time out; its retry waits for the abandoned call's slot,
+    # so the server's queue stays short and everything is answered
+    assert all(a.status == "ok" for r in out for a in r)
+    assert server.hits["chat"] <= 12 + 3
+    assert server.in_flight_max <= 3
+
+
+def test_a_timed_out_call_keeps_its_slot_while_the_server_still_computes_it():
+    import asyncio
+
+    from draco_cli.llm.adaptive import AdaptiveLimit
+
+    async def scenario():
+        lim = AdaptiveLimit(4, start=4)
+        async with lim.slot():
+            await lim.timed_out(0.3)  # the server goes on computing the abandoned call
+        assert lim.limit == 2 and lim.ghosts == 1
+        async with lim.slot():  # one ghost + one call = the halved limit: the next one waits
+            t0 = asyncio.get_running_loop().time()
+            waiter = asyncio.ensure_future(lim.slot().__aenter__())
+            await asyncio.sleep(0.05)
+            assert not waiter.done()
+        await waiter
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(scenario()) >= 0.05

@@ -12,7 +12,7 @@ from draco_cli.cli.console import err_console
 
 def settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries, max_cost, prices,
              batch, thinking, *, structured_output="auto", system_role="keep", use_n=True,
-             temperature=None, seed=None):
+             temperature=None, seed=None, adapt=None):
     from draco_cli.llm.providers import STRUCTURED_FORMS
     from draco_cli.llm.settings import LLMSettings
 
@@ -27,7 +27,7 @@ def settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries, max
                        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost,
                        prices=prices, batch=batch, thinking=thinking == "on",
                        structured_output=structured_output, system_role=system_role == "keep",
-                       use_n=use_n, temperature=temperature, seed=seed)
+                       use_n=use_n, temperature=temperature, seed=seed, adaptive=adapt)
 
 
 @contextlib.contextmanager

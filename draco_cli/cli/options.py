@@ -18,7 +18,12 @@ Model = Annotated[str, typer.Option(
 BaseUrl = Annotated[Optional[str], typer.Option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.")]
-Concurrency = Annotated[int, typer.Option(min=1, help="Calls in flight at once.")]
+Concurrency = Annotated[int, typer.Option(
+    min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
+    "does not serve more in parallel.")]
+Adapt = Annotated[Optional[bool], typer.Option(
+    "--adapt/--no-adapt", help="Measure the server's useful parallelism and keep in-flight "
+    "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.")]
 Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute limit.")]
 Tpm = Annotated[Optional[float], typer.Option(help="Tokens per minute limit (estimated).")]
 Timeout = Annotated[float, typer.Option(help="Seconds per call before it is retried.")]

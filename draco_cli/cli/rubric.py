@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import (Seed, StructuredOutput, SystemRole, Temperature, UseN,
+from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
                                    BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
                                    ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
@@ -35,6 +35,7 @@ def generate(
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
     structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
     use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
+    adapt: Adapt = None,
 ) -> None:
     """Write rubrics for each group: criteria per rollout (generate), per group (union), merged
     and capped (merge) → OUT/rubric_candidates.parquet, OUT/rubrics.parquet.
@@ -52,7 +53,8 @@ def generate(
     s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
                         max_cost, prices, batch, thinking,
                         structured_output=structured_output, system_role=system_role,
-                        use_n=use_n, temperature=temperature, seed=seed)
+                        use_n=use_n, temperature=temperature, seed=seed,
+                        adapt=adapt)
     with llmrun.progress_bar("rubrics") as bar:
         report = st.rubric_generate(rollouts, steps, out, s, stages=stage_list,
                                     max_criteria=max_criteria, render=render,

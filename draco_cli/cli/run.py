@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import (Seed, StructuredOutput, SystemRole, Temperature, UseN,
+from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
                                    BaseUrl, Batch, Concurrency, MaxCost, MaxPromptTokens,
                                    MaxTokens, Model, ParseRetries, Prices, Redact, Rpm,
                                    Thinking, Timeout, Tpm)
@@ -40,6 +40,7 @@ def run(
     redact: Redact = None,
     structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
     use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
+    adapt: Adapt = None,
 ) -> None:
     """One training step: rubric → judge → filter → credit, resumable and idempotent.
 
@@ -50,7 +51,8 @@ def run(
     llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
                           max_cost, prices, batch, thinking,
                         structured_output=structured_output, system_role=system_role,
-                        use_n=use_n, temperature=temperature, seed=seed)
+                        use_n=use_n, temperature=temperature, seed=seed,
+                        adapt=adapt)
     opts = RunOptions(setting=setting, judge_model=judge_model, samples=samples,
                       aggregate=aggregate, judge_label=judge_label, max_criteria=max_criteria,
                       static_rubric=str(static_rubric) if static_rubric else None,

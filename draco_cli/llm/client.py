@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections import defaultdict
@@ -23,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
 
+from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
@@ -115,6 +117,7 @@ class LLMClient:
         use_n: bool = True,
         temperature: float | None = None,
         seed: int | None = None,
+        adaptive: bool | None = None,
     ) -> None:
         self.model = model
         self.provider_name, _ = parse_model_id(model)
@@ -138,6 +141,11 @@ class LLMClient:
         # Client-wide sampling for what a request leaves unset (they enter its cache key).
         self.temperature, self.seed = temperature, seed
         self.reserved = 0.0       # estimated cost of calls in flight (--max-cost)
+        # --concurrency is the ceiling; the limit in use follows the server (adaptive.py).
+        # Default: adapt for self-hosted servers; hosted APIs limit by rate, not parallelism.
+        self.adaptive = adaptive if adaptive is not None else (
+            (base_url or os.environ.get("DRACO_BASE_URL")) is not None
+            and self.provider_name != "replay")
         self.rejections: list[str] = []
         self._cache = call_log.answered()
 
@@ -159,7 +167,8 @@ class LLMClient:
                                  structured_output=self.structured_output,
                                  system_role=self.system_role, use_n=self.use_n)
         requests = [self._with_defaults(r) for r in requests]
-        self._sem = asyncio.Semaphore(self.concurrency)
+        self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
+        self.limit = self._sem
         self._limiter = RateLimiter(self.rpm, self.tpm)
         try:
             if batch:
@@ -388,7 +397,7 @@ class LLMClient:
         same = 0
         while True:
             await self._limiter.acquire(estimate)
-            async with self._sem:
+            async with self._sem.slot():
                 # The call's estimated cost is reserved before it is sent, so the calls in
                 # flight cannot together overshoot the budget by more than one call.
                 # The first call goes out whatever its pessimistic estimate, to measure one.
@@ -410,6 +419,8 @@ class LLMClient:
                     stats.failed_attempts += 1
                     stats.calls += 1
                     self._log_failure(req, samples, attempt, str(exc), exc.body)
+                    if exc.kind == "timeout":
+                        await self._sem.timed_out(self.timeout)
                     same = same + 1 if exc.body and exc.body == last_body else 0
                     if exc.status == 500 and same >= 2:
                         # Three 500s with one body: the server rejects this request (llama.cpp
@@ -436,6 +447,7 @@ class LLMClient:
             if wait is not None:
                 await asyncio.sleep(wait)
                 continue
+            self._sem.completed()
             stats.calls += 1
             stats.usage = stats.usage + reply.usage
             cost = self._cost(reply.usage)

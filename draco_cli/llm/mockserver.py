@@ -94,6 +94,9 @@ class FakeLLMServer:
         self.latency = latency
         self.faults: deque = deque()
         self.fault_count = 0
+        self.serial = False
+        self.in_flight_max = 0   # serial mode: the deepest queue seen
+        self._lock: asyncio.Lock | None = None
         self.hits: Counter = Counter()
         self.bodies: list[dict] = []
         self.headers: list[dict] = []
@@ -223,7 +226,13 @@ class FakeLLMServer:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
-        if self.latency:
+        if self.serial:  # one request at a time, as llama-cpp-python's server
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                self.in_flight_max = max(self.in_flight_max, len(self._lock._waiters or ()) + 1)
+                await asyncio.sleep(self.latency)
+        elif self.latency:
             await asyncio.sleep(self.latency)
         resp, kind = await self._fault(request)
         if resp is not None:
