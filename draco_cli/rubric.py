@@ -173,6 +173,11 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
             from draco_cli.errors import UsageError
 
             raise UsageError(f"--stages: unknown stage {s!r}; choose from {', '.join(STAGES)}")
+    if "merge" in stages and not ({"generate", "union"} & set(stages)):
+        from draco_cli.errors import UsageError
+
+        raise UsageError("--stages merge: merge combines the candidates that generate and union "
+                         "write in the same run; add them (e.g. --stages union,merge)")
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
     answers = client.run([j[3] for j in jobs], progress=progress, batch=batch) if jobs else []
     cand_rows = []

@@ -276,3 +276,19 @@ def test_static_rubric_files(tmp_path, tau):
     assert res.returncode == 0
     rb = pl.read_parquet(tmp_path / "out" / "rubrics.parquet")
     assert rb.height == 15 and rb["criterion_id"].n_unique() == 15 and (rb["source"] == "static").all()
+
+
+def test_show_prompt_and_merge_alone_say_what_is_wrong(server, tau, tmp_path):
+    r, s = str(tau / "rollouts.parquet"), str(tau / "steps.parquet")
+    res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
+                    str(tmp_path / "x"), "--stages", "merge", "--show-prompt", *llm_args(server))
+    assert res.returncode == 2 and b"merge prompt" in res.stderr and b"Traceback" not in res.stderr
+    res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
+                    str(tmp_path / "x"), "--stages", "merge", *llm_args(server))
+    assert res.returncode == 2 and b"--stages union,merge" in res.stderr
+    assert server.hits["chat"] == 0
+    empty = tmp_path / "empty.parquet"
+    pl.read_parquet(r).clear().write_parquet(empty)
+    res = run_draco("rubric", "generate", "--rollouts", str(empty), "--steps", s, "-o",
+                    str(tmp_path / "x"), "--show-prompt", *llm_args(server))
+    assert res.returncode == 1 and b"no rollouts" in res.stderr and b"Traceback" not in res.stderr

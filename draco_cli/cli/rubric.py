@@ -47,6 +47,11 @@ def generate(
     render = st.render_options(max_prompt_tokens, redact or [], no_default_redact)
     stage_list = tuple(x.strip() for x in stages.split(",") if x.strip())
     if show_prompt:
+        if stage_list[0] not in ("generate", "union"):
+            raise typer.BadParameter(
+                "--show-prompt shows the generate or union prompt (the first of --stages); the "
+                "merge prompt lists their candidates, which exist only after they ran",
+                param_hint="--stages")
         typer.echo(st.show_prompt(rollouts, steps, stage_list[0], max_criteria=max_criteria,
                                   render=render))
         return
