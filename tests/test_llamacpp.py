@@ -39,7 +39,7 @@ MODEL = "openai/gemma-3-270m"
 SETTINGS = ["--structured-output", "json-object", "--system-role", "fold", "--no-use-n",
             "--concurrency", "1"]
 COMMON = ["--max-tokens", "384", "--max-prompt-tokens", "1200", "--temperature", "0",
-          "--parse-retries", "3", "--timeout", "300"]
+          "--parse-retries", "3", "--timeout", "900"]
 
 
 LLAMA_PYTHON = os.environ.get("DRACO_LLAMA_PYTHON", sys.executable)
@@ -79,7 +79,8 @@ def llama(tmp_path_factory):
     proc = subprocess.Popen(
         [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
          "--port", str(port), "--n_ctx", "4096", "--chat_format", "gemma",
-         "--model_alias", MODEL.split("/", 1)[1], "--n_threads", "2"],
+         "--model_alias", MODEL.split("/", 1)[1],
+         "--n_threads", os.environ.get("DRACO_LLAMA_THREADS", "2")],
         stdout=log, stderr=subprocess.STDOUT)
     url = f"http://127.0.0.1:{port}/v1"
     deadline = time.time() + 120
@@ -145,7 +146,8 @@ def _assert_bookkeeping(log: Path) -> None:
 
 
 def test_llm_check_finds_the_settings(llama):
-    res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "128")
+    res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "64",
+                    "--timeout", "600")
     err = res.stderr.decode()
     assert res.returncode == 0, err
     # strict json_schema is rejected, with the server's own reason, and not retried for a minute

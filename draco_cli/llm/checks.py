@@ -146,10 +146,11 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
                                     ("" if reply else f": {err}")))
             if not honoured:
                 advice["--no-use-n"] = ""
-        # System role: does a long system message reach the prompt at all?
+        # System role: does a long system message reach the prompt at all? Only the prompt
+        # token counts matter, so the answers may stop after a few tokens.
         filler = "Context for the reply. " * 40
-        bare, _ = await _one(provider, _request(max_tokens, temperature, seed, None))
-        with_sys, _ = await _one(provider, _request(max_tokens, temperature, seed, filler))
+        bare, _ = await _one(provider, _request(8, temperature, seed, None))
+        with_sys, _ = await _one(provider, _request(8, temperature, seed, filler))
         if bare is not None and with_sys is not None:
             a = bare.usage.input_tokens + bare.usage.cached_tokens
             b = with_sys.usage.input_tokens + with_sys.usage.cached_tokens
@@ -163,9 +164,10 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
                     advice["--system-role"] = "fold"
         if parallelism:
             best, rates = 1, {}
+            short = _request(min(max_tokens, 32), temperature, seed)
             for c in (1, 2, 4, 8):
                 start = time.perf_counter()
-                results = await asyncio.gather(*(_one(provider, req) for _ in range(c)))
+                results = await asyncio.gather(*(_one(provider, short) for _ in range(c)))
                 wall = time.perf_counter() - start
                 if any(r is None for r, _ in results):
                     break

@@ -475,8 +475,10 @@ def _brief(exc: Any) -> str:
     from draco_cli.llm.keys import scrub
 
     body = getattr(exc, "body", None)
+    text = str(getattr(exc, "message", exc))
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and err.get("message"):
-            return scrub(str(err["message"])[:300]) or ""
-    return scrub(str(getattr(exc, "message", exc))[:300]) or ""
+            text = str(err["message"])
+    # One line: servers put tracebacks and pretty-printed validation errors in their bodies.
+    return scrub(" ".join(text.split())[:300]) or ""
