@@ -169,7 +169,7 @@ def test_anthropic_messages(server, tmp_path):
                                                             max_tokens=4000))])
     assert server.hits["messages"] == 2  # one call per sample
     body = server.bodies[0]
-    assert body["system"] == "You judge." and body["messages"][0]["role"] == "user"
+    assert body["system"][0]["text"] == "You judge." and body["messages"][0]["role"] == "user"
     assert body["output_config"]["format"]["type"] == "json_schema"
     assert body["thinking"] == {"type": "enabled", "budget_tokens": 2000}
     assert "temperature" not in body  # not allowed with thinking
@@ -723,3 +723,14 @@ def test_a_timed_out_call_keeps_its_slot_while_the_server_still_computes_it():
         return asyncio.get_running_loop().time() - t0
 
     assert asyncio.run(scenario()) >= 0.05
+
+
+def test_anthropic_prompt_caching_marks_the_stable_prefix(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, model="anthropic/test-claude").run([req("a", samples=2)])
+    first, second = server.bodies
+    assert first["system"] == [{"type": "text", "text": "You judge.",
+                                "cache_control": {"type": "ephemeral"}}]
+    # the k samples of one rollout are k calls with one prompt: all of it is cached
+    assert first["messages"][-1]["content"][0]["cache_control"] == {"type": "ephemeral"}
+    assert first["messages"] == second["messages"]

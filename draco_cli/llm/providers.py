@@ -356,7 +356,15 @@ class AnthropicProvider(Provider):
                               "description": "Record the answer."}]
             body["tool_choice"] = {"type": "tool", "name": req.schema_name}
         if system:
-            body["system"] = system
+            # Prompt caching: the instructions are the prefix every call of a phase shares.
+            body["system"] = [{"type": "text", "text": system,
+                               "cache_control": {"type": "ephemeral"}}]
+        if req.samples > 1 and chat and isinstance(chat[-1].get("content"), str):
+            # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
+            chat = [dict(m) for m in chat]
+            chat[-1]["content"] = [{"type": "text", "text": chat[-1]["content"],
+                                    "cache_control": {"type": "ephemeral"}}]
+            body["messages"] = chat
         if s.thinking:
             # Thinking tokens count toward max_tokens; leave room for the answer.
             body["thinking"] = {"type": "enabled",
