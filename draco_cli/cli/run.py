@@ -72,7 +72,9 @@ def run(
             f"{stats['groups']} groups, {stats['rollouts']} rollouts; criteria kept "
             f"{stats['criteria_kept']} / dropped {stats['criteria_dropped']}; credit modes "
             f"{stats['credit_modes']}", highlight=False)
-    err_console.print(f"LLM calls logged: {rows} rows, ${total:.4f} in all; "
+    unpriced = bool(calls) and all(v.get("cost_usd") is None for v in calls.values())
+    money = "unpriced model" if unpriced else f"${total:.4f} in all"
+    err_console.print(f"LLM calls logged: {rows} rows, {money}; "
                       f"{m['wall_seconds']:.1f} s", highlight=False)
     if result.budget_reached:
         err_console.print("[yellow]budget reached (--max-cost): rerun to resume[/]")
