@@ -36,17 +36,46 @@ class ScoreAnswer(BaseModel):
 
 
 def score_schema(criterion_ids: list[str], n_steps: int) -> dict:
+    """Exactly one verdict per criterion (as many items as ids, ids from the group's list),
+    citations bounded by the rollout's steps. Uniqueness of ids is checked after decoding
+    (``verdict_check``): strict schema modes do not take ``uniqueItems`` on objects."""
     step = {"type": "integer", "enum": list(range(1, n_steps + 1))} if n_steps else \
         {"type": "integer"}
+    cites: dict = {"type": "array", "items": step}
+    if n_steps:
+        cites["maxItems"] = n_steps
     item = {"type": "object", "additionalProperties": False,
             "required": ["criterion_id", "verdict", "cited_steps", "reason"],
             "properties": {
                 "criterion_id": {"type": "string", "enum": criterion_ids},
                 "verdict": {"type": "string", "enum": ["pass", "fail", "na"]},
-                "cited_steps": {"type": "array", "items": step},
+                "cited_steps": cites,
                 "reason": {"type": "string"}}}
+    n = len(criterion_ids)
     return {"type": "object", "additionalProperties": False, "required": ["verdicts"],
-            "properties": {"verdicts": {"type": "array", "items": item}}}
+            "properties": {"verdicts": {"type": "array", "items": item,
+                                        "minItems": n, "maxItems": n}}}
+
+
+def verdict_check(criterion_ids: list[str]):
+    """Every criterion of the group answered exactly once, no other id: else re-asked."""
+    wanted = list(criterion_ids)
+
+    def check(answer: ScoreAnswer) -> str | None:
+        got = [v.criterion_id for v in answer.verdicts]
+        repeated = sorted({c for c in got if got.count(c) > 1})
+        if repeated:
+            return f"criterion ids repeated: {', '.join(repeated)}; give each id once"
+        unknown = [c for c in got if c not in wanted]
+        if unknown:
+            return f"unknown criterion ids: {', '.join(unknown[:5])}"
+        missing = [c for c in wanted if c not in got]
+        if missing:
+            return f"no verdict for criterion ids: {', '.join(missing)}; give one verdict " \
+                "for every criterion listed"
+        return None
+
+    return check
 
 
 def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criteria: pl.DataFrame,
@@ -57,12 +86,15 @@ def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criter
                         for c in criteria.iter_rows(named=True))
     task, traj = render_rollout(instruction, steps, render)
     # Stable part first (instructions, rubric, task: shared by the group) so prompt caches hit.
+    ids = criteria["criterion_id"].to_list()
+    # The criteria were written by a model that read rollouts: fenced as untrusted text too.
     return LLMRequest(
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
-        json_schema=score_schema(criteria["criterion_id"].to_list(), steps.height),
+        json_schema=score_schema(ids, steps.height), check=verdict_check(ids),
         messages=[{"role": "system", "content": template},
-                  {"role": "user", "content": f"Criteria (one JSON object per line):\n{listing}\n\n"
+                  {"role": "user", "content": "Criteria (one JSON object per line):\n"
+                   f"{fenced('criteria', listing)}\n\n"
                    f"Task:\n{task_block(task)}\n\nRollout ({steps.height} steps):\n"
                    f"{fenced('rollout', traj)}"}])
 

@@ -36,6 +36,38 @@ class CriteriaAnswer(BaseModel):
     criteria: list[CriterionDraft]
 
 
+def criteria_schema(max_items: int) -> dict:
+    """The answer schema sent: at least one criterion and at most ``max_items`` (a model that
+    loops on one criterion stops at the bound instead of at the token limit)."""
+    from draco_cli.llm.types import strict_schema
+
+    schema = strict_schema(CriteriaAnswer.model_json_schema())
+    schema["properties"]["criteria"].update(minItems=1, maxItems=max(1, max_items))
+    return schema
+
+
+def criteria_check(max_items: int):
+    """What the schema cannot say: no empty, repeated or surplus criterion (re-asked)."""
+
+    def check(answer: CriteriaAnswer) -> str | None:
+        if not answer.criteria:
+            return "the criteria list is empty: propose at least one criterion"
+        if len(answer.criteria) > max_items:
+            return f"{len(answer.criteria)} criteria: give at most {max_items}"
+        seen: dict[str, int] = {}
+        for i, c in enumerate(answer.criteria, start=1):
+            if not c.title.strip() or not c.requirement.strip():
+                return f"criterion {i} has an empty title or requirement"
+            key = normalise(c.title)
+            if key in seen:
+                return f"criterion {i} repeats criterion {seen[key]} ({c.title.strip()!r}): " \
+                    "give each criterion once"
+            seen[key] = i
+        return None
+
+    return check
+
+
 def normalise(text: str) -> str:
     return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", " ", text.lower())).strip()
 
@@ -79,6 +111,8 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
                 task, traj = render_rollout(instruction, by_rollout.get(rid, empty), render)
                 out.append(("generate", group_id, rid, LLMRequest(
                     phase="generate", key=rid, answer_model=CriteriaAnswer,
+                    json_schema=criteria_schema(max_criteria), schema_name="criteria",
+                    check=criteria_check(max_criteria),
                     template_version=version, sampling=sampling,
                     messages=[{"role": "system", "content": template.format(
                                   max_candidates=max_criteria)},
@@ -93,6 +127,8 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
                 blocks.append(f"Attempt {k}:\n{fenced(f'attempt {k}', traj)}")
             out.append(("union", group_id, None, LLMRequest(
                 phase="union", key=group_id, answer_model=CriteriaAnswer,
+                json_schema=criteria_schema(max_criteria), schema_name="criteria",
+                check=criteria_check(max_criteria),
                 template_version=version, sampling=sampling,
                 messages=[{"role": "system", "content": template.format(
                               max_candidates=max_criteria)},
@@ -109,7 +145,8 @@ def merge_request(group_id: str, instruction: str, candidates: list[dict], max_c
                                    ensure_ascii=False) for c in candidates)
     return LLMRequest(
         phase="merge", key=group_id, answer_model=CriteriaAnswer, template_version=version,
-        sampling=sampling,
+        sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
+        check=criteria_check(max_criteria),
         messages=[{"role": "system", "content": template.format(max_criteria=max_criteria)},
                   {"role": "user", "content": f"Task:\n{task_block(red(instruction))}\n\n"
                    f"Candidate criteria:\n{fenced('candidates', listing)}"}])
@@ -136,6 +173,11 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
             from draco_cli.errors import UsageError
 
             raise UsageError(f"--stages: unknown stage {s!r}; choose from {', '.join(STAGES)}")
+    if "merge" in stages and not ({"generate", "union"} & set(stages)):
+        from draco_cli.errors import UsageError
+
+        raise UsageError("--stages merge: merge combines the candidates that generate and union "
+                         "write in the same run; add them (e.g. --stages union,merge)")
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
     answers = client.run([j[3] for j in jobs], progress=progress, batch=batch) if jobs else []
     cand_rows = []

@@ -203,6 +203,10 @@ def show_prompt(rollouts, steps, which: str, *, rubrics=None, max_criteria: int 
     from draco_cli.rubric import stage_requests
 
     r, s = _inputs(rollouts, steps)
+    if r.height == 0:
+        from draco_cli.errors import InputError
+
+        raise InputError("no rollouts, so no prompt to show", file=str(rollouts))
     if which == "score":
         rb = read_table(rubrics, Rubric)
         first = r.row(0, named=True)

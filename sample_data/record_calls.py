@@ -68,6 +68,40 @@ VERDICTS = {
 }
 
 
+# The static setting judges every rollout against draco's default rubric
+# (draco_cli/rubrics/default.yaml), in its order: secrets, pagination, stopping, error recovery,
+# dates, confirmation before changes. Also written by hand from the episodes.
+STATIC_VERDICTS = {
+    "spotify-follow-0": [("pass", [1]), ("pass", [2]), ("pass", [5]), ("na", []), ("na", []),
+                         ("pass", [4])],
+    "spotify-follow-1": [("pass", [1]), ("fail", [2]), ("pass", [5]), ("na", []), ("na", []),
+                         ("fail", [4])],
+    "spotify-follow-2": [("fail", [1]), ("pass", [3]), ("pass", [5]), ("na", []), ("na", []),
+                         ("fail", [4])],
+    "spotify-follow-3": [("pass", [1]), ("pass", [4]), ("pass", [6]), ("pass", [2, 3]),
+                         ("na", []), ("pass", [5])],
+    "venmo-roommates-0": [("pass", [2]), ("na", []), ("pass", [3]), ("na", []), ("na", []),
+                          ("pass", [2])],
+    "venmo-roommates-1": [("pass", [2]), ("na", []), ("pass", [3]), ("na", []), ("na", []),
+                          ("fail", [2])],
+    "venmo-roommates-2": [("pass", [2]), ("na", []), ("fail", [3, 4, 5]), ("na", []),
+                          ("na", []), ("pass", [2])],
+    "venmo-roommates-3": [("na", []), ("na", []), ("na", []), ("na", []), ("na", []),
+                          ("na", [])],
+    "amazon-march-0": [("pass", [2]), ("pass", [1]), ("pass", [4]), ("na", []), ("pass", [1]),
+                       ("pass", [3])],
+    "amazon-march-1": [("pass", [2]), ("fail", [1]), ("pass", [4]), ("na", []), ("fail", [1]),
+                       ("fail", [3])],
+    "amazon-march-2": [("pass", [2]), ("pass", [1]), ("pass", [4]), ("na", []), ("pass", [1]),
+                       ("fail", [3])],
+    "amazon-march-3": [("pass", [3]), ("pass", [2]), ("pass", [4]), ("pass", [1, 2]),
+                       ("fail", [1]), ("pass", [3])],
+}
+
+# The runs recorded into the one log: default settings, the static settings, three samples.
+RUNS = ([], ["--setting", "static"], ["--setting", "static-no-credit"], ["--samples", "3"])
+
+
 def main() -> None:
     import polars as pl
 
@@ -103,29 +137,64 @@ def main() -> None:
             out = []
             for line in re.findall(r"^\{.*\}$", user, flags=re.M):
                 c = json.loads(line)
-                verdict, cites = VERDICTS[rid][titles.index(c["title"])]
+                if c["title"] in titles:
+                    verdict, cites = VERDICTS[rid][titles.index(c["title"])]
+                else:
+                    verdict, cites = STATIC_VERDICTS[rid][static_titles.index(c["title"])]
                 out.append({"criterion_id": c["id"], "verdict": verdict, "cited_steps": cites,
                             "reason": f"{c['title']}: {verdict} (judged by hand)"})
             return json.dumps({"verdicts": out})
         crit = CRITERIA[task_in(user)]
         return json.dumps({"criteria": [{"title": t, "requirement": r} for t, r in crit]})
 
+    from draco_cli.rubric import load_static_rubric
+
+    static_titles = [c["title"] for c in load_static_rubric(None)]
     os.environ.setdefault("OPENAI_API_KEY", "sk-local-recording-only")
     server = FakeLLMServer(answer=answer).start()
     tmp = Path(tempfile.mkdtemp())
     try:
-        res = subprocess.run([sys.executable, "-m", "draco_cli", "run", "--rollouts",
-                              str(data / "rollouts.parquet"), "--steps", str(data / "steps.parquet"),
-                              "--model", "openai/hand-written", "--base-url", server.url + "/v1",
-                              "-o", str(tmp / "run")], cwd=REPO, capture_output=True, text=True)
-        if res.returncode:
-            raise SystemExit(res.stderr)
-        shutil.copy(tmp / "run" / "llm_calls.sqlite", REPO / "sample_data" / "llm_calls.sqlite")
-        print(res.stderr)
+        logs = []
+        for k, extra in enumerate(RUNS):
+            res = subprocess.run([sys.executable, "-m", "draco_cli", "run", "--rollouts",
+                                  str(data / "rollouts.parquet"), "--steps",
+                                  str(data / "steps.parquet"), "--model", "openai/hand-written",
+                                  "--base-url", server.url + "/v1", "-o", str(tmp / f"run{k}"),
+                                  *extra], cwd=REPO, capture_output=True, text=True)
+            if res.returncode:
+                raise SystemExit(res.stderr)
+            logs.append(tmp / f"run{k}" / "llm_calls.sqlite")
+            print(" ".join(extra) or "default settings", "\n", res.stderr)
+        merge_logs(logs, REPO / "sample_data" / "llm_calls.sqlite")
         print(f"recorded {server.hits['chat']} calls → sample_data/llm_calls.sqlite")
     finally:
         server.stop()
         shutil.rmtree(tmp, ignore_errors=True)
+
+
+def merge_logs(logs: list[Path], out: Path) -> None:
+    """One log holding every run's rows, each answered (request, sample) once."""
+    import sqlite3
+
+    tmp_out = out.with_suffix(".tmp")
+    tmp_out.unlink(missing_ok=True)
+    shutil.copy(logs[0], tmp_out)
+    conn = sqlite3.connect(tmp_out)
+    conn.execute("PRAGMA journal_mode=DELETE")
+    cols = [r[1] for r in conn.execute("PRAGMA table_info(calls)") if r[1] != "id"]
+    for other in logs[1:]:
+        conn.execute("ATTACH ? AS o", (str(other),))
+        conn.execute(
+            f"INSERT INTO calls ({', '.join(cols)}) SELECT {', '.join(cols)} FROM o.calls "
+            "WHERE NOT EXISTS (SELECT 1 FROM calls c WHERE c.content_hash = o.calls.content_hash "
+            "AND c.sample IS o.calls.sample AND c.status = 'ok' AND o.calls.status = 'ok')")
+        conn.commit()
+        conn.execute("DETACH o")
+    conn.execute("VACUUM")
+    conn.close()
+    tmp_out.replace(out)
+    for suffix in ("-wal", "-shm"):
+        Path(str(out) + suffix).unlink(missing_ok=True)
 
 
 if __name__ == "__main__":

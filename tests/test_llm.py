@@ -169,7 +169,7 @@ def test_anthropic_messages(server, tmp_path):
                                                             max_tokens=4000))])
     assert server.hits["messages"] == 2  # one call per sample
     body = server.bodies[0]
-    assert body["system"] == "You judge." and body["messages"][0]["role"] == "user"
+    assert body["system"][0]["text"] == "You judge." and body["messages"][0]["role"] == "user"
     assert body["output_config"]["format"]["type"] == "json_schema"
     assert body["thinking"] == {"type": "enabled", "budget_tokens": 2000}
     assert "temperature" not in body  # not allowed with thinking
@@ -408,3 +408,329 @@ def test_cli_check_and_export(server, tmp_path):
     res = run_draco("llm", "export", "--calls", str(tmp_path / "calls.sqlite"), "-o",
                     str(tmp_path / "calls.parquet"))
     assert res.returncode == 0 and pl.read_parquet(tmp_path / "calls.parquet").height == 1
+
+
+# --- servers nobody here wrote behave like this (issue 18) ---------------------------------
+
+
+def _rows(path) -> list[dict]:
+    import sqlite3
+
+    conn = sqlite3.connect(path)
+    conn.row_factory = sqlite3.Row
+    rows = [dict(r) for r in conn.execute("SELECT * FROM calls ORDER BY id")]
+    conn.close()
+    return rows
+
+
+def test_a_rejected_request_is_not_retried_and_its_reason_is_kept(server, tmp_path):
+    server.push("400", message="context_length_exceeded: 9000 tokens > 2048")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(LLMError, match="HTTP 400: context_length_exceeded"):
+            client(server, log).run([req("a")])
+    assert server.hits["chat"] == 1
+    [row] = _rows(tmp_path / "calls.sqlite")
+    assert row["status"] == "http_error" and "context_length_exceeded" in row["response"]
+
+
+def test_a_500_repeating_its_body_is_a_rejection_not_a_busy_server(server, tmp_path):
+    for _ in range(10):
+        server.push("500_same")  # what llama-cpp-python answers to response_format json_schema
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(LLMError, match="Input should be 'text' or 'json_object'"):
+            client(server, log).run([req("a")])
+    assert server.hits["chat"] == 3  # not 7 attempts over a minute
+    rows = _rows(tmp_path / "calls.sqlite")
+    assert all("json_object" in r["response"] for r in rows)
+
+
+def test_missing_choices_are_asked_again_one_per_call(server, tmp_path):
+    server.push("fewer_choices")  # like llama.cpp, which ignores n
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [answers] = client(server, log).run([req("a", samples=3)])
+    assert [a.status for a in answers] == ["ok"] * 3 and [a.sample for a in answers] == [0, 1, 2]
+    assert [b.get("n", 1) for b in server.bodies] == [3, 1]
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log).run([req("a", samples=3)])
+    assert server.hits["chat"] == 2  # all three are logged as answered
+
+
+def test_no_use_n_asks_one_sample_per_call(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [answers] = client(server, log, use_n=False).run([req("a", samples=2)])
+    assert all(a.status == "ok" for a in answers)
+    assert [b.get("n", 1) for b in server.bodies] == [1, 1]
+
+
+def test_connection_refused_is_one_clear_error(tmp_path, monkeypatch):
+    import socket
+
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()  # nothing listens there
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = LLMClient("openai/m", call_log=log, base_url=f"http://127.0.0.1:{port}/v1",
+                      backoff_base=0.01)
+        with pytest.raises(LLMError) as err:
+            c.run([req("a")])
+    msg = str(err.value)
+    assert "connection refused" in msg and "timeout" not in msg and "\n" not in msg
+    assert "after 3 attempts" in msg
+
+
+def test_missing_api_key_is_one_line(tmp_path, monkeypatch):
+    monkeypatch.delenv("OPENAI_API_KEY", raising=False)
+    monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)
+    monkeypatch.delenv("DRACO_BASE_URL", raising=False)
+    for model, var in (("openai/gpt-4.1", "OPENAI_API_KEY"),
+                       ("anthropic/claude-sonnet-4-5", "ANTHROPIC_API_KEY")):
+        with CallLog(tmp_path / "calls.sqlite") as log:
+            with pytest.raises(LLMError, match=f"{var} is not set"):
+                LLMClient(model, call_log=log).run([req("a")])
+
+
+@pytest.mark.parametrize("form,field", [
+    ("json-schema", lambda b: b["response_format"]["json_schema"]["strict"] is True),
+    ("json-schema-loose", lambda b: b["response_format"]["json_schema"]["strict"] is False),
+    ("json-object", lambda b: b["response_format"]["type"] == "json_object"
+     and b["response_format"]["schema"]["properties"]["verdict"]["enum"] == ["pass", "fail"]),
+    ("vllm", lambda b: "response_format" not in b
+     and b["structured_outputs"]["json"]["required"] == ["verdict", "steps", "reason"]),
+    ("prompt", lambda b: "response_format" not in b
+     and "JSON schema" in b["messages"][-1]["content"]),
+])
+def test_structured_output_forms(server, tmp_path, form, field):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log, structured_output=form).run([req("a")])
+    assert a.status == "ok" and field(server.bodies[-1])
+
+
+def test_anthropic_tool_form_and_folded_system(server, tmp_path):
+    def tool_answer(body, i):
+        return json.dumps({"verdict": "pass", "steps": [1], "reason": "ok"})
+
+    server.answer = tool_answer
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log, model="anthropic/test-claude", structured_output="tool",
+                       system_role=False).run([req("a")])
+    body = server.bodies[-1]
+    assert body["tool_choice"] == {"type": "tool", "name": "answer"} and "system" not in body
+    assert body["messages"][0]["content"].startswith("You judge.\n\nJudge rollout a.")
+    assert a.status == "ok"
+
+
+def test_a_form_a_provider_does_not_take_is_a_usage_error(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        with pytest.raises(Exception, match="anthropic/ models take"):
+            client(server, log, model="anthropic/test-claude",
+                   structured_output="json-object").run([req("a")])
+
+
+def test_fold_system_role_on_openai(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, system_role=False).run([req("a")])
+    msgs = server.bodies[-1]["messages"]
+    assert [m["role"] for m in msgs] == ["user"] and msgs[0]["content"].startswith("You judge.")
+
+
+def test_answer_checks_reask_and_old_logged_answers_are_rechecked(server, tmp_path):
+    def needs_two_steps(value):
+        return None if len(value.steps) >= 2 else "cite at least two steps"
+
+    answers = iter(['{"verdict": "pass", "steps": [1], "reason": "x"}',
+                    '{"verdict": "pass", "steps": [1, 2], "reason": "x"}'])
+    server.answer = lambda body, i: next(answers)
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        [[a]] = client(server, log).run([req("a", check=needs_two_steps)])
+    assert a.status == "ok" and a.value.steps == [1, 2]
+    assert "cite at least two steps" in server.bodies[-1]["messages"][-1]["content"]
+    # an answer logged without the check is not served once a check rejects it
+    server.answer = lambda body, i: '{"verdict": "pass", "steps": [3], "reason": "x"}'
+    with CallLog(tmp_path / "other.sqlite") as log:
+        client(server, log).run([req("b")])
+    n = server.hits["chat"]
+    with CallLog(tmp_path / "other.sqlite") as log:
+        [[b]] = client(server, log, parse_retries=0).run(
+            [req("b", check=lambda v: None if v.steps != [3] else "no step 3")])
+    assert server.hits["chat"] == n + 1 and b.status == "unanswered"
+
+
+def test_budget_stops_within_one_call_at_any_concurrency(server, tmp_path):
+    per_call = (80 * 1 + 20 * 0.5 + 10 * 2) / 1e6
+    server.latency = 0.05
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=16, max_cost=per_call * 5.5)
+        c.run([req(f"r{i}") for i in range(40)])
+    assert c.spent <= per_call * 5.5 + per_call
+    assert server.hits["chat"] <= 6
+
+
+def test_unpriced_models_are_null_not_zero(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = LLMClient("openai/self-hosted", call_log=log, base_url=server.url + "/v1")
+        c.run([req("a")])
+        assert c.stats["score"].priced is False
+        assert log.totals()["score"]["cost_usd"] is None
+    assert _rows(tmp_path / "calls.sqlite")[0]["cost_usd"] is None
+
+
+def test_temperature_and_seed_reach_the_request_and_the_cache_key(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, temperature=0.7, seed=11).run([req("a")])
+        client(server, log, temperature=0.2, seed=11).run([req("a")])
+    assert [(b["temperature"], b["seed"]) for b in server.bodies] == [(0.7, 11), (0.2, 11)]
+
+
+# --- damaged and old call logs (issue 13) --------------------------------------------------
+
+
+def test_damaged_call_logs_are_named_never_restarted(server, tmp_path):
+    from draco_cli.errors import InputError
+    from draco_cli.llm.calllog import read_totals
+
+    good = tmp_path / "good.sqlite"
+    with CallLog(good) as log:
+        client(server, log).run([req(f"r{i}") for i in range(30)])
+    data = good.read_bytes()
+    cases = {"empty": b"", "text": b"hello, not a database\n" * 10,
+             "truncated": data[: len(data) // 2]}
+    for name, content in cases.items():
+        p = tmp_path / f"{name}.sqlite"
+        p.write_bytes(content)
+        for open_it in (lambda: CallLog(p), lambda: read_totals(p),
+                        lambda: export_parquet(p, tmp_path / "x.parquet", force=True),
+                        lambda: LLMClient(f"replay/{p}", call_log=CallLog(tmp_path / f"n{name}"))
+                        .run([req("r0")])):
+            with pytest.raises(InputError, match=f"{p.name}: .*move it aside"):
+                open_it()
+        assert p.read_bytes() == content  # untouched
+
+
+def test_old_logs_migrate_and_newer_ones_are_refused(server, tmp_path):
+    import sqlite3
+
+    from draco_cli.errors import InputError
+    from draco_cli.llm.calllog import SCHEMA_VERSION, schema_version
+
+    p = tmp_path / "calls.sqlite"
+    with CallLog(p) as log:
+        client(server, log).run([req("a")])
+    conn = sqlite3.connect(p)
+    conn.execute("PRAGMA user_version = 0")  # as written before versions were stamped
+    conn.commit()
+    conn.close()
+    assert schema_version(p) == 1
+    with CallLog(p) as log:
+        client(server, log).run([req("a")])
+    assert server.hits["chat"] == 1 and schema_version(p) == SCHEMA_VERSION
+    conn = sqlite3.connect(p)
+    conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION + 1}")
+    conn.commit()
+    conn.close()
+    with pytest.raises(InputError, match="newer draco"):
+        CallLog(p)
+
+
+def test_shipped_sample_log_still_replays():
+    from draco_cli.llm.calllog import ReplayLog
+
+    assert ReplayLog(REPO / "sample_data" / "llm_calls.sqlite").answers
+
+
+def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
+    import socket
+
+    from tests.conftest import run_draco
+
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
+    proc = subprocess.Popen([sys.executable, "-m", "draco_cli", "llm", "mock-server", "--port",
+                             str(port)], cwd=REPO, env=env, stderr=subprocess.PIPE)
+    try:
+        line = proc.stderr.readline().decode()
+        assert f"127.0.0.1:{port}" in line
+        for model, url in ((f"openai/mock", f"http://127.0.0.1:{port}/v1"),
+                           ("anthropic/mock", f"http://127.0.0.1:{port}")):
+            res = subprocess.run([sys.executable, "-m", "draco_cli", "llm", "check", "--model",
+                                  model, "--base-url", url, "--no-parallelism"], cwd=REPO,
+                                 env=env, capture_output=True)
+            assert res.returncode == 0, res.stderr.decode()
+            assert b"answered valid JSON" in res.stderr
+    finally:
+        proc.send_signal(signal.SIGINT)
+        proc.wait(10)
+
+
+@pytest.mark.parametrize("extra", [[], ["--setting", "static"], ["--setting", "static-no-credit"],
+                                   ["--samples", "3"]])
+def test_the_shipped_sample_runs_offline_in_every_recorded_setting(tmp_path, extra):
+    from tests.conftest import run_draco
+
+    data = REPO / "sample_data" / "appworld_mini"
+    res = run_draco("run", "--rollouts", str(data / "rollouts.parquet"), "--steps",
+                    str(data / "steps.parquet"), "--model",
+                    "replay/sample_data/llm_calls.sqlite", "-o", str(tmp_path / "run"), *extra)
+    assert res.returncode == 0, res.stderr.decode()
+
+
+def test_concurrency_adapts_to_a_server_that_serves_one_at_a_time(server, tmp_path):
+    server.serial, server.latency = True, 0.05
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=32)
+        c.run([req(f"r{i}") for i in range(80)])
+    assert c.limit.limit <= 4, c.limit.history
+    assert server.in_flight_max <= 8  # never the 32 the ceiling allows
+    server.serial, server.latency = False, 0.1
+    with CallLog(tmp_path / "other.sqlite") as log:  # a parallel server: the limit grows
+        c = client(server, log, concurrency=32)
+        c.run([req(f"r{i}") for i in range(300)])
+    assert c.limit.limit >= 16, c.limit.history
+
+
+def test_a_short_timeout_on_a_serial_server_does_not_pile_up_copies(server, tmp_path):
+    server.serial, server.latency = True, 0.3
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, concurrency=8, timeout=0.5)
+        out = c.run([req(f"r{i}") for i in range(12)])
+    # a call queued behind others may time out; its retry waits for the abandoned call's slot,
+    # so the server's queue stays short and everything is answered
+    assert all(a.status == "ok" for r in out for a in r)
+    assert server.hits["chat"] <= 12 + 3
+    assert server.in_flight_max <= 3
+
+
+def test_a_timed_out_call_keeps_its_slot_while_the_server_still_computes_it():
+    import asyncio
+
+    from draco_cli.llm.adaptive import AdaptiveLimit
+
+    async def scenario():
+        lim = AdaptiveLimit(4, start=4)
+        async with lim.slot():
+            await lim.timed_out(0.3)  # the server goes on computing the abandoned call
+        assert lim.limit == 2 and lim.ghosts == 1
+        async with lim.slot():  # one ghost + one call = the halved limit: the next one waits
+            t0 = asyncio.get_running_loop().time()
+            waiter = asyncio.ensure_future(lim.slot().__aenter__())
+            await asyncio.sleep(0.05)
+            assert not waiter.done()
+        await waiter
+        return asyncio.get_running_loop().time() - t0
+
+    assert asyncio.run(scenario()) >= 0.05
+
+
+def test_anthropic_prompt_caching_marks_the_stable_prefix(server, tmp_path):
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, model="anthropic/test-claude").run([req("a", samples=2)])
+    first, second = server.bodies
+    assert first["system"] == [{"type": "text", "text": "You judge.",
+                                "cache_control": {"type": "ephemeral"}}]
+    # the k samples of one rollout are k calls with one prompt: all of it is cached
+    assert first["messages"][-1]["content"][0]["cache_control"] == {"type": "ephemeral"}
+    assert first["messages"] == second["messages"]

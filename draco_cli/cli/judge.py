@@ -9,7 +9,8 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt, VerdictsOpt
 from draco_cli.cli.options import folder_path
-from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
+from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
+                                   BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
                                    ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
                                    Timeout, Tpm)
@@ -56,6 +57,9 @@ def score(
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
     redact: Redact = None, no_default_redact: NoDefaultRedact = False,
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
+    structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
+    use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
+    adapt: Adapt = None,
 ) -> None:
     """Score every rollout against its group's rubric, citing steps → OUT/verdicts_raw.parquet
     (one row per sample) and OUT/verdicts.parquet (aggregated).
@@ -70,7 +74,10 @@ def score(
                                   samples=samples))
         return
     s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                        max_cost, prices, batch, thinking)
+                        max_cost, prices, batch, thinking,
+                        structured_output=structured_output, system_role=system_role,
+                        use_n=use_n, temperature=temperature, seed=seed,
+                        adapt=adapt)
     with llmrun.progress_bar("judging") as bar:
         report = st.judge_score(rollouts, steps, rubrics, out, s, samples=samples,
                                 aggregate=aggregate or "all", judge_label=judge_label,

@@ -7,7 +7,8 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import BaseUrl, Force, Model, Timeout
+from draco_cli.cli.options import (BaseUrl, Force, MaxTokens, Model, Seed, StructuredOutput,
+                                   Temperature, Timeout)
 
 app = typer.Typer(help="The LLM layer: call logs and a connection check.", no_args_is_help=True)
 
@@ -42,18 +43,57 @@ def check(
     model: Model,
     base_url: BaseUrl = None,
     timeout: Timeout = 60.0,
+    max_tokens: MaxTokens = 256,
+    temperature: Temperature = 0.0,
+    seed: Seed = None,
+    structured_output: StructuredOutput = "auto",
+    parallelism: Annotated[bool, typer.Option(
+        "--parallelism/--no-parallelism",
+        help="Measure the server's useful parallelism (1, 2, 4, 8 requests at once).")] = True,
 ) -> None:
-    """Send one small structured-output request and report whether the answer validated,
-    with its latency, tokens and cost: a cheap test of keys, URL and JSON-schema support.
+    """Probe a model setup with a few tiny requests: which structured-output form the server
+    takes, whether it honours n, whether its chat format keeps the system role, and its useful
+    parallelism; prints the options to use. A cheap test of keys, URL and schema support.
 
-    Example: draco llm check --model openai/Qwen3-8B --base-url http://localhost:8000/v1
+    Example: draco llm check --model openai/gemma-3-270m --base-url http://localhost:8000/v1
     """
-    import tempfile
-
     from draco_cli.llm.checks import run_check
 
-    with tempfile.TemporaryDirectory() as tmp:
-        result = run_check(model, base_url, timeout, Path(tmp) / "check.sqlite")
+    result = run_check(model, base_url, timeout, max_tokens=max_tokens, temperature=temperature,
+                       seed=seed, form=structured_output, parallelism=parallelism)
+    from rich.markup import escape
+
+    for f in result.findings:
+        mark = "[green]ok[/]" if f.ok else "[yellow]no[/]"
+        err_console.print(f"  {mark} {f.what}: {escape(f.detail)}", highlight=False, markup=True)
     err_console.print(result.summary(), highlight=False)
+    if result.advice:
+        err_console.print(f"use: {result.options()}", highlight=False, markup=False)
     if not result.ok:
         raise typer.Exit(1)
+
+
+@app.command("mock-server")
+def mock_server(
+    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
+    host: Annotated[str, typer.Option(help="Interface (loopback by default).")] = "127.0.0.1",
+    latency: Annotated[float, typer.Option(min=0.0, help="Seconds before each answer.")] = 0.0,
+) -> None:
+    """Serve the OpenAI and Anthropic protocols locally with answers made from each request's
+    own JSON schema: for testing a draco setup (or your CI) offline, with no key and no cost.
+
+    Example: draco llm mock-server --port 8000 & draco llm check --model openai/mock --base-url http://127.0.0.1:8000/v1
+    """
+    import time
+
+    from draco_cli.llm.mockserver import FakeLLMServer, schema_answer
+
+    server = FakeLLMServer(answer=schema_answer, latency=latency).start(host, port)
+    err_console.print(f"mock LLM server on http://{host}:{server.port}/v1 (OpenAI) and "
+                      f"http://{host}:{server.port} (Anthropic); Ctrl-C stops it",
+                      highlight=False)
+    try:
+        while True:
+            time.sleep(3600)
+    except KeyboardInterrupt:
+        server.stop()

@@ -11,14 +11,23 @@ from draco_cli.cli.console import err_console
 
 
 def settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries, max_cost, prices,
-             batch, thinking):
+             batch, thinking, *, structured_output="auto", system_role="keep", use_n=True,
+             temperature=None, seed=None, adapt=None):
+    from draco_cli.llm.providers import STRUCTURED_FORMS
     from draco_cli.llm.settings import LLMSettings
 
     if thinking not in ("on", "off"):
         raise typer.BadParameter("--thinking takes on or off")
+    if structured_output not in STRUCTURED_FORMS:
+        raise typer.BadParameter(f"--structured-output {structured_output}: choose from "
+                                 f"{', '.join(STRUCTURED_FORMS)}")
+    if system_role not in ("keep", "fold"):
+        raise typer.BadParameter("--system-role takes keep or fold")
     return LLMSettings(model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
                        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost,
-                       prices=prices, batch=batch, thinking=thinking == "on")
+                       prices=prices, batch=batch, thinking=thinking == "on",
+                       structured_output=structured_output, system_role=system_role == "keep",
+                       use_n=use_n, temperature=temperature, seed=seed, adaptive=adapt)
 
 
 @contextlib.contextmanager
@@ -49,14 +58,20 @@ def print_report(report) -> None:
                 "cached in", "output", "reasoning", "USD"):
         t.add_column(col, justify="right" if col != "phase" else "left")
     total = 0.0
+    priced = True
     for phase, s in report.phases.items():
         u = s.usage
+        ok = getattr(s, "priced", True)
+        priced = priced and ok
         t.add_row(phase, str(s.calls), str(s.cached), str(s.answered), str(s.unanswered),
                   str(s.failed_attempts), f"{u.input_tokens:,}", f"{u.cached_tokens:,}",
-                  f"{u.output_tokens:,}", f"{u.reasoning_tokens:,}", f"{s.cost_usd:.4f}")
+                  f"{u.output_tokens:,}", f"{u.reasoning_tokens:,}",
+                  f"{s.cost_usd:.4f}" if ok else "unpriced")
         total += s.cost_usd
     err_console.print(t)
-    err_console.print(f"total ${total:.4f}", highlight=False)
+    err_console.print(f"total ${total:.4f}" if priced else
+                      "total unpriced (the model is not in the price table; --prices FILE)",
+                      highlight=False)
     for note in report.notes:
         err_console.print(f"- {note}", highlight=False)
     if report.budget_reached:

@@ -26,7 +26,12 @@ Model = Annotated[str, typer.Option(
 BaseUrl = Annotated[Optional[str], typer.Option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.")]
-Concurrency = Annotated[int, typer.Option(min=1, help="Calls in flight at once.")]
+Concurrency = Annotated[int, typer.Option(
+    min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
+    "does not serve more in parallel.")]
+Adapt = Annotated[Optional[bool], typer.Option(
+    "--adapt/--no-adapt", help="Measure the server's useful parallelism and keep in-flight "
+    "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.")]
 Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute limit.")]
 Tpm = Annotated[Optional[float], typer.Option(help="Tokens per minute limit (estimated).")]
 Timeout = Annotated[float, typer.Option(help="Seconds per call before it is retried.")]
@@ -53,3 +58,18 @@ CallLogPath = Annotated[Optional[Path], typer.Option(
     "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.")]
 ShowPrompt = Annotated[bool, typer.Option(
     "--show-prompt", help="Print the rendered prompt for the first rollout and exit; no call.")]
+StructuredOutput = Annotated[str, typer.Option(
+    help="How answers are constrained to JSON: auto, json-schema (OpenAI strict), "
+    "json-schema-loose (strict false; SGLang, Ollama), json-object (llama.cpp), vllm "
+    "(structured_outputs, vLLM >= 0.12), prompt (schema in the prompt, validated and re-asked), "
+    "output-format or tool (Anthropic). `draco llm check` says which one a server takes.")]
+SystemRole = Annotated[str, typer.Option(
+    help="keep: instructions in the system role; fold: into the first user message (chat "
+    "formats that drop system messages, e.g. Gemma).")]
+UseN = Annotated[bool, typer.Option(
+    "--use-n/--no-use-n", help="Ask k samples in one request with n (servers that ignore n "
+    "get the missing samples re-asked one per call either way).")]
+Temperature = Annotated[Optional[float], typer.Option(
+    min=0.0, help="Sampling temperature (default: the server's).")]
+Seed = Annotated[Optional[int], typer.Option(
+    help="Sampling seed, where the server honours one (enters the cache key).")]

@@ -8,7 +8,8 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.options import folder_path
-from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
+from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
+                                   BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
                                    ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
                                    Timeout, Tpm)
@@ -33,6 +34,9 @@ def generate(
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
     redact: Redact = None, no_default_redact: NoDefaultRedact = False,
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
+    structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
+    use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
+    adapt: Adapt = None,
 ) -> None:
     """Write rubrics for each group: criteria per rollout (generate), per group (union), merged
     and capped (merge) → OUT/rubric_candidates.parquet, OUT/rubrics.parquet.
@@ -44,11 +48,19 @@ def generate(
     render = st.render_options(max_prompt_tokens, redact or [], no_default_redact)
     stage_list = tuple(x.strip() for x in stages.split(",") if x.strip())
     if show_prompt:
+        if stage_list[0] not in ("generate", "union"):
+            raise typer.BadParameter(
+                "--show-prompt shows the generate or union prompt (the first of --stages); the "
+                "merge prompt lists their candidates, which exist only after they ran",
+                param_hint="--stages")
         typer.echo(st.show_prompt(rollouts, steps, stage_list[0], max_criteria=max_criteria,
                                   render=render))
         return
     s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                        max_cost, prices, batch, thinking)
+                        max_cost, prices, batch, thinking,
+                        structured_output=structured_output, system_role=system_role,
+                        use_n=use_n, temperature=temperature, seed=seed,
+                        adapt=adapt)
     with llmrun.progress_bar("rubrics") as bar:
         report = st.rubric_generate(rollouts, steps, out, s, stages=stage_list,
                                     max_criteria=max_criteria, render=render,

@@ -10,6 +10,7 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
 from draco_cli.cli.options import folder_path
+from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN)
 from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, MaxCost,
                                    MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
                                    Prices, Redact, Rpm, Thinking, Timeout, Tpm)
@@ -85,6 +86,9 @@ def run(
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
     redact: Redact = None, no_default_redact: NoDefaultRedact = False,
+    structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
+    use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
+    adapt: Adapt = None,
 ) -> None:
     """One training step: rubric → judge → filter → credit, resumable and idempotent.
 
@@ -106,7 +110,10 @@ def run(
         train_step=train_step, min_answered=min_answered,
         redo=tuple(s.value for s in redo or ()), call_log=call_log)
     llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                          max_cost, prices, batch, thinking) if model else None
+                          max_cost, prices, batch, thinking,
+                          structured_output=structured_output, system_role=system_role,
+                          use_n=use_n, temperature=temperature, seed=seed,
+                          adapt=adapt) if model else None
     run_dir = run_dir_for(out, train_step)
 
     def waiting(holder: str) -> None:
@@ -149,7 +156,7 @@ def _print_event(e) -> None:
 def _summary(result, run_dir: Path) -> None:
     m = result.manifest
     calls = m["llm_calls"]
-    total = sum(v.get("cost_usd", 0) for v in calls.values())
+    total = sum(v.get("cost_usd") or 0 for v in calls.values())
     rows = sum(v.get("rows", 0) for v in calls.values())
     if result.skipped:
         err_console.print(f"unchanged, skipped: {', '.join(result.skipped)}", highlight=False)
@@ -163,7 +170,9 @@ def _summary(result, run_dir: Path) -> None:
                              if credit.get("reward") != "outcome" else
                              "reward: the environment outcome; ")
                           + f"credit modes: {modes}", highlight=False)
-    err_console.print(f"LLM calls logged: {rows} rows, ${total:.4f} in all; "
+    unpriced = bool(calls) and all(v.get("cost_usd") is None for v in calls.values())
+    money = "unpriced model" if unpriced else f"${total:.4f} in all"
+    err_console.print(f"LLM calls logged: {rows} rows, {money}; "
                       f"{m['wall_seconds']:.1f} s", highlight=False)
     health = m.get("health") or {}
     for message in health.get("messages", []):

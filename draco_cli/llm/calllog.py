@@ -23,6 +23,12 @@ from typing import Any
 FLUSH_SECONDS = 0.1
 FLUSH_ROWS = 500
 
+# PRAGMA user_version of the call log. 1 = the first layout (written before versions were
+# stamped, user_version 0); 2 = the same tables, stamped. A log from a newer draco is refused.
+SCHEMA_VERSION = 2
+RECOVER = ("restore it from a copy, or move it aside to start a new log (the calls it answered "
+           "would then be paid for again)")
+
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
     id INTEGER PRIMARY KEY,
@@ -82,15 +88,81 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
+def _bad(path: Path, why: str):
+    from draco_cli.errors import InputError
+
+    return InputError(f"{why}: {RECOVER}", file=str(path))
+
+
+def _check_file(path: Path) -> None:
+    """Refuse, naming the file and how to recover, anything that is not a whole call log:
+    draco never silently starts over on a damaged log (that would pay for every call again)."""
+    if not path.exists():
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise _bad(path, "empty file where a call log should be (a truncated copy?)")
+    with open(path, "rb") as f:
+        head = f.read(100)
+    if not head.startswith(b"SQLite format 3\x00"):
+        raise _bad(path, "not a SQLite call log")
+    if len(head) < 100:
+        raise _bad(path, "truncated call log")
+    page = int.from_bytes(head[16:18], "big")
+    page = 65536 if page == 1 else page
+    pages = int.from_bytes(head[28:32], "big")
+    # The header's page count is valid when its version counter matches the change counter.
+    if head[92:96] == head[24:28] and pages and size < page * pages:
+        raise _bad(path, f"truncated call log ({size} bytes, its header says {page * pages})")
+
+
+def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
+    try:
+        tables = {r[0] for r in conn.execute(
+            "SELECT name FROM sqlite_master WHERE type = 'table'")}
+        version = conn.execute("PRAGMA user_version").fetchone()[0]
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise _bad(path, f"corrupt call log ({exc})") from None
+    if tables and "calls" not in tables:
+        conn.close()
+        raise _bad(path, "a SQLite file but not a draco call log (no calls table)")
+    if version > SCHEMA_VERSION:
+        conn.close()
+        from draco_cli.errors import InputError
+
+        raise InputError(f"call log schema v{version} was written by a newer draco (this one "
+                         f"reads up to v{SCHEMA_VERSION}): upgrade draco", file=str(path))
+    return version if tables else SCHEMA_VERSION
+
+
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
+    _check_file(path)
     if readonly:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        _check_schema(conn, path)
     else:
         conn = sqlite3.connect(path, check_same_thread=False)
-        conn.execute("PRAGMA journal_mode=WAL")
-        conn.execute("PRAGMA synchronous=NORMAL")
-        conn.executescript(SCHEMA)
+        version = _check_schema(conn, path)
+        try:
+            conn.execute("PRAGMA journal_mode=WAL")
+            conn.execute("PRAGMA synchronous=NORMAL")
+            conn.executescript(SCHEMA)
+            # v1 (unstamped) -> 2: the same tables; stamping the version is the migration.
+            conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.DatabaseError as exc:
+            conn.close()
+            raise _bad(path, f"corrupt call log ({exc})") from None
     return conn
+
+
+def schema_version(path: str | Path) -> int:
+    """The schema version of an existing call log (1 for logs from before versions)."""
+    conn = _connect(Path(path), readonly=True)
+    try:
+        return conn.execute("PRAGMA user_version").fetchone()[0] or 1
+    finally:
+        conn.close()
 
 
 class CallLog:
@@ -191,17 +263,21 @@ class CallLog:
     def answered(self, model: str | None = None) -> dict[tuple[str, int], Recorded]:
         """Every answered (request_hash, sample) in the log — the cache."""
         self.flush()
-        return load_answered(self._conn, "request_hash")
+        return load_answered(self._conn, "request_hash", self.path)
 
     def totals(self) -> dict[str, dict[str, float]]:
         self.flush()
         return phase_totals(self._conn)
 
 
-def load_answered(conn: sqlite3.Connection, by: str) -> dict[tuple[str, int], Recorded]:
-    rows = conn.execute(
-        f"SELECT {by}, sample, answer_text, parsed, phase FROM calls WHERE status = 'ok'")
-    return {(h, s): Recorded(t, p, ph) for h, s, t, p, ph in rows}
+def load_answered(conn: sqlite3.Connection, by: str,
+                  path: Path | None = None) -> dict[tuple[str, int], Recorded]:
+    try:
+        rows = conn.execute(
+            f"SELECT {by}, sample, answer_text, parsed, phase FROM calls WHERE status = 'ok'")
+        return {(h, s): Recorded(t, p, ph) for h, s, t, p, ph in rows}
+    except sqlite3.DatabaseError as exc:
+        raise _bad(path or Path("call log"), f"corrupt call log ({exc})") from None
 
 
 def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
@@ -210,9 +286,12 @@ def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
         "SELECT phase, COUNT(*), SUM(status = 'ok'), SUM(input_tokens), SUM(cached_tokens), "
         "SUM(output_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM calls GROUP BY phase"
     ):
-        out[row[0]] = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
-                                "output_tokens", "reasoning_tokens", "cost_usd"),
-                               (x or 0 for x in row[1:])))
+        totals = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
+                           "output_tokens", "reasoning_tokens", "cost_usd"),
+                          (x or 0 for x in row[1:])))
+        if row[-1] is None:
+            totals["cost_usd"] = None  # unpriced model: unknown, not $0
+        out[row[0]] = totals
     return out
 
 
@@ -221,6 +300,8 @@ def read_totals(path: str | Path) -> dict[str, dict[str, float]]:
     conn = _connect(Path(path), readonly=True)
     try:
         return phase_totals(conn)
+    except sqlite3.DatabaseError as exc:
+        raise _bad(Path(path), f"corrupt call log ({exc})") from None
     finally:
         conn.close()
 
@@ -236,7 +317,7 @@ class ReplayLog:
             raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
                              file=str(path))
         conn = _connect(self.path, readonly=True)
-        self.answers = load_answered(conn, "content_hash")
+        self.answers = load_answered(conn, "content_hash", self.path)
         conn.close()
 
 
@@ -246,10 +327,19 @@ def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int
 
     from draco_cli.io import atomic_path
 
+    if not Path(log).exists():
+        from draco_cli.errors import InputError
+
+        raise InputError("no such call log", file=str(log))
     conn = _connect(Path(log), readonly=True)
-    cur = conn.execute("SELECT * FROM calls ORDER BY id")
+    try:
+        cur = conn.execute("SELECT * FROM calls ORDER BY id")
+        rows = cur.fetchall()
+    except sqlite3.DatabaseError as exc:
+        conn.close()
+        raise _bad(Path(log), f"corrupt call log ({exc})") from None
     names = [d[0] for d in cur.description]
-    df = pl.DataFrame(cur.fetchall(), schema=names, orient="row", infer_schema_length=None)
+    df = pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
     conn.close()
     with atomic_path(out, force) as tmp:
         df.write_parquet(tmp)

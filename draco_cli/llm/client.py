@@ -15,19 +15,21 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
 
+from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
 from draco_cli.llm.prices import PriceTable
-from draco_cli.llm.providers import Retryable, make_provider, parse_model_id
+from draco_cli.llm.providers import RequestRejected, Retryable, make_provider, parse_model_id
 from draco_cli.llm.types import Answer, Choice, LLMRequest, Reply, Usage
 
 
@@ -41,6 +43,7 @@ class PhaseStats:
     failed_attempts: int = 0  # HTTP attempts that failed and were retried
     usage: Usage = field(default_factory=Usage)
     cost_usd: float = 0.0
+    priced: bool = True       # False: the model is not in the price table (cost unknown)
 
 
 @dataclass
@@ -109,6 +112,12 @@ class LLMClient:
         base_url: str | None = None,
         backoff_base: float = 1.0,
         backoff_cap: float = 60.0,
+        structured_output: str | None = None,
+        system_role: bool = True,
+        use_n: bool = True,
+        temperature: float | None = None,
+        seed: int | None = None,
+        adaptive: bool | None = None,
     ) -> None:
         self.model = model
         self.provider_name, _ = parse_model_id(model)
@@ -126,6 +135,18 @@ class LLMClient:
         self.spent = 0.0
         self.budget_reached = False
         self.priced = self.provider_name == "replay" or self.prices.price(model) is not None
+        self.structured_output = structured_output
+        self.system_role = system_role
+        self.use_n = use_n
+        # Client-wide sampling for what a request leaves unset (they enter its cache key).
+        self.temperature, self.seed = temperature, seed
+        self.reserved = 0.0       # estimated cost of calls in flight (--max-cost)
+        # --concurrency is the ceiling; the limit in use follows the server (adaptive.py).
+        # Default: adapt for self-hosted servers; hosted APIs limit by rate, not parallelism.
+        self.adaptive = adaptive if adaptive is not None else (
+            (base_url or os.environ.get("DRACO_BASE_URL")) is not None
+            and self.provider_name != "replay")
+        self.rejections: list[str] = []
         self._cache = call_log.answered()
 
     # -- public ----------------------------------------------------------------------------
@@ -142,8 +163,12 @@ class LLMClient:
         """Answer every request. ``batch=True`` sends what the call log does not already hold
         through the provider's batch API (half price; resumable by batch id)."""
         provider = make_provider(self.model, base_url=self.base_url,
-                                 concurrency=self.concurrency, timeout=self.timeout)
-        self._sem = asyncio.Semaphore(self.concurrency)
+                                 concurrency=self.concurrency, timeout=self.timeout,
+                                 structured_output=self.structured_output,
+                                 system_role=self.system_role, use_n=self.use_n)
+        requests = [self._with_defaults(r) for r in requests]
+        self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
+        self.limit = self._sem
         self._limiter = RateLimiter(self.rpm, self.tpm)
         try:
             if batch:
@@ -169,17 +194,35 @@ class LLMClient:
 
         return tick
 
+    def _with_defaults(self, req: LLMRequest) -> LLMRequest:
+        s = req.sampling
+        if (self.temperature is None or s.temperature is not None) and \
+                (self.seed is None or s.seed is not None):
+            return req
+        sampling = replace(s, temperature=s.temperature if s.temperature is not None
+                           else self.temperature, seed=s.seed if s.seed is not None else self.seed)
+        return replace(req, sampling=sampling)
+
     # -- one request -----------------------------------------------------------------------
 
     async def _answer(self, provider, req: LLMRequest, tick) -> list[Answer]:
         stats = self.stats[req.phase]
+        stats.priced = self.priced
         answers: list[Answer | None] = [None] * req.samples
         missing = []
         for i in range(req.samples):
             hit = self._cache.get((req.hash(i, self.model), i))
+            value = None
             if hit is not None:
-                answers[i] = Answer(i, "ok", req.answer_model.model_validate_json(hit.parsed),
-                                    text=hit.answer_text, cached=True)
+                try:
+                    value = req.answer_model.model_validate_json(hit.parsed)
+                except ValidationError:
+                    value = None
+                # An answer logged before a check existed is served only if it passes it.
+                if value is not None and req.problem(value) is not None:
+                    value = None
+            if value is not None:
+                answers[i] = Answer(i, "ok", value, text=hit.answer_text, cached=True)
                 stats.cached += 1
             else:
                 missing.append(i)
@@ -205,9 +248,15 @@ class LLMClient:
         out = []
         for i, choice in zip(samples, reply.choices):
             out.append(await self._settle(provider, req, i, choice, reply, share))
-        for i in samples[len(reply.choices):]:  # a server that returned fewer choices than n
-            out.append(self._unanswered(req, i, "the server returned fewer choices than asked",
-                                        reply, share, 0))
+        rest = samples[len(reply.choices):]
+        if rest:
+            # A server that ignores n (llama.cpp) returns fewer choices than asked: the missing
+            # samples are asked again, one per call.
+            if not reply.choices:
+                return out + [self._unanswered(req, i, "the server returned no choice", reply,
+                                               1.0 / len(rest), 0) for i in rest]
+            for group in await asyncio.gather(*(self._ask(provider, req, [i]) for i in rest)):
+                out += group
         return out
 
     async def _settle(self, provider, req: LLMRequest, sample: int, choice: Choice,
@@ -250,7 +299,7 @@ class LLMClient:
                         content_hash=req.hash(sample, None), sample=sample, phase=req.phase,
                         key=req.key, provider=self.provider_name, model=self.model,
                         attempt=attempt, status="unanswered", error=scrub(reason),
-                        cost_usd=0.0)
+                        cost_usd=0.0 if self.priced else None)
         return Answer(sample, "unanswered", reason=reason, usage=usage, cost_usd=cost,
                       attempts=attempt + 1)
 
@@ -268,12 +317,16 @@ class LLMClient:
         if not choice.text:
             return None, "invalid", "empty answer"
         try:
-            return req.answer_model.model_validate_json(choice.text), "ok", None
+            value = req.answer_model.model_validate_json(choice.text)
         except ValidationError as exc:
             first = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(x) for x in first.get("loc", ()))
             kind = "not JSON" if first.get("type") == "json_invalid" else "schema violation"
             return None, "invalid", f"{kind}: {where + ': ' if where else ''}{first.get('msg', exc)}"
+        problem = req.problem(value)
+        if problem is not None:
+            return None, "invalid", problem
+        return value, "ok", None
 
     def _record(self, req, sample, attempt, status, error, reply: Reply, choice: Choice, value,
                 share) -> None:
@@ -291,8 +344,8 @@ class LLMClient:
             parsed=value.model_dump_json() if value is not None else None,
             input_tokens=u.input_tokens, cached_tokens=u.cached_tokens,
             cache_write_tokens=u.cache_write_tokens, output_tokens=u.output_tokens,
-            reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s, cost_usd=cost,
-            batch_id=reply.batch_id,
+            reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s,
+            cost_usd=cost if self.priced else None, batch_id=reply.batch_id,
         )
 
     @staticmethod
@@ -314,31 +367,74 @@ class LLMClient:
     def _cost_of(self, reply: Reply) -> float:
         return self._cost(reply.usage, reply.batch_id is not None)
 
+    def _estimate(self, req: LLMRequest, messages, n: int) -> tuple[int, float]:
+        """Tokens (for --tpm) and a dollar estimate (for --max-cost) of one call: the phase's
+        mean billed cost per sample so far, or before any reply the prompt at ~4 characters a
+        token with every answer at max_tokens."""
+        prompt = sum(len(m["content"]) for m in messages) // 4
+        tokens = prompt + req.sampling.max_tokens
+        st = self.stats[req.phase]
+        billed = st.answered + st.unanswered
+        if billed and st.cost_usd > 0:
+            return tokens, st.cost_usd / max(billed, 1) * n
+        usd = self._cost(Usage(input_tokens=prompt, output_tokens=req.sampling.max_tokens * n))
+        return tokens, usd
+
+    def _log_failure(self, req: LLMRequest, samples: list[int], attempt: int, error: str,
+                     response: str | None = None) -> None:
+        self.log.record(request_hash=req.hash(samples[0], self.model),
+                        content_hash=req.hash(samples[0], None), sample=None,
+                        phase=req.phase, key=req.key, provider=self.provider_name,
+                        model=self.model, attempt=attempt, status="http_error",
+                        error=scrub(error), response=response,
+                        cost_usd=0.0 if self.priced else None)
+
     async def _call(self, provider, req: LLMRequest, messages, samples: list[int]) -> Reply:
         stats = self.stats[req.phase]
-        estimate = sum(len(m["content"]) for m in messages) // 4 + req.sampling.max_tokens
+        estimate, usd = self._estimate(req, messages, len(samples))
         attempt = 0
+        last_body: str | None = None
+        same = 0
         while True:
             await self._limiter.acquire(estimate)
-            async with self._sem:
-                # Checked once a slot is ours: spending can overshoot the budget by at most
-                # the calls already in flight.
-                if self.max_cost is not None and self.spent >= self.max_cost:
+            async with self._sem.slot():
+                # The call's estimated cost is reserved before it is sent, so the calls in
+                # flight cannot together overshoot the budget by more than one call.
+                # The first call goes out whatever its pessimistic estimate, to measure one.
+                _, usd = self._estimate(req, messages, len(samples))
+                committed = self.spent + self.reserved
+                if self.max_cost is not None and (committed >= self.max_cost or (
+                        committed > 0 and committed + usd > self.max_cost * (1 + 1e-9))):
                     self.budget_reached = True
                     raise BudgetReached()
+                self.reserved += usd
                 try:
                     reply = await provider.complete(req, messages, samples)
+                except RequestRejected as exc:
+                    stats.calls += 1
+                    self._log_failure(req, samples, attempt, str(exc), exc.body)
+                    self.rejections.append(str(exc))
+                    raise
                 except Retryable as exc:
                     stats.failed_attempts += 1
                     stats.calls += 1
-                    self.log.record(request_hash=req.hash(samples[0], self.model),
-                                    content_hash=req.hash(samples[0], None), sample=None,
-                                    phase=req.phase, key=req.key, provider=self.provider_name,
-                                    model=self.model, attempt=attempt, status="http_error",
-                                    error=scrub(str(exc)), cost_usd=0.0)
-                    if attempt >= self.max_retries:
-                        raise LLMError(f"{self.model}: giving up after {attempt + 1} attempts "
-                                       f"({scrub(str(exc))})") from None
+                    self._log_failure(req, samples, attempt, str(exc), exc.body)
+                    if exc.kind == "timeout":
+                        await self._sem.timed_out(self.timeout)
+                    same = same + 1 if exc.body and exc.body == last_body else 0
+                    if exc.status == 500 and same >= 2:
+                        # Three 500s with one body: the server rejects this request (llama.cpp
+                        # answers a request shape it does not take so), it is not busy.
+                        raise RequestRejected(
+                            f"{self.model}: HTTP 500 three times with the same body, so the "
+                            f"server rejects the request itself: {scrub(exc.body)[:500]}",
+                            body=exc.body, status=500) from None
+                    last_body = exc.body
+                    limit = 2 if exc.kind == "refused" else self.max_retries
+                    if attempt >= limit:
+                        where = f" at {self.base_url}" if self.base_url else ""
+                        raise LLMError(f"{self.model}{where}: giving up after {attempt + 1} "
+                                       f"attempts ({scrub(str(exc))})") from None
                     delay = exc.retry_after if exc.retry_after is not None else min(
                         self.backoff_cap, self.backoff_base * 2 ** attempt)
                     delay *= random.uniform(1.0, 1.25)  # jitter: spread the herd
@@ -346,9 +442,12 @@ class LLMClient:
                     wait = delay
                 else:
                     wait = None
+                finally:
+                    self.reserved -= usd
             if wait is not None:
                 await asyncio.sleep(wait)
                 continue
+            self._sem.completed()
             stats.calls += 1
             stats.usage = stats.usage + reply.usage
             cost = self._cost(reply.usage)

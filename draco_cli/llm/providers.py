@@ -7,6 +7,7 @@ which errors are worth retrying. SDK-level retries are off so every attempt is o
 
 from __future__ import annotations
 
+import json
 import os
 import time
 from typing import Any
@@ -16,13 +17,50 @@ from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
 
 PROVIDERS = ("openai", "anthropic", "replay")
 
+# How a request asks for a JSON answer (``--structured-output``). Servers differ; `draco llm
+# check` probes which of these a server accepts and prints the one to use.
+STRUCTURED_FORMS = {
+    "auto": "json-schema for openai/ and OpenAI-compatible servers, output-format for anthropic/",
+    "json-schema": "OpenAI response_format json_schema, strict (OpenAI, vLLM, SGLang)",
+    "json-schema-loose": "response_format json_schema with strict false (SGLang, Ollama, "
+                         "servers that refuse strict)",
+    "json-object": "response_format {type: json_object, schema: ...} (llama.cpp server, "
+                   "llama-cpp-python)",
+    "vllm": "vLLM >= 0.12 extra field structured_outputs: {json: schema}",
+    "prompt": "no server constraint: the schema is put in the prompt; answers are validated "
+              "and re-asked",
+    "output-format": "Anthropic structured output (output_config.format json_schema)",
+    "tool": "Anthropic tool use: one forced tool whose input schema is the answer schema",
+}
+OPENAI_FORMS = ("json-schema", "json-schema-loose", "json-object", "vllm", "prompt")
+ANTHROPIC_FORMS = ("output-format", "tool", "prompt")
+
 
 class Retryable(Exception):
-    """A failure worth another attempt (429, 5xx, timeout, dropped connection)."""
+    """A failure worth another attempt (429, 5xx, timeout, dropped connection). ``body`` is
+    the server's own text (scrubbed), so a 500 that repeats the same body can be told from a
+    transient one; ``kind`` is "http", "timeout", "refused" or "connection"."""
 
-    def __init__(self, message: str, retry_after: float | None = None) -> None:
+    def __init__(self, message: str, retry_after: float | None = None, *,
+                 body: str | None = None, kind: str = "http", status: int | None = None) -> None:
         super().__init__(message)
         self.retry_after = retry_after
+        self.body = body
+        self.kind = kind
+        self.status = status
+
+
+def _refused(exc: BaseException) -> bool:
+    """A connection refused somewhere in the exception's cause chain (no server listening)."""
+    seen = 0
+    cur: BaseException | None = exc
+    while cur is not None and seen < 8:
+        if isinstance(cur, ConnectionRefusedError) or "refused" in str(cur).lower() \
+                or "connect call failed" in str(cur).lower():
+            return True
+        cur = cur.__cause__ or cur.__context__
+        seen += 1
+    return False
 
 
 def parse_model_id(model: str) -> tuple[str, str]:
@@ -51,6 +89,35 @@ def _split_system(messages: list[dict[str, str]]) -> tuple[str | None, list[dict
     return system, [m for m in messages if m["role"] != "system"]
 
 
+def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """System instructions moved to the head of the first user message, for chat formats that
+    drop the system role (Gemma's template, some llama.cpp chat formats)."""
+    system, chat = _split_system(messages)
+    if not system:
+        return list(messages)
+    chat = [dict(m) for m in chat]
+    for m in chat:
+        if m["role"] == "user":
+            m["content"] = f"{system}\n\n{m['content']}"
+            return chat
+    return [{"role": "user", "content": system}] + chat
+
+
+def schema_instruction(schema: dict) -> str:
+    """For servers that constrain nothing: the schema, stated in the prompt."""
+    return ("Reply with one JSON object only (no prose, no code fence) that matches this JSON "
+            "schema:\n" + json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+
+
+def _with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m["role"] == "user":
+            m["content"] = f"{m['content']}\n\n{text}"
+            return out
+    return out + [{"role": "user", "content": text}]
+
+
 def _http_client(sdk, concurrency: int, timeout: float):
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
     concurrency (the SDK's own transport if the aiohttp extra is missing)."""
@@ -67,6 +134,23 @@ def _http_client(sdk, concurrency: int, timeout: float):
 RETRY_STATUS = (408, 409, 425, 529)
 
 
+def _body_text(exc: Any) -> str:
+    """The server's error body as text (scrubbed, bounded), for the terminal and the log."""
+    from draco_cli.llm.keys import scrub
+
+    body = getattr(exc, "body", None)
+    if body is None:
+        response = getattr(exc, "response", None)
+        try:
+            body = response.text if response is not None else None
+        except Exception:  # noqa: BLE001 - a body we cannot read is simply not shown
+            body = None
+    if body is None:
+        return ""
+    text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+    return scrub(text[:1000]) or ""
+
+
 async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[dict, float]:
     """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
     without re-walking the request through typed params and the reply through pydantic, which
@@ -79,15 +163,28 @@ async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[di
     try:
         raw = await client.post(path, body=body, cast_to=httpx2.Response)
     except (sdk.RateLimitError, sdk.InternalServerError) as exc:
-        raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
-    except sdk.APITimeoutError:
-        raise Retryable("timeout") from None
+        text = _body_text(exc)
+        raise Retryable(f"HTTP {exc.status_code}" + (f": {_brief(exc)}" if text else ""),
+                        _retry_after(exc), body=text, status=exc.status_code) from None
+    except sdk.APITimeoutError as exc:
+        # The SDKs' aiohttp transport reports a refused connection as a connect "timeout".
+        if _refused(exc):
+            raise Retryable("connection refused (is the server running?)",
+                            kind="refused") from None
+        raise Retryable("timeout (no reply within --timeout)", kind="timeout") from None
     except sdk.APIConnectionError as exc:
-        raise Retryable(f"connection error ({type(exc.__cause__).__name__})") from None
+        if _refused(exc):
+            raise Retryable("connection refused (is the server running?)",
+                            kind="refused") from None
+        raise Retryable(f"connection error ({type(exc.__cause__).__name__})",
+                        kind="connection") from None
     except sdk.APIStatusError as exc:
         if exc.status_code in RETRY_STATUS:
-            raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc)) from None
-        raise LLMError(f"{label}: HTTP {exc.status_code}: {_brief(exc)}") from None
+            raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc),
+                            body=_body_text(exc), status=exc.status_code) from None
+        # A request the server rejects as malformed is not retried: its reason is the message.
+        raise RequestRejected(f"{label}: HTTP {exc.status_code}: {_brief(exc)}",
+                              body=_body_text(exc), status=exc.status_code) from None
     latency = time.perf_counter() - start
     try:
         return raw.json(), latency
@@ -95,13 +192,53 @@ async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[di
         raise Retryable("the server sent a body that is not JSON") from None
 
 
-class OpenAIProvider:
+class RequestRejected(LLMError):
+    """The server refused the request itself (a 4xx, or a 500 repeating the same body): sending
+    it again cannot help. ``body`` is the server's reply, kept in the call log."""
+
+    def __init__(self, message: str, *, body: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.body = body
+        self.status = status
+
+
+class Provider:
+    """What the client needs from an API: build a body, make one call, close. Subclasses are
+    registered by ``provider/`` prefix in ``REGISTRY``; batch APIs are optional methods."""
+
+    name = "provider"
+    supports_n = False
+    forms: tuple[str, ...] = ()
+    default_form = "prompt"
+
+    def _form(self, form: str | None) -> str:
+        form = form or "auto"
+        if form == "auto":
+            return self.default_form
+        if form not in self.forms:
+            raise ModelSpecError(f"--structured-output {form}: {self.name}/ models take "
+                                 f"{', '.join(('auto',) + self.forms)}")
+        return form
+
+    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
+                       samples: list[int]) -> Reply:  # pragma: no cover - interface
+        raise NotImplementedError
+
+    async def close(self) -> None:
+        return None
+
+
+class OpenAIProvider(Provider):
     """OpenAI's API, or any OpenAI-compatible server (vLLM, SGLang, Ollama, llama.cpp)."""
 
     name = "openai"
     supports_n = True
+    forms = OPENAI_FORMS
+    default_form = "json-schema"
 
-    def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float):
+    def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float,
+                 structured_output: str | None = None, system_role: bool = True,
+                 use_n: bool = True):
         try:
             import openai
         except ImportError:  # pragma: no cover - declared dependency
@@ -109,21 +246,40 @@ class OpenAIProvider:
         self._openai = openai
         self.model = model
         self.self_hosted = base_url is not None
-        http = _http_client(openai, concurrency, timeout)
+        self.form = self._form(structured_output)
+        self.system_role = system_role
+        self.supports_n = use_n
         api_key = None
-        if self.self_hosted and not os.environ.get("OPENAI_API_KEY"):
+        if not os.environ.get("OPENAI_API_KEY"):
+            if not self.self_hosted:
+                raise LLMError(f"openai/{model}: OPENAI_API_KEY is not set (or use --base-url "
+                               "for a self-hosted server, which needs no key)")
             api_key = "none"  # local servers take any key; the SDK insists on one
+        http = _http_client(openai, concurrency, timeout)
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                          timeout=timeout, http_client=http)
 
+    def _response_format(self, req: LLMRequest) -> dict[str, Any]:
+        schema = req.schema()
+        if self.form in ("json-schema", "json-schema-loose"):
+            return {"response_format": {"type": "json_schema", "json_schema": {
+                "name": req.schema_name, "schema": schema,
+                "strict": self.form == "json-schema"}}}
+        if self.form == "json-object":
+            return {"response_format": {"type": "json_object", "schema": schema}}
+        if self.form == "vllm":
+            return {"extra_body": {"structured_outputs": {"json": schema}}}
+        return {}
+
     def body(self, req: LLMRequest, messages: list[dict[str, str]], n: int) -> dict[str, Any]:
         s = req.sampling
-        body: dict[str, Any] = {
-            "model": self.model,
-            "messages": messages,
-            "response_format": {"type": "json_schema", "json_schema": {
-                "name": req.schema_name, "schema": req.schema(), "strict": True}},
-        }
+        if self.form == "prompt":
+            messages = _with_instruction(messages, schema_instruction(req.schema()))
+        if not self.system_role:
+            messages = fold_system(messages)
+        body: dict[str, Any] = {"model": self.model, "messages": messages}
+        extra = self._response_format(req)
+        body.update({k: v for k, v in extra.items() if k != "extra_body"})
         # Self-hosted servers take max_tokens; OpenAI's own reasoning models need the newer name.
         body["max_tokens" if self.self_hosted else "max_completion_tokens"] = s.max_tokens
         if n > 1:
@@ -136,6 +292,8 @@ class OpenAIProvider:
             body["extra_body"] = {"chat_template_kwargs": {"enable_thinking": s.thinking}}
         elif s.thinking:
             body["reasoning_effort"] = "medium"
+        if "extra_body" in extra:
+            body.setdefault("extra_body", {}).update(extra["extra_body"])
         return body
 
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
@@ -153,34 +311,60 @@ class OpenAIProvider:
         await self.client.close()
 
 
-class AnthropicProvider:
-    """Anthropic's Messages API with structured output (``output_config.format``)."""
+class AnthropicProvider(Provider):
+    """Anthropic's Messages API with structured output (``output_config.format``) or a forced
+    tool whose input schema is the answer schema."""
 
     name = "anthropic"
     supports_n = False
+    forms = ANTHROPIC_FORMS
+    default_form = "output-format"
 
-    def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float):
+    def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float,
+                 structured_output: str | None = None, system_role: bool = True,
+                 use_n: bool = False):
         try:
             import anthropic
         except ImportError:  # pragma: no cover - declared dependency
             raise ModelSpecError("anthropic/ models need the 'anthropic' package") from None
         self._anthropic = anthropic
         self.model = model
+        self.form = self._form(structured_output)
+        self.system_role = system_role
+        api_key = None
+        if not (os.environ.get("ANTHROPIC_API_KEY") or os.environ.get("ANTHROPIC_AUTH_TOKEN")):
+            if base_url is None:
+                raise LLMError(f"anthropic/{model}: ANTHROPIC_API_KEY is not set")
+            api_key = "none"  # a local or proxy endpoint; the SDK insists on some key
         http = _http_client(anthropic, concurrency, timeout)
-        self.client = anthropic.AsyncAnthropic(base_url=base_url, max_retries=0, timeout=timeout,
-                                               http_client=http)
+        self.client = anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0,
+                                               timeout=timeout, http_client=http)
 
     def body(self, req: LLMRequest, messages: list[dict[str, str]], n: int = 1) -> dict[str, Any]:
         s = req.sampling
+        if self.form == "prompt":
+            messages = _with_instruction(messages, schema_instruction(req.schema()))
+        if not self.system_role:
+            messages = fold_system(messages)
         system, chat = _split_system(messages)
-        body: dict[str, Any] = {
-            "model": self.model,
-            "max_tokens": s.max_tokens,
-            "messages": chat,
-            "output_config": {"format": {"type": "json_schema", "schema": req.schema()}},
-        }
+        body: dict[str, Any] = {"model": self.model, "max_tokens": s.max_tokens,
+                                "messages": chat}
+        if self.form == "output-format":
+            body["output_config"] = {"format": {"type": "json_schema", "schema": req.schema()}}
+        elif self.form == "tool":
+            body["tools"] = [{"name": req.schema_name, "input_schema": req.schema(),
+                              "description": "Record the answer."}]
+            body["tool_choice"] = {"type": "tool", "name": req.schema_name}
         if system:
-            body["system"] = system
+            # Prompt caching: the instructions are the prefix every call of a phase shares.
+            body["system"] = [{"type": "text", "text": system,
+                               "cache_control": {"type": "ephemeral"}}]
+        if req.samples > 1 and chat and isinstance(chat[-1].get("content"), str):
+            # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
+            chat = [dict(m) for m in chat]
+            chat[-1]["content"] = [{"type": "text", "text": chat[-1]["content"],
+                                    "cache_control": {"type": "ephemeral"}}]
+            body["messages"] = chat
         if s.thinking:
             # Thinking tokens count toward max_tokens; leave room for the answer.
             body["thinking"] = {"type": "enabled",
@@ -225,8 +409,13 @@ def openai_reply(body: dict, request_body: dict, batch_id: str | None = None) ->
 
 
 def anthropic_choice(message: dict) -> Choice:
-    text = "".join(b.get("text", "") for b in message.get("content") or []
-                   if b.get("type") == "text") or None
+    blocks = message.get("content") or []
+    tool = next((b for b in blocks if b.get("type") == "tool_use"), None)
+    if tool is not None:  # the tool form: the answer is the forced tool's input
+        text = json.dumps(tool.get("input"), ensure_ascii=False)
+        stop = message.get("stop_reason")
+        return Choice(text=text, finish="length" if stop == "max_tokens" else "stop")
+    text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text") or None
     stop = message.get("stop_reason")
     finish = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
               "refusal": "refusal"}.get(stop or "", stop or "stop")
@@ -243,13 +432,13 @@ def anthropic_usage(u: dict) -> Usage:
                  reasoning_tokens=details.get("thinking_tokens") or 0)
 
 
-class ReplayProvider:
+class ReplayProvider(Provider):
     """Answers only from a recorded call log; anything else is an error (offline demos, tests)."""
 
     name = "replay"
     supports_n = True
 
-    def __init__(self, path: str) -> None:
+    def __init__(self, path: str, **_: Any) -> None:
         from draco_cli.llm.calllog import ReplayLog
 
         self.model = path
@@ -272,16 +461,21 @@ class ReplayProvider:
         return None
 
 
+REGISTRY: dict[str, type[Provider]] = {"openai": OpenAIProvider,
+                                       "anthropic": AnthropicProvider,
+                                       "replay": ReplayProvider}
+
+
 def make_provider(model: str, *, base_url: str | None = None, concurrency: int = 16,
-                  timeout: float = 120.0):
+                  timeout: float = 120.0, structured_output: str | None = None,
+                  system_role: bool = True, use_n: bool = True) -> Provider:
     provider, name = parse_model_id(model)
     base_url = base_url or os.environ.get("DRACO_BASE_URL")
-    if provider == "openai":
-        return OpenAIProvider(name, base_url=base_url, concurrency=concurrency, timeout=timeout)
-    if provider == "anthropic":
-        return AnthropicProvider(name, base_url=base_url, concurrency=concurrency,
-                                 timeout=timeout)
-    return ReplayProvider(name)
+    cls = REGISTRY[provider]
+    if cls is ReplayProvider:
+        return ReplayProvider(name)
+    return cls(name, base_url=base_url, concurrency=concurrency, timeout=timeout,
+               structured_output=structured_output, system_role=system_role, use_n=use_n)
 
 
 def _brief(exc: Any) -> str:
@@ -289,8 +483,10 @@ def _brief(exc: Any) -> str:
     from draco_cli.llm.keys import scrub
 
     body = getattr(exc, "body", None)
+    text = str(getattr(exc, "message", exc))
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and err.get("message"):
-            return scrub(str(err["message"])[:300]) or ""
-    return scrub(str(getattr(exc, "message", exc))[:300]) or ""
+            text = str(err["message"])
+    # One line: servers put tracebacks and pretty-printed validation errors in their bodies.
+    return scrub(" ".join(text.split())[:300]) or ""

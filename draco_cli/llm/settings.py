@@ -24,9 +24,18 @@ class LLMSettings:
     prices: Path | None = None
     batch: bool = False
     thinking: bool = False
+    structured_output: str = "auto"
+    system_role: bool = True      # False: fold system instructions into the first user message
+    use_n: bool = True
+    temperature: float | None = None
+    seed: int | None = None
+    adaptive: bool | None = None  # None: on for self-hosted servers (--base-url)
 
     def client(self, log: CallLog) -> LLMClient:
         return LLMClient(self.model, call_log=log, concurrency=self.concurrency, rpm=self.rpm,
                          tpm=self.tpm, timeout=self.timeout, max_retries=self.max_retries,
                          parse_retries=self.parse_retries, max_cost=self.max_cost,
-                         prices=PriceTable.load(self.prices), base_url=self.base_url)
+                         prices=PriceTable.load(self.prices), base_url=self.base_url,
+                         structured_output=self.structured_output, system_role=self.system_role,
+                         use_n=self.use_n, temperature=self.temperature, seed=self.seed,
+                         adaptive=self.adaptive)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -42,6 +43,14 @@ class LLMRequest:
     sampling: Sampling = field(default_factory=Sampling)
     template_version: str = ""
     key: str = ""  # the caller's label for the log (e.g. a rollout id)
+    # What a schema cannot say (unique ids, every criterion answered): returns the reason an
+    # answer that validated against ``answer_model`` is still wrong, or None. A failing answer
+    # is re-asked with the reason fed back, never recorded as valid. Not part of the cache key:
+    # a logged answer is checked again when it is served.
+    check: Callable[[BaseModel], str | None] | None = None
+
+    def problem(self, value: BaseModel) -> str | None:
+        return self.check(value) if self.check is not None else None
 
     def schema(self) -> dict:
         return self.json_schema if self.json_schema is not None else \

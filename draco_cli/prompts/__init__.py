@@ -7,7 +7,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-CURRENT = {"generate": "v1", "union": "v1", "merge": "v1", "score": "v1"}
+CURRENT = {"generate": "v1", "union": "v1", "merge": "v1", "score": "v2"}
 
 
 @functools.lru_cache(maxsize=None)

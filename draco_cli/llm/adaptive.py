@@ -1,0 +1,97 @@
+"""Concurrency that adapts to the server: keep in flight only as many calls as it serves in
+parallel.
+
+A hosted API batches hundreds of calls (and limits by rate, so draco adapts only for
+self-hosted servers, ``--base-url``, unless told otherwise); a llama.cpp server on a laptop serves one at a time, and
+every call sent beyond that waits in its queue, so latency rises while throughput does not, and
+queued calls hit the timeout. The limit starts low and doubles each round (one round = as many
+completions as the limit) while throughput rises with it; when a doubling does not raise
+throughput by ``GAIN`` the limit goes back to the last level that did, and stays there (a probe
+one level up every ``REPROBE`` rounds follows a server that scales up). A call that timed out is
+counted as still running on the server for ``timeout`` more seconds (servers keep computing an
+abandoned request), and the limit halves: the retry of a queued request does not pile a second
+copy on top of the first.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from contextlib import asynccontextmanager
+
+GAIN = 1.2      # a doubling must raise throughput by 20% to count
+REPROBE = 20    # rounds at a held level before trying one level up again
+ROUND_MIN = 4   # completions per round at least (one call's latency is too noisy a measure)
+
+
+class AdaptiveLimit:
+    def __init__(self, maximum: int, start: int = 1, adaptive: bool = True) -> None:
+        self.maximum = max(1, maximum)
+        self.adaptive = adaptive
+        self.limit = min(self.maximum, start) if adaptive else self.maximum
+        self.in_flight = 0
+        self.ghosts = 0          # timed-out calls the server is presumably still computing
+        self._cond = asyncio.Condition()
+        self._round_start = time.monotonic()
+        self._round_done = 0
+        self._last: tuple[int, float] | None = None   # (limit, throughput) of the last round
+        self._held = 0
+        self._growing = True
+        self.history: list[tuple[int, float]] = []    # (limit, calls/s) per round
+
+    @asynccontextmanager
+    async def slot(self):
+        async with self._cond:
+            await self._cond.wait_for(lambda: self.in_flight + self.ghosts < self.limit)
+            self.in_flight += 1
+        try:
+            yield
+        finally:
+            async with self._cond:
+                self.in_flight -= 1
+                self._cond.notify_all()
+
+    def completed(self) -> None:
+        """One call answered: count it toward the round, adapt at the end of a round."""
+        if not self.adaptive:
+            return
+        self._round_done += 1
+        if self._round_done < max(self.limit, ROUND_MIN):
+            return
+        now = time.monotonic()
+        rate = self._round_done / max(now - self._round_start, 1e-6)
+        self.history.append((self.limit, rate))
+        self._round_start, self._round_done = now, 0
+        last = self._last
+        self._last = (self.limit, rate)
+        if self._growing:
+            if last is not None and self.limit > last[0] and rate < last[1] * GAIN:
+                self.limit = last[0]            # no gain from the doubling: back, and hold
+                self._last = last
+                self._growing = False
+            elif self.limit < self.maximum:
+                self.limit = min(self.maximum, self.limit * 2)
+        else:
+            self._held += 1
+            if self._held >= REPROBE and self.limit < self.maximum:
+                self._held = 0
+                self._growing = True
+                self.limit = min(self.maximum, self.limit * 2)
+
+    async def timed_out(self, seconds: float) -> None:
+        """A call timed out: halve the limit, and count the abandoned call as running on the
+        server for ``seconds`` more."""
+        async with self._cond:
+            if self.adaptive:
+                self.limit = max(1, self.limit // 2)
+                self._growing = False
+                self._held = 0
+            self.ghosts += 1
+
+        async def release() -> None:
+            await asyncio.sleep(seconds)
+            async with self._cond:
+                self.ghosts -= 1
+                self._cond.notify_all()
+
+        asyncio.get_running_loop().create_task(release())

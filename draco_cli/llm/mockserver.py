@@ -1,0 +1,357 @@
+"""A local HTTP server that speaks enough of the OpenAI (chat completions with n, files and
+batches) and Anthropic (messages, message batches) protocols for the real SDK clients to talk
+to it. It serves scripted answers and injects faults on demand. Loopback by default.
+
+``draco llm mock-server`` runs it for users' own CI: with no script it answers every request
+with a minimal instance of the request's own JSON schema (``schema_answer``), so `llm check`,
+`rubric generate`, `judge score` and `draco run` work offline against it."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import threading
+import time
+import uuid
+from collections import Counter, deque
+from collections.abc import Callable
+
+from aiohttp import web
+
+
+def default_answer(body: dict, index: int) -> str:
+    return json.dumps({"verdict": "pass" if index % 2 == 0 else "fail", "steps": [1 + index],
+                       "reason": f"sample {index}"})
+
+
+def _schema_of(body: dict) -> dict | None:
+    """The answer schema a request carries, in whichever form it was sent."""
+    rf = body.get("response_format") or {}
+    if rf.get("type") == "json_schema":
+        return (rf.get("json_schema") or {}).get("schema")
+    if rf.get("type") == "json_object" and rf.get("schema"):
+        return rf["schema"]
+    if isinstance(body.get("structured_outputs"), dict):
+        return body["structured_outputs"].get("json")
+    fmt = (body.get("output_config") or {}).get("format") or {}
+    if fmt.get("schema"):
+        return fmt["schema"]
+    for tool in body.get("tools") or []:
+        if tool.get("input_schema"):
+            return tool["input_schema"]
+    marker = "matches this JSON schema:\n"
+    for m in reversed(body.get("messages") or []):
+        content = m.get("content")
+        if isinstance(content, str) and marker in content:  # the prompt form: schema at the end
+            try:
+                return json.loads(content.rsplit(marker, 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def instance(schema: dict, seed: int = 0, path: str = "", root: dict | None = None) -> object:
+    """A small value valid against ``schema``: enums cycle with the position, arrays take
+    their minimum length (at least one item), strings are distinct per position."""
+    root = root if root is not None else schema
+    if "$ref" in schema:  # pydantic puts nested models under #/$defs/Name
+        node: object = root
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            node = node[part]  # type: ignore[index]
+        return instance(node, seed, path, root)  # type: ignore[arg-type]
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][seed % len(schema["enum"])]
+    kind = schema.get("type")
+    if kind == "object":
+        return {k: instance(v, seed, f"{path}.{k}", root)
+                for k, v in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        n = max(schema.get("minItems", 1), 1)
+        n = min(n, schema.get("maxItems", n))
+        return [instance(schema.get("items") or {}, k, f"{path}[{k}]", root) for k in range(n)]
+    if kind == "integer":
+        return schema.get("minimum", 1)
+    if kind == "number":
+        return schema.get("minimum", 1.0)
+    if kind == "boolean":
+        return True
+    return f"mock {path.strip('.') or 'text'} {seed}"
+
+
+def schema_answer(body: dict, index: int) -> str:
+    """Answer any request with a minimal instance of its own schema (``{}`` without one)."""
+    schema = _schema_of(body)
+    return json.dumps(instance(schema, index) if schema else {})
+
+
+class FakeLLMServer:
+    def __init__(self, answer: Callable[[dict, int], str] = default_answer, latency: float = 0.0,
+                 prompt_tokens: int = 100, cached_tokens: int = 20, completion_tokens: int = 10,
+                 reasoning_tokens: int = 0) -> None:
+        self.answer = answer
+        self.latency = latency
+        self.faults: deque = deque()
+        self.fault_count = 0
+        self.serial = False
+        self.in_flight_max = 0   # serial mode: the deepest queue seen
+        self._lock: asyncio.Lock | None = None
+        self.hits: Counter = Counter()
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        self.tokens = (prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens)
+        self.files: dict[str, bytes] = {}
+        self.batches: dict[str, dict] = {}
+        self._loop: asyncio.AbstractEventLoop | None = None
+        self._runner: web.AppRunner | None = None
+        self.port = 0
+        self.host = "127.0.0.1"
+
+    # -- control ---------------------------------------------------------------------------
+
+    def push(self, kind: str, **kw) -> None:
+        """Apply a fault to the next chat/messages request: 429, 500, 529, drop, slow,
+        truncate, invalid_json, schema_violation, refusal, fewer_choices."""
+        self.faults.append((kind, kw))
+
+    @property
+    def url(self) -> str:
+        return f"http://{self.host}:{self.port}"
+
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> "FakeLLMServer":
+        ready = threading.Event()
+        self.host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
+
+        def run() -> None:
+            self._loop = asyncio.new_event_loop()
+            asyncio.set_event_loop(self._loop)
+            app = web.Application(client_max_size=64 * 2**20)
+            app.router.add_post("/v1/chat/completions", self.chat)
+            app.router.add_post("/v1/messages", self.messages)
+            app.router.add_post("/v1/embeddings", self.embeddings)
+            app.router.add_post("/v1/files", self.upload)
+            app.router.add_get("/v1/files/{id}/content", self.file_content)
+            app.router.add_post("/v1/batches", self.create_batch)
+            app.router.add_get("/v1/batches/{id}", self.get_batch)
+            app.router.add_post("/v1/messages/batches", self.create_anthropic_batch)
+            app.router.add_get("/v1/messages/batches/{id}", self.get_anthropic_batch)
+            app.router.add_get("/v1/messages/batches/{id}/results", self.anthropic_results)
+            self._runner = web.AppRunner(app, access_log=None)
+            self._loop.run_until_complete(self._runner.setup())
+            site = web.TCPSite(self._runner, host, port, backlog=2048)
+            self._loop.run_until_complete(site.start())
+            self.port = site._server.sockets[0].getsockname()[1]
+            ready.set()
+            self._loop.run_forever()
+
+        self._thread = threading.Thread(target=run, daemon=True)
+        self._thread.start()
+        ready.wait(10)
+        return self
+
+    def stop(self) -> None:
+        if self._loop is None:
+            return
+        fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
+        fut.result(10)
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join(10)
+
+    # -- shared ----------------------------------------------------------------------------
+
+    async def _fault(self, request: web.Request):
+        """Returns (response to send instead, or None; answer mutation or None)."""
+        if not self.faults:
+            return None, None
+        kind, kw = self.faults.popleft()
+        if kind in ("429", "500", "529"):
+            self.fault_count += 1  # transient errors rarely repeat their body word for word
+            headers = {"retry-after": str(kw["retry_after"])} if "retry_after" in kw else {}
+            return web.json_response({"error": {"message": f"injected {kind} "
+                                                f"#{self.fault_count}", "type": "x"}},
+                                     status=int(kind), headers=headers), None
+        if kind in ("400", "500_same"):  # a request the server will never take, as llama.cpp
+            return web.json_response({"error": {"message": kw.get(
+                "message", "Input should be 'text' or 'json_object'"), "type": "x"}},
+                status=int(kind[:3])), None
+        if kind == "401_echo":  # like a real API quoting the key it rejected
+            auth = request.headers.get("Authorization", request.headers.get("x-api-key", ""))
+            return web.json_response({"error": {"message": f"Incorrect API key provided: "
+                                                f"{auth.removeprefix('Bearer ')}",
+                                                "type": "invalid_request_error"}},
+                                     status=401), None
+        if kind == "drop":
+            request.transport.close()
+            return web.Response(status=500), None
+        if kind == "slow":
+            await asyncio.sleep(kw.get("seconds", 5))
+            return None, None
+        return None, kind
+
+    def _mutate(self, kind: str | None, text: str) -> tuple[str, str]:
+        if kind == "truncate":
+            return text[: len(text) // 2], "length"
+        if kind == "invalid_json":
+            return text[:-1] + ",,}", "stop"
+        if kind == "schema_violation":
+            return json.dumps({"verdict": "maybe", "steps": "one"}), "stop"
+        if kind == "refusal":
+            return "I can't help with that.", "refusal"
+        return text, "stop"
+
+    # -- OpenAI ----------------------------------------------------------------------------
+
+    def _completion(self, body: dict, kind: str | None) -> dict:
+        n = body.get("n", 1)
+        if kind == "fewer_choices":
+            n = max(1, n - 1)
+        p, c, o, r = self.tokens
+        choices = []
+        for i in range(n):
+            text, finish = self._mutate(kind, self.answer(body, i))
+            refusal = text if finish == "refusal" else None
+            choices.append({"index": i, "finish_reason": "stop" if refusal else finish,
+                            "message": {"role": "assistant", "content": None if refusal else text,
+                                        "refusal": refusal}})
+        return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion",
+                "created": int(time.time()), "model": body.get("model"), "choices": choices,
+                "usage": {"prompt_tokens": p, "completion_tokens": o * n, "total_tokens": p + o * n,
+                          "prompt_tokens_details": {"cached_tokens": c},
+                          "completion_tokens_details": {"reasoning_tokens": r * n}}}
+
+    async def _generate(self, request: web.Request, hit: str, build) -> web.StreamResponse:
+        """Shared by chat completions and messages: record, wait, maybe fault, answer."""
+        self.hits[hit] += 1
+        body = await request.json()
+        self.bodies.append(body)
+        self.headers.append(dict(request.headers))
+        if self.serial:  # one request at a time, as llama-cpp-python's server
+            if self._lock is None:
+                self._lock = asyncio.Lock()
+            async with self._lock:
+                self.in_flight_max = max(self.in_flight_max, len(self._lock._waiters or ()) + 1)
+                await asyncio.sleep(self.latency)
+        elif self.latency:
+            await asyncio.sleep(self.latency)
+        resp, kind = await self._fault(request)
+        if resp is not None:
+            return resp
+        return web.json_response(build(body, kind))
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "chat", self._completion)
+
+    async def upload(self, request: web.Request) -> web.Response:
+        self.hits["files"] += 1
+        data = await request.post()
+        raw = data["file"].file.read()
+        fid = "file-" + uuid.uuid4().hex
+        self.files[fid] = raw
+        return web.json_response({"id": fid, "object": "file", "bytes": len(raw),
+                                  "created_at": int(time.time()), "filename": "batch.jsonl",
+                                  "purpose": "batch", "status": "processed"})
+
+    async def file_content(self, request: web.Request) -> web.Response:
+        return web.Response(body=self.files[request.match_info["id"]])
+
+    def _batch(self, bid: str) -> dict:
+        return self.batches[bid]
+
+    async def create_batch(self, request: web.Request) -> web.Response:
+        self.hits["batches"] += 1
+        body = await request.json()
+        bid = "batch_" + uuid.uuid4().hex
+        self.batches[bid] = {"id": bid, "object": "batch", "endpoint": body["endpoint"],
+                             "input_file_id": body["input_file_id"], "completion_window": "24h",
+                             "status": "in_progress", "created_at": int(time.time()),
+                             "output_file_id": None, "error_file_id": None, "polls": 0}
+        return web.json_response(self._public(self.batches[bid]))
+
+    @staticmethod
+    def _public(b: dict) -> dict:
+        return {k: v for k, v in b.items() if k != "polls"}
+
+    async def get_batch(self, request: web.Request) -> web.Response:
+        b = self.batches[request.match_info["id"]]
+        b["polls"] += 1
+        if b["polls"] >= 2 and b["status"] != "completed":
+            lines = []
+            for line in self.files[b["input_file_id"]].decode().splitlines():
+                item = json.loads(line)
+                kind = None
+                if self.faults:
+                    kind = self.faults.popleft()[0]
+                lines.append(json.dumps({"id": "r" + uuid.uuid4().hex, "custom_id": item["custom_id"],
+                                         "response": {"status_code": 200, "request_id": "x",
+                                                      "body": self._completion(item["body"], kind)},
+                                         "error": None}))
+            out = "file-" + uuid.uuid4().hex
+            self.files[out] = ("\n".join(lines) + "\n").encode()
+            b.update(status="completed", output_file_id=out)
+        return web.json_response(self._public(b))
+
+    async def embeddings(self, request: web.Request) -> web.Response:
+        """Hashed bag-of-words vectors: texts sharing words get similar vectors."""
+        self.hits["embeddings"] += 1
+        body = await request.json()
+        data = []
+        for i, text in enumerate(body["input"]):
+            vec = [0.0] * 64
+            for w in text.lower().replace(".", " ").split():
+                vec[sum(map(ord, w)) % 64] += 1.0
+            data.append({"object": "embedding", "index": i, "embedding": vec})
+        return web.json_response({"object": "list", "data": data, "model": body["model"],
+                                  "usage": {"prompt_tokens": 1, "total_tokens": 1}})
+
+    # -- Anthropic -------------------------------------------------------------------------
+
+    def _message(self, body: dict, kind: str | None) -> dict:
+        p, c, o, r = self.tokens
+        text, finish = self._mutate(kind, self.answer(body, 0))
+        stop = {"stop": "end_turn", "length": "max_tokens", "refusal": "refusal"}[finish]
+        return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
+                "model": body.get("model"), "content": [{"type": "text", "text": text}],
+                "stop_reason": stop, "stop_sequence": None,
+                "usage": {"input_tokens": p - c, "output_tokens": o,
+                          "cache_read_input_tokens": c, "cache_creation_input_tokens": 0,
+                          "output_tokens_details": {"thinking_tokens": r}}}
+
+    async def messages(self, request: web.Request) -> web.StreamResponse:
+        return await self._generate(request, "messages", self._message)
+
+    async def create_anthropic_batch(self, request: web.Request) -> web.Response:
+        self.hits["anthropic_batches"] += 1
+        body = await request.json()
+        bid = "msgbatch_" + uuid.uuid4().hex
+        self.batches[bid] = {"requests": body["requests"], "polls": 0, "ended": False}
+        return web.json_response(self._anthropic_batch(bid))
+
+    def _anthropic_batch(self, bid: str) -> dict:
+        b = self.batches[bid]
+        n = len(b["requests"])
+        return {"id": bid, "type": "message_batch",
+                "processing_status": "ended" if b["ended"] else "in_progress",
+                "request_counts": {"processing": 0 if b["ended"] else n,
+                                   "succeeded": n if b["ended"] else 0, "errored": 0,
+                                   "canceled": 0, "expired": 0},
+                "created_at": "2026-01-01T00:00:00Z", "expires_at": "2026-01-02T00:00:00Z",
+                "ended_at": "2026-01-01T00:01:00Z" if b["ended"] else None,
+                "cancel_initiated_at": None, "archived_at": None,
+                "results_url": f"{self.url}/v1/messages/batches/{bid}/results" if b["ended"] else None}
+
+    async def get_anthropic_batch(self, request: web.Request) -> web.Response:
+        bid = request.match_info["id"]
+        b = self.batches[bid]
+        b["polls"] += 1
+        if b["polls"] >= 2:
+            b["ended"] = True
+        return web.json_response(self._anthropic_batch(bid))
+
+    async def anthropic_results(self, request: web.Request) -> web.Response:
+        b = self.batches[request.match_info["id"]]
+        lines = [json.dumps({"custom_id": r["custom_id"],
+                             "result": {"type": "succeeded", "message": self._message(r["params"], None)}})
+                 for r in b["requests"]]
+        return web.Response(body=("\n".join(lines) + "\n").encode(),
+                            content_type="application/binary")

