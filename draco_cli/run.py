@@ -211,9 +211,15 @@ class _Run:
     # -- keys: options + contents of what each stage reads ----------------------------------
 
     def _llm_key(self, llm: LLMSettings) -> dict:
-        return {"model": llm.model, "base_url": llm.base_url, "thinking": llm.thinking,
-                "prompt": self.opts.prompt.model_dump(mode="json"),
-                "prompt_versions": PROMPT_VERSIONS}
+        key = {"model": llm.model, "base_url": llm.base_url, "thinking": llm.thinking,
+               "prompt": self.opts.prompt.model_dump(mode="json"),
+               "prompt_versions": PROMPT_VERSIONS}
+        # sampling settings change the answers (they are in the call cache key too); left out
+        # when unset so that folders made before they existed keep their keys
+        for name in ("temperature", "seed"):
+            if getattr(llm, name, None) is not None:
+                key[name] = getattr(llm, name)
+        return key
 
     def _rubric_key(self) -> str:
         r = self.opts.rubric
