@@ -161,3 +161,21 @@ def test_one_error_style(args):
     err = res.stderr.decode()
     assert res.returncode in (1, 2) and err.startswith("error: "), err
     assert len(err.strip().splitlines()) == 1 and "╭" not in err and "Traceback" not in err
+
+
+def test_run_summary_as_json_and_csv_on_stdout(runs):
+    """draco run --format json: the run's results as one document on stdout (a rerun, so every
+    stage is reused), progress lines still on stderr; csv: one row of the scalar fields."""
+    res = run_draco("run", *SAMPLE, "--train-step", "0", "-o", str(runs / "steps"),
+                    "--format", "json")
+    assert res.returncode == 0, res.stderr.decode()
+    doc = json.loads(res.stdout)
+    assert doc["status"] == "done" and doc["train_step"] == 0 and doc["rollouts"] == 12
+    assert doc["criteria_kept"] + doc["criteria_dropped"] == 10 and doc["healthy"] is True
+    assert doc["skipped"] == ["rubric", "judge", "credit"]
+    assert doc["token_advantages"].endswith("token_advantages.parquet")
+    assert b"skipped" in res.stderr
+    rows = list(csv.DictReader(io.StringIO(run_draco(
+        "run", *SAMPLE, "--train-step", "0", "-o", str(runs / "steps"),
+        "--format", "csv").stdout.decode())))
+    assert len(rows) == 1 and rows[0]["rollouts"] == "12" and rows[0]["status"] == "done"

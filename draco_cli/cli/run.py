@@ -8,6 +8,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
+from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
 from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN)
@@ -81,6 +82,8 @@ def run(
         "--no-wait", help="Refuse, instead of waiting, when another draco run is writing the "
         "same folder.")] = False,
     call_log: CallLogPath = None,
+    fmt: Format = None,
+    as_json: Json = False,
     base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
@@ -95,6 +98,8 @@ def run(
     Example: draco run --rollouts sample_data/appworld_mini/rollouts.parquet --steps sample_data/appworld_mini/steps.parquet --model replay/sample_data/llm_calls.sqlite -o runs/demo
     """
     from draco_cli.run import RunOptions, run_dir_for, run_step
+
+    fmt_name = pick_format(fmt, as_json)
 
     # every option is checked here, before any table is read or any call is made
     opts = RunOptions.for_setting(
@@ -129,7 +134,7 @@ def run(
         err_console.print(f"interrupted: rerun the same command to resume (answered calls are "
                           f"kept in {log}; none is paid twice)", highlight=False)
         raise typer.Exit(130) from None
-    _summary(result, run_dir)
+    _summary(result, run_dir, fmt_name)
 
 
 def _print_event(e) -> None:
@@ -153,11 +158,40 @@ def _print_event(e) -> None:
         err_console.print(f"  - {note}", highlight=False, markup=False)
 
 
-def _summary(result, run_dir: Path) -> None:
+def summary_document(result, run_dir: Path) -> dict:
+    """The run's results as one JSON-able document (``draco run --format json``)."""
+    m = result.manifest
+    calls = m["llm_calls"]
+    unpriced = bool(calls) and all(v.get("cost_usd") is None for v in calls.values())
+    credit = m["stages"].get("credit", {})
+    stats = credit.get("stats", {}) or {}
+    return {
+        "run_dir": str(run_dir), "status": m.get("status"), "train_step": m.get("train_step"),
+        "setting": (m.get("settings") or {}).get("setting"),
+        "reward": credit.get("reward"),
+        "groups": stats.get("groups"), "rollouts": stats.get("rollouts"),
+        "criteria_kept": stats.get("criteria_kept"),
+        "criteria_dropped": stats.get("criteria_dropped"),
+        "credit_modes": stats.get("credit_modes"),
+        "llm_call_rows": sum(v.get("rows", 0) for v in calls.values()),
+        "cost_usd": None if unpriced else sum(v.get("cost_usd") or 0 for v in calls.values()),
+        "wall_seconds": m.get("wall_seconds"), "skipped": list(result.skipped),
+        "healthy": bool(result.healthy), "budget_reached": bool(result.budget_reached),
+        "health": m.get("health"), "token_advantages": m.get("token_advantages"),
+    }
+
+
+def _summary(result, run_dir: Path, fmt: str = "table") -> None:
     m = result.manifest
     calls = m["llm_calls"]
     total = sum(v.get("cost_usd") or 0 for v in calls.values())
     rows = sum(v.get("rows", 0) for v in calls.values())
+    if fmt != "table":  # the results on stdout for tools; the lines below stay on stderr
+        import polars as pl
+
+        doc = summary_document(result, run_dir)
+        flat = {k: v for k, v in doc.items() if not isinstance(v, (dict, list))}
+        emit(Report([("run", pl.DataFrame([flat]))], document=doc), fmt)
     if result.skipped:
         err_console.print(f"unchanged, skipped: {', '.join(result.skipped)}", highlight=False)
     credit = m["stages"].get("credit", {})
