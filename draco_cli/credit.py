@@ -63,6 +63,11 @@ def narrow_judge(verdicts: pl.DataFrame, judge: str | None, source: str = "verdi
 def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> pl.DataFrame:
     """Add group_id (and ``__r``, the rollout's row in ``rollouts``) to verdicts; a verdict for
     a rollout not in ``rollouts`` is an error."""
+    verdicts = verdicts.drop("group_id", "__r", strict=False)
+    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
+    if run is not None:  # verdicts grouped by rollout, in the rollouts' order: no string join
+        r = pl.Series("__r", run, dtype=pl.UInt32)
+        return verdicts.with_columns(r, rollouts["group_id"].gather(r).alias("group_id"))
     joined = verdicts.drop("group_id", "__r", strict=False).with_row_index("__row").join(
         rollouts.select("rollout_id", "group_id").with_row_index("__r"), on="rollout_id",
         how="left",
@@ -103,6 +108,22 @@ class StepArrays:
         })
 
 
+def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
+    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
+    per rollout in the same order (how ingest writes steps and verdicts); None otherwise.
+
+    This spares hashing every id string against the rollouts (the cost of a join)."""
+    if ids.len() == 0 or rollout_ids.len() == 0:
+        return None
+    head = (ids != ids.shift(1)).fill_null(True)
+    n_runs = int(head.sum())
+    if n_runs != rollout_ids.len():
+        return None
+    if not bool((ids.filter(head) == rollout_ids).all()):
+        return None
+    return np.cumsum(head.to_numpy()) - 1
+
+
 def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
     """Row of each step's rollout in ``rollouts`` (int64), or an error naming an orphan step.
 
@@ -112,6 +133,9 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
     rid = steps["rollout_id"]
     if rid.len() == 0:
         return np.zeros(0, dtype=np.int64)
+    run = _runs_in_order(rid, rollouts["rollout_id"])
+    if run is not None:
+        return run.astype(np.int64)
     head = (rid != rid.shift(1)).fill_null(True).to_numpy()
     run = np.cumsum(head) - 1
     heads = pl.DataFrame({"rollout_id": rid.filter(pl.Series(head)),
@@ -186,6 +210,8 @@ def rewards_table(
     rollouts: pl.DataFrame, verdicts: pl.DataFrame, reward: RewardSource = "rubric"
 ) -> pl.DataFrame:
     """Per rollout: n_pass / n_fail / n_na over retained criteria, reward, pass_rate_all."""
+    if "__r" in verdicts.columns:
+        return _rewards_by_index(rollouts, verdicts, reward)
     v = pl.col("verdict")
     counts = verdicts.group_by("rollout_id").agg(
         ((v == "pass") & pl.col("retained")).sum().cast(pl.Int32).alias("n_pass"),
@@ -197,6 +223,32 @@ def rewards_table(
     out = rollouts.select("rollout_id", "group_id", "outcome").join(
         counts, on="rollout_id", how="left", maintain_order="left"
     ).with_columns(pl.col("n_pass", "n_fail", "n_na", "__pass_all", "__fail_all").fill_null(0))
+    return _reward_columns(out, reward)
+
+
+def _rewards_by_index(rollouts: pl.DataFrame, verdicts: pl.DataFrame,
+                      reward: RewardSource) -> pl.DataFrame:
+    """rewards_table's counts as bincounts over ``__r`` (the rollout's row): no string keys."""
+    R = rollouts.height
+    r = verdicts["__r"].to_numpy().astype(np.int64)
+    v = verdicts["verdict"]
+    is_pass, is_fail, is_na = ((v == x).fill_null(False).to_numpy() for x in ("pass", "fail", "na"))
+    kept = verdicts["retained"].fill_null(False).to_numpy()
+
+    def count(flag: np.ndarray) -> np.ndarray:
+        return np.bincount(r[flag], minlength=R)
+
+    out = rollouts.select("rollout_id", "group_id", "outcome").with_columns(
+        pl.Series("n_pass", count(is_pass & kept), dtype=pl.Int32),
+        pl.Series("n_fail", count(is_fail & kept), dtype=pl.Int32),
+        pl.Series("n_na", count(is_na & kept), dtype=pl.Int32),
+        pl.Series("__pass_all", count(is_pass), dtype=pl.UInt32),
+        pl.Series("__fail_all", count(is_fail), dtype=pl.UInt32),
+    )
+    return _reward_columns(out, reward)
+
+
+def _reward_columns(out: pl.DataFrame, reward: RewardSource) -> pl.DataFrame:
     decided = pl.col("n_pass") + pl.col("n_fail")
     decided_all = pl.col("__pass_all") + pl.col("__fail_all")
     rubric_reward = pl.when(decided > 0).then(pl.col("n_pass") / decided).otherwise(None)
