@@ -247,7 +247,7 @@ def _distributions(rw: pl.DataFrame | None) -> str:
 
 def _pick_rollouts(rw: pl.DataFrame, wanted: str | None) -> list[str]:
     order = rw.sort(pl.col("advantage").abs(), descending=True, nulls_last=True)
-    ids = order["rollout_id"].to_list()[:MAX_ROLLOUTS]
+    ids = order["rollout_id"].head(MAX_ROLLOUTS).to_list()
     if wanted is not None and wanted not in ids:
         ids = [wanted] + ids[:MAX_ROLLOUTS - 1]
     elif wanted is not None:
@@ -262,23 +262,34 @@ def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, re
     views = _views(con)
     if not {"rewards", "step_credit", "steps"} <= views:
         return "<p>No step credit in this run.</p>"
-    rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(run.dir))}")
-    if wanted is not None and wanted not in set(rw["rollout_id"]):
-        sample = ", ".join(rw["rollout_id"].head(3).to_list())
+    runq = _q(str(run.dir))
+    # the rollouts of largest |A_i| (and the one asked for), not the whole table
+    rw = _frame(con, f"""
+        SELECT * FROM rewards WHERE run = {runq} AND (rollout_id IN (
+            SELECT rollout_id FROM rewards WHERE run = {runq}
+            ORDER BY abs(advantage) DESC NULLS LAST LIMIT {MAX_ROLLOUTS})
+            OR rollout_id = {_q(str(wanted))})""")
+    n_rollouts = _frame(con, f"SELECT count(*) AS n FROM rewards WHERE run = {runq}")["n"][0]
+    if wanted is not None and not (rw["rollout_id"] == wanted).any():
+        sample = ", ".join(_frame(con, f"SELECT rollout_id FROM rewards WHERE run = {runq} "
+                                       "LIMIT 3")["rollout_id"].to_list())
         raise InputError(f"--rollout {wanted!r}: no such rollout in this run (e.g. {sample})",
                          file=str(run.dir))
     ids = _pick_rollouts(rw, wanted)
     sel = _q_list(ids)
-    runq = _q(str(run.dir))
     sc = _frame(con, f"""
         SELECT sc.rollout_id, sc.step, sc.n_tokens, sc.advantage, sc.total, sc.p, sc.f,
                st.action, st.observation
-        FROM step_credit sc LEFT JOIN steps st
+        FROM step_credit sc LEFT JOIN (
+             -- filtered before the join, so only the shown rollouts' step text is read
+             SELECT run, rollout_id, step, action, observation FROM steps
+             WHERE run = {runq} AND rollout_id IN ({sel})) st
              ON st.rollout_id = sc.rollout_id AND st.step = sc.step AND st.run = sc.run
         WHERE sc.run = {runq} AND sc.rollout_id IN ({sel}) ORDER BY sc.rollout_id, sc.step""")
     if verdicts is not None:
         verdicts = _verdict_details(run, con, verdicts, ids)
-    info = {r["rollout_id"]: r for r in rw.iter_rows(named=True)}
+    info = {r["rollout_id"]: r for r in rw.filter(pl.col("rollout_id").is_in(ids))
+            .iter_rows(named=True)}
     by_rollout = {k[0]: g for k, g in sc.group_by("rollout_id")} if sc.height else {}
     cites: dict[tuple[str, int], list[str]] = {}
     uncited: dict[str, list[str]] = {}
@@ -323,7 +334,7 @@ def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, re
     fig.update_layout(title="Step totals n<sub>j</sub>·a<sub>j</sub> per rollout (click a row "
                       "to open it below)")
     capped = (f"<p class='note'>The {MAX_ROLLOUTS} rollouts with the largest |A<sub>i</sub>| "
-              f"of {rw.height} are shown.</p>" if rw.height > len(ids) else "")
+              f"of {n_rollouts} are shown.</p>" if n_rollouts > len(ids) else "")
     heat = _fig_html(fig, "heatmap", height=min(140 + 22 * len(ids), 4600))
 
     options, panels = [], []
@@ -657,7 +668,12 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     m = last.manifest
     rw = None
     if "rewards" in _views(con):
-        rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(last.dir))}")
+        runq = _q(str(last.dir))
+        many = _frame(con, f"SELECT count(DISTINCT group_id) AS g FROM rewards WHERE run = "
+                           f"{runq}")["g"][0] > MAX_GROUP_STRIPS
+        # with many groups the page shows histograms: the two numbers per rollout suffice
+        rw = _frame(con, f"SELECT {'' if many else 'rollout_id, '}group_id, reward, advantage "
+                         f"FROM rewards WHERE run = {runq}")
     summary, summary_html = _per_step(con, runs)
     unanswered_html, unanswered = _unanswered(runs, con)
     verdicts = _verdicts(last, con)

@@ -93,16 +93,16 @@ def read_call_log(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
 
             # In blocks: Python row tuples of a large log would cost many times its bytes.
             parts = []
-            while rows := cur.fetchmany(50_000):
+            while rows := cur.fetchmany(10_000):
                 parts.append(pl.DataFrame(rows, schema=names, orient="row",
-                                          infer_schema_length=None))
+                                          infer_schema_length=None).to_arrow())
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
         raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
     if not parts:
         return pl.DataFrame(schema=names).to_arrow() if names else pa.table({})
-    return pl.concat(parts, how="vertical_relaxed").to_arrow()
+    return pa.concat_tables(parts, promote_options="permissive")
 
 
 def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = "stdin",
