@@ -95,6 +95,9 @@ class StepArrays:
     n: np.ndarray  # int32
     token_start: np.ndarray  # int64, -1 where null
     offsets: np.ndarray  # per rollout, length R + 1
+    # the steps' own rollout_id column when they came already sorted (it is then the
+    # per-step id; reusing it spares gathering millions of strings)
+    step_rollout_ids: pl.Series | None = None
 
     @property
     def M(self) -> np.ndarray:
@@ -102,8 +105,9 @@ class StepArrays:
 
     def order(self) -> pl.DataFrame:
         """rollout_id and step of the sorted steps, for output tables."""
+        ids = self.step_rollout_ids
         return pl.DataFrame({
-            "rollout_id": self.rollout_ids.gather(pl.Series(self.r)),
+            "rollout_id": ids if ids is not None else self.rollout_ids.gather(pl.Series(self.r)),
             "step": pl.Series(self.step, dtype=pl.Int32),
         })
 
@@ -175,7 +179,9 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
         raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
                          file=source, row=row, field="step")
     return StepArrays(rollout_ids=rollouts["rollout_id"], r=r, step=step, n=n,
-                      token_start=token_start, offsets=offsets)
+                      token_start=token_start, offsets=offsets,
+                      step_rollout_ids=steps["rollout_id"].alias("rollout_id")
+                      if rows is None else None)
 
 
 # --- §3.3 discriminative filter -----------------------------------------------------------
@@ -386,14 +392,19 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             "advantage": adv, "mode_r": mode_r}
 
 
+def _nan_as_null(name: str, values: np.ndarray) -> pl.Series:
+    """A float column with NaN as null, sharing ``values``' buffer (a validity mask only)."""
+    return pl.Series(name, pa.array(values, mask=np.isnan(values)))
+
+
 def step_credit_frame(sa: StepArrays, arrays: dict[str, np.ndarray]) -> pl.DataFrame:
     return sa.order().with_columns(
         pl.Series("n_tokens", sa.n),
         pl.Series("p", arrays["p"]),
         pl.Series("f", arrays["f"]),
         pl.Series("cited", arrays["cited"]),
-        pl.Series("quality", arrays["quality"]).fill_nan(None),
-        pl.Series("weight", arrays["weight"]).fill_nan(None),
+        _nan_as_null("quality", arrays["quality"]),
+        _nan_as_null("weight", arrays["weight"]),
         pl.Series("advantage", arrays["advantage"]),
         pl.Series("total", sa.n * arrays["advantage"]),  # n_j · a_j
         pl.Series("token_start", sa.token_start),
