@@ -298,7 +298,9 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     """p_j, f_j for every step of ``sa`` from retained pass/fail verdicts (which carry ``__r``,
     the rollout index), and the number of citations dropped as outside 1..M. A criterion citing
     a step twice counts once."""
-    v = verdicts.filter(pl.col("retained") & pl.col("verdict").is_in(["pass", "fail"]))
+    # only the columns used here survive the filter's copy (not ids, reasons, judge)
+    v = verdicts.select("__r", "verdict", "cited_steps", "retained").filter(
+        pl.col("retained") & pl.col("verdict").is_in(["pass", "fail"]))
     total = sa.r.size
     cites = v["cited_steps"].to_arrow()
     if isinstance(cites, pa.ChunkedArray):
