@@ -94,6 +94,9 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     result = compute_credit(r, s, v, verdicts_source=_name(verdicts or "verdicts"),
                             steps_source=_name(steps),
                             **options.model_dump(exclude={"tokens"}))
+    # The input frames are done with: freed now, their memory serves the token and write
+    # steps below instead of adding to the peak.
+    del s, v, arrow
     from draco_cli.token_advantages import token_spans
 
     ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),

@@ -14,6 +14,7 @@ import json
 from dataclasses import dataclass
 from pathlib import Path
 
+import numpy as np
 import polars as pl
 
 from draco_cli.errors import InputError
@@ -21,6 +22,8 @@ from draco_cli.errors import InputError
 MAX_ROLLOUTS = 200  # rollouts offered in the picker and drawn in the heatmap
 MAX_GROUP_STRIPS = 24  # above this many groups, histograms replace per-group strips
 OBSERVATION_CHARS = 1500
+MAX_CRITERIA_ROWS = 300  # criteria rows in the table; the rest are counted
+HISTOGRAM_BINS = 30
 CALL_COLUMNS = ["phase", "status", "cost_usd", "input_tokens", "output_tokens"]
 GREEN, RED = (34, 139, 34), (200, 40, 40)
 
@@ -69,32 +72,9 @@ def _views(con) -> set[str]:
 
 def _connect(runs: list[Run]):
     """DuckDB views over every run folder; the call log with the report's columns only."""
-    import sqlite3
+    from draco_cli.sql import catalog, connect
 
-    import pyarrow as pa
-
-    from draco_cli.sql import Source, catalog, connect
-
-    cat = catalog([r.dir for r in runs])
-    cat.sources = [s for s in cat.sources if s.name != "calls"]
-    for r in runs:
-        log = r.dir / "llm_calls.sqlite"
-        if not log.exists():
-            continue
-        try:
-            conn = sqlite3.connect(f"file:{log}?mode=ro", uri=True)
-            try:
-                have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-                cols = [c for c in CALL_COLUMNS if c in have]
-                rows = conn.execute(f"SELECT {', '.join(cols)} FROM calls").fetchall()
-            finally:
-                conn.close()
-        except sqlite3.DatabaseError as exc:
-            raise InputError(f"not a draco call log ({exc})", file=str(log)) from None
-        table = pl.DataFrame(rows, schema=cols, orient="row", infer_schema_length=None)
-        cat.sources.append(Source("calls", None, r.step, str(r.dir), table.to_arrow()
-                                  if table.width else pa.table({})))
-    return connect(cat)
+    return connect(catalog([r.dir for r in runs], call_columns=CALL_COLUMNS))
 
 
 # --- small html helpers ------------------------------------------------------------------
@@ -232,8 +212,14 @@ def _distributions(rw: pl.DataFrame | None) -> str:
         fig = make_subplots(rows=1, cols=2, subplot_titles=(
             "rubric reward", "advantage A<sub>i</sub>"))
         for col, (name, c) in enumerate((("reward", "#1f77b4"), ("advantage", "#d62728")), 1):
-            fig.add_trace(go.Histogram(x=rw[name].drop_nulls().to_list(), marker_color=c,
-                                       nbinsx=30, name=name, showlegend=False), row=1, col=col)
+            # binned here, not in the browser: the page carries 30 bars, not every rollout
+            counts, edges = np.histogram(rw[name].drop_nulls().to_numpy(), bins=HISTOGRAM_BINS)
+            fig.add_trace(go.Bar(x=((edges[:-1] + edges[1:]) / 2).tolist(), y=counts.tolist(),
+                                 width=float(edges[1] - edges[0]) or None, marker_color=c,
+                                 name=name, showlegend=False,
+                                 customdata=list(zip(edges[:-1].tolist(), edges[1:].tolist())),
+                                 hovertemplate="%{customdata[0]:.3f} to %{customdata[1]:.3f}: "
+                                 "%{y} rollouts<extra></extra>"), row=1, col=col)
         fig.update_yaxes(title="rollouts", row=1, col=1)
         fig.update_layout(title=f"Reward and advantage over {rw.height} rollouts in "
                           f"{rw['group_id'].n_unique()} groups", bargap=0.05)
@@ -261,7 +247,7 @@ def _distributions(rw: pl.DataFrame | None) -> str:
 
 def _pick_rollouts(rw: pl.DataFrame, wanted: str | None) -> list[str]:
     order = rw.sort(pl.col("advantage").abs(), descending=True, nulls_last=True)
-    ids = order["rollout_id"].to_list()[:MAX_ROLLOUTS]
+    ids = order["rollout_id"].head(MAX_ROLLOUTS).to_list()
     if wanted is not None and wanted not in ids:
         ids = [wanted] + ids[:MAX_ROLLOUTS - 1]
     elif wanted is not None:
@@ -276,23 +262,34 @@ def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, re
     views = _views(con)
     if not {"rewards", "step_credit", "steps"} <= views:
         return "<p>No step credit in this run.</p>"
-    rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(run.dir))}")
-    if wanted is not None and wanted not in set(rw["rollout_id"]):
-        sample = ", ".join(rw["rollout_id"].head(3).to_list())
+    runq = _q(str(run.dir))
+    # the rollouts of largest |A_i| (and the one asked for), not the whole table
+    rw = _frame(con, f"""
+        SELECT * FROM rewards WHERE run = {runq} AND (rollout_id IN (
+            SELECT rollout_id FROM rewards WHERE run = {runq}
+            ORDER BY abs(advantage) DESC NULLS LAST LIMIT {MAX_ROLLOUTS})
+            OR rollout_id = {_q(str(wanted))})""")
+    n_rollouts = _frame(con, f"SELECT count(*) AS n FROM rewards WHERE run = {runq}")["n"][0]
+    if wanted is not None and not (rw["rollout_id"] == wanted).any():
+        sample = ", ".join(_frame(con, f"SELECT rollout_id FROM rewards WHERE run = {runq} "
+                                       "LIMIT 3")["rollout_id"].to_list())
         raise InputError(f"--rollout {wanted!r}: no such rollout in this run (e.g. {sample})",
                          file=str(run.dir))
     ids = _pick_rollouts(rw, wanted)
     sel = _q_list(ids)
-    runq = _q(str(run.dir))
     sc = _frame(con, f"""
         SELECT sc.rollout_id, sc.step, sc.n_tokens, sc.advantage, sc.total, sc.p, sc.f,
                st.action, st.observation
-        FROM step_credit sc LEFT JOIN steps st
+        FROM step_credit sc LEFT JOIN (
+             -- filtered before the join, so only the shown rollouts' step text is read
+             SELECT run, rollout_id, step, action, observation FROM steps
+             WHERE run = {runq} AND rollout_id IN ({sel})) st
              ON st.rollout_id = sc.rollout_id AND st.step = sc.step AND st.run = sc.run
         WHERE sc.run = {runq} AND sc.rollout_id IN ({sel}) ORDER BY sc.rollout_id, sc.step""")
     if verdicts is not None:
-        verdicts = verdicts.filter(pl.col("rollout_id").is_in(ids))
-    info = {r["rollout_id"]: r for r in rw.iter_rows(named=True)}
+        verdicts = _verdict_details(run, con, verdicts, ids)
+    info = {r["rollout_id"]: r for r in rw.filter(pl.col("rollout_id").is_in(ids))
+            .iter_rows(named=True)}
     by_rollout = {k[0]: g for k, g in sc.group_by("rollout_id")} if sc.height else {}
     cites: dict[tuple[str, int], list[str]] = {}
     uncited: dict[str, list[str]] = {}
@@ -337,7 +334,7 @@ def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, re
     fig.update_layout(title="Step totals n<sub>j</sub>·a<sub>j</sub> per rollout (click a row "
                       "to open it below)")
     capped = (f"<p class='note'>The {MAX_ROLLOUTS} rollouts with the largest |A<sub>i</sub>| "
-              f"of {rw.height} are shown.</p>" if rw.height > len(ids) else "")
+              f"of {n_rollouts} are shown.</p>" if n_rollouts > len(ids) else "")
     heat = _fig_html(fig, "heatmap", height=min(140 + 22 * len(ids), 4600))
 
     options, panels = [], []
@@ -394,44 +391,72 @@ def _q_list(items: list[str]) -> str:
 
 
 def _verdicts(run: Run, con) -> pl.DataFrame | None:
-    """The run's verdicts with group, criterion title and ``retained`` (recomputed with the
-    run's --drop when the stored table leaves it empty)."""
+    """The run's verdicts counted per group and criterion (a large run's verdicts never sit in
+    memory whole), with ``retained`` (recomputed as the discriminative filter does, with the
+    run's --drop, when the stored table leaves it empty)."""
     views = _views(con)
     if not {"verdicts", "rollouts"} <= views:
         return None
-    title = "coalesce(rb.title, v.criterion_id)" if "rubrics" in views else "v.criterion_id"
-    join = ("LEFT JOIN rubrics rb ON rb.group_id = ro.group_id AND rb.criterion_id = "
-            "v.criterion_id AND rb.run = v.run") if "rubrics" in views else ""
-    v = _frame(con, f"""
-        SELECT v.rollout_id, ro.group_id, v.criterion_id, v.verdict, v.cited_steps, v.reason,
-               v.retained, {title} AS title
+    per = _frame(con, f"""
+        SELECT ro.group_id, v.criterion_id,
+               count(*) FILTER (WHERE v.verdict = 'pass') AS pass,
+               count(*) FILTER (WHERE v.verdict = 'fail') AS fail,
+               count(*) FILTER (WHERE v.verdict = 'na') AS na,
+               count(*) FILTER (WHERE v.verdict IS NULL) AS unanswered,
+               bool_or(v.retained) AS retained, count(v.retained) AS stored
         FROM verdicts v JOIN rollouts ro ON ro.rollout_id = v.rollout_id AND ro.run = v.run
-        {join} WHERE v.run = {_q(str(run.dir))}""")
-    if v.height and v["retained"].null_count() == v.height:
-        from draco_cli.credit import discriminative_filter
-
+        WHERE v.run = {_q(str(run.dir))} GROUP BY 1, 2""")
+    if per.height and per["stored"].sum() == 0:
         drop = (run.manifest.get("settings") or {}).get("drop") or "all-pass"
-        v = discriminative_filter(v.drop("retained"), drop)
-    return v
+        keep = pl.col("fail") > 0
+        if drop == "constant":
+            keep = keep & ((pl.col("pass") + pl.col("na")) > 0)
+        per = per.with_columns(keep.alias("retained"))
+    return per.with_columns(pl.col("retained").fill_null(False)).drop("stored")
 
 
-def _criteria(v: pl.DataFrame | None, redact) -> str:
+def _titles(run: Run, con, pairs: pl.DataFrame) -> pl.DataFrame:
+    """``pairs`` (group_id, criterion_id) with the criterion's title (its id without one)."""
+    title = pl.col("criterion_id")
+    if "rubrics" in _views(con) and pairs.height:
+        rb = _frame(con, f"""SELECT group_id, criterion_id, first(title) AS title FROM rubrics
+                             WHERE run = {_q(str(run.dir))} AND group_id IN
+                             ({_q_list(pairs["group_id"].unique().to_list())}) GROUP BY 1, 2""")
+        pairs = pairs.join(rb, on=["group_id", "criterion_id"], how="left",
+                           maintain_order="left")
+        title = pl.coalesce("title", "criterion_id")
+    return pairs.with_columns(title.alias("title"))
+
+
+def _verdict_details(run: Run, con, per: pl.DataFrame, ids: list[str]) -> pl.DataFrame:
+    """The verdicts of rollouts ``ids`` (a few hundred) with reasons, citations, titles and
+    their criterion's ``retained`` from ``per``."""
+    v = _frame(con, f"""
+        SELECT v.rollout_id, ro.group_id, v.criterion_id, v.verdict, v.cited_steps, v.reason
+        FROM verdicts v JOIN rollouts ro ON ro.rollout_id = v.rollout_id AND ro.run = v.run
+        WHERE v.run = {_q(str(run.dir))} AND v.rollout_id IN ({_q_list(ids)})""")
+    v = v.join(per.select("group_id", "criterion_id", "retained"),
+               on=["group_id", "criterion_id"], how="left", maintain_order="left")
+    return _titles(run, con, v)
+
+
+def _criteria(run: Run, con, v: pl.DataFrame | None, redact) -> str:
     if v is None or v.height == 0:
         return "<p>No verdicts in this run.</p>"
-    verdict = pl.col("verdict")
-    per = v.group_by("group_id", "title").agg(
-        pl.when(pl.col("retained").any()).then(pl.lit("kept")).otherwise(pl.lit("dropped"))
+    per = v.with_columns(
+        pl.when(pl.col("retained")).then(pl.lit("kept")).otherwise(pl.lit("dropped"))
         .alias("filter"),
-        ((verdict == "pass").sum() / verdict.is_in(["pass", "fail"]).sum()).alias("pass_rate"),
-        (verdict == "pass").sum().alias("pass"), (verdict == "fail").sum().alias("fail"),
-        (verdict == "na").sum().alias("na"), verdict.is_null().sum().alias("unanswered"),
-    ).rename({"group_id": "group", "title": "criterion"}).with_columns(
-        pl.col("pass_rate").fill_nan(None)).sort("group", "filter", "pass_rate",
-                                                 descending=[False, True, False])
-    per = per.with_columns(pl.col("criterion").map_elements(redact, return_dtype=pl.String))
+        (pl.col("pass") / (pl.col("pass") + pl.col("fail"))).fill_nan(None).alias("pass_rate"))
     kept = int((per["filter"] == "kept").sum())
+    total = per.height
+    # A large run has a row per group and criterion (tens of thousands): the page shows the
+    # first MAX_CRITERIA_ROWS in group order and counts the rest.
+    shown = _titles(run, con, per.sort("group_id", "criterion_id").head(MAX_CRITERIA_ROWS))
+    shown = shown.rename({"group_id": "group"}).with_columns(
+        pl.col("title").map_elements(redact, return_dtype=pl.String).alias("criterion")
+    ).sort("group", "filter", "pass_rate", descending=[False, True, False])
     rows = []
-    for r in per.iter_rows(named=True):
+    for r in shown.iter_rows(named=True):
         rate = r["pass_rate"]
         bar = "" if rate is None else (f"<span class='bar'><span style='width:{100 * rate:.0f}%'>"
                                        "</span></span>")
@@ -441,14 +466,19 @@ def _criteria(v: pl.DataFrame | None, redact) -> str:
             f"<td class='num'>{'—' if rate is None else f'{rate:.0%}'} {bar}</td>"
             f"<td class='num'>{r['pass']}</td><td class='num'>{r['fail']}</td>"
             f"<td class='num'>{r['na']}</td><td class='num'>{r['unanswered']}</td></tr>")
-    return (f"<p>{kept} criteria kept, {per.height - kept} dropped by the discriminative filter "
+    rest = total - shown.height
+    more = (f"<p class='note'>The first {shown.height} of {total} criteria (by group) are "
+            f"shown; {rest} more, of which {kept - int((shown['filter'] == 'kept').sum())} kept. "
+            "All of them: <code>draco sql RUN \"SELECT * FROM verdicts\"</code>.</p>"
+            if rest else "")
+    return (f"<p>{kept} criteria kept, {total - kept} dropped by the discriminative filter "
             "(no member of the group failed them, so they cannot tell members apart). Pass rate "
             "= passes / (passes + fails) over the group's rollouts.</p>"
-            f"<details{' open' if per.height <= 60 else ''}><summary>{per.height} criteria"
+            f"<details{' open' if total <= 60 else ''}><summary>{total} criteria"
             "</summary><table><tr><th>group</th>"
             "<th>criterion</th><th>filter (kept / dropped)</th><th>pass rate</th><th>pass</th>"
             "<th>fail</th><th>na</th><th>unanswered</th></tr>" + "".join(rows)
-            + "</table></details>")
+            + "</table>" + more + "</details>")
 
 
 def _unanswered(runs: list[Run], con) -> tuple[str, list[str]]:
@@ -638,7 +668,12 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     m = last.manifest
     rw = None
     if "rewards" in _views(con):
-        rw = _frame(con, f"SELECT * FROM rewards WHERE run = {_q(str(last.dir))}")
+        runq = _q(str(last.dir))
+        many = _frame(con, f"SELECT count(DISTINCT group_id) AS g FROM rewards WHERE run = "
+                           f"{runq}")["g"][0] > MAX_GROUP_STRIPS
+        # with many groups the page shows histograms: the two numbers per rollout suffice
+        rw = _frame(con, f"SELECT {'' if many else 'rollout_id, '}group_id, reward, advantage "
+                         f"FROM rewards WHERE run = {runq}")
     summary, summary_html = _per_step(con, runs)
     unanswered_html, unanswered = _unanswered(runs, con)
     verdicts = _verdicts(last, con)
@@ -647,7 +682,7 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
         ("Training steps at a glance", summary_html),
         ("Rewards and advantages", _distributions(rw)),
         (f"Step credit ({html.escape(last.label)})", credit),
-        ("Criteria: pass rates, kept and dropped", _criteria(verdicts, redact)),
+        ("Criteria: pass rates, kept and dropped", _criteria(last, con, verdicts, redact)),
         ("Over training steps", _over_steps(runs, con, summary)),
         ("Unanswered calls", unanswered_html),
         ("Cost per training step", _cost(runs, con)),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import json
 import sqlite3
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -77,26 +78,38 @@ def _input_path(value: str, folder: Path) -> Path:
     return folder / p if (folder / p).exists() else p
 
 
-def read_call_log(path: Path) -> pa.Table:
+def read_call_log(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
+    """The call log's ``calls`` table; only ``columns`` (those the log has) when given, so a
+    reader that needs no prompt or response text never loads it."""
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            cur = conn.execute("SELECT * FROM calls")
+            if columns is not None:
+                have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+                columns = [c for c in columns if c in have]
+            cur = conn.execute(f"SELECT {', '.join(columns) if columns else '*'} FROM calls")
             names = [d[0] for d in cur.description]
-            rows = cur.fetchall()
+            import polars as pl
+
+            # In blocks: Python row tuples of a large log would cost many times its bytes.
+            parts = []
+            while rows := cur.fetchmany(10_000):
+                parts.append(pl.DataFrame(rows, schema=names, orient="row",
+                                          infer_schema_length=None).to_arrow())
         finally:
             conn.close()
     except sqlite3.DatabaseError as exc:
         raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
-    import polars as pl
+    if not parts:
+        return pl.DataFrame(schema=names).to_arrow() if names else pa.table({})
+    return pa.concat_tables(parts, promote_options="permissive")
 
-    return pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None).to_arrow()
 
-
-def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = "stdin"
-            ) -> Catalog:
+def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = "stdin",
+            call_columns: Sequence[str] | None = None) -> Catalog:
     """What ``paths`` hold: run folders, folders of tables (``draco ingest`` output) or single
-    Parquet files; ``stdin`` is a table read from a stream, named ``stdin_name``."""
+    Parquet files; ``stdin`` is a table read from a stream, named ``stdin_name``.
+    ``call_columns`` narrows the ``calls`` view to those columns of the call logs."""
     cat = Catalog()
     if stdin is not None:
         cat.sources.append(Source(stdin_name, None, None, "<stdin>", stdin))
@@ -106,7 +119,8 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
             raise InputError("no such file or folder", file=run)
         if folder.is_file():
             if folder.suffix == ".sqlite":
-                cat.sources.append(Source("calls", None, None, run, read_call_log(folder)))
+                cat.sources.append(Source("calls", None, None, run,
+                                          read_call_log(folder, call_columns)))
             else:
                 cat.sources.append(Source(folder.stem, folder, None, run))
             continue
@@ -143,7 +157,7 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
             cat.sources.append(Source(name, p, step, run))
         log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
         if log.exists():
-            cat.sources.append(Source("calls", None, step, run, read_call_log(log)))
+            cat.sources.append(Source("calls", None, step, run, read_call_log(log, call_columns)))
         if not found and not log.exists():
             raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
                              "llm_calls.sqlite)", file=run)

@@ -15,8 +15,10 @@ the trainer row.
 from __future__ import annotations
 
 import hashlib
+import os
 import warnings
 from collections.abc import Iterable, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import numpy as np
@@ -154,64 +156,231 @@ class TokenAdvantageTable:
             ids = np.asarray(response_ids)
             if ids.ndim != 2 or ids.shape[0] != B:
                 raise AlignmentError(f"response_ids has shape {ids.shape}; expected ({B}, T)")
-        out = np.zeros((B, T), dtype=np.float32)
-        for b, rid in enumerate(rollout_ids):
-            if pad[b]:
-                continue
-            where = f"trainer row {b}"
-            if rid is None:
-                raise AlignmentError(f"{where} carries no rollout id and is not marked as padding")
-            try:
-                i = self._index(rid)
-            except AlignmentError as exc:
-                raise AlignmentError(f"{exc} ({where})") from None
-            if strict:
-                self._check_row(i, rid, where, mask, b, steps, ids)
-            adv = self.get(rid)
-            n = min(adv.size, T)
-            if strict and np.any(adv[n:] != 0):
-                raise AlignmentError(
-                    f"rollout {rid!r} ({where}): {int(np.count_nonzero(adv[n:]))} non-zero "
-                    f"advantages lie past the trainer's {T} response tokens")
-            out[b, :n] = adv[:n]
-        if mask is not None:
-            if strict:
-                stray = (out != 0) & (mask == 0)
-                if stray.any():
-                    b = int(np.flatnonzero(stray.any(axis=1))[0])
-                    raise AlignmentError(
-                        f"rollout {rollout_ids[b]!r} (trainer row {b}): advantages on "
-                        f"{int(stray[b].sum())} tokens the response mask excludes (observation "
-                        "or padding tokens): token positions do not match the trainer's")
-            out *= mask.astype(np.float32)
+        # Whole-batch work, no per-token Python: every row of the result is tiled by
+        # segments (zero gap, span, zero gap, ..., zero tail), so one np.repeat writes the
+        # [B, T] tensor and one np.add.reduceat over the mask gives both each row's count of
+        # policy tokens and the mask under each span.
+        row = self._rows(rollout_ids, pad)
+        live = np.flatnonzero(row >= 0)
+        bad = np.zeros(B, dtype=np.uint8)  # failed checks per row, bit flags
+        if strict:
+            self._flag_row_checks(bad, row, live, steps, ids)
+        sb, start, end, value = self._batch_spans(row, live)
+        if strict:
+            past = np.maximum(end - np.maximum(start, T), 0)
+            hit = np.flatnonzero(past)
+            if hit.size:
+                over = np.bincount(sb[hit], weights=past[hit], minlength=B)
+                bad[over > 0] |= _PAST
+        keep = start < T
+        sb, start, end, value = sb[keep], start[keep], np.minimum(end[keep], T), value[keep]
+        seg_row, seg_len, seg_value, seg_is_span, span_seg = _tile(B, T, sb, start, end, value)
+        if mask is not None and strict:
+            flat_mask = mask.reshape(-1)
+            pos = np.flatnonzero(seg_len)
+            first = np.cumsum(seg_len) - seg_len
+            sums = np.zeros(seg_len.size, dtype=np.int64)
+            if pos.size:
+                sums[pos] = np.add.reduceat(flat_mask, first[pos], dtype=np.int64)
+            counts = np.bincount(seg_row, weights=sums, minlength=B).astype(np.int64)
+            self._flag_counts(bad, row, live, counts)
+            stray = span_seg[sums[span_seg] != seg_len[span_seg]]
+            stray_rows = np.zeros(B, dtype=bool)
+            stray_rows[seg_row[stray]] = True
+        first_bad = np.flatnonzero(bad)
+        if first_bad.size:
+            b = int(first_bad[0])
+            kind = next(k for k in (_STEP, _COUNT, _FINGERPRINT, _PAST) if bad[b] & k)
+            self._raise_row(b, kind, rollout_ids, row, T,
+                            mask, steps, sb, start, end)
+        if mask is not None and strict and stray_rows.any():
+            b = int(np.flatnonzero(stray_rows)[0])
+            in_row = span_seg[seg_row[span_seg] == b]
+            n_stray = int((seg_len[in_row] - sums[in_row]).sum())
+            raise AlignmentError(
+                f"rollout {rollout_ids[b]!r} (trainer row {b}): advantages on "
+                f"{n_stray} tokens the response mask excludes (observation "
+                "or padding tokens): token positions do not match the trainer's")
+        out = np.repeat(seg_value, seg_len).reshape(B, T) if B else np.zeros((0, T), np.float32)
+        if mask is not None and not strict:
+            out *= (mask != 0)
         return out
 
-    def _check_row(self, i: int, rid: str, where: str, mask: np.ndarray | None, b: int,
-                   steps: np.ndarray | None, ids: np.ndarray | None) -> None:
+    def _rows(self, rollout_ids: Sequence[str | None], pad: np.ndarray) -> np.ndarray:
+        """File row of each trainer row: -1 for padding rows, -2 for a missing id (None),
+        -3 for an id the file lacks."""
+        lookup = self._row.get
+        row = np.fromiter((-1 if p else (-2 if rid is None else lookup(rid, -3))
+                           for rid, p in zip(rollout_ids, pad.tolist())),
+                          dtype=np.int64, count=len(rollout_ids))
+        if row.size and row.min() < -1:
+            b = int(np.flatnonzero(row < -1)[0])
+            where = f"trainer row {b}"
+            if row[b] == -2:
+                raise AlignmentError(f"{where} carries no rollout id and is not marked as padding")
+            raise AlignmentError(f"{self.source}: no token advantages for rollout "
+                                 f"{rollout_ids[b]!r} ({where})")
+        return row
+
+    def _flag_row_checks(self, bad: np.ndarray, row: np.ndarray, live: np.ndarray,
+                         steps: np.ndarray | None, ids: np.ndarray | None) -> None:
+        """Mark rows whose train step or fingerprint disagrees with the file (the count
+        check needs the mask sums and comes later; ``_first_kind`` restores the order)."""
+        i = row[live]
         if steps is not None:
+            bad[live[self._train_step[i] != steps[live]]] |= _STEP
+        if ids is not None:
+            wrong = _fingerprint_mismatches(self._fingerprint, ids, live, i, self._length[i])
+            bad[wrong] |= _FINGERPRINT
+
+    def _flag_counts(self, bad: np.ndarray, row: np.ndarray, live: np.ndarray,
+                     counts: np.ndarray) -> None:
+        expected = self._n_policy[row[live]]
+        bad[live[(expected >= 0) & (counts[live] != expected)]] |= _COUNT
+
+    def _batch_spans(self, row: np.ndarray, live: np.ndarray
+                     ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        """(trainer row, start, end, value) of the spans of every live row, sorted by row."""
+        offsets, start, end, value = self._span_arrays()
+        i = row[live]
+        n = offsets[i + 1] - offsets[i]
+        total = int(n.sum())
+        take = np.repeat(offsets[i] - (np.cumsum(n) - n), n) + np.arange(total, dtype=np.int64)
+        return (np.repeat(live, n), start[take].astype(np.int64), end[take].astype(np.int64),
+                value[take].astype(np.float32, copy=False))
+
+    def _span_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+        if self._spans is None:  # dense file: runs of equal non-zero value become spans
+            self._spans = _dense_runs(*self._dense, self._length)
+        return self._spans
+
+    def _raise_row(self, b: int, kind: int, rollout_ids, row: np.ndarray, T: int,
+                   mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
+                   start: np.ndarray, end: np.ndarray) -> None:
+        rid, i, where = rollout_ids[b], int(row[b]), f"trainer row {b}"
+        if kind == _STEP:
             file_step = int(self._train_step[i])
             if file_step < 0:
                 raise AlignmentError(
                     f"rollout {rid!r} ({where}): the file records no train_step, the row claims "
                     f"step {int(steps[b])} (ingest with train_step to check it)")
-            if file_step != int(steps[b]):
-                raise AlignmentError(
-                    f"rollout {rid!r} ({where}): the file is from train step {file_step}, the "
-                    f"row from step {int(steps[b])}")
-        expected = int(self._n_policy[i])
-        if mask is not None and expected >= 0:
-            got = int(np.count_nonzero(mask[b]))
-            if got != expected:
-                raise AlignmentError(
-                    f"rollout {rid!r} ({where}): the response mask marks {got} policy tokens, "
-                    f"the file expects {expected}")
-        fp = self._fingerprint[i]
-        if ids is not None and fp is not None:
-            n = int(self._length[i])
-            if n > ids.shape[1] or fingerprint(ids[b, :n]) != fp:
-                raise AlignmentError(
-                    f"rollout {rid!r} ({where}): the row's response token ids do not match the "
-                    "file's response_fingerprint (another rollout's tokens)")
+            raise AlignmentError(
+                f"rollout {rid!r} ({where}): the file is from train step {file_step}, the "
+                f"row from step {int(steps[b])}")
+        if kind == _COUNT:
+            raise AlignmentError(
+                f"rollout {rid!r} ({where}): the response mask marks "
+                f"{int(np.count_nonzero(mask[b]))} policy tokens, the file expects "
+                f"{int(self._n_policy[i])}")
+        if kind == _FINGERPRINT:
+            raise AlignmentError(
+                f"rollout {rid!r} ({where}): the row's response token ids do not match the "
+                "file's response_fingerprint (another rollout's tokens)")
+        mine = sb == b
+        n_past = int(np.maximum(end[mine] - np.maximum(start[mine], T), 0).sum())
+        raise AlignmentError(
+            f"rollout {rid!r} ({where}): {n_past} non-zero "
+            f"advantages lie past the trainer's {T} response tokens")
+
+
+# Row checks as bit flags; a row failing several reports the first in this order.
+_STEP, _COUNT, _FINGERPRINT, _PAST = 1, 2, 4, 8
+
+
+def _tile(B: int, T: int, row: np.ndarray, start: np.ndarray, end: np.ndarray,
+          value: np.ndarray) -> tuple[np.ndarray, ...]:
+    """Segments tiling each of B rows of T tokens: before every span a zero gap, the span,
+    and a zero tail to T. Spans are sorted by (row, start), non-overlapping, within 0..T.
+    Returns (row, length, value, is_span, index of each span's segment) per segment."""
+    k = row.size
+    n_seg = 2 * k + B
+    # Segment slots: row b's first span takes slots 2j, 2j+1 (gap, span) with j its span
+    # index; every row then has one tail slot after its spans.
+    spans_before = np.zeros(B + 1, dtype=np.int64)
+    np.cumsum(np.bincount(row, minlength=B), out=spans_before[1:])
+    j = np.arange(k, dtype=np.int64)
+    gap_slot = 2 * j + row                      # row b's tails precede: + b
+    tail_slot = 2 * spans_before[1:] + np.arange(B, dtype=np.int64)
+    seg_row = np.empty(n_seg, dtype=np.int64)
+    seg_start = np.empty(n_seg, dtype=np.int64)
+    seg_end = np.empty(n_seg, dtype=np.int64)
+    seg_value = np.zeros(n_seg, dtype=np.float32)
+    # A gap starts where the previous span of the row ended (or at 0).
+    prev_end = np.zeros(k, dtype=np.int64)
+    if k:
+        prev_end[1:] = end[:-1]
+        prev_end[spans_before[:-1][spans_before[:-1] < spans_before[1:]]] = 0
+    seg_row[gap_slot] = row
+    seg_start[gap_slot] = prev_end
+    seg_end[gap_slot] = start
+    span_slot = gap_slot + 1
+    seg_row[span_slot] = row
+    seg_start[span_slot] = start
+    seg_end[span_slot] = end
+    seg_value[span_slot] = value
+    last_end = np.zeros(B, dtype=np.int64)
+    has = spans_before[1:] > spans_before[:-1]
+    last_end[has] = end[spans_before[1:][has] - 1]
+    seg_row[tail_slot] = np.arange(B, dtype=np.int64)
+    seg_start[tail_slot] = last_end
+    seg_end[tail_slot] = T
+    is_span = np.zeros(n_seg, dtype=bool)
+    is_span[span_slot] = True
+    return seg_row, seg_end - seg_start, seg_value, is_span, span_slot
+
+
+def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.ndarray,
+                            lengths: np.ndarray) -> np.ndarray:
+    """Trainer rows (of ``live``, file rows ``i``) whose token ids do not hash to the file's
+    fingerprint. Hashing dominates the loader's time; hashlib releases the GIL on buffers
+    this size, so large batches are hashed by a few threads."""
+    width = ids.shape[1]
+    native = ids.dtype == np.dtype("<i8") and ids.flags.c_contiguous
+
+    def check(lo: int, hi: int) -> list[int]:
+        wrong = []
+        for b, fi, n in zip(live[lo:hi].tolist(), i[lo:hi].tolist(), lengths[lo:hi].tolist()):
+            fp = fps[fi]
+            if fp is None:
+                continue
+            if n > width:
+                wrong.append(b)
+                continue
+            # A C-contiguous little-endian int64 row is hashed in place (no copy).
+            got = (hashlib.blake2b(ids[b, :n], digest_size=8).hexdigest() if native
+                   else fingerprint(ids[b, :n]))
+            if got != fp:
+                wrong.append(b)
+        return wrong
+
+    workers = min(os.cpu_count() or 1, 8, max(1, live.size // 4096))
+    if workers == 1:
+        return np.asarray(check(0, live.size), dtype=np.int64)
+    cuts = np.linspace(0, live.size, workers + 1).astype(int)
+    with ThreadPoolExecutor(workers) as pool:
+        parts = pool.map(lambda k: check(cuts[k], cuts[k + 1]), range(workers))
+        return np.asarray([b for part in parts for b in part], dtype=np.int64)
+
+
+def _dense_runs(offsets: np.ndarray, values: np.ndarray, length: np.ndarray
+                ) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
+    """Dense rows as spans: runs of equal non-zero value (offsets, start, end, value)."""
+    R = offsets.size - 1
+    lengths = np.diff(offsets)
+    row = np.repeat(np.arange(R, dtype=np.int64), lengths)
+    pos = np.arange(values.size, dtype=np.int64) - offsets[:-1][row]
+    nz = values != 0
+    new = nz.copy()
+    new[1:] &= ~(nz[:-1] & (values[1:] == values[:-1]) & (row[1:] == row[:-1]))
+    first = np.flatnonzero(new)
+    # a run ends before the next run's start, a zero, or a row change
+    stop = np.ones(values.size, dtype=bool)
+    stop[:-1] = ~(nz[1:] & ~new[1:])
+    last = np.flatnonzero(stop & nz)
+    span_row = row[first]
+    out = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(np.bincount(span_row, minlength=R), out=out[1:])
+    return out, pos[first], pos[last] + 1, values[first].astype(np.float32)
 
 
 def _optional_column(table: pa.Table, name: str, type_: pa.DataType) -> np.ndarray:
