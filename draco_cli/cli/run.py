@@ -11,7 +11,7 @@ from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
 from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN)
-from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, MaxCost,
+from draco_cli.cli.options import (BaseUrls, Batch, CallLogPath, Concurrency, MaxCost,
                                    MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
                                    Prices, Redact, Rpm, Thinking, Timeout, Tpm)
 
@@ -81,7 +81,7 @@ def run(
         "--no-wait", help="Refuse, instead of waiting, when another draco run is writing the "
         "same folder.")] = False,
     call_log: CallLogPath = None,
-    base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
+    base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,

@@ -176,10 +176,21 @@ class LLMClient:
             self.log.flush()
 
     def _open(self):
-        provider = make_provider(self.model, base_url=self.base_url,
-                                 concurrency=self.concurrency, timeout=self.timeout,
-                                 structured_output=self.structured_output,
+        from draco_cli.llm.pool import EndpointPool
+
+        urls = [self.base_url] if isinstance(self.base_url, str) or self.base_url is None \
+            else list(self.base_url)
+
+        def one(url):
+            return make_provider(self.model, base_url=url, concurrency=self.concurrency,
+                                 timeout=self.timeout, structured_output=self.structured_output,
                                  system_role=self.system_role, use_n=self.use_n)
+
+        if len(urls) > 1:
+            provider = EndpointPool([(u, one(u)) for u in urls])
+            provider.on_failure = self._pool_failure
+        else:
+            provider = one(urls[0])
         self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
         self.limit = self._sem
         self._limiter = RateLimiter(self.rpm, self.tpm)
@@ -382,6 +393,7 @@ class LLMClient:
             cache_write_tokens=u.cache_write_tokens, output_tokens=u.output_tokens,
             reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s,
             cost_usd=cost if self.priced else None, batch_id=reply.batch_id,
+            endpoint=reply.endpoint,
         )
 
     @staticmethod
@@ -417,13 +429,20 @@ class LLMClient:
         return tokens, usd
 
     def _log_failure(self, req: LLMRequest, samples: list[int], attempt: int, error: str,
-                     response: str | None = None) -> None:
+                     response: str | None = None, endpoint: str | None = None) -> None:
         self.log.record(request_hash=req.hash(samples[0], self.model),
                         content_hash=req.hash(samples[0], None), sample=None,
                         phase=req.phase, key=req.key, provider=self.provider_name,
                         model=self.model, attempt=attempt, status="http_error",
-                        error=scrub(error), response=response,
+                        error=scrub(error), response=response, endpoint=endpoint,
                         cost_usd=0.0 if self.priced else None)
+
+    def _pool_failure(self, req: LLMRequest, samples: list[int], exc, endpoint: str) -> None:
+        """An endpoint of the fleet failed a call (retried elsewhere, or by ``_call``)."""
+        stats = self.stats[req.phase]
+        stats.failed_attempts += 1
+        stats.calls += 1
+        self._log_failure(req, samples, 0, str(exc), exc.body, endpoint)
 
     async def _call(self, provider, req: LLMRequest, messages, samples: list[int]) -> Reply:
         stats = self.stats[req.phase]
@@ -452,9 +471,10 @@ class LLMClient:
                     self.rejections.append(str(exc))
                     raise
                 except Retryable as exc:
-                    stats.failed_attempts += 1
-                    stats.calls += 1
-                    self._log_failure(req, samples, attempt, str(exc), exc.body)
+                    if not getattr(exc, "logged", False):  # the fleet logs its own failures
+                        stats.failed_attempts += 1
+                        stats.calls += 1
+                        self._log_failure(req, samples, attempt, str(exc), exc.body)
                     if exc.kind == "timeout":
                         await self._sem.timed_out(self.timeout)
                     same = same + 1 if exc.body and exc.body == last_body else 0
