@@ -104,6 +104,11 @@ class Scorer:
             raise UsageError("rubric kind none scores by --reward outcome only")
         if deadline is not None and deadline <= 0:
             raise UsageError(f"deadline {deadline!r}: must be > 0 seconds")
+        if llm.get("base_url") is not None:   # one URL, several (a fleet), or a file of them
+            from draco_cli.llm.pool import base_urls
+
+            urls = base_urls(llm["base_url"])
+            llm["base_url"] = urls[0] if len(urls) == 1 else tuple(urls)
         try:
             self.llm = LLMSettings(model=model, **llm)
         except TypeError as exc:
