@@ -81,6 +81,13 @@ def run(
         "--no-wait", help="Refuse, instead of waiting, when another draco run is writing the "
         "same folder.")] = False,
     call_log: CallLogPath = None,
+    engine: Annotated[str, typer.Option(
+        help="Where the LLM stages run: local (this process) or ray (a Ray cluster's workers, "
+        "partitioned by group; needs the ray extra).")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="Ray cluster address for --engine ray (default: a local cluster).")] = None,
+    partitions: Annotated[int, typer.Option(
+        min=1, help="Partitions of the groups for --engine ray.")] = 8,
     base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
@@ -108,7 +115,8 @@ def run(
         credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
                         "tokens": tokens.value},
         train_step=train_step, min_answered=min_answered,
-        redo=tuple(s.value for s in redo or ()), call_log=call_log)
+        redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
+        ray_address=ray_address, partitions=partitions)
     llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
                           max_cost, prices, batch, thinking,
                           structured_output=structured_output, system_role=system_role,
