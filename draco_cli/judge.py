@@ -203,6 +203,17 @@ def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.Data
                    *, samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
                    sampling: Sampling | None = None, render: RenderOptions | None = None,
                    batch: bool = False, progress=None) -> ScoreResult:
+    from draco_cli.llm.drive import drive
+
+    return drive(score_stage(rollouts, steps, rubrics, samples=samples, aggregate=aggregate,
+                             judge=judge, sampling=sampling, render=render), client,
+                 progress=progress, batch=batch)
+
+
+def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, *,
+                samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
+                sampling: Sampling | None = None, render: RenderOptions | None = None):
+    """The judge stage as a generator of request lists (``draco_cli.llm.drive``)."""
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     if samples < 1:
@@ -221,7 +232,7 @@ def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.Data
         jobs.append((r["rollout_id"], crit["criterion_id"].to_list(), st.height,
                      score_request(r["rollout_id"], r["instruction"], st, crit, samples,
                                    sampling, render)))
-    answers = client.run([j[3] for j in jobs], progress=progress, batch=batch) if jobs else []
+    answers = (yield [j[3] for j in jobs]) if jobs else []
     stats = ScoreStats()
     rows = []
     for (rid, ids, m, _), per_sample in zip(jobs, answers):

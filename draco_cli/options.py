@@ -133,6 +133,10 @@ class RunOptions(_Options):
     min_answered: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
     redo: tuple[Stage, ...] = ()
     call_log: Optional[Path] = None  # None: RUN/llm_calls.sqlite
+    # where the LLM stages run: this process, or a Ray cluster's workers (engine_ray.py)
+    engine: Literal["local", "ray"] = "local"
+    ray_address: Optional[str] = None   # None: a local cluster (or RAY_ADDRESS)
+    partitions: Annotated[int, Field(ge=1)] = 8
 
     @model_validator(mode="after")
     def _fits_setting(self) -> "RunOptions":

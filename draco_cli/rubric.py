@@ -166,6 +166,17 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
                      stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
                      render: RenderOptions | None = None, sampling: Sampling | None = None,
                      batch: bool = False, progress=None) -> RubricResult:
+    from draco_cli.llm.drive import drive
+
+    return drive(rubric_stage(rollouts, steps, stages=stages, max_criteria=max_criteria,
+                              render=render, sampling=sampling), client, progress=progress,
+                 batch=batch)
+
+
+def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
+                 stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
+                 render: RenderOptions | None = None, sampling: Sampling | None = None):
+    """The rubric stage as a generator of request lists (``draco_cli.llm.drive``)."""
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     for s in stages:
@@ -179,7 +190,7 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
         raise UsageError("--stages merge: merge combines the candidates that generate and union "
                          "write in the same run; add them (e.g. --stages union,merge)")
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
-    answers = client.run([j[3] for j in jobs], progress=progress, batch=batch) if jobs else []
+    answers = (yield [j[3] for j in jobs]) if jobs else []
     cand_rows = []
     for (stage, group_id, origin, _), [answer] in zip(jobs, answers):
         if answer.status != "ok":
@@ -210,8 +221,7 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
             if mine:
                 merge_jobs.append((group_id, merge_request(group_id, instruction, mine,
                                                            max_criteria, render, sampling)))
-        merged = client.run([r for _, r in merge_jobs], progress=progress, batch=batch) \
-            if merge_jobs else []
+        merged = (yield [r for _, r in merge_jobs]) if merge_jobs else []
         for (group_id, _), [answer] in zip(merge_jobs, merged):
             if answer.status == "ok":
                 crit = dedupe([c.model_dump() for c in answer.value.criteria])

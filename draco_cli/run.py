@@ -257,6 +257,18 @@ class _Run:
             return StageRecord(key="", status="done", kind="static", criteria=n * groups,
                                rows=n * groups)
         assert self.llm is not None
+        if self.opts.engine == "ray":
+            from functools import partial
+
+            from draco_cli import engine_ray
+
+            work = partial(engine_ray.rubric_work, self.llm, self.opts.rubric.max_criteria,
+                           self.render, self.opts.prompt.max_tokens)
+            report = engine_ray.run_stage("rubric", self.rollouts, self.steps,
+                                          self.folder.path, self.log, work,
+                                          partitions=self.opts.partitions,
+                                          address=self.opts.ray_address)
+            return self._llm_record("rubric", report, kind="dynamic")
         report = st.rubric_generate(self.rollouts, self.steps, rubric_dir, self.llm,
                                     stages=("generate", "union", "merge"),
                                     max_criteria=self.opts.rubric.max_criteria,
@@ -267,6 +279,19 @@ class _Run:
     def _judge(self) -> StageRecord:
         from draco_cli import stages as st
 
+        if self.opts.engine == "ray":
+            from functools import partial
+
+            from draco_cli import engine_ray
+
+            j = self.opts.judge
+            work = partial(engine_ray.judge_work, self._judge_llm(), j.samples, j.aggregate,
+                           j.judge_label, self.render, self.opts.prompt.max_tokens)
+            report = engine_ray.run_stage("judge", self.rollouts, self.steps, self.folder.path,
+                                          self.log, work, partitions=self.opts.partitions,
+                                          address=self.opts.ray_address,
+                                          rubrics=self.folder.table("rubrics"))
+            return self._llm_record("judge", report)
         report = st.judge_score(self.rollouts, self.steps, self.folder.table("rubrics"),
                                 self.folder.path / "judge", self._judge_llm(),
                                 samples=self.opts.judge.samples,

@@ -23,6 +23,10 @@ def settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries, max
                                  f"{', '.join(STRUCTURED_FORMS)}")
     if system_role not in ("keep", "fold"):
         raise typer.BadParameter("--system-role takes keep or fold")
+    from draco_cli.llm.pool import base_urls
+
+    urls = base_urls(base_url)
+    base_url = None if not urls else urls[0] if len(urls) == 1 else tuple(urls)
     return LLMSettings(model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
                        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost,
                        prices=prices, batch=batch, thinking=thinking == "on",

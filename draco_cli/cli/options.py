@@ -26,6 +26,11 @@ Model = Annotated[str, typer.Option(
 BaseUrl = Annotated[Optional[str], typer.Option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.")]
+BaseUrls = Annotated[Optional[list[str]], typer.Option(
+    "--base-url", envvar="DRACO_BASE_URL",
+    help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1. Repeat it (or "
+    "give a file listing one URL a line) for a fleet serving one model: calls go to the endpoint "
+    "with the fewest in flight, a failing one is backed off and the call retried on another.")]
 Concurrency = Annotated[int, typer.Option(
     min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
     "does not serve more in parallel.")]

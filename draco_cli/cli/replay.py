@@ -7,7 +7,7 @@ from typing import Annotated, Optional
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import BaseUrl, Concurrency, Force, MaxCost, Model, Prices, Timeout
+from draco_cli.cli.options import BaseUrls, Concurrency, Force, MaxCost, Model, Prices, Timeout
 from draco_cli.cli.options import folder_path
 
 app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric evolution.",
@@ -331,7 +331,7 @@ def propose_cmd(
                                           "steps shown to the LLM.")] = 8,
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head refitted per edit.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
-    base_url: BaseUrl = None, concurrency: Concurrency = 16, max_cost: MaxCost = None,
+    base_url: BaseUrls = None, concurrency: Concurrency = 16, max_cost: MaxCost = None,
     prices: Prices = None, timeout: Timeout = 120.0,
     force: Force = False,
 ) -> None:

@@ -9,7 +9,7 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
-                                   BaseUrl, Batch, CallLogPath, Concurrency, Force, MaxCost,
+                                   BaseUrls, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
                                    ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
                                    Timeout, Tpm)
@@ -28,7 +28,7 @@ def generate(
     max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group after merge.")] = 8,
     stages: Annotated[str, typer.Option(help="Comma-separated stages to run.")]
     = "generate,union,merge",
-    base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
+    base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,

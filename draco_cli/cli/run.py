@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated, Literal, Optional
 
 import typer
 
@@ -12,7 +12,7 @@ from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
 from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN)
-from draco_cli.cli.options import (BaseUrl, Batch, CallLogPath, Concurrency, MaxCost,
+from draco_cli.cli.options import (BaseUrls, Batch, CallLogPath, Concurrency, MaxCost,
                                    MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
                                    Prices, Redact, Rpm, Thinking, Timeout, Tpm)
 
@@ -84,7 +84,14 @@ def run(
     call_log: CallLogPath = None,
     fmt: Format = None,
     as_json: Json = False,
-    base_url: BaseUrl = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
+    engine: Annotated[Literal["local", "ray"], typer.Option(
+        help="Where the LLM stages run: local (this process) or ray (a Ray cluster's workers, "
+        "partitioned by group; needs the ray extra).")] = "local",
+    ray_address: Annotated[Optional[str], typer.Option(
+        help="Ray cluster address for --engine ray (default: a local cluster).")] = None,
+    partitions: Annotated[int, typer.Option(
+        min=1, help="Partitions of the groups for --engine ray.")] = 8,
+    base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
@@ -113,7 +120,8 @@ def run(
         credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
                         "tokens": tokens.value},
         train_step=train_step, min_answered=min_answered,
-        redo=tuple(s.value for s in redo or ()), call_log=call_log)
+        redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
+        ray_address=ray_address, partitions=partitions)
     llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
                           max_cost, prices, batch, thinking,
                           structured_output=structured_output, system_role=system_role,

@@ -24,8 +24,9 @@ FLUSH_SECONDS = 0.1
 FLUSH_ROWS = 500
 
 # PRAGMA user_version of the call log. 1 = the first layout (written before versions were
-# stamped, user_version 0); 2 = the same tables, stamped. A log from a newer draco is refused.
-SCHEMA_VERSION = 2
+# stamped, user_version 0); 2 = the same tables, stamped; 3 = calls.endpoint (the base URL of
+# the fleet member that served or failed a call). A log from a newer draco is refused.
+SCHEMA_VERSION = 3
 RECOVER = ("restore it from a copy, or move it aside to start a new log (the calls it answered "
            "would then be paid for again)")
 
@@ -54,7 +55,8 @@ CREATE TABLE IF NOT EXISTS calls (
     latency_s REAL,
     cost_usd REAL,
     batch_id TEXT,
-    created_at TEXT
+    created_at TEXT,
+    endpoint TEXT               -- with several --base-url: the one that served or failed it
 );
 CREATE INDEX IF NOT EXISTS calls_request ON calls(request_hash, sample, status);
 CREATE INDEX IF NOT EXISTS calls_content ON calls(content_hash, sample, status);
@@ -72,7 +74,7 @@ CREATE TABLE IF NOT EXISTS batches (
 COLUMNS = ("request_hash", "content_hash", "sample", "phase", "key", "provider", "model",
            "attempt", "status", "error", "request", "response", "answer_text", "parsed",
            "input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens",
-           "reasoning_tokens", "latency_s", "cost_usd", "batch_id", "created_at")
+           "reasoning_tokens", "latency_s", "cost_usd", "batch_id", "created_at", "endpoint")
 
 
 @dataclass
@@ -148,6 +150,9 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
             conn.executescript(SCHEMA)
+            # v2 -> 3: one nullable column (rows from before name no endpoint)
+            if "endpoint" not in {r[1] for r in conn.execute("PRAGMA table_info(calls)")}:
+                conn.execute("ALTER TABLE calls ADD COLUMN endpoint TEXT")
             # v1 (unstamped) -> 2: the same tables; stamping the version is the migration.
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
         except sqlite3.DatabaseError as exc:
@@ -344,3 +349,21 @@ def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int
     with atomic_path(out, force) as tmp:
         df.write_parquet(tmp)
     return df.height
+
+
+def endpoint_totals(path: str | Path) -> dict[str, dict[str, float]]:
+    """Per endpoint of a fleet: HTTP calls, answered samples, failed attempts, mean latency of
+    its answers (only rows that name an endpoint: a single --base-url leaves it empty)."""
+    conn = _connect(Path(path), readonly=True)
+    try:
+        if "endpoint" not in {r[1] for r in conn.execute("PRAGMA table_info(calls)")}:
+            return {}
+        rows = conn.execute(
+            "SELECT endpoint, COUNT(*), SUM(status = 'ok'), SUM(status = 'http_error'), "
+            "AVG(CASE WHEN status = 'ok' THEN latency_s END) FROM calls "
+            "WHERE endpoint IS NOT NULL GROUP BY endpoint ORDER BY endpoint").fetchall()
+    finally:
+        conn.close()
+    return {e: {"rows": n, "answered": ok or 0, "failed": bad or 0,
+                "mean_latency_s": round(lat, 4) if lat is not None else None}
+            for e, n, ok, bad, lat in rows}

@@ -20,6 +20,7 @@ import random
 import time
 from collections import defaultdict
 from collections.abc import Callable
+from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
 from pydantic import ValidationError
@@ -118,6 +119,7 @@ class LLMClient:
         temperature: float | None = None,
         seed: int | None = None,
         adaptive: bool | None = None,
+        deadline: float | None = None,
     ) -> None:
         self.model = model
         self.provider_name, _ = parse_model_id(model)
@@ -147,6 +149,9 @@ class LLMClient:
             (base_url or os.environ.get("DRACO_BASE_URL")) is not None
             and self.provider_name != "replay")
         self.rejections: list[str] = []
+        # seconds a request (every attempt and re-ask of it) may take before it ends unanswered
+        self.deadline = deadline
+        self._shared = None       # the provider of an open ``session()``
         self._cache = call_log.answered()
 
     # -- public ----------------------------------------------------------------------------
@@ -157,19 +162,48 @@ class LLMClient:
         """Answer every request (blocking); see ``arun``."""
         return asyncio.run(self.arun(requests, progress, batch, poll_seconds))
 
+    @asynccontextmanager
+    async def session(self):
+        """Share one connection pool, concurrency limit and rate limiter between every
+        ``arun`` inside, concurrent ones included: the in-loop API answers many groups at once
+        under one bound."""
+        self._shared = self._open()
+        try:
+            yield self
+        finally:
+            provider, self._shared = self._shared, None
+            await provider.close()
+            self.log.flush()
+
+    def _open(self):
+        from draco_cli.llm.pool import EndpointPool
+
+        urls = [self.base_url] if isinstance(self.base_url, str) or self.base_url is None \
+            else list(self.base_url)
+
+        def one(url):
+            return make_provider(self.model, base_url=url, concurrency=self.concurrency,
+                                 timeout=self.timeout, structured_output=self.structured_output,
+                                 system_role=self.system_role, use_n=self.use_n)
+
+        if len(urls) > 1:
+            provider = EndpointPool([(u, one(u)) for u in urls])
+            provider.on_failure = self._pool_failure
+        else:
+            provider = one(urls[0])
+        self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
+        self.limit = self._sem
+        self._limiter = RateLimiter(self.rpm, self.tpm)
+        return provider
+
     async def arun(self, requests: list[LLMRequest],
                    progress: Callable[[Progress], None] | None = None,
                    batch: bool = False, poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request. ``batch=True`` sends what the call log does not already hold
         through the provider's batch API (half price; resumable by batch id)."""
-        provider = make_provider(self.model, base_url=self.base_url,
-                                 concurrency=self.concurrency, timeout=self.timeout,
-                                 structured_output=self.structured_output,
-                                 system_role=self.system_role, use_n=self.use_n)
+        shared = self._shared
+        provider = shared if shared is not None else self._open()
         requests = [self._with_defaults(r) for r in requests]
-        self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
-        self.limit = self._sem
-        self._limiter = RateLimiter(self.rpm, self.tpm)
         try:
             if batch:
                 from draco_cli.llm.batch import run_batch
@@ -179,8 +213,9 @@ class LLMClient:
             return list(await asyncio.gather(*(self._answer(provider, r, tick)
                                                for r in requests)))
         finally:
-            await provider.close()
-            self.log.flush()
+            if shared is None:
+                await provider.close()
+                self.log.flush()
 
     def _ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
         total = sum(r.samples for r in requests)
@@ -228,13 +263,25 @@ class LLMClient:
                 missing.append(i)
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
-            results = await asyncio.gather(*(self._ask(provider, req, g) for g in groups))
+            results = await asyncio.gather(*(self._ask_in_time(provider, req, g)
+                                             for g in groups))
             for group in results:
                 for a in group:
                     answers[a.sample] = a
         final = [a for a in answers if a is not None]
         tick(final)
         return final
+
+    async def _ask_in_time(self, provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
+        if self.deadline is None:
+            return await self._ask(provider, req, samples)
+        try:
+            return await asyncio.wait_for(self._ask(provider, req, samples), self.deadline)
+        except asyncio.TimeoutError:
+            # cancelled mid-call: its slot and budget reservation are released on the way out
+            return [self._final_unanswered(req, i, f"no answer within the deadline "
+                                           f"({self.deadline:g} s)", Usage(), 0.0, 0)
+                    for i in samples]
 
     async def _ask(self, provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
         """Ask for ``samples`` in one call, then validate each choice on its own, re-asking
@@ -346,6 +393,7 @@ class LLMClient:
             cache_write_tokens=u.cache_write_tokens, output_tokens=u.output_tokens,
             reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s,
             cost_usd=cost if self.priced else None, batch_id=reply.batch_id,
+            endpoint=reply.endpoint,
         )
 
     @staticmethod
@@ -381,13 +429,20 @@ class LLMClient:
         return tokens, usd
 
     def _log_failure(self, req: LLMRequest, samples: list[int], attempt: int, error: str,
-                     response: str | None = None) -> None:
+                     response: str | None = None, endpoint: str | None = None) -> None:
         self.log.record(request_hash=req.hash(samples[0], self.model),
                         content_hash=req.hash(samples[0], None), sample=None,
                         phase=req.phase, key=req.key, provider=self.provider_name,
                         model=self.model, attempt=attempt, status="http_error",
-                        error=scrub(error), response=response,
+                        error=scrub(error), response=response, endpoint=endpoint,
                         cost_usd=0.0 if self.priced else None)
+
+    def _pool_failure(self, req: LLMRequest, samples: list[int], exc, endpoint: str) -> None:
+        """An endpoint of the fleet failed a call (retried elsewhere, or by ``_call``)."""
+        stats = self.stats[req.phase]
+        stats.failed_attempts += 1
+        stats.calls += 1
+        self._log_failure(req, samples, 0, str(exc), exc.body, endpoint)
 
     async def _call(self, provider, req: LLMRequest, messages, samples: list[int]) -> Reply:
         stats = self.stats[req.phase]
@@ -416,9 +471,10 @@ class LLMClient:
                     self.rejections.append(str(exc))
                     raise
                 except Retryable as exc:
-                    stats.failed_attempts += 1
-                    stats.calls += 1
-                    self._log_failure(req, samples, attempt, str(exc), exc.body)
+                    if not getattr(exc, "logged", False):  # the fleet logs its own failures
+                        stats.failed_attempts += 1
+                        stats.calls += 1
+                        self._log_failure(req, samples, attempt, str(exc), exc.body)
                     if exc.kind == "timeout":
                         await self._sem.timed_out(self.timeout)
                     same = same + 1 if exc.body and exc.body == last_body else 0

@@ -157,6 +157,7 @@ class FakeLLMServer:
         fut.result(10)
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join(10)
+        self._loop = None   # stopped: a second stop() (a test's teardown) does nothing
 
     # -- shared ----------------------------------------------------------------------------
 

@@ -13,7 +13,7 @@ from draco_cli.llm.prices import PriceTable
 @dataclass
 class LLMSettings:
     model: str
-    base_url: str | None = None
+    base_url: str | tuple[str, ...] | None = None   # several: a fleet (llm/pool.py)
     concurrency: int = 16
     rpm: float | None = None
     tpm: float | None = None

@@ -144,6 +144,7 @@ class Reply:
     response_body: dict
     latency_s: float = 0.0
     batch_id: str | None = None  # answered through a batch API (billed at the batch price)
+    endpoint: str | None = None  # the base URL that answered, when several serve the model
 
 
 @dataclass

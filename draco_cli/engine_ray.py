@@ -1,0 +1,249 @@
+"""``draco run --engine ray``: the LLM stages (rubric, judge) on a Ray cluster's workers.
+
+The rollouts are read as a Ray dataset and grouped by a partition key derived from each
+``group_id`` (a stable hash, so a rerun puts every group in the same partition as before). Each
+partition runs the same library stage as the local engine (``stages.rubric_generate`` /
+``stages.judge_score``) on its groups, with its own call log and outputs under
+``RUN/ray/part-K/`` — so a partition whose worker died resumes from its own log when Ray retries
+it or when the run is rerun, and nothing is paid twice. The driver then writes the union of the
+partitions' tables into the run folder (whole or not at all, as the local engine's), and merges
+the partitions' new call-log rows into the run's call log. Credit runs on the driver: it is
+per-group arithmetic, seconds for millions of rows.
+
+Ray is an optional extra (``pip install 'draco-cli[ray]'``). The run folder must be on storage
+the workers see (one machine, or a shared file system).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import pickle
+import sqlite3
+from dataclasses import fields
+from pathlib import Path
+
+import polars as pl
+import pyarrow as pa
+
+from draco_cli.errors import DracoError, UsageError
+
+PART = "__draco_partition"
+
+
+def _ray():
+    try:
+        import ray
+        import ray.data  # noqa: F401
+    except ImportError:
+        raise UsageError("--engine ray needs Ray: pip install 'ray[data]==2.55.0' (the 'ray' "
+                         "extra)") from None
+    return ray
+
+
+def connect(address: str | None) -> None:
+    """Join the cluster at ``address`` (None: a local one, or the one already joined)."""
+    ray = _ray()
+    if ray.is_initialized():
+        return
+    if address and address not in ("auto", "local") and "://" not in address:
+        _probe(address)   # Ray itself retries an unreachable address for minutes
+    try:
+        ray.init(address=address, include_dashboard=False, log_to_driver=False,
+                 ignore_reinit_error=True)
+    except (ConnectionError, RuntimeError, ValueError, SystemExit) as exc:
+        first = (str(exc).strip().splitlines() or ["?"])[0][:200]
+        raise UsageError(f"--ray-address {address}: cannot reach the Ray cluster ({first})"
+                         ) from None
+
+
+def _probe(address: str, timeout: float = 5.0) -> None:
+    import socket
+
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host or "127.0.0.1", int(port)), timeout=timeout):
+            return
+    except ValueError:
+        raise UsageError(f"--ray-address {address}: expected HOST:PORT") from None
+    except OSError as exc:
+        raise UsageError(f"--ray-address {address}: cannot reach the Ray cluster "
+                         f"({exc.strerror or exc})") from None
+
+
+def partition_of(group_id: str, partitions: int) -> int:
+    return int(hashlib.sha256(group_id.encode()).hexdigest()[:8], 16) % partitions
+
+
+def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work, *,
+                   partitions: int, address: str | None, rubrics: Path | None = None):
+    """Run ``work(part_rollouts_path, part_steps_path, part_dir, part_log, rubrics)`` for
+    each partition on the cluster; return the partitions' reports in partition order."""
+    ray = _ray()
+    connect(address)
+    from draco_cli.io import read_arrow
+
+    table = read_arrow(rollouts)
+    gids = table.column("group_id").to_pylist()
+    table = table.append_column(PART, pa.array([partition_of(g, partitions) for g in gids],
+                                                pa.int32()))
+    root = Path(run_dir).absolute() / "ray"
+    steps, rubrics = Path(steps).absolute(), rubrics and Path(rubrics).absolute()
+
+    def one(batch: pa.Table) -> pa.Table:
+        part = batch.column(PART)[0].as_py()
+        d = root / f"part-{part}"
+        d.mkdir(parents=True, exist_ok=True)
+        r = pl.from_arrow(batch.drop_columns([PART]))
+        r.write_parquet(d / f"{stage}-rollouts.parquet")
+        s = pl.read_parquet(steps).filter(pl.col("rollout_id").is_in(r["rollout_id"].implode()))
+        s.write_parquet(d / f"{stage}-steps.parquet")
+        report = work(d / f"{stage}-rollouts.parquet", d / f"{stage}-steps.parquet", d / stage,
+                      d / "llm_calls.sqlite", rubrics)
+        return pa.table({"part": [part], "report": [pickle.dumps(report)]})
+
+    ds = ray.data.from_arrow(table).groupby(PART).map_groups(one, batch_format="pyarrow")
+    try:
+        rows = ds.take_all()
+    except DracoError:
+        raise
+    except Exception as exc:  # a task that failed past Ray's retries
+        cause = exc
+        while getattr(cause, "cause", None) is not None:
+            cause = cause.cause
+        if isinstance(cause, DracoError):
+            raise cause from None
+        first = (str(cause).strip().splitlines() or ["?"])[0][:300]
+        raise DracoError(f"--engine ray: a partition failed ({first}); rerun to resume from "
+                         "its call log") from None
+    rows.sort(key=lambda row: row["part"])
+    return [(row["part"], pickle.loads(row["report"])) for row in rows]
+
+
+def merge_reports(parts) -> object:
+    """One StageReport from the partitions' (phases summed, notes kept once each)."""
+    from draco_cli.llm.client import PhaseStats
+    from draco_cli.stages import StageReport
+
+    out = StageReport()
+    for _, rep in parts:
+        for phase, st in rep.phases.items():
+            acc = out.phases.setdefault(phase, PhaseStats())
+            for f in fields(PhaseStats):
+                if f.name == "priced":
+                    acc.priced = acc.priced and st.priced
+                else:
+                    setattr(acc, f.name, getattr(acc, f.name) + getattr(st, f.name))
+        out.budget_reached = out.budget_reached or rep.budget_reached
+        out.rows += rep.rows
+        out.items += rep.items
+        out.items_answered += rep.items_answered
+    out.notes = [f"--engine ray: {len(parts)} partitions"]
+    return out
+
+
+def union_tables(parts, stage_dir: str, names: list[str]) -> dict[str, pl.DataFrame]:
+    """The partitions' tables of one stage, concatenated in partition order."""
+    out = {}
+    for name in names:
+        frames = [pl.read_parquet(p) for p in
+                  (rep.outputs[0].parent / name for _, rep in parts) if p.exists()]
+        out[name] = pl.concat(frames, how="vertical_relaxed") if frames else None
+    return out
+
+
+def merge_call_logs(run_dir: Path, main_log: Path) -> int:
+    """Copy the partitions' call-log rows the run's log does not hold yet into it (a
+    partition's rows are copied once: the highest id copied is remembered per partition)."""
+    from draco_cli.llm.calllog import COLUMNS, CallLog
+
+    with CallLog(main_log):   # creates / migrates the main log
+        pass
+    root = Path(run_dir) / "ray"
+    copied = 0
+    con = sqlite3.connect(main_log)
+    try:
+        con.execute("CREATE TABLE IF NOT EXISTS ray_merged (part TEXT PRIMARY KEY, "
+                    "last_id INTEGER)")
+        for log in sorted(root.glob("part-*/llm_calls.sqlite")):
+            key = str(log.parent.name)
+            last = (con.execute("SELECT last_id FROM ray_merged WHERE part = ?", (key,))
+                    .fetchone() or [0])[0]
+            src = sqlite3.connect(f"file:{log}?mode=ro", uri=True)
+            try:
+                have = {r[1] for r in src.execute("PRAGMA table_info(calls)")}
+                cols = [c for c in COLUMNS if c in have]
+                rows = src.execute(f"SELECT id, {', '.join(cols)} FROM calls WHERE id > ? "
+                                   "ORDER BY id", (last,)).fetchall()
+            finally:
+                src.close()
+            if rows:
+                con.executemany(f"INSERT INTO calls ({', '.join(cols)}) VALUES "
+                                f"({', '.join('?' * len(cols))})", [r[1:] for r in rows])
+                con.execute("INSERT OR REPLACE INTO ray_merged VALUES (?, ?)",
+                            (key, rows[-1][0]))
+                copied += len(rows)
+        con.commit()
+    finally:
+        con.close()
+    return copied
+
+
+def rubric_work(llm, max_criteria, render, max_tokens, rollouts, steps, out, log, rubrics):
+    from draco_cli import stages as st
+
+    return st.rubric_generate(rollouts, steps, out, llm, stages=("generate", "union", "merge"),
+                              max_criteria=max_criteria, render=render, max_tokens=max_tokens,
+                              call_log=log, force=True)
+
+
+def judge_work(llm, samples, aggregate, judge_label, render, max_tokens, rollouts, steps, out,
+               log, rubrics):
+    from draco_cli import stages as st
+
+    return st.judge_score(rollouts, steps, rubrics, out, llm, samples=samples,
+                          aggregate=aggregate, judge_label=judge_label, render=render,
+                          max_tokens=max_tokens, call_log=log, force=True)
+
+
+def in_input_order(df: pl.DataFrame, key: str, order: list[str]) -> pl.DataFrame:
+    """Rows in the order the local engine writes them: by ``key``'s first appearance in the
+    input, the partition's own order kept within a key."""
+    rank = pl.DataFrame({key: order, "__rank": range(len(order))}, schema={
+        key: pl.String, "__rank": pl.Int64})
+    return df.join(rank, on=key, how="left", maintain_order="left").sort(
+        "__rank", maintain_order=True).drop("__rank")
+
+
+def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: Path, work, *,
+              partitions: int, address: str | None, rubrics: Path | None = None):
+    """One LLM stage on the cluster, its union written into ``run_dir/<stage>``; returns the
+    merged StageReport (``outputs`` in the run folder)."""
+    from draco_cli.io import OutputSet, read_arrow
+    from draco_cli.llm.calllog import export_parquet
+    from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
+
+    parts = run_partitions(stage, rollouts, steps, run_dir, work, partitions=partitions,
+                           address=address, rubrics=rubrics)
+    merge_call_logs(run_dir, main_log)
+    report = merge_reports(parts)
+    out = Path(run_dir) / stage
+    if stage == "rubric":
+        names = {"rubric_candidates.parquet": RubricCandidate, "rubrics.parquet": Rubric}
+        key = "group_id"
+        order = read_arrow(rollouts, ["group_id"]).column("group_id").to_pylist()
+    else:
+        names = {"verdicts_raw.parquet": VerdictRaw, "verdicts.parquet": VerdictAggregated}
+        key = "rollout_id"
+        order = read_arrow(rollouts, ["rollout_id"]).column("rollout_id").to_pylist()
+    order = list(dict.fromkeys(order))
+    report.outputs = [out / n for n in names]
+    out.mkdir(parents=True, exist_ok=True)
+    export_parquet(main_log, out / "llm_calls.parquet", force=True)
+    if report.budget_reached:
+        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
+        return report
+    tables = union_tables(parts, stage, list(names))
+    with OutputSet(out, list(names), force=True) as output:
+        for name, model in names.items():
+            output.write_table(in_input_order(tables[name], key, order), name, model)
+    return report
