@@ -147,7 +147,6 @@ def _score(plan_df, labels, rollouts, features, train, held, ridge) -> tuple[flo
 
 def proposal_request(rubric_lines: list[str], evidence: list[str], max_edits: int):
     from draco_cli.llm.types import LLMRequest, Sampling
-    from draco_cli.render import fenced
 
     template = resources.files("draco_cli.prompts").joinpath(f"{PROMPT_VERSION}.txt") \
         .read_text().format(max_edits=max_edits)

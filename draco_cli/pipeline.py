@@ -120,7 +120,6 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
 def credit_expand(token_advantages: str | Path, out: str | Path, *,
                   rollouts: str | Path | None = None, to: str | None = None,
                   force: bool = False) -> str:
-    from draco_cli.errors import InputError
 
     check_writable(out, force)
     ta = read_table(token_advantages, TokenAdvantages)

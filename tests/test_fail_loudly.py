@@ -14,7 +14,7 @@ import polars as pl
 import pytest
 
 from draco_cli.io import write_table
-from draco_cli.schemas import Rollout, TokenAdvantages, VerdictAggregated
+from draco_cli.schemas import VerdictAggregated
 from tests.conftest import SAMPLE, TAU2, run_draco, write_jsonl
 
 

@@ -642,7 +642,6 @@ def test_shipped_sample_log_still_replays():
 def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
     import socket
 
-    from tests.conftest import run_draco
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -654,7 +653,7 @@ def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
     try:
         line = proc.stderr.readline().decode()
         assert f"127.0.0.1:{port}" in line
-        for model, url in ((f"openai/mock", f"http://127.0.0.1:{port}/v1"),
+        for model, url in (("openai/mock", f"http://127.0.0.1:{port}/v1"),
                            ("anthropic/mock", f"http://127.0.0.1:{port}")):
             res = subprocess.run([sys.executable, "-m", "draco_cli", "llm", "check", "--model",
                                   model, "--base-url", url, "--no-parallelism"], cwd=REPO,

@@ -14,8 +14,6 @@ import subprocess
 import sys
 
 import polars as pl
-import pyarrow as pa
-import pyarrow.ipc as ipc
 import pytest
 
 from tests.conftest import REPO, TAU, run_draco

@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import BaseUrl, Force
-from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format
+from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.errors import UsageError
 
 app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost.",
@@ -67,7 +67,6 @@ def _verdicts_of(path: Path, judge: str | None):
 def _pairs(selfs: list[Path], refs: list[Path]) -> list[tuple[Path, Path]]:
     """Pair --self with --reference: by train step when every input is a run folder with one
     (whatever the order given), else in the order given."""
-    import json
 
     from draco_cli.runfolder import RunFolder
 
@@ -210,7 +209,6 @@ def overlap(
 
     Example: draco audit overlap --own self/rubrics.parquet --reference gpt/rubrics.parquet --level group --rollouts d/rollouts.parquet -o audit
     """
-    import polars as pl
 
     from draco_cli.audit import lexical_similarity, overlap_audit
     from draco_cli.io import read_arrow, read_table

@@ -145,7 +145,7 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
         _check_schema(conn, path)
     else:
         conn = sqlite3.connect(path, check_same_thread=False)
-        version = _check_schema(conn, path)
+        _check_schema(conn, path)  # refuses logs newer than this draco
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
