@@ -22,18 +22,11 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draco_cli.errors import InputError, UsageError
+from draco_cli.runfolder import TABLES
 
 # The run folder's own tables, by the name a query uses. Anything else found in a run folder
 # (audit outputs, future stages) is added under its file name.
-KNOWN = {
-    "rubric_candidates": "rubric/rubric_candidates.parquet",
-    "rubrics": "rubric/rubrics.parquet",
-    "verdicts_raw": "judge/verdicts_raw.parquet",
-    "verdicts": "judge/verdicts.parquet",
-    "rewards": "credit/rewards.parquet",
-    "step_credit": "credit/step_credit.parquet",
-    "token_advantages": "credit/token_advantages.parquet",
-}
+KNOWN = TABLES
 CALL_LOG = "llm_calls.sqlite"
 # Per-stage Parquet exports of the call log: the SQLite log itself is the complete one.
 SKIP = {"llm_calls"}

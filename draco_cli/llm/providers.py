@@ -7,6 +7,8 @@ which errors are worth retrying. SDK-level retries are off so every attempt is o
 
 from __future__ import annotations
 
+import abc
+
 import json
 import os
 import time
@@ -202,7 +204,7 @@ class RequestRejected(LLMError):
         self.status = status
 
 
-class Provider:
+class Provider(abc.ABC):
     """What the client needs from an API: build a body, make one call, close. Subclasses are
     registered by ``provider/`` prefix in ``REGISTRY``; batch APIs are optional methods."""
 
@@ -220,9 +222,10 @@ class Provider:
                                  f"{', '.join(('auto',) + self.forms)}")
         return form
 
+    @abc.abstractmethod
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
-                       samples: list[int]) -> Reply:  # pragma: no cover - interface
-        raise NotImplementedError
+                       samples: list[int]) -> Reply:
+        """One HTTP call for ``samples`` of ``req``."""
 
     async def close(self) -> None:
         return None
