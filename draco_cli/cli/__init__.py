@@ -91,11 +91,19 @@ def main() -> None:
     except ImportError:  # pragma: no cover
         from click import exceptions as cx
 
+    global _staged
     tune_allocator()
     try:
+        from draco_cli.storage import stage_argv
+
+        # remote paths (s3://…) staged locally; outputs published only if the command succeeds
+        _staged = stage_argv(sys.argv[1:])
         # Not standalone: usage errors come out here too, so every error has one style.
-        code = app(standalone_mode=False)
-        sys.exit(code if isinstance(code, int) else 0)
+        code = app(args=_staged.argv, standalone_mode=False)
+        code = code if isinstance(code, int) else 0
+        if code == 0:
+            _staged.publish()
+        sys.exit(code)
     except cx.NoArgsIsHelpError as exc:
         typer.echo(exc.ctx.get_help() if exc.ctx else str(exc))
         sys.exit(2)
@@ -146,11 +154,16 @@ def main() -> None:
               "the traceback, and please report it", 1)
 
 
+_staged = None   # the command line's staged remote paths (draco_cli.storage.StagedArgs)
+
+
 def _fail(message: str, code: int) -> None:
     from rich.markup import escape
 
     from draco_cli.llm.keys import scrub
 
+    if _staged is not None:
+        message = _staged.name_remote(message)
     err_console.print(f"[bold red]error:[/] {escape(scrub(message) or '')}",
                       highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)
