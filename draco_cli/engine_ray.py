@@ -75,7 +75,8 @@ def partition_of(group_id: str, partitions: int) -> int:
 
 
 def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work, *,
-                   partitions: int, address: str | None, rubrics: Path | None = None):
+                   partitions: int, address: str | None, rubrics: Path | None = None,
+                   main_log: Path | None = None):
     """Run ``work(part_rollouts_path, part_steps_path, part_dir, part_log, rubrics)`` for
     each partition on the cluster; return the partitions' reports in partition order."""
     ray = _ray()
@@ -84,10 +85,14 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
 
     table = read_arrow(rollouts)
     gids = table.column("group_id").to_pylist()
-    table = table.append_column(PART, pa.array([partition_of(g, partitions) for g in gids],
-                                                pa.int32()))
+    part_of = [partition_of(g, partitions) for g in gids]
+    table = table.append_column(PART, pa.array(part_of, pa.int32()))
     root = Path(run_dir).absolute() / "ray"
     steps, rubrics = Path(steps).absolute(), rubrics and Path(rubrics).absolute()
+    present = sorted(set(part_of))
+    if main_log is not None:
+        seed_partition_logs(main_log, run_dir, table)
+    work = share_limits(work, min(len(present), cluster_cpus()))
 
     def one(batch: pa.Table) -> pa.Table:
         part = batch.column(PART)[0].as_py()
@@ -101,7 +106,10 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
                       d / "llm_calls.sqlite", rubrics)
         return pa.table({"part": [part], "report": [pickle.dumps(report)]})
 
-    ds = ray.data.from_arrow(table).groupby(PART).map_groups(one, batch_format="pyarrow")
+    # one shuffle partition per draco partition present (Ray's default is
+    # DataContext.min_parallelism, 200, mostly empty), one map_groups task per partition
+    ds = ray.data.from_arrow(table).groupby(PART, num_partitions=len(present)).map_groups(
+        one, batch_format="pyarrow")
     try:
         rows = ds.take_all()
     except DracoError:
@@ -117,6 +125,82 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
                          "its call log") from None
     rows.sort(key=lambda row: row["part"])
     return [(row["part"], pickle.loads(row["report"])) for row in rows]
+
+
+def cluster_cpus() -> int:
+    """CPUs of the cluster joined: how many partitions run at once."""
+    ray = _ray()
+    return max(1, int(ray.cluster_resources().get("CPU", 1)))
+
+
+def share_limits(work, slots: int):
+    """``work`` with its LLM settings' limits shared among the ``slots`` partitions that run
+    at once: --concurrency, --rpm and --tpm bound the whole run, as with the local engine, and
+    --max-cost is split among them so the partitions together never spend more."""
+    from dataclasses import replace
+    from functools import partial
+
+    from draco_cli.llm.settings import LLMSettings
+
+    if not (isinstance(work, partial) and work.args and isinstance(work.args[0], LLMSettings)):
+        return work
+    llm = work.args[0]
+    shared = replace(llm, concurrency=max(1, -(-llm.concurrency // slots)),
+                     rpm=llm.rpm and llm.rpm / slots, tpm=llm.tpm and llm.tpm / slots,
+                     max_cost=llm.max_cost and llm.max_cost / slots)
+    return partial(work.func, shared, *work.args[1:], **work.keywords)
+
+
+def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
+    """Copy into each partition's call log the answered calls of the run's log that belong to
+    the partition's rollouts and groups (the call log's ``key``), so that a stage first run
+    with the local engine (or with another partition count) is answered from the cache on
+    the workers: nothing is paid twice. The copied rows are marked as merged, so they do not
+    come back into the run's log."""
+    from draco_cli.llm.calllog import COLUMNS, CallLog
+
+    if not Path(main_log).exists():
+        return 0
+    merge_call_logs(run_dir, main_log)   # first, whatever a partition answered and did not merge
+    root = Path(run_dir) / "ray"
+    parts = table.column(PART).to_pylist()
+    keys: dict[int, set[str]] = {}
+    for col in ("group_id", "rollout_id"):
+        for part, k in zip(parts, table.column(col).to_pylist()):
+            keys.setdefault(part, set()).add(k)
+    seeded = 0
+    main = sqlite3.connect(main_log)
+    try:
+        for part, ks in sorted(keys.items()):
+            d = root / f"part-{part}"
+            d.mkdir(parents=True, exist_ok=True)
+            log = d / "llm_calls.sqlite"
+            with CallLog(log):   # creates / migrates the partition's log
+                pass
+            con = sqlite3.connect(log)
+            try:
+                con.execute("ATTACH DATABASE ? AS m", (str(main_log),))
+                con.execute("CREATE TEMP TABLE wanted (k TEXT PRIMARY KEY)")
+                con.executemany("INSERT OR IGNORE INTO wanted VALUES (?)", [(k,) for k in ks])
+                cols = ", ".join(COLUMNS)
+                cur = con.execute(
+                    f"INSERT INTO main.calls ({cols}) SELECT {cols} FROM m.calls AS r "
+                    "WHERE r.status = 'ok' AND r.key IN (SELECT k FROM temp.wanted) AND NOT "
+                    "EXISTS (SELECT 1 FROM main.calls AS c WHERE c.request_hash = "
+                    "r.request_hash AND c.sample IS r.sample AND c.status = 'ok')")
+                seeded += cur.rowcount
+                con.commit()
+                top = con.execute("SELECT MAX(id) FROM main.calls").fetchone()[0] or 0
+                con.execute("DETACH DATABASE m")
+            finally:
+                con.close()
+            main.execute("CREATE TABLE IF NOT EXISTS ray_merged (part TEXT PRIMARY KEY, "
+                         "last_id INTEGER)")
+            main.execute("INSERT OR REPLACE INTO ray_merged VALUES (?, ?)", (d.name, top))
+        main.commit()
+    finally:
+        main.close()
+    return seeded
 
 
 def merge_reports(parts) -> object:
@@ -223,7 +307,7 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
 
     parts = run_partitions(stage, rollouts, steps, run_dir, work, partitions=partitions,
-                           address=address, rubrics=rubrics)
+                           address=address, rubrics=rubrics, main_log=main_log)
     merge_call_logs(run_dir, main_log)
     report = merge_reports(parts)
     out = Path(run_dir) / stage

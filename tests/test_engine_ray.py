@@ -1,6 +1,7 @@
 """``draco run --engine ray`` on a local Ray cluster of two worker processes: the union of the
-partitions equals the local engine's tables, a rerun pays nothing, an unreachable cluster is a
-one-line error. Skipped when the ray extra is not installed."""
+partitions equals the local engine's tables (on the sample and on the real tau-bench logs), a
+rerun pays nothing — also when the stage was first run by the other engine —, an unreachable
+cluster is a one-line error. Skipped when the ray extra is not installed."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import json
 import polars as pl
 import pytest
 
+from tests.conftest import TAU
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 from tests.test_run import SAMPLE_RA, SAMPLE_SA, calls_in, draco, paid_twice
@@ -45,9 +47,7 @@ def test_ray_engine_equals_local_and_reruns_free(cluster, server, tmp_path):
     assert run(server, tmp_path / "local").returncode == 0
     res = run(server, tmp_path / "ray", "--engine", "ray", "--partitions", "2")
     assert res.returncode == 0, res.stderr
-    for t in TABLES:
-        assert pl.read_parquet(tmp_path / "ray" / t).equals(
-            pl.read_parquet(tmp_path / "local" / t)), t
+    same_tables(tmp_path / "ray", tmp_path / "local")
     manifest = json.loads((tmp_path / "ray" / "manifest.json").read_text())
     assert manifest["status"] == "done"
     assert sorted(p.name for p in (tmp_path / "ray" / "ray").iterdir()) == ["part-0", "part-1"]
@@ -58,6 +58,73 @@ def test_ray_engine_equals_local_and_reruns_free(cluster, server, tmp_path):
               "rubric")
     assert res.returncode == 0, res.stderr
     assert sum(server.hits.values()) == hits and calls_in(log) == 30
+
+
+def same_tables(a, b) -> None:
+    for t in TABLES:
+        assert pl.read_parquet(a / t).equals(pl.read_parquet(b / t)), t
+
+
+@pytest.mark.skipif(not TAU.exists(), reason="the real tau-bench logs are not here")
+def test_ray_engine_equals_local_on_the_real_tau_logs(cluster, server, tmp_path):
+    """60 real tau-bench trajectories (15 tasks x 4 trials), both engines against the same
+    local protocol server: identical tables; partitions hold several groups each."""
+    from draco_cli.ingest import ingest
+
+    ingest("tau-bench", [TAU], tmp_path / "tau", tokenizer="approx")
+    ro, st = tmp_path / "tau" / "rollouts.parquet", tmp_path / "tau" / "steps.parquet"
+
+    def tau_run(out, *extra):
+        return draco("run", "--rollouts", ro, "--steps", st, "--model", "openai/m",
+                     "--base-url", server.url + "/v1", "-o", out, *extra)
+
+    assert tau_run(tmp_path / "local").returncode == 0
+    hits = sum(server.hits.values())
+    res = tau_run(tmp_path / "ray", "--engine", "ray", "--partitions", "4")
+    assert res.returncode == 0, res.stderr
+    same_tables(tmp_path / "ray", tmp_path / "local")
+    assert len(list((tmp_path / "ray" / "ray").iterdir())) == 4
+    groups = pl.read_parquet(ro)["group_id"].n_unique()
+    assert groups == 15 and pl.read_parquet(tmp_path / "ray" / "rubric/rubrics.parquet")[
+        "group_id"].n_unique() == groups
+    # the ray run paid as many calls as the local one (the same requests, none twice)
+    assert sum(server.hits.values()) - hits == hits
+    assert paid_twice(tmp_path / "ray" / "llm_calls.sqlite") == 0
+
+
+def test_local_then_ray_and_back_pay_nothing_twice(cluster, server, tmp_path):
+    """A run folder made by the local engine, rerun with the ray engine with every stage
+    redone: the partitions answer from the run's call log (0 requests); and the reverse, a
+    ray-made folder redone by the local engine; the tables stay those of the local engine."""
+    assert run(server, tmp_path / "a").returncode == 0
+    ref = tmp_path / "ref"
+    import shutil
+
+    shutil.copytree(tmp_path / "a", ref)
+    hits = sum(server.hits.values())
+    assert hits > 0
+    # unchanged inputs and options: the stages are reused whatever the engine
+    res = run(server, tmp_path / "a", "--engine", "ray", "--partitions", "3")
+    assert res.returncode == 0 and "skipped: rubric, judge, credit" in res.stderr, res.stderr
+    res = run(server, tmp_path / "a", "--engine", "ray", "--partitions", "3", "--redo", "rubric")
+    assert res.returncode == 0, res.stderr
+    assert sum(server.hits.values()) == hits, "local -> ray paid again"
+    assert "calls 0 new" in res.stderr
+    same_tables(tmp_path / "a", ref)
+    assert calls_in(tmp_path / "a" / "llm_calls.sqlite") == calls_in(ref / "llm_calls.sqlite")
+
+    res = run(server, tmp_path / "b", "--engine", "ray", "--partitions", "2")
+    assert res.returncode == 0, res.stderr
+    hits = sum(server.hits.values())
+    res = run(server, tmp_path / "b", "--redo", "rubric")
+    assert res.returncode == 0, res.stderr
+    assert sum(server.hits.values()) == hits, "ray -> local paid again"
+    # and back to ray with another partition count: still nothing paid
+    res = run(server, tmp_path / "b", "--engine", "ray", "--partitions", "5", "--redo", "rubric")
+    assert res.returncode == 0, res.stderr
+    assert sum(server.hits.values()) == hits, "ray (2) -> ray (5) paid again"
+    same_tables(tmp_path / "b", ref)
+    assert paid_twice(tmp_path / "b" / "llm_calls.sqlite") == 0
 
 
 def test_unreachable_cluster_is_one_line(server, tmp_path):
