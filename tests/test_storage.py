@@ -213,3 +213,18 @@ def test_base_urls_and_local_paths_are_left_alone():
             "--model", "openai/x", "-o", "runs/a"]
     staged = stage_argv(argv)
     assert staged.argv == argv and staged.outputs == []
+
+
+def test_ray_engine_on_the_bucket_equals_local(s3, llm, tmp_path):
+    """--engine ray with the inputs and the run folder in the bucket (a local Ray cluster
+    started by the command): the tables the local engine writes for local paths."""
+    pytest.importorskip("ray")
+    pytest.importorskip("ray.data")
+    ro, st = s3.put("in/rollouts.parquet", SAMPLE_RA), s3.put("in/steps.parquet", SAMPLE_SA)
+    assert run_draco(*run_args(SAMPLE_RA, SAMPLE_SA, tmp_path / "local", llm)).returncode == 0
+    res = run_draco(*run_args(ro, st, s3.uri("runs/r"), llm, "--engine", "ray",
+                              "--partitions", "2"))
+    assert res.returncode == 0, res.stderr.decode()
+    for t in RUN_TABLES:
+        assert s3.table(f"runs/r/{t}").equals(pl.read_parquet(tmp_path / "local" / t)), t
+    assert "runs/r/ray/part-0/llm_calls.sqlite" in s3.keys()
