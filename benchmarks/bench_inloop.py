@@ -9,8 +9,13 @@ every group costs 6 rubric calls and 4 judge calls. Servers run in other process
 share the client's core). Part 1: each server adds 200 ms per call and serves any number at
 once; ``draco run`` (rubric for every group, then judge for every rollout, then credit) vs
 ``Scorer.score_group`` for every group at once. Part 2: servers that serve one call at a time
-(50 ms each, as llama.cpp on one slot), 1/2/4 of them as one fleet. Prints calls/s, client CPU
-ms per call and the ratios; the last line is ``inloop_over_cli=<ratio>``.
+(50 ms each, as llama.cpp on one slot), 1/2/4 of them as one fleet. Part 3 (when the ray
+extra is installed; ``--no-ray`` skips it): ``draco run --engine ray`` against ``--engine local``
+on the part-1 server at equal concurrency (``--concurrency`` is the whole run's bound with either
+engine), Ray's start-up — the local cluster's ``ray.init`` and the first Ray Data job, which
+starts the workers — measured on its own. Client CPU counts this process and every process it
+started except the servers (Ray's driver, raylet, GCS and workers). Prints calls/s, client CPU
+ms per call and the ratios; the last line is ``inloop_over_cli=<ratio> ray_over_local=<ratio>``.
 """
 
 from __future__ import annotations
@@ -114,11 +119,98 @@ def cli(url, tmp: Path, out: Path, concurrency: int) -> tuple[float, float, int]
     return wall, cpu, calls_in(out / "llm_calls.sqlite")
 
 
+def _proc_cpu(exclude: set[int]) -> float:
+    """CPU seconds of this process and its living descendants, ``exclude`` and theirs left out
+    (Ray's raylet, GCS and workers are descendants of the driver that started the cluster)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    parent, cpu = {}, {}
+    for d in os.listdir("/proc"):
+        if d.isdigit():
+            try:
+                f = open(f"/proc/{d}/stat").read().rsplit(")", 1)[1].split()
+            except (OSError, IndexError):
+                continue
+            parent[int(d)], cpu[int(d)] = int(f[1]), (int(f[11]) + int(f[12])) / tick
+    total, todo = time.process_time(), [os.getpid()]
+    seen = {os.getpid()}
+    while todo:
+        p = todo.pop()
+        for c, pp in parent.items():
+            if pp == p and c not in seen and c not in exclude:
+                seen.add(c)
+                todo.append(c)
+                total += cpu[c]
+    return total
+
+
+def engine_run(engine: str, url: str, tmp: Path, out: Path, concurrency: int,
+               partitions: int | None, exclude: set[int]) -> tuple[float, float, int]:
+    from draco_cli.llm.settings import LLMSettings
+    from draco_cli.run import RunOptions, run_step
+
+    llm = LLMSettings(model="openai/bench", base_url=url, concurrency=concurrency,
+                      adaptive=False)
+    opts = RunOptions(engine=engine, partitions=partitions)
+    t0, c0 = time.perf_counter(), _proc_cpu(exclude)
+    res = run_step(tmp / "rollouts.parquet", tmp / "steps.parquet", out, llm, opts)
+    wall, cpu = time.perf_counter() - t0, _proc_cpu(exclude) - c0
+    assert res.manifest["status"] == "done", res.manifest["status"]
+    return wall, cpu, calls_in(out / "llm_calls.sqlite")
+
+
+def ray_vs_local(url: str, tmp: Path, concurrency: int, partitions: int | None,
+                 servers_pids: set[int]) -> float:
+    import polars as pl
+    import pyarrow as pa
+    import ray
+
+    w_loc, c_loc, n_loc = engine_run("local", url, tmp, tmp / "local", concurrency,
+                                     partitions, servers_pids)
+    t0 = time.perf_counter()
+    ray.init(num_cpus=os.cpu_count(), include_dashboard=False, log_to_driver=False)
+    t_init = time.perf_counter() - t0
+    t0 = time.perf_counter()   # the first Ray Data job starts the worker processes
+    ray.data.from_arrow(pa.table({"k": [0, 1]})).groupby("k", num_partitions=2).map_groups(
+        lambda b: b, batch_format="pyarrow").take_all()
+    t_warm = time.perf_counter() - t0
+    try:
+        w_ray, c_ray, n_ray = engine_run("ray", url, tmp, tmp / "ray", concurrency, partitions,
+                                         servers_pids)
+    finally:
+        ray.shutdown()
+    assert n_ray == n_loc, (n_ray, n_loc)
+    for t in ("rubric/rubrics.parquet", "judge/verdicts.parquet",
+              "credit/token_advantages.parquet"):
+        assert pl.read_parquet(tmp / "ray" / t).equals(pl.read_parquet(tmp / "local" / t)), t
+    startup = t_init + t_warm
+    print(f"--engine local:           {n_loc} calls in {w_loc:6.2f} s = {n_loc / w_loc:6.1f} "
+          f"calls/s, client CPU {1000 * c_loc / n_loc:5.2f} ms/call")
+    parts = len(list((tmp / "ray" / "ray").glob("part-*")))
+    print(f"--engine ray ({parts} parts):   {n_ray} calls in {w_ray:6.2f} s = "
+          f"{n_ray / w_ray:6.1f} calls/s, client CPU {1000 * c_ray / n_ray:5.2f} ms/call "
+          "(driver, raylet, GCS, workers)")
+    print(f"Ray start-up (not in the figure above): ray.init {t_init:.2f} s + first Ray Data "
+          f"job {t_warm:.2f} s = {startup:.2f} s")
+    print(f"ray / local calls/s: {(n_ray / w_ray) / (n_loc / w_loc):.2f}; CPU per call ratio "
+          f"{(c_ray / n_ray) / (c_loc / n_loc):.2f}; ray slower by {w_ray - w_loc:+.2f} s "
+          f"({'within' if w_ray - w_loc <= startup else 'MORE than'} its start-up "
+          f"{startup:.2f} s)")
+    return (n_ray / w_ray) / (n_loc / w_loc)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--groups", type=int, default=40)
     ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--partitions", type=int, default=None,
+                    help="--engine ray's partitions (default: the cluster's CPUs, as draco run)")
+    ap.add_argument("--no-ray", action="store_true", help="skip --engine ray vs local")
+    ap.add_argument("--only-ray", action="store_true", help="only --engine ray vs local")
     args = ap.parse_args()
+    try:
+        import ray.data  # noqa: F401
+    except ImportError:
+        args.no_ray = True
     os.environ.setdefault("OPENAI_API_KEY", "sk-bench-local-only")
     tmp = Path(tempfile.mkdtemp(prefix="draco-bench-inloop-"))
     procs = []
@@ -127,6 +219,13 @@ def main() -> None:
         print(f"{args.groups} groups, {rollouts.height} rollouts, concurrency "
               f"{args.concurrency}")
         urls, procs = servers(1, 0.2, serial=False)
+        ray_ratio = None
+        if not args.no_ray:
+            ray_ratio = ray_vs_local(urls[0], tmp, args.concurrency, args.partitions,
+                                     {p.pid for p in procs})
+            if args.only_ray:
+                print(f"ray_over_local={ray_ratio:.2f}")
+                return
         w_cli, c_cli, n_cli = cli(urls[0], tmp, tmp / "cli", args.concurrency)
         w_api, c_api, n_api = inloop(urls, rollouts, steps, tmp / "api.sqlite",
                                      args.concurrency)
@@ -148,7 +247,8 @@ def main() -> None:
             base = base or k / w
             print(f"fleet of {n} one-at-a-time endpoints (50 ms/call): {k} calls in {w:6.2f} s "
                   f"= {k / w:6.1f} calls/s, x{(k / w) / base:.2f} of one endpoint")
-        print(f"inloop_over_cli={ratio:.2f}")
+        print(f"inloop_over_cli={ratio:.2f}"
+              + (f" ray_over_local={ray_ratio:.2f}" if ray_ratio is not None else ""))
     finally:
         for p in procs:
             p.terminate()

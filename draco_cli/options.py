@@ -136,7 +136,7 @@ class RunOptions(_Options):
     # where the LLM stages run: this process, or a Ray cluster's workers (engine_ray.py)
     engine: Literal["local", "ray"] = "local"
     ray_address: Optional[str] = None   # None: a local cluster (or RAY_ADDRESS)
-    partitions: Annotated[int, Field(ge=1)] = 8
+    partitions: Optional[Annotated[int, Field(ge=1)]] = None   # None: the cluster's CPUs
 
     @model_validator(mode="after")
     def _fits_setting(self) -> "RunOptions":

@@ -89,8 +89,9 @@ def run(
         "partitioned by group; needs the ray extra).")] = "local",
     ray_address: Annotated[Optional[str], typer.Option(
         help="Ray cluster address for --engine ray (default: a local cluster).")] = None,
-    partitions: Annotated[int, typer.Option(
-        min=1, help="Partitions of the groups for --engine ray.")] = 8,
+    partitions: Annotated[Optional[int], typer.Option(
+        min=1, help="Partitions of the groups for --engine ray, each one task with its own "
+        "call log (default: the cluster's CPUs).")] = None,
     base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
     prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
