@@ -155,8 +155,11 @@ def _download(fs: Any, src: str, dest: Path, uri: str) -> None:
 
 
 def _upload(src: Path, fs: Any, dest: str, uri: str) -> None:
-    with _remote(uri), open(src, "rb") as f, fs.open_output_stream(dest) as out:
-        shutil.copyfileobj(f, out, _CHUNK)
+    with _remote(uri):
+        if _bucket(uri) is None and "/" in dest:   # HDFS, Azure: folders exist; buckets: not
+            fs.create_dir(dest.rsplit("/", 1)[0], recursive=True)
+        with open(src, "rb") as f, fs.open_output_stream(dest) as out:
+            shutil.copyfileobj(f, out, _CHUNK)
 
 
 def fetch(uri: str) -> Path:

@@ -228,3 +228,27 @@ def test_ray_engine_on_the_bucket_equals_local(s3, llm, tmp_path):
     for t in RUN_TABLES:
         assert s3.table(f"runs/r/{t}").equals(pl.read_parquet(tmp_path / "local" / t)), t
     assert "runs/r/ray/part-0/llm_calls.sqlite" in s3.keys()
+
+
+def test_every_spelling_of_a_remote_option_is_staged(s3, tmp_path):
+    """--opt VALUE, --opt=VALUE, -oVALUE and positional values; -o/--out and --call-log are
+    outputs (published), everything else an input (fetched); publish uploads only changes."""
+    from draco_cli.storage import stage_argv
+
+    src = s3.put("in/rollouts.parquet", SAMPLE_RA)
+    s3.put("logs/calls.sqlite", SAMPLE_RA)   # any bytes: staged as they are
+    staged = stage_argv(["sql", src, f"--steps={src}", "--call-log", s3.uri("logs/calls.sqlite"),
+                         "-o" + s3.uri("out/x.parquet")])
+    local_in, steps, _, log, out = staged.argv[1:]
+    assert open(local_in, "rb").read() == open(SAMPLE_RA, "rb").read()
+    assert steps == f"--steps={local_in}"
+    assert open(log, "rb").read() == open(SAMPLE_RA, "rb").read()     # pulled to resume
+    assert out.startswith("-o") and not os.path.exists(out[2:])
+    assert [o.uri for o in staged.outputs] == [s3.uri("logs/calls.sqlite"), s3.uri("out/x.parquet")]
+    open(out[2:], "wb").write(b"new table")
+    assert staged.outputs[0].publish() == 0     # the log unchanged: not uploaded
+    assert staged.outputs[1].publish() == 1
+    assert s3.read("out/x.parquet") == b"new table"
+    staged.publish()                              # again: nothing new
+    assert staged.outputs[1].publish() == 0
+    assert staged.name_remote(f"{local_in}: row 3") == f"{src}: row 3"
