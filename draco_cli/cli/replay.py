@@ -126,7 +126,7 @@ def run_cmd(
     Example: draco replay run --plan plan.parquet --env "python examples/chain_env.py serve" -o replays
     """
     from draco_cli.cli.llmrun import progress_bar
-    from draco_cli.replay_run import LOG_NAME, run_replays
+    from draco_cli.credo.protocol import LOG_NAME, run_replays
 
     target = out / "labels.parquet"
     if target.exists() and not force:
@@ -201,7 +201,7 @@ def correct_cmd(
     _write(credit.with_columns(pl.lit(json.dumps(info)).alias("settings")),
            out / "credit.parquet", force)
     if steps is not None:
-        from draco_cli.credo_tokens import credo_token_advantages
+        from draco_cli.credo.tokens import credo_token_advantages
 
         if r is None:
             raise typer.BadParameter("--steps needs --rollouts")
@@ -344,7 +344,7 @@ def propose_cmd(
     Example: draco replay propose --plan plan.parquet --labels r/labels.parquet --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --model openai/gpt-4.1 -o evolve
     """
     from draco_cli.cli import llmrun
-    from draco_cli.credo_evolve import evolve_round
+    from draco_cli.credo.propose import evolve_round
     from draco_cli.io import check_writable
     from draco_cli.llm import CallLog
 
@@ -394,7 +394,7 @@ def diagnose_cmd(
     Example: draco replay diagnose --plan plan.parquet --labels replays/labels.parquet -o diag
     """
     from draco_cli.credo import Heads
-    from draco_cli.credo_diagnostics import (allocator_calibration, predictor_drift,
+    from draco_cli.credo.diagnostics import (allocator_calibration, predictor_drift,
                                              variance_split, weight_tails)
     from draco_cli.io import write_text_atomic
 
@@ -445,11 +445,11 @@ def exact_check_cmd(
     """
     from rich.table import Table
 
-    from draco_cli.credo_exact import exact_check
+    from draco_cli.credo.exact_check import exact_check
 
     rows = exact_check(M=replays, p_min=p_min)
     if sweep:
-        from draco_cli.credo_exact import sweep_replays
+        from draco_cli.credo.exact_check import sweep_replays
 
         try:
             Ms = [int(x) for x in sweep.split(",") if x.strip()]
