@@ -24,8 +24,8 @@ from draco_cli.errors import UsageError
 from draco_cli.io import (OutputSet, check_writable, conform, folder_lock, prepare_out_dir,
                           read_arrow, require_finite, write_table, write_text_atomic)
 from draco_cli.schemas import (AllocatorCalibration, EvolveScore, HeadPrediction, ReplayCost,
-                               ReplayCredit, ReplayLabel, ReplayPlan, Rubric, Table,
-                               TokenAdvantages, VerdictAggregated)
+                               ReplayCredit, ReplayLabel, ReplayPlan, Rollout, Rubric, Step,
+                               Table, TokenAdvantages, VerdictAggregated)
 
 PathLike = str | Path
 
@@ -35,6 +35,9 @@ CORRECT_TABLES = ("credit.parquet", "token_advantages.parquet")
 PROPOSE_TABLES = ("evolve.parquet", "rubrics.parquet", "verdicts.parquet")
 DIAGNOSE_FILES = ("diagnostics.json", "allocator_calibration.parquet")
 PROPOSE_CALL_LOG = "llm_calls.sqlite"
+TOKEN_ROLLOUT_COLUMNS = ("rollout_id", "response_len", "policy_spans", "train_step",
+                         "response_fingerprint")
+TOKEN_STEP_COLUMNS = ("rollout_id", "step", "n_tokens", "token_start")
 
 
 def read(path: PathLike) -> pl.DataFrame:
@@ -149,12 +152,18 @@ def correct_replay(plan_path: PathLike, labels: PathLike, out: PathLike, *, beta
                      ReplayCredit, folder / names[0])
     ta = None
     if steps is not None:
-        assert r is not None
-        ta = credo_token_advantages(r, read(steps), credit, beta)
+        assert r is not None and rollouts is not None
+        # the columns the token layout reads, checked against their contracts (the optional
+        # ones a table lacks come in as null, as in credit compute)
+        r_tok = conform(r, Rollout, str(rollouts), only=list(TOKEN_ROLLOUT_COLUMNS),
+                        check_keys=False)
+        s_tok = conform(read(steps), Step, str(steps), only=list(TOKEN_STEP_COLUMNS),
+                        check_keys=False)
+        ta = credo_token_advantages(r_tok, s_tok, credit, beta)
     with OutputSet(folder, names, force=force) as output:
         output.write_table(credit, names[0], ReplayCredit)
         if ta is not None:
-            output.write_table(ta, names[1], TokenAdvantages)
+            output.write_table(ta, names[1], TokenAdvantages, drop_absent_optional=True)
     return info
 
 
