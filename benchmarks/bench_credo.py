@@ -4,10 +4,10 @@
 
 Each seed: sample a batch of rollouts from the chain simulator (examples/chain_env.py), give
 every position a rubric-style prediction c_t (the true credit shrunk by 30% plus noise, so it
-is informative but biased) and a predicted error e_t, plan replay with ``draco_cli.credo.plan``
+is informative but biased) and a predicted error e_t, plan replay with ``draco_cli.credo.allocation.plan``
 (square-root allocation) or ``plan(..., allocation="uniform")`` (one p at the same expected
 cost), run the two-sided replays
-for the selected positions (K = 2 each side), correct with ``credo.correct`` and form the policy
+for the selected positions (K = 2 each side), correct with ``draco_cli.credo.correction.correct`` and form the policy
 gradient estimate Σ g_t·Ĉ_t / batch. Over seeds it prints, per estimator, the bias against the
 exact gradient (with a 99% confidence half-width), the variance (trace) and the mean replay
 cost. Expected: corrected estimators unbiased within the bounds; square-root below uniform in
@@ -29,7 +29,8 @@ sys.path.insert(0, str(ROOT / "examples"))
 
 from chain_env import ChainEnv  # noqa: E402
 
-from draco_cli.credo import correct, plan  # noqa: E402
+from draco_cli.credo.allocation import plan  # noqa: E402
+from draco_cli.credo.correction import correct  # noqa: E402
 
 K = 2
 

@@ -138,8 +138,8 @@ class Rubric(Table):
     criterion_id: str = Field(description="Stable id (hash of group and text).")
     title: str = Field(description="At most about 8 words.")
     requirement: str = Field(description="One sentence: what passing means.")
-    source: Literal["merge", "static", "generate", "union"] = Field(
-        description="Where the criterion came from."
+    source: Literal["merge", "static", "generate", "union", "evolve"] = Field(
+        description="Where the criterion came from (evolve: added by `replay propose`)."
     )
 
 
@@ -263,6 +263,155 @@ TABLES: dict[str, type[Table]] = {
 }
 
 
+
+# --- CREDO replay tables (SPEC §6): what every `draco replay` command writes ----------------
+# Columns named after Python keywords (lambda, return) are declared with an alias: the alias is
+# the column name.
+
+AllocationRule = Literal["sqrt", "uniform"]
+Side = Literal["realized", "resampled"]
+Probability = Annotated[float, annotated_types.Ge(0), annotated_types.Le(1)]
+
+
+class ReplayPlan(Table):
+    """`replay plan`: every position with its inclusion probability and selection, stored
+    before any label exists (SPEC §6)."""
+
+    table_name: ClassVar[str] = "replay_plan"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    prediction: float = Field(description="c_t: the credit head's prediction, stored before "
+                              "labels exist.")
+    error: float = Field(ge=0, description="e_t: the predicted squared error of c_t.")
+    score_norm: float = Field(ge=0, description="‖g_t‖ (1 when the trainer gives none).")
+    n_steps: Optional[int] = Field(None, ge=1, description="T: the rollout's number of steps "
+                                   "(when the default cost was computed from it).")
+    cost: float = Field(ge=0, description="ℓ_t: replay cost in environment actions "
+                        "(default K·(T − t + 1) + K·(T − t)).")
+    p: Probability = Field(description="p_t: inclusion probability (Eq. 10).")
+    selected: bool = Field(description="S_t ~ Bernoulli(p_t) with the recorded seed.")
+    lambda_: float = Field(alias="lambda", ge=0, description="λ of the allocation "
+                           "(0: the budget was slack).")
+    seed: int = Field(description="Seed of the Bernoulli selection.")
+    head_version: Optional[str] = Field(None, description="Version of the heads that made "
+                                        "prediction and error (null: given by the user).")
+    budget: float = Field(ge=0, description="The replay budget B.")
+    expected_cost: float = Field(ge=0, description="Σ p_t ℓ_t: the plan's expected cost.")
+    allocation: Optional[AllocationRule] = Field(None, description="sqrt (Eq. 10) or uniform "
+                                             "(one p at the same expected cost).")
+    replays: Optional[int] = Field(None, ge=1, description="K: replays per side.")
+
+
+class ReplayLabel(Table):
+    """`replay run`: one return of one replay (the labels `replay correct` reads)."""
+
+    table_name: ClassVar[str] = "replay_labels"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step", "side", "sample")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    side: Side = Field(description="realized: restored after step t; resampled: restored "
+                       "before step t with a fresh action.")
+    sample: Optional[int] = Field(None, ge=0, description="Index of the continuation on its "
+                                  "side (0..K−1).")
+    return_: float = Field(alias="return", description="The continuation's return.")
+
+
+class ReplayCost(Table):
+    """`replay run`: what replaying one position cost, as the environment reported it."""
+
+    table_name: ClassVar[str] = "replay_cost"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    env_actions: int = Field(ge=0, description="Environment actions the replays ran.")
+    tokens: int = Field(ge=0, description="Policy tokens the replays generated.")
+    reconstruction_actions: int = Field(ge=0, description="Actions spent restoring states.")
+    reconstruction_tokens: int = Field(ge=0, description="Tokens spent restoring states.")
+    seconds: float = Field(ge=0, description="Wall time of the request.")
+
+
+class ReplayCredit(Table):
+    """`replay correct`: corrected credit per position (Eq. 6) and its advantage."""
+
+    table_name: ClassVar[str] = "replay_credit"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    prediction: float = Field(description="c_t from the plan.")
+    p: Probability = Field(description="p_t from the plan.")
+    selected: bool = Field(description="S_t from the plan.")
+    delta: Optional[float] = Field(None, description="Δ_t = mean realized − mean resampled "
+                                   "return (null where not replayed).")
+    corrected: float = Field(description="Ĉ_t = c_t + (S_t/p_t)(Δ_t − c_t) (c_t with "
+                             "--no-correction; clipped only with --clip).")
+    rloo: float = Field(description="Unstandardized RLOO of the rollout's outcome (0 at β = 0).")
+    advantage: float = Field(description="a_t = β·A_RLOO + (1 − β)·Ĉ_t.")
+    settings: str = Field(description="JSON: correction, clip, beta, counts.")
+
+
+class HeadPrediction(Table):
+    """`replay fit --cross-fit`: cross-fitted predictions (a positions table for the next
+    plan)."""
+
+    table_name: ClassVar[str] = "head_predictions"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    prediction: float = Field(description="c_t from heads fitted on the other folds.")
+    error: float = Field(ge=0, description="e_t from the same heads.")
+    fold: int = Field(ge=0, description="The position's fold (tasks split by hash).")
+    head_version: str = Field(description="Version of the heads that predicted it.")
+
+
+class AllocatorCalibration(Table):
+    """`replay diagnose`: the e_t the allocator used vs realized (Δ_t − c_t)², per e-bin."""
+
+    table_name: ClassVar[str] = "allocator_calibration"
+    keys: ClassVar[tuple[str, ...]] = ("bin",)
+
+    bin: int = Field(ge=0, description="Bin of e_t (by rank).")
+    n: int = Field(ge=0, description="Replayed positions in the bin.")
+    mean_predicted_error: float = Field(description="Inverse-inclusion-weighted mean e_t.")
+    mean_squared_residual: float = Field(description="Inverse-inclusion-weighted mean "
+                                         "(Δ_t − c_t)².")
+
+
+class EvolveScore(Table):
+    """`replay evolve` / `replay propose`: one rubric variant scored on held-out tasks."""
+
+    table_name: ClassVar[str] = "evolve_scores"
+    keys: ClassVar[tuple[str, ...]] = ("candidate",)
+
+    candidate: str = Field(description="The variant: baseline / current rubric, or an edit.")
+    held_out_objective: Optional[float] = Field(
+        None, ge=0, description="Σ (S/p)((1 − p)/p)‖g‖²(Δ − c)² on held-out tasks (lower is "
+        "better; null when the edit could not be applied).")
+    held_out_mse: Optional[float] = Field(None, ge=0, description="Ordinary MSE of c on the "
+                                          "same positions.")
+    accepted: bool = Field(description="The accepted variant (at most one).")
+    op: Optional[str] = Field(None, description="propose: add, remove or merge.")
+    title: Optional[str] = Field(None, description="propose: the new criterion's title.")
+    reason: Optional[str] = Field(None, description="propose: why the LLM proposed it.")
+    outcome_auc: Optional[float] = Field(None, ge=0, le=1, description="propose: AUC of the "
+                                         "rollout reward for the environment outcome.")
+    criteria: Optional[int] = Field(None, ge=0, description="propose: criteria in the rubric.")
+    error: Optional[str] = Field(None, description="propose: why the edit was not scored.")
+    train_rows: Optional[int] = Field(None, ge=0, description="evolve: labelled training "
+                                      "positions.")
+    held_out_rows: Optional[int] = Field(None, ge=0, description="evolve: labelled held-out "
+                                         "positions.")
+
+
+REPLAY_TABLES: tuple[type[Table], ...] = (ReplayPlan, ReplayLabel, ReplayCost, ReplayCredit,
+                                          HeadPrediction, AllocatorCalibration, EvolveScore)
+TABLES.update({m.table_name: m for m in REPLAY_TABLES})
+
 # --- Arrow derivation ---------------------------------------------------------------------
 
 
@@ -327,8 +476,9 @@ def arrow_type_of(annotation: object) -> pa.DataType:
 def columns(model: type[Table]) -> list[Column]:
     hints = typing.get_type_hints(model, include_extras=True)
     out = []
-    for name, info in model.model_fields.items():
-        bare, nullable, _ = _unwrap(hints[name])
+    for attr, info in model.model_fields.items():
+        name = info.alias or attr  # a column named like a Python keyword is an alias
+        bare, nullable, _ = _unwrap(hints[attr])
         choices = tuple(typing.get_args(bare)) if typing.get_origin(bare) is Literal else None
         ge = le = item_ge = None
         for m in info.metadata:
@@ -341,12 +491,12 @@ def columns(model: type[Table]) -> list[Column]:
             for m in _unwrap(item)[2]:
                 if isinstance(m, annotated_types.Ge):
                     item_ge = float(m.ge)
-        arrow = arrow_type_of(hints[name])
+        arrow = arrow_type_of(hints[attr])
         value_type = arrow.value_type if pa.types.is_list(arrow) else arrow
         out.append(
             Column(
                 name=name,
-                arrow_type=arrow_type_of(hints[name]),
+                arrow_type=arrow_type_of(hints[attr]),
                 nullable=nullable,
                 required=info.is_required(),
                 choices=choices,

@@ -12,7 +12,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.credo import allocate, correct, fit_heads, plan, weighted_ridge
-from draco_cli.credo_exact import exact_check
+from draco_cli.credo.exact_check import exact_check
 from draco_cli.errors import InputError, UsageError
 from tests.conftest import run_draco
 
@@ -99,7 +99,7 @@ def test_correction_by_hand():
 
 
 def test_unbiased_by_exact_enumeration_and_sqrt_beats_uniform():
-    from draco_cli import credo_exact as ex
+    from draco_cli.credo import exact_check as ex
 
     trajs = ex.trajectories(2)
     assert len(trajs) == 16 and sum(t[0].prob for t in trajs) == pytest.approx(1, abs=1e-15)
@@ -224,7 +224,7 @@ def test_cli_loop_plan_correct_fit_evolve(tmp_path):
 
 
 def test_credo_token_advantages_layout():
-    from draco_cli.credo_tokens import credo_token_advantages
+    from draco_cli.credo.tokens import credo_token_advantages
     from draco_cli.token_advantages import spans_to_dense
 
     rollouts = pl.DataFrame({"rollout_id": ["a"], "group_id": ["g"], "response_len": [20],
@@ -397,7 +397,7 @@ def test_policy_spans_past_the_last_step_without_response_len(mode):
 
 
 def test_replay_count_sweep_at_fixed_budget():
-    from draco_cli.credo_exact import sweep_replays
+    from draco_cli.credo.exact_check import sweep_replays
 
     rows = sweep_replays((1, 2, 4, 8))
     assert all(r["max_abs_error"] < 1e-9 for r in rows)

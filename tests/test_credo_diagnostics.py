@@ -10,7 +10,7 @@ import polars as pl
 import pytest
 
 from draco_cli.credo import Heads
-from draco_cli.credo_diagnostics import (allocator_calibration, cost_by_category,
+from draco_cli.credo.diagnostics import (allocator_calibration, cost_by_category,
                                          predictor_drift, variance_split, weight_tails)
 from tests.conftest import REPO, run_draco
 

@@ -185,3 +185,194 @@ def test_a_hung_environment_times_out_and_the_rest_still_runs(planned, tmp_path)
                     "--timeout", "5", "-o", str(tmp_path / "out"))
     assert res.returncode == 0, res.stderr.decode()
     assert b"1 replays run now" in res.stderr
+
+
+# --- #13: one locked output set per replay command ----------------------------------------
+
+import pyarrow.parquet as pq  # noqa: E402
+
+RUN_TABLES = ("labels.parquet", "replay_cost.parquet")
+CORRECT_TABLES = ("credit.parquet", "token_advantages.parquet")
+
+
+def set_ids(folder, names) -> set[str]:
+    return {(pq.read_schema(folder / n).metadata or {}).get(b"draco.output_set", b"").decode()
+            for n in names}
+
+
+def popen_draco(*args, env=None):
+    return subprocess.Popen([sys.executable, "-m", "draco_cli", *args], cwd=REPO,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            env={**os.environ, **(env or {})})
+
+
+def test_replay_outputs_carry_their_contracts_and_one_set_id(planned, tmp_path):
+    out = tmp_path / "run"
+    res = run_draco("replay", "run", "--plan", str(planned / "plan.parquet"), "--env",
+                    env_cmd(), "-o", str(out))
+    assert res.returncode == 0, res.stderr.decode()
+    ids = set_ids(out, RUN_TABLES)
+    assert len(ids) == 1 and len(ids.pop()) == 32
+    assert pq.read_schema(out / "labels.parquet").metadata[b"draco.table"] == b"replay_labels"
+    assert pq.read_schema(planned / "plan.parquet").metadata[b"draco.table"] == b"replay_plan"
+    res = run_draco("validate", str(out), str(planned / "plan.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    err = res.stderr.decode()
+    assert "replay_labels" in err and "replay_cost" in err and "replay_plan" in err, err
+    # correct: credit and token advantages as one set; a member swapped in from another
+    # write is a mixed set that validate names
+    for name, extra in (("a", ()), ("b", ("--no-correction",))):
+        res = run_draco("replay", "correct", "--plan", str(planned / "plan.parquet"),
+                        "--labels", str(out / "labels.parquet"), "--rollouts",
+                        str(planned / "rollouts.parquet"), "--steps",
+                        str(planned / "steps.parquet"), "-o", str(tmp_path / name), *extra)
+        assert res.returncode == 0, res.stderr.decode()
+        assert len(set_ids(tmp_path / name, CORRECT_TABLES)) == 1
+    assert run_draco("validate", str(tmp_path / "a")).returncode == 0
+    (tmp_path / "a" / "credit.parquet").write_bytes((tmp_path / "b" / "credit.parquet")
+                                                    .read_bytes())
+    res = run_draco("validate", str(tmp_path / "a"))
+    assert res.returncode == 1
+    assert "come from different writes" in res.stderr.decode(), res.stderr.decode()
+
+
+def test_validate_checks_replay_contracts(tmp_path):
+    """Labels a user wrote with draco's metadata missing are checked by name of table
+    (--table), and a non-finite return is named by row and field."""
+    bad = pl.DataFrame({"rollout_id": ["r1", "r1"], "step": [1, 1],
+                        "side": ["realized", "resampled"], "sample": [0, 0],
+                        "return": [1.0, float("nan")]})
+    path = tmp_path / "labels.parquet"
+    bad.write_parquet(path)
+    res = subprocess.run([sys.executable, "-m", "draco_cli", "validate", "--table",
+                          "replay_labels", "-"], cwd=REPO, input=path.read_bytes(),
+                         capture_output=True)
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "row 1" in err and "'return'" in err, err
+    assert "Traceback" not in err
+
+
+def test_two_replay_runs_into_one_folder_pay_each_replay_once(planned, tmp_path):
+    """Two concurrent `replay run --force` into one folder: the second waits for the folder's
+    lock, then finds every replay in the log; the environment serves each position once and
+    one whole set is published."""
+    out = tmp_path / "run"
+    served = tmp_path / "served.txt"
+    n_sel = int(pl.read_parquet(planned / "plan.parquet")["selected"].sum())
+    args = ("replay", "run", "--plan", str(planned / "plan.parquet"), "--env",
+            env_cmd("--delay", "0.05", "--served", str(served)), "-o", str(out), "--force")
+    a = popen_draco(*args)
+    b = popen_draco(*args)
+    errs = []
+    for p in (a, b):
+        _, err = p.communicate(timeout=120)
+        errs.append(err.decode())
+        assert p.returncode == 0, err.decode()
+    ids = [json.loads(x) for x in served.read_text().splitlines()]
+    assert len(ids) == n_sel and len(set(ids)) == n_sel, "a replay was paid twice"
+    assert any(f"0 replays run now, {n_sel} from the log" in e for e in errs), errs
+    assert len(set_ids(out, RUN_TABLES)) == 1
+    assert pl.read_parquet(out / "labels.parquet").height == n_sel * 2 * 2
+    assert run_draco("validate", str(out)).returncode == 0
+
+
+def test_kill_9_of_replay_run_over_an_older_set_keeps_it_whole(planned, tmp_path):
+    """kill -9 of `replay run --force` (another plan) over an older output: the old labels and
+    cost stay, whole and of one set; the rerun publishes the new set whole."""
+    out = tmp_path / "run"
+    res = run_draco("replay", "run", "--plan", str(planned / "plan.parquet"), "--env",
+                    env_cmd(), "-o", str(out))
+    assert res.returncode == 0, res.stderr.decode()
+    old_ids = set_ids(out, RUN_TABLES)
+    old = {n: pl.read_parquet(out / n) for n in RUN_TABLES}
+    other = tmp_path / "other.parquet"
+    res = run_draco("replay", "plan", "--positions", str(planned / "positions.parquet"),
+                    "--steps", str(planned / "steps.parquet"), "--budget", "200", "--seed",
+                    "11", "-o", str(other))
+    assert res.returncode == 0, res.stderr.decode()
+    p = popen_draco("replay", "run", "--plan", str(other), "--env",
+                    env_cmd("--delay", "0.05"), "--workers", "1", "-o", str(out), "--force")
+    from draco_cli.credo.protocol import plan_digest
+
+    log = out / "replay_log.jsonl"
+    digest = plan_digest(pl.read_parquet(other))
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:  # the kill lands mid-run of the new plan
+        head = log.read_text().split("\n", 1)[0] if log.exists() else ""
+        if digest in head and len(log_records(log)) >= 3:
+            break
+        time.sleep(0.02)
+    n_new = int(pl.read_parquet(other)["selected"].sum())
+    assert digest in log.read_text().split("\n", 1)[0]
+    assert 3 <= len(log_records(log)) < n_new, "the kill must land mid-run"
+    os.kill(p.pid, signal.SIGKILL)
+    p.wait()
+    visible = sorted(x.name for x in out.iterdir() if not x.name.startswith("."))
+    assert visible == sorted([*RUN_TABLES, "replay_log.jsonl"]), visible
+    assert set_ids(out, RUN_TABLES) == old_ids
+    for n in RUN_TABLES:
+        assert pl.read_parquet(out / n).equals(old[n])
+    assert run_draco("validate", str(out)).returncode == 0
+    res = run_draco("replay", "run", "--plan", str(other), "--env", env_cmd(), "-o", str(out),
+                    "--force")
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"from the log of an earlier run" in res.stderr
+    new_ids = set_ids(out, RUN_TABLES)
+    assert len(new_ids) == 1 and new_ids != old_ids
+    n_sel = int(pl.read_parquet(other)["selected"].sum())
+    assert pl.read_parquet(out / "labels.parquet").select("rollout_id", "step").unique() \
+        .height == n_sel
+    assert run_draco("validate", str(out)).returncode == 0
+
+
+def test_kill_9_of_replay_correct_force_leaves_one_whole_set(planned, tmp_path):
+    """Random kill -9 of `replay correct --force` (with token advantages) over an older
+    output: after every kill the folder holds the old set or the new one, whole."""
+    import random
+
+    run = tmp_path / "run"
+    assert run_draco("replay", "run", "--plan", str(planned / "plan.parquet"), "--env",
+                     env_cmd(), "-o", str(run)).returncode == 0
+
+    def args(out, *extra):
+        return ("replay", "correct", "--plan", str(planned / "plan.parquet"), "--labels",
+                str(run / "labels.parquet"), "--rollouts", str(planned / "rollouts.parquet"),
+                "--steps", str(planned / "steps.parquet"), "-o", str(out), *extra)
+
+    refs = {}
+    for name, extra in (("old", ()), ("new", ("--no-correction",))):
+        t0 = time.monotonic()
+        assert run_draco(*args(tmp_path / name, *extra)).returncode == 0
+        refs[name] = {n: pl.read_parquet(tmp_path / name / n) for n in CORRECT_TABLES}
+    duration = time.monotonic() - t0
+    out = tmp_path / "out"
+    assert run_draco(*args(out)).returncode == 0
+    rng = random.Random(7)
+    seen = {"old": 0, "new": 0}
+    deadline = time.monotonic() + 90
+    kills = 0
+    while kills < 8 and time.monotonic() < deadline:
+        p = popen_draco(*args(out, "--no-correction", "--force"))
+        time.sleep(rng.uniform(0.3, 1.1) * duration)
+        p.send_signal(signal.SIGKILL)
+        p.wait(timeout=30)
+        kills += 1
+        if (out / ".draco-publish.json").exists():  # killed between two renames
+            from draco_cli.io import folder_lock, recover_folder
+
+            with folder_lock(out):
+                assert recover_folder(out)
+        assert sorted(x.name for x in out.iterdir() if not x.name.startswith(".")) == \
+            sorted(CORRECT_TABLES)
+        assert len(set_ids(out, CORRECT_TABLES)) == 1
+        got = {n: pl.read_parquet(out / n) for n in CORRECT_TABLES}
+        which = [k for k, ref in refs.items()
+                 if all(got[n].drop("settings", strict=False).equals(
+                     ref[n].drop("settings", strict=False)) for n in CORRECT_TABLES)]
+        assert len(which) == 1, "a mixed set"
+        seen[which[0]] += 1
+        if which[0] == "new":
+            assert run_draco(*args(out, "--force")).returncode == 0
+        assert run_draco("validate", str(out)).returncode == 0
+    print(f"kill -9 outcomes after {kills} kills: {seen}")
+    assert kills >= 3 and seen["old"] >= 1, seen

@@ -320,7 +320,7 @@ def cost(
     r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id",
                                                "train_step"]) if rollouts else None
     per_phase, per_step, projected = cost_audit(pl.concat(frames, how="diagonal_relaxed"), r)
-    from draco_cli.credo_diagnostics import cost_by_category
+    from draco_cli.credo.diagnostics import cost_by_category
 
     rc = [pl.read_parquet(p / "replay_cost.parquet" if p.is_dir() else p)
           for p in (replay_cost or [])]

@@ -14,22 +14,6 @@ app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric 
                   no_args_is_help=True)
 
 
-def _read(path: Path):
-    import polars as pl
-
-    from draco_cli.io import read_arrow
-
-    return pl.from_arrow(read_arrow(path))
-
-
-def _write(df, path: Path, force: bool, metadata: dict | None = None) -> None:
-    from draco_cli.io import atomic_path, check_writable
-
-    check_writable(path, force)
-    with atomic_path(path, force) as tmp:
-        df.write_parquet(tmp)
-
-
 @app.command("plan")
 def plan_cmd(
     positions: Annotated[Path, typer.Option("--positions", help="One row per (rollout_id, step) "
@@ -63,43 +47,17 @@ def plan_cmd(
 
     Example: draco replay plan --positions positions.parquet --budget 5000 --seed 7 -o plan.parquet
     """
-    import polars as pl
+    from draco_cli.ops.replay import plan_replay
 
-    from draco_cli.credo import Heads, plan, rollout_lengths
-
-    pos = _read(positions)
-    lengths = rollout_lengths(_read(steps)) if steps is not None else None
-    version = None
-    if heads is not None:
-        if features is None:
-            raise typer.BadParameter("--heads needs --features")
-        h = Heads.from_json(heads.read_text(), str(heads))
-        F = _features(features, rewards)
-        joined = pos.select("rollout_id", pl.col("step").cast(pl.Int64),
-                            *[c for c in ("score_norm", "cost", "n_steps")
-                              if c in pos.columns]).join(
-            F, on=["rollout_id", "step"], how="left", maintain_order="left")
-        c, e = h.predict(joined)
-        pos = joined.with_columns(pl.Series("prediction", c), pl.Series("error", e))
-        version = h.version
-    result = plan(pos, budget, p_min=p_min, seed=seed, replays=replays, head_version=version,
-                  n_steps=lengths, allocation=allocation)
-    _write(result, out, force)
+    result = plan_replay(positions, budget, out, p_min=p_min, seed=seed, replays=replays,
+                         steps=steps, allocation=allocation, heads=heads, features=features,
+                         rewards=rewards, force=force)
     err_console.print(
         f"{result.height} positions, {int(result['selected'].sum())} selected ({allocation}); "
         f"expected cost "
         f"{result['expected_cost'][0]:.6g} of budget {budget:g}; λ = {result['lambda'][0]:.6g}"
         f"{' (slack: the rest unspent)' if result['lambda'][0] == 0 else ''} → {out}",
         highlight=False)
-
-
-def _features(path: Path, rewards: Optional[Path]):
-    from draco_cli.credo import draco_features
-
-    F = _read(path)
-    if {"p", "f", "quality", "cited", "n_tokens"} <= set(F.columns):
-        return draco_features(F, _read(rewards) if rewards else None)
-    return F
 
 
 @app.command("run")
@@ -126,11 +84,8 @@ def run_cmd(
     Example: draco replay run --plan plan.parquet --env "python examples/chain_env.py serve" -o replays
     """
     from draco_cli.cli.llmrun import progress_bar
-    from draco_cli.replay_run import LOG_NAME, run_replays
+    from draco_cli.ops.replay import run_replay
 
-    target = out / "labels.parquet"
-    if target.exists() and not force:
-        raise typer.BadParameter(f"{target} exists: pass --force to run again")
     with progress_bar("replaying") as bar:
         class _P:  # the progress bar's shape
             failed, cost_usd = 0, 0.0
@@ -140,10 +95,8 @@ def run_cmd(
             p.done, p.total = done, total
             bar(p)
 
-        res = run_replays(_read(plan_path), env, out / LOG_NAME, workers=workers,
-                          replays=replays, replace_other=force, timeout=timeout,
-                          progress=tick)
-    _write(res.costs, out / "replay_cost.parquet", True)
+        res = run_replay(plan_path, env, out, workers=workers, replays=replays,
+                         timeout=timeout, force=force, progress=tick)
     for f in res.failures[:5]:
         err_console.print(f"[red]failed:[/] {f}", highlight=False)
     total = res.costs.height + len(res.failures)
@@ -156,8 +109,8 @@ def run_cmd(
                           "labels written; rerun to retry them (finished ones are kept)",
                           highlight=False)
         raise typer.Exit(1)
-    _write(res.labels, target, True)
-    err_console.print(f"labels → {target}", highlight=False)
+    err_console.print(f"labels → {out / 'labels.parquet'}, cost → "
+                      f"{out / 'replay_cost.parquet'}", highlight=False)
 
 
 @app.command("correct")
@@ -183,30 +136,10 @@ def correct_cmd(
 
     Example: draco replay correct --plan plan.parquet --labels labels.parquet -o credo
     """
-    import polars as pl
+    from draco_cli.ops.replay import correct_replay
 
-    from draco_cli.credo import correct
-
-    from draco_cli.io import require_finite
-
-    r = _read(rollouts) if rollouts else None
-    plan_df, labels_df = _read(plan_path), _read(labels)
-    for df, cols, src in ((plan_df, ("prediction", "p"), plan_path),
-                          (labels_df, ("return",), labels), (r, ("outcome",), rollouts)):
-        if df is not None:
-            require_finite(df, cols, str(src))
-    credit, info = correct(plan_df, labels_df, beta=beta, rollouts=r,
-                           no_correction=no_correction, clip=clip)
-    out.mkdir(parents=True, exist_ok=True)
-    _write(credit.with_columns(pl.lit(json.dumps(info)).alias("settings")),
-           out / "credit.parquet", force)
-    if steps is not None:
-        from draco_cli.credo_tokens import credo_token_advantages
-
-        if r is None:
-            raise typer.BadParameter("--steps needs --rollouts")
-        ta = credo_token_advantages(r, _read(steps), credit, beta)
-        _write(ta, out / "token_advantages.parquet", force)
+    info = correct_replay(plan_path, labels, out, beta=beta, rollouts=rollouts, steps=steps,
+                          no_correction=no_correction, clip=clip, force=force)
     err_console.print(
         f"{info['positions']} positions, {info['selected']} corrected from replay"
         f"{'' if info['correction'] else ' (--no-correction: predictions only)'}; "
@@ -242,31 +175,19 @@ def fit_cmd(
 
     Example: draco replay fit --plan plan.parquet --labels labels.parquet --features credit/step_credit.parquet -o heads.json
     """
-    from draco_cli.credo import fit_heads, fit_with_holdout
-    from draco_cli.io import check_writable, write_text_atomic
+    from draco_cli.ops.replay import fit_replay
 
-    check_writable(out, force)
-    F = _features(features, rewards)
-    P, L = _read(plan_path), _read(labels)
-    if rollouts is not None:
-        h, cal, note = fit_with_holdout(P, L, F, _read(rollouts), ridge, holdout)
-    else:
-        h, cal, note = fit_heads(P, L, F, ridge), None, \
-            "no calibration table: pass --rollouts to hold out tasks for it"
-    write_text_atomic(out, h.to_json(), force=force)
+    res = fit_replay(plan_path, labels, features, out, rewards=rewards, rollouts=rollouts,
+                     ridge=ridge, holdout=holdout, folds=cross_fit, predictions=predictions,
+                     force=force)
+    h = res.heads
     err_console.print(f"{h.version}: {h.rows} labelled positions, features "
                       f"{', '.join(h.features)} → {out}", highlight=False)
-    err_console.print(note, highlight=False)
-    if cal is not None:
-        _print_table(cal, "inverse-inclusion-weighted means per prediction bin")
-    if cross_fit is not None:
-        from draco_cli.credo import cross_fit as cross_fit_heads
-
-        if rollouts is None or predictions is None:
-            raise typer.BadParameter("--cross-fit needs --rollouts (for the folds by task) and "
-                                     "--predictions (where to write them)")
-        cf = cross_fit_heads(P, L, F, _read(rollouts), cross_fit, ridge)
-        _write(cf, predictions, force)
+    err_console.print(res.note, highlight=False)
+    if res.calibration is not None:
+        _print_table(res.calibration, "inverse-inclusion-weighted means per prediction bin")
+    if res.cross_fitted is not None:
+        cf = res.cross_fitted
         err_console.print(f"cross-fitted predictions for {cf.height} positions over "
                           f"{cf['fold'].n_unique()} folds → {predictions}", highlight=False)
 
@@ -301,13 +222,10 @@ def evolve_cmd(
 
     Example: draco replay evolve --plan plan.parquet --labels labels.parquet --rollouts d/rollouts.parquet --baseline sc0.parquet --candidate sc_merge.parquet -o evolve.parquet
     """
-    from draco_cli.credo import evolve
+    from draco_cli.ops.replay import evolve_replay
 
-    cands = {"baseline": _features(baseline, None)}
-    for p in candidate:
-        cands[p.stem] = _features(p, None)
-    scores = evolve(_read(plan_path), _read(labels), _read(rollouts), cands, ridge, holdout)
-    _write(scores, out, force)
+    scores = evolve_replay(plan_path, labels, rollouts, baseline, candidate, out, ridge=ridge,
+                           holdout=holdout, force=force)
     err_console.print(scores)
     best = scores.filter(scores["accepted"])
     err_console.print(f"accepted: {best['candidate'][0]}" if best.height else
@@ -344,29 +262,19 @@ def propose_cmd(
     Example: draco replay propose --plan plan.parquet --labels r/labels.parquet --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --model openai/gpt-4.1 -o evolve
     """
     from draco_cli.cli import llmrun
-    from draco_cli.credo_evolve import evolve_round
-    from draco_cli.io import check_writable
-    from draco_cli.llm import CallLog
+    from draco_cli.ops.replay import propose_replay
 
-    targets = [out / f"{n}.parquet" for n in ("evolve", "rubrics", "verdicts")]
-    for t in targets:
-        check_writable(t, force)
     s = llmrun.settings(model, base_url, concurrency, None, None, timeout, 2, max_cost, prices,
                         False, "off")
-    out.mkdir(parents=True, exist_ok=True)
-    with CallLog(out / "llm_calls.sqlite") as log:
-        client = s.client(log)
-        res = evolve_round(_read(plan_path), _read(labels), _read(rollouts), _read(steps),
-                           _read(rubrics), _read(verdicts), client, max_edits=max_edits,
-                           evidence=evidence, ridge=ridge, holdout=holdout)
-    for df, t in zip((res.scores, res.rubrics, res.verdicts), targets):
-        _write(df, t, True)
+    res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, s,
+                         max_edits=max_edits, evidence=evidence, ridge=ridge, holdout=holdout,
+                         force=force)
     _print_table(res.scores.select("candidate", "held_out_objective", "held_out_mse",
                                    "outcome_auc", "accepted", "error"),
                  "rubric edits on held-out tasks (lower objective is better)")
     for n in res.notes:
         err_console.print(n, highlight=False)
-    for phase, st in client.stats.items():
+    for phase, st in res.llm_stats.items():
         err_console.print(f"LLM {phase}: {st.calls} calls, ${st.cost_usd:.4f}", highlight=False)
     err_console.print(f"accepted: {res.accepted}" if res.accepted else
                       "no edit lowers the held-out objective: the rubric stays", highlight=False)
@@ -393,37 +301,19 @@ def diagnose_cmd(
 
     Example: draco replay diagnose --plan plan.parquet --labels replays/labels.parquet -o diag
     """
-    from draco_cli.credo import Heads
-    from draco_cli.credo_diagnostics import (allocator_calibration, predictor_drift,
-                                             variance_split, weight_tails)
-    from draco_cli.io import write_text_atomic
+    from draco_cli.ops.replay import diagnose_replay
 
-    P = _read(plan_path)
-    report: dict = {"weights": weight_tails(P)}
-    cal = None
-    if labels is not None:
-        L = _read(labels)
-        report["variance_split"] = variance_split(P, L)
-        cal = allocator_calibration(P, L)
-    if heads:
-        if len(heads) != 2 or features is None:
-            raise typer.BadParameter("predictor drift takes --heads OLD --heads NEW and "
-                                     "--features")
-        old, new = (Heads.from_json(h.read_text(), str(h)) for h in heads)
-        report["drift"] = predictor_drift(old, new, _features(features, rewards))
-    if out is not None:
-        out.mkdir(parents=True, exist_ok=True)
-        write_text_atomic(out / "diagnostics.json", json.dumps(report, indent=2), force=force)
-        if cal is not None:
-            _write(cal, out / "allocator_calibration.parquet", force)
-    for section, figures in report.items():
+    d = diagnose_replay(plan_path, labels=labels, heads=heads, features=features,
+                        rewards=rewards, out=out, force=force)
+    for section, figures in d.report.items():
         err_console.print(f"[bold]{section}[/]: " + ", ".join(
             f"{k} {v:.4g}" if isinstance(v, float) else f"{k} {v}"
             for k, v in figures.items()), highlight=False)
-    if cal is not None and cal.height:
-        _print_table(cal, "allocator calibration (inverse-inclusion-weighted means per e bin)")
+    if d.calibration is not None and d.calibration.height:
+        _print_table(d.calibration,
+                     "allocator calibration (inverse-inclusion-weighted means per e bin)")
     if as_json:
-        typer.echo(json.dumps(report))
+        typer.echo(json.dumps(d.report))
 
 
 @app.command("exact-check")
@@ -445,19 +335,17 @@ def exact_check_cmd(
     """
     from rich.table import Table
 
-    from draco_cli.credo_exact import exact_check
+    from draco_cli.ops.replay import biased, exact_check_rows
 
-    rows = exact_check(M=replays, p_min=p_min)
+    Ms = None
     if sweep:
-        from draco_cli.credo_exact import sweep_replays
-
         try:
             Ms = [int(x) for x in sweep.split(",") if x.strip()]
         except ValueError:
             raise typer.BadParameter("--sweep-replays takes integers, e.g. 1,2,4") from None
-        if not Ms or min(Ms) < 1:
+        if not Ms:
             raise typer.BadParameter("--sweep-replays takes positive integers, e.g. 1,2,4")
-        rows += sweep_replays(Ms, p_min)
+    rows = exact_check_rows(replays, p_min, Ms)
     t = Table(title=f"exact enumeration vs analytic gradient dJ/dθ = {rows[0]['gradient']:.10f}"
               f" (cost: expected extra environment actions per original trajectory)",
               title_justify="left", box=None)
@@ -469,7 +357,6 @@ def exact_check_cmd(
     err_console.print(t)
     if as_json:
         typer.echo(json.dumps(rows))
-    bad = [r for r in rows if r["estimator"].startswith("corrected") and r["max_abs_error"] > 1e-9]
-    if bad:
+    if biased(rows):
         err_console.print("[red]a corrected estimator is biased[/]")
         raise typer.Exit(1)

@@ -18,12 +18,12 @@ from __future__ import annotations
 import numpy as np
 import polars as pl
 
+from draco_cli.credo.correction import deltas
 from draco_cli.errors import InputError
 
 
 def _labelled(plan_df: pl.DataFrame, labels: pl.DataFrame) -> pl.DataFrame:
     """Selected positions with Δ, side means, side variances and K per side."""
-    from draco_cli.credo import deltas
 
     d, _ = deltas(plan_df, labels)  # validates labels, refuses incomplete positions
     lab = labels.with_columns(pl.col("step").cast(pl.Int64))

@@ -14,6 +14,8 @@ from draco_cli.token_advantages import _canonical, _list_array, _policy_pairs, t
 
 def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: pl.DataFrame,
                            beta: float = 0.0) -> pl.DataFrame:
+    if "token_start" not in steps.columns:  # optional in the contract: steps laid end to end
+        steps = steps.with_columns(pl.lit(None, pl.Int32).alias("token_start"))
     sa = index_steps(steps.select("rollout_id", "step", "n_tokens", "token_start"), rollouts,
                      "steps")
     a_t = sa.order().join(credit.select("rollout_id", pl.col("step").cast(pl.Int32),

@@ -28,6 +28,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from draco_cli.credo.allocation import allocate
+
 THETA = 0.25
 W = 0.6                                   # how the observation shifts the second decision
 RHO = (0.3, 0.7)                          # P(o1 = 1 | a1)
@@ -147,7 +149,6 @@ def oracle_allocation(trajs, pred, M: int, budget: float, p_min: float):
     """Eq. 10 with the exact e_t and |g_t|, expected cost Σ P(traj)·p_t·ℓ_t = budget, through
     the product allocator: weighting ℓ by P and ‖g‖ by sqrt(P) leaves p_t's formula unchanged
     and turns its budget into an expectation."""
-    from draco_cli.credo import allocate
 
     flat = [pos for traj in trajs for pos in traj]
     w = np.array([pos.prob for pos in flat])

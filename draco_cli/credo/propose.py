@@ -25,6 +25,8 @@ import numpy as np
 import polars as pl
 from pydantic import BaseModel, Field
 
+from draco_cli.credo.evolve import objective
+from draco_cli.credo.heads import draco_features, fit_heads, task_split, training_rows
 from draco_cli.errors import InputError, UsageError
 
 PROMPT_VERSION = "evolve.v1"
@@ -125,18 +127,16 @@ def outcome_auc(rewards: pl.DataFrame, rollouts: pl.DataFrame) -> float | None:
 
 def _features_of(rollouts, steps, verdicts):
     from draco_cli.credit import compute_credit
-    from draco_cli.credo import draco_features
 
     res = compute_credit(rollouts, steps, verdicts.drop("retained", strict=False))
     return draco_features(res.step_credit, res.rewards), res.rewards
 
 
 def _score(plan_df, labels, rollouts, features, train, held, ridge) -> tuple[float, float]:
-    from draco_cli.credo import _training_rows, fit_heads, objective
 
     h = fit_heads(plan_df.filter(pl.col("rollout_id").is_in(list(train))), labels, features,
                   ridge)
-    te = _training_rows(plan_df.filter(pl.col("rollout_id").is_in(list(held))), labels,
+    te = training_rows(plan_df.filter(pl.col("rollout_id").is_in(list(held))), labels,
                         features)
     if "score_norm" in plan_df.columns:
         te = te.join(plan_df.select("rollout_id", pl.col("step").cast(pl.Int64), "score_norm"),
@@ -161,12 +161,11 @@ def proposal_request(rubric_lines: list[str], evidence: list[str], max_edits: in
 
 def _evidence(plan_df, labels, rollouts, steps, verdicts, keyed, features, train, held, ridge,
               n: int) -> list[str]:
-    from draco_cli.credo import _training_rows, fit_heads
     from draco_cli.render import fenced, shorten
 
     h = fit_heads(plan_df.filter(pl.col("rollout_id").is_in(list(train))), labels, features,
                   ridge)
-    te = _training_rows(plan_df.filter(pl.col("rollout_id").is_in(list(held))), labels,
+    te = training_rows(plan_df.filter(pl.col("rollout_id").is_in(list(held))), labels,
                         features)
     c, _ = h.predict(te)
     p = te["p"].to_numpy()
@@ -195,7 +194,6 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
                  max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
                  holdout: float = 0.2, judge_label: str = "judge", progress=None
                  ) -> EvolveResult:
-    from draco_cli.credo import task_split
     from draco_cli.judge import score_rollouts
 
     if max_edits < 1:
