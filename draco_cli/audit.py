@@ -394,8 +394,9 @@ def read_cost_rows(path) -> pl.DataFrame:
                 raise sqlite3.DatabaseError("no calls table")
             conn.create_function("call_key", 1, _call_key, deterministic=True)
             cols = [c for c in COST_COLUMNS if c in have]
-            cur = conn.execute(f"SELECT {', '.join(cols)}, call_key(response) AS call_key "
-                               "FROM calls ORDER BY id")
+            key = "call_key(response)" if "response" in have else "NULL"
+            order = " ORDER BY id" if "id" in have else ""
+            cur = conn.execute(f"SELECT {', '.join(cols)}, {key} AS call_key FROM calls{order}")
             names = [d[0] for d in cur.description]
             parts = []
             while rows := cur.fetchmany(10_000):
@@ -442,8 +443,11 @@ def billed_vs_naive(calls: pl.DataFrame, prices=None) -> pl.DataFrame:
     for t in tok:
         if t not in c.columns:
             c = c.with_columns(pl.lit(0, pl.Int64).alias(t))
-    if "batch_id" not in c.columns:
-        c = c.with_columns(pl.lit(None, pl.String).alias("batch_id"))
+    for col in ("batch_id", "model"):  # a slimmed log: no batches, no known prices
+        if col not in c.columns:
+            c = c.with_columns(pl.lit(None, pl.String).alias(col))
+    if "cost_usd" not in c.columns:
+        c = c.with_columns(pl.lit(None, pl.Float64).alias("cost_usd"))
     c = c.with_row_index("_row").with_columns(
         pl.col(tok).fill_null(0).cast(pl.Int64),
         # a row without a response (older logs) counts as a call of its own
