@@ -1,10 +1,10 @@
 """Billed vs naive cost: what draco pays for rubric writing and k-sample judging against what a
 naive client would (one call per sample, no prompt caching, no batch discount).
 
-    python benchmarks/bench_cost.py [--rollouts 20]
+    python benchmarks/bench_cost.py [--groups 3]
 
 Runs the real commands (`draco rubric generate`, then `draco judge score --samples k`) on a
-slice of the real tau-bench sample against the local protocol server with prompt caching
+slice of the real tau-bench sample (whole groups: the rollouts of a group share a rubric) against the local protocol server with prompt caching
 accounted the way each provider does (``FakeLLMServer(caching=True)``: OpenAI's automatic
 prefix cache, Anthropic's cache_control reads and writes), for openai/gpt-4.1 and
 anthropic/claude-sonnet-4-5 at their list prices (draco_cli/llm/prices.json), k = 1 and 3,
@@ -41,7 +41,8 @@ def main() -> None:
     from tests.conftest import TAU
 
     ap = argparse.ArgumentParser()
-    ap.add_argument("--rollouts", type=int, default=20, help="rollouts of the tau sample")
+    ap.add_argument("--groups", type=int, default=3, help="groups of the tau sample (4 "
+                    "rollouts each)")
     args = ap.parse_args()
     tmp = Path(tempfile.mkdtemp(prefix="bench-cost-"))
     data = tmp / "data"
@@ -50,7 +51,8 @@ def main() -> None:
                                 "-o", str(data)], capture_output=True, cwd=REPO)
     assert res.returncode == 0, res.stderr.decode()
     r = pl.read_parquet(data / "rollouts.parquet")
-    keep = r.head(args.rollouts)
+    groups = r["group_id"].unique(maintain_order=True).head(args.groups)
+    keep = r.filter(pl.col("group_id").is_in(groups.implode()))
     keep.write_parquet(data / "r.parquet")
     pl.read_parquet(data / "steps.parquet").join(keep.select("rollout_id"), on="rollout_id") \
         .write_parquet(data / "s.parquet")
