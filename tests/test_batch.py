@@ -152,8 +152,8 @@ def tau(tmp_path_factory):
 
 
 def test_offline_commands_batch_by_default(tmp_path, tau):
-    """`rubric generate` and `judge score` with no --batch and no --base-url use the batch API;
-    --no-batch answers online; with --base-url they never batch."""
+    """`rubric generate`, `judge score` and `draco run` with no --batch and no --base-url use
+    the batch API; --no-batch answers online; with --base-url they never batch."""
     from tests.test_rubric_judge import KEY, scripted
 
     server = FakeLLMServer(answer=scripted, batch_polls=1).start()
@@ -186,5 +186,11 @@ def test_offline_commands_batch_by_default(tmp_path, tau):
         assert server.hits["batches"] == batches and server.hits["chat"] > chats
         v = pl.read_parquet(tmp_path / "j" / "verdicts_raw.parquet")
         assert v.height > 0
+        # draco run: offline too, so its rubric and judge stages batch by default
+        batches, chats = server.hits["batches"], server.hits["chat"]
+        res = draco("run", "--rollouts", r, "--steps", s, "--model", "openai/m", "-o",
+                    str(tmp_path / "run"))
+        assert res.returncode == 0, res.stderr.decode()
+        assert server.hits["batches"] >= batches + 2 and server.hits["chat"] == chats
     finally:
         server.stop()
