@@ -194,3 +194,14 @@ def test_offline_commands_batch_by_default(tmp_path, tau):
         assert server.hits["batches"] >= batches + 2 and server.hits["chat"] == chats
     finally:
         server.stop()
+
+
+@pytest.mark.parametrize("model", MODELS)
+def test_progress_says_what_a_batch_wait_is_waiting_for(server, tmp_path, model):
+    seen = []
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, model).run([req("r0")], batch=True, poll_seconds=0.01,
+                                       progress=seen.append)
+    notes = [p.note for p in seen if p.note]
+    assert len(notes) == 2 and "a rerun resumes it" in notes[0]  # two polls before it ended
+    assert seen[-1].done == seen[-1].total == 1 and seen[-1].note is None

@@ -79,9 +79,16 @@ async def run_batch(client: Any, provider: Any, requests: list[LLMRequest],
     if todo:
         jobs.append(await _submit(client, provider, requests, todo))
 
+    from draco_cli.llm.client import Progress  # the client imports this module lazily
+
+    total = sum(r.samples for r in requests)
     for batch_id, mapping in jobs:
         state = await retrying(client, lambda: provider.poll_batch(batch_id))
         while not state.ended:
+            if progress is not None:
+                progress(Progress(0, total, 0, client.spent, note=(
+                    f"batch {batch_id} {state.status} ({len(mapping)} requests); polling every "
+                    f"{poll_seconds:g} s, a rerun resumes it")))
             await asyncio.sleep(poll_seconds)
             state = await retrying(client, lambda: provider.poll_batch(batch_id))
         results = await retrying(client, lambda: provider.batch_results(batch_id))

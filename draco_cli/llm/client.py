@@ -53,6 +53,7 @@ class Progress:
     total: int
     failed: int
     cost_usd: float
+    note: str | None = None   # what a long wait is waiting for (a submitted batch)
 
 
 class RateLimiter:
