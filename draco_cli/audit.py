@@ -349,3 +349,146 @@ def read_calls(path) -> pl.DataFrame:
     df = pl.DataFrame(cur.fetchall(), schema=names, orient="row", infer_schema_length=None)
     conn.close()
     return df
+
+
+# --- billed vs naive ----------------------------------------------------------------------
+
+# Rows that carry a paid reply's usage (an http_error or unanswered row paid nothing).
+BILLED_STATUS = ["ok", "invalid", "truncated", "refused"]
+COST_COLUMNS = ["phase", "provider", "model", "status", "input_tokens", "cached_tokens",
+                "cache_write_tokens", "output_tokens", "reasoning_tokens", "cost_usd",
+                "batch_id"]
+
+
+def _call_key(text: str | None) -> int | None:
+    import hashlib
+
+    if text is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big",
+                          signed=True)
+
+
+def read_cost_rows(path) -> pl.DataFrame:
+    """The call log's cost columns and ``call_key`` (one value per HTTP reply: the rows a reply
+    with n choices was split into share it), without loading prompts or responses. SQLite or
+    its Parquet export."""
+    from pathlib import Path
+
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such call log", file=str(p))
+    if p.suffix == ".parquet":
+        df = pl.read_parquet(p)
+        key = pl.col("response").map_elements(_call_key, return_dtype=pl.Int64) \
+            if "response" in df.columns else pl.lit(None, pl.Int64)
+        return df.select([c for c in COST_COLUMNS if c in df.columns]
+                         + [key.alias("call_key")])
+    import sqlite3
+
+    try:
+        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+        try:
+            have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+            if not have:
+                raise sqlite3.DatabaseError("no calls table")
+            conn.create_function("call_key", 1, _call_key, deterministic=True)
+            cols = [c for c in COST_COLUMNS if c in have]
+            key = "call_key(response)" if "response" in have else "NULL"
+            order = " ORDER BY id" if "id" in have else ""
+            cur = conn.execute(f"SELECT {', '.join(cols)}, {key} AS call_key FROM calls{order}")
+            names = [d[0] for d in cur.description]
+            parts = []
+            while rows := cur.fetchmany(10_000):
+                parts.append(pl.DataFrame(rows, schema=names, orient="row",
+                                          infer_schema_length=None))
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"not a draco call log ({exc})", file=str(p)) from None
+    if not parts:
+        return pl.DataFrame(schema={n: pl.Int64 if n == "call_key" else pl.String
+                                    for n in names})
+    return pl.concat(parts, how="diagonal_relaxed")
+
+
+def billed_vs_naive(calls: pl.DataFrame, prices=None) -> pl.DataFrame:
+    """Per phase and in total: the tokens and dollars the call log says were billed, next to
+    what a naive client would have paid for the same answers — one call per sample (no ``n``),
+    every prompt token at the full input price (no prompt caching), no batch discount.
+
+    A reply that answered n samples was logged as n rows sharing its ``call_key`` (or its
+    ``response`` text); its prompt is what each of the naive client's n calls would have sent.
+    Rows of replay/ models and of models missing from the price table are left out of the
+    dollars (``unpriced_rows`` counts them)."""
+    from draco_cli.llm.prices import PriceTable
+
+    prices = prices or PriceTable.load()
+    schema = {"phase": pl.String, "calls": pl.Int64, "naive_calls": pl.Int64,
+              "input_tokens": pl.Int64, "cached_tokens": pl.Int64,
+              "cache_write_tokens": pl.Int64, "output_tokens": pl.Int64,
+              "naive_input_tokens": pl.Int64, "batch_share": pl.Float64,
+              "billed_usd": pl.Float64, "naive_usd": pl.Float64,
+              "billed_over_naive": pl.Float64, "unpriced_rows": pl.Int64}
+    if calls.height == 0 or "status" not in calls.columns:
+        return pl.DataFrame(schema=schema)
+    tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
+    c = calls.filter(pl.col("status").is_in(BILLED_STATUS))
+    if "provider" in c.columns:
+        c = c.filter(pl.col("provider").fill_null("") != "replay")
+    if "call_key" not in c.columns:
+        c = c.with_columns((pl.col("response").map_elements(_call_key, return_dtype=pl.Int64)
+                            if "response" in c.columns else pl.lit(None, pl.Int64))
+                           .alias("call_key"))
+    for t in tok:
+        if t not in c.columns:
+            c = c.with_columns(pl.lit(0, pl.Int64).alias(t))
+    for col in ("batch_id", "model"):  # a slimmed log: no batches, no known prices
+        if col not in c.columns:
+            c = c.with_columns(pl.lit(None, pl.String).alias(col))
+    if "cost_usd" not in c.columns:
+        c = c.with_columns(pl.lit(None, pl.Float64).alias("cost_usd"))
+    c = c.with_row_index("_row").with_columns(
+        pl.col(tok).fill_null(0).cast(pl.Int64),
+        # a row without a response (older logs) counts as a call of its own
+        pl.coalesce(pl.col("call_key"), -pl.col("_row").cast(pl.Int64) - 1).alias("_call"))
+    c = c.with_columns((pl.col("input_tokens") + pl.col("cached_tokens")
+                        + pl.col("cache_write_tokens")).sum().over("_call").alias("_prompt"))
+    models = c["model"].unique().drop_nulls().to_list()
+    table = pl.DataFrame(
+        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
+         for m in models for p in [prices.price(m)]],
+        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
+    c = c.join(table, on="model", how="left").with_columns(
+        ((pl.col("_prompt") * pl.col("_p_in") + pl.col("output_tokens") * pl.col("_p_out"))
+         / 1e6).alias("_naive"),
+        pl.col("_p_in").is_null().alias("_unpriced"))
+
+    def agg(frame: pl.DataFrame, phase: str) -> dict:
+        priced = frame.filter(~pl.col("_unpriced"))
+        billed = float(priced["cost_usd"].fill_null(0.0).sum()) if priced.height else None
+        naive = float(priced["_naive"].sum()) if priced.height else None
+        return {"phase": phase, "calls": frame["_call"].n_unique(), "naive_calls": frame.height,
+                **{t: int(frame[t].sum()) for t in tok},
+                "naive_input_tokens": int(frame["_prompt"].sum()),
+                "batch_share": float(frame["batch_id"].is_not_null().mean())
+                if frame.height else None,
+                "billed_usd": billed, "naive_usd": naive,
+                "billed_over_naive": billed / naive if billed is not None and naive else None,
+                "unpriced_rows": int(frame["_unpriced"].sum())}
+
+    rows = [agg(c.filter(pl.col("phase") == ph), ph)
+            for ph in sorted(c["phase"].drop_nulls().unique().to_list())]
+    if c.height:
+        rows.append(agg(c, "all"))
+    return pl.DataFrame(rows, schema=schema)
+
+
+def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = None,
+                    steps: pl.DataFrame | None = None,
+                    replay_costs: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Cost by category (original, replay, reconstruction, judge, rubric writing, candidate
+    scoring, environment calls): the one function `audit cost` and the report share."""
+    from draco_cli.credo_diagnostics import cost_by_category
+
+    return cost_by_category(calls, rollouts, steps, replay_costs)

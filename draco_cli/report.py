@@ -613,7 +613,48 @@ def _cost(runs: list[Run], con) -> str:
     table = c.group_by("phase").agg(pl.col("calls").sum(), pl.col("cost_usd").sum()).sort(
         "phase")
     return (_fig_html(fig) + "<p>Calls and dollars per phase, all steps:</p>"
-            + _table(table, {"cost_usd": ".4f"}))
+            + _table(table, {"cost_usd": ".4f"}) + _cost_breakdown(runs, con))
+
+
+def _cost_breakdown(runs: list[Run], con) -> str:
+    """Cost by category and billed vs a naive client, all steps: the tables of `draco audit
+    cost` (the same library functions), read from the call logs' cost columns only."""
+    from draco_cli.audit import billed_vs_naive, cost_categories, read_cost_rows
+    from draco_cli.runfolder import RunFolder
+    from draco_cli.sql import CALL_LOG
+
+    frames = []
+    for r in runs:
+        log = RunFolder.open(r.dir).call_log if RunFolder.is_run_folder(r.dir) \
+            else r.dir / CALL_LOG
+        if Path(log).exists():
+            frames.append(read_cost_rows(log))
+    if not frames:
+        return ""
+    calls = pl.concat(frames, how="diagonal_relaxed")
+    views = _views(con)
+    rollouts = _frame(con, "SELECT rollout_id, response_len FROM rollouts") \
+        if "rollouts" in views and "response_len" in _frame(
+            con, "DESCRIBE rollouts")["column_name"].to_list() else None
+    steps = _frame(con, "SELECT n_tokens FROM steps") if "steps" in views and "n_tokens" in \
+        _frame(con, "DESCRIBE steps")["column_name"].to_list() else None
+    by_cat = cost_categories(calls, rollouts, steps)
+    naive = billed_vs_naive(calls)
+    out = ("<h3 id='cost-category'>Cost by category</h3><p class='note'>Original = the "
+           "rollouts' own response tokens and environment actions; the LLM rows are draco's "
+           "calls by what they were for.</p>" + _table(by_cat, {"cost_usd": ".4f"}))
+    if naive.height:
+        total = naive.filter(pl.col("phase") == "all").to_dicts()[0]
+        ratio = total["billed_over_naive"]
+        out += ("<h3 id='cost-naive'>Billed vs a naive client</h3><p class='note'>A naive "
+                "client makes one call per sample, with no prompt caching and no batch "
+                "discount, paying every prompt token at the full input price"
+                + (f"; draco paid <b>{ratio:.3f}×</b> of that." if ratio is not None else
+                   " (unpriced model: tokens only).") + "</p>"
+                + _table(naive, {"billed_usd": ".4f", "naive_usd": ".4f",
+                                 "billed_over_naive": ".3f", "batch_share": ".2f"},
+                         cls="naive"))
+    return out
 
 
 CSS = """

@@ -287,6 +287,9 @@ def cost(
         "repeatable. Adds replay and reconstruction rows to the cost by category.")] = None,
     steps: Annotated[Optional[Path], typer.Option(
         "--steps", help="steps.parquet: the original rollouts' actions and tokens.")] = None,
+    prices: Annotated[Optional[Path], typer.Option(
+        help="Price table JSON for the naive client's dollars (default: the shipped one).")]
+    = None,
     fmt: Format = None,
     as_json: Json = False,
     force: Force = False,
@@ -294,7 +297,9 @@ def cost(
     """Calls, tokens and dollars per phase and per train step, and the projection per 100
     training steps → OUT/cost_phase.parquet, OUT/cost_step.parquet; cost by category
     (original, replay, reconstruction, judge, rubric writing, candidate scoring: tokens,
-    environment actions, dollars) → OUT/cost_category.parquet.
+    environment actions, dollars) → OUT/cost_category.parquet; billed tokens and dollars next
+    to a naive client's (one call per sample, no prompt caching, no batch discount) →
+    OUT/cost_naive.parquet.
 
     Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
@@ -329,13 +334,18 @@ def cost(
     by_cat = cost_by_category(pl.concat(frames, how="diagonal_relaxed"), r_full,
                               pl.read_parquet(steps) if steps else None,
                               pl.concat(rc, how="diagonal_relaxed") if rc else None)
-    _write(out, {"cost_phase": per_phase, "cost_step": per_step, "cost_category": by_cat},
-           force)
+    from draco_cli.audit import billed_vs_naive
+    from draco_cli.llm.prices import PriceTable
+
+    naive = billed_vs_naive(pl.concat(frames, how="diagonal_relaxed"), PriceTable.load(prices))
+    _write(out, {"cost_phase": per_phase, "cost_step": per_step, "cost_category": by_cat,
+                 "cost_naive": naive}, force)
     total = float(per_phase["cost_usd"].sum()) if per_phase.height else 0.0
-    emit(Report([("cost by category", by_cat), ("cost per phase", per_phase)]
+    emit(Report([("cost by category", by_cat), ("cost per phase", per_phase),
+                 ("billed vs a naive client (k calls, no caching, no batch)", naive)]
                 + ([("cost per train step", per_step)] if per_step.height else []),
                 document={"per_phase": per_phase.to_dicts(), "per_step": per_step.to_dicts(),
-                          "by_category": by_cat.to_dicts(),
+                          "by_category": by_cat.to_dicts(), "billed_vs_naive": naive.to_dicts(),
                           "total_usd": total, "projected_usd_per_100_steps": projected},
                 lines=[f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
                                                 if projected is not None else "")]),

@@ -81,6 +81,9 @@ def mock_server(
 ) -> None:
     """Serve the OpenAI and Anthropic protocols locally with answers made from each request's
     own JSON schema: for testing a draco setup (or your CI) offline, with no key and no cost.
+    Tokens are counted from each request, and prompt caching is accounted as each provider
+    does (OpenAI's automatic prefix cache, Anthropic's cache_control reads and writes); batches
+    end at their first poll.
 
     Example: draco llm mock-server --port 8000 & draco llm check --model openai/mock --base-url http://127.0.0.1:8000/v1
     """
@@ -88,7 +91,8 @@ def mock_server(
 
     from draco_cli.llm.mockserver import FakeLLMServer, schema_answer
 
-    server = FakeLLMServer(answer=schema_answer, latency=latency).start(host, port)
+    server = FakeLLMServer(answer=schema_answer, latency=latency, caching=True,
+                           batch_polls=1).start(host, port)
     err_console.print(f"mock LLM server on http://{host}:{server.port}/v1 (OpenAI) and "
                       f"http://{host}:{server.port} (Anthropic); Ctrl-C stops it",
                       highlight=False)

@@ -49,7 +49,8 @@ def progress_bar(label: str) -> Iterator:
             key = p.total
             if key not in tasks:
                 tasks[key] = bar.add_task(label, total=p.total, failed=0, cost=0.0)
-            bar.update(tasks[key], completed=p.done, failed=p.failed, cost=p.cost_usd)
+            bar.update(tasks[key], completed=p.done, failed=p.failed, cost=p.cost_usd,
+                       description=f"{label}: {p.note}" if getattr(p, "note", None) else label)
 
         yield update
 

@@ -46,8 +46,10 @@ MaxCost = Annotated[Optional[float], typer.Option(
     help="Stop issuing calls once this many USD are spent; rerun to resume.")]
 Prices = Annotated[Optional[Path], typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).")]
-Batch = Annotated[bool, typer.Option(
-    "--batch", help="Use the provider's batch API (half price, hours); resumable.")]
+Batch = Annotated[Optional[bool], typer.Option(
+    "--batch/--no-batch", help="The provider's batch API (half price, answers within hours; "
+    "resumable). Default: on for openai/ and anthropic/ hosted APIs, off with --base-url "
+    "(self-hosted servers rarely have one).")]
 Thinking = Annotated[Literal["on", "off"], typer.Option(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
     "enable_thinking on vLLM/SGLang).")]

@@ -94,7 +94,7 @@ def run(
         "call log (default: the cluster's CPUs).")] = None,
     base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
-    prices: Prices = None, batch: Batch = False, thinking: Thinking = "off",
+    prices: Prices = None, batch: Batch = None, thinking: Thinking = "off",
     max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
     redact: Redact = None, no_default_redact: NoDefaultRedact = False,
     structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",

@@ -2,50 +2,73 @@
 
 What the call log already answers is not sent. A submitted batch is recorded in the log with
 the map from its custom ids to requests before polling starts, so a rerun after a kill polls
-the same batch instead of paying for a second one. Answers go through the same validation as
-online calls; re-asks for invalid answers are made online.
+the same batch instead of paying for a second one. Every exchange with the batch API (upload,
+create, poll, results) is retried like a single call: a transient failure (429, 5xx, timeout,
+dropped connection) waits and tries again, a rejected request ends as one line naming the
+server's reason. Answers go through the same validation as online calls; invalid answers and
+samples a line lacks (fewer choices than asked) are re-asked online, one sample per call.
+
+Only the public faces of the client and the provider are used here: the provider's batch
+methods (``Provider.submit_batch`` and friends) and the client's ``recorded``, ``account``,
+``settle`` and ``unanswered``.
 """
 
 from __future__ import annotations
 
 import asyncio
-import json
+import random
+from collections.abc import Awaitable, Callable
+from typing import Any, TypeVar
 
 from draco_cli.llm.errors import LLMError
-from draco_cli.llm.providers import AnthropicProvider, OpenAIProvider, anthropic_choice, \
-    anthropic_usage, openai_reply
-from draco_cli.llm.types import Answer, LLMRequest, Reply, Usage
+from draco_cli.llm.keys import scrub
+from draco_cli.llm.providers import RequestRejected, Retryable
+from draco_cli.llm.types import Answer, LLMRequest
+
+T = TypeVar("T")
 
 
-async def run_batch(client, provider, requests: list[LLMRequest], poll_seconds: float,
-                    progress) -> list[list[Answer]]:
-    if not isinstance(provider, (OpenAIProvider, AnthropicProvider)):
+async def retrying(client: Any, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()`` under the client's retry policy (``max_retries``, ``backoff_base``,
+    ``backoff_cap``, Retry-After honoured): the same policy as a single call's."""
+    attempt = 0
+    while True:
+        try:
+            return await call()
+        except RequestRejected as exc:
+            raise LLMError(f"{exc} (a server without a batch API? drop --batch, or pass "
+                           "--no-batch)" if exc.status in (404, 405) else str(exc)) from None
+        except Retryable as exc:
+            limit = 2 if exc.kind == "refused" else client.max_retries
+            if attempt >= limit:
+                where = f" at {client.base_url}" if client.base_url else ""
+                raise LLMError(f"{client.model}{where}: batch API: giving up after "
+                               f"{attempt + 1} attempts ({scrub(str(exc))})") from None
+            delay = exc.retry_after if exc.retry_after is not None else min(
+                client.backoff_cap, client.backoff_base * 2 ** attempt)
+            attempt += 1
+            await asyncio.sleep(delay * random.uniform(1.0, 1.25))
+
+
+async def run_batch(client: Any, provider: Any, requests: list[LLMRequest],
+                    poll_seconds: float, progress: Any) -> list[list[Answer]]:
+    if not provider.offers_batch:
         raise LLMError(f"{client.model}: no batch API for this provider; drop --batch")
     model = client.model
-    tick = client._ticker(requests, progress)
-    answers: list[list[Answer | None]] = [[None] * r.samples for r in requests]
-    by_hash: dict[str, int] = {}
+    tick = client.ticker(requests, progress)
+    answers: list[list[Answer | None]] = [client.recorded(r) for r in requests]
+    by_hash = {req.hash(0, model): k for k, req in enumerate(requests)}
     todo: list[tuple[int, list[int]]] = []
-    for k, req in enumerate(requests):
-        missing = []
-        for i in range(req.samples):
-            hit = client._cache.get((req.hash(i, model), i))
-            if hit is not None:
-                answers[k][i] = Answer(i, "ok", req.answer_model.model_validate_json(hit.parsed),
-                                       text=hit.answer_text, cached=True)
-                client.stats[req.phase].cached += 1
-            else:
-                missing.append(i)
-        by_hash[req.hash(0, model)] = k
+    for k, row in enumerate(answers):
+        missing = [i for i, a in enumerate(row) if a is None]
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
             todo += [(k, g) for g in groups]
 
-    phases = sorted({r.phase for r in requests})
     covered: set[tuple[int, int]] = set()
-    jobs = []
+    jobs: list[tuple[str, dict[str, tuple[int, list[int]]]]] = []
     # Resume batches a killed run already paid for.
-    for phase in phases:
+    for phase in sorted({r.phase for r in requests}):
         for batch_id, mapping in client.log.pending_batches(provider.name, model, phase):
             resolved = {cid: (by_hash[h], samples) for cid, (h, samples) in mapping.items()
                         if h in by_hash}
@@ -56,95 +79,50 @@ async def run_batch(client, provider, requests: list[LLMRequest], poll_seconds: 
     if todo:
         jobs.append(await _submit(client, provider, requests, todo))
 
+    from draco_cli.llm.client import Progress  # the client imports this module lazily
+
+    total = sum(r.samples for r in requests)
     for batch_id, mapping in jobs:
-        results = await _collect(provider, batch_id, poll_seconds)
+        state = await retrying(client, lambda: provider.poll_batch(batch_id))
+        while not state.ended:
+            if progress is not None:
+                progress(Progress(0, total, 0, client.spent, note=(
+                    f"batch {batch_id} {state.status} ({len(mapping)} requests); polling every "
+                    f"{poll_seconds:g} s, a rerun resumes it")))
+            await asyncio.sleep(poll_seconds)
+            state = await retrying(client, lambda: provider.poll_batch(batch_id))
+        results = await retrying(client, lambda: provider.batch_results(batch_id))
         for cid, (k, samples) in mapping.items():
             req = requests[k]
-            stats = client.stats[req.phase]
-            entry = results.get(cid)
-            if entry is None:
-                for i in samples:
-                    answers[k][i] = client._final_unanswered(
-                        req, i, f"batch {batch_id}: no result for {cid}", Usage(), 0.0, 0)
+            reply = results.get(cid)
+            if reply is None:
+                for i in samples:  # errored or expired line: a rerun asks it again
+                    answers[k][i] = client.unanswered(
+                        req, i, f"batch {batch_id} ({state.status}): no result for line {cid}")
                 continue
-            reply, request_body = entry
-            stats.calls += 1
-            stats.usage = stats.usage + reply.usage
-            cost = client._cost_of(reply)
-            stats.cost_usd += cost
-            client.spent += cost
-            share = 1.0 / max(len(reply.choices), 1)
-            for i, choice in zip(samples, reply.choices):
-                answers[k][i] = await client._settle(provider, req, i, choice, reply, share)
-            for i in samples[len(reply.choices):]:
-                answers[k][i] = client._unanswered(req, i, "fewer choices than asked", reply,
-                                                   share, 0)
+            reply.request_body = provider.batch_request(req, samples)
+            client.account(req, reply)
+            for a in await client.settle(provider, req, samples, reply):
+                answers[k][a.sample] = a
         client.log.finish_batch(batch_id)
-    out = [[a for a in row] for row in answers]
+    out = [[a for a in row if a is not None] for row in answers]
     for row in out:
         tick(row)
-    return out  # type: ignore[return-value]
+    return out
 
 
-async def _submit(client, provider, requests, todo) -> tuple[str, dict]:
-    lines, mapping, record = [], {}, {}
+async def _submit(client: Any, provider: Any, requests: list[LLMRequest],
+                  todo: list[tuple[int, list[int]]]) -> tuple[str, dict]:
+    lines: dict[str, dict] = {}
+    mapping: dict[str, tuple[int, list[int]]] = {}
+    record: dict[str, tuple[str, list[int]]] = {}
     for n, (k, samples) in enumerate(todo):
         req = requests[k]
         cid = f"r{n}"
-        body = provider.body(req, req.messages, len(samples))
-        body.update(body.pop("extra_body", {}))  # SDK-only key: in a batch file it is the body
-        lines.append(body)
+        lines[cid] = provider.batch_request(req, samples)
         mapping[cid] = (k, samples)
         record[cid] = (req.hash(0, client.model), samples)
-    if isinstance(provider, OpenAIProvider):
-        payload = "\n".join(json.dumps({"custom_id": cid, "method": "POST",
-                                        "url": "/v1/chat/completions", "body": b})
-                            for cid, b in zip(mapping, lines)) + "\n"
-        f = await provider.client.files.create(file=("draco-batch.jsonl", payload.encode()),
-                                               purpose="batch")
-        batch = await provider.client.batches.create(
-            input_file_id=f.id, endpoint="/v1/chat/completions", completion_window="24h")
-    else:
-        batch = await provider.client.messages.batches.create(
-            requests=[{"custom_id": cid, "params": b} for cid, b in zip(mapping, lines)])
+    batch_id = await retrying(client, lambda: provider.submit_batch(lines))
     phase = requests[todo[0][0]].phase
-    client.log.record_batch(batch.id, provider.name, client.model, phase, record)
-    return batch.id, mapping
-
-
-async def _collect(provider, batch_id: str, poll_seconds: float) -> dict[str, tuple[Reply, dict]]:
-    """Poll until the batch ends; return custom_id -> (reply, request body)."""
-    out: dict[str, tuple[Reply, dict]] = {}
-    if isinstance(provider, OpenAIProvider):
-        while True:
-            b = await provider.client.batches.retrieve(batch_id)
-            if b.status in ("completed", "failed", "expired", "cancelled"):
-                break
-            await asyncio.sleep(poll_seconds)
-        if b.status != "completed" or not b.output_file_id:
-            raise LLMError(f"batch {batch_id} ended as {b.status}; rerun without --batch to "
-                           "answer the rest online")
-        content = await provider.client.files.content(b.output_file_id)
-        for line in content.text.splitlines():
-            if not line.strip():
-                continue
-            item = json.loads(line)
-            resp = item.get("response") or {}
-            if resp.get("status_code") == 200:
-                out[item["custom_id"]] = (openai_reply(resp["body"], {}, batch_id), {})
-        return out
-    while True:
-        b = await provider.client.messages.batches.retrieve(batch_id)
-        if b.processing_status == "ended":
-            break
-        await asyncio.sleep(poll_seconds)
-    results = await provider.client.messages.batches.results(batch_id)
-    async for entry in results:
-        data = entry.model_dump(mode="json")
-        result = data.get("result") or {}
-        if result.get("type") == "succeeded":
-            message = result["message"]
-            reply = Reply([anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
-                          {}, message, 0.0, batch_id)
-            out[data["custom_id"]] = (reply, {})
-    return out  # errored or expired entries are absent: those samples end unanswered
+    client.log.record_batch(batch_id, provider.name, client.model, phase, record)
+    return batch_id, mapping

@@ -96,6 +96,24 @@ def _bad(path: Path, why: str):
     return InputError(f"{why}: {RECOVER}", file=str(path))
 
 
+def _write_failed(path: Path, exc: BaseException) -> BaseException:
+    """SQLite's own write failures ("database or disk is full", a read-only or locked file) as
+    one line naming the call log; anything else is passed through unchanged."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return exc
+    from draco_cli.errors import DracoError
+
+    name = getattr(exc, "sqlite_errorname", "")
+    if name == "SQLITE_FULL" or "disk is full" in str(exc):
+        why = ("database or disk is full (free space and rerun: the calls already in the log "
+               "are kept and not paid for again)")
+    elif name.startswith("SQLITE_READONLY") or "readonly" in str(exc):
+        why = "the file or its folder is read-only"
+    else:
+        why = str(exc)
+    return DracoError(f"{path}: cannot write the call log: {why}")
+
+
 def _check_file(path: Path) -> None:
     """Refuse, naming the file and how to recover, anything that is not a whole call log:
     draco never silently starts over on a damaged log (that would pay for every call again)."""
@@ -113,8 +131,12 @@ def _check_file(path: Path) -> None:
     page = int.from_bytes(head[16:18], "big")
     page = 65536 if page == 1 else page
     pages = int.from_bytes(head[28:32], "big")
-    # The header's page count is valid when its version counter matches the change counter.
-    if head[92:96] == head[24:28] and pages and size < page * pages:
+    # The header's page count is valid when its version counter matches the change counter,
+    # and only without a write-ahead log: a checkpoint cut short (a full disk) leaves page 1
+    # written and the file short while every frame is still in the WAL.
+    wal = path.with_name(path.name + "-wal")
+    in_wal = wal.exists() and wal.stat().st_size > 0
+    if head[92:96] == head[24:28] and pages and size < page * pages and not in_wal:
         raise _bad(path, f"truncated call log ({size} bytes, its header says {page * pages})")
 
 
@@ -155,6 +177,9 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
                 conn.execute("ALTER TABLE calls ADD COLUMN endpoint TEXT")
             # v1 (unstamped) -> 2: the same tables; stamping the version is the migration.
             conn.execute(f"PRAGMA user_version = {SCHEMA_VERSION}")
+        except sqlite3.OperationalError as exc:
+            conn.close()
+            raise _write_failed(path, exc) from None
         except sqlite3.DatabaseError as exc:
             conn.close()
             raise _bad(path, f"corrupt call log ({exc})") from None
@@ -194,16 +219,22 @@ class CallLog:
     def record_batch(self, batch_id: str, provider: str, model: str, phase: str,
                      request_map: dict) -> None:
         self.flush()
-        with self._conn:
-            self._conn.execute(
-                "INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, 'submitted', ?, ?)",
-                (batch_id, provider, model, phase, json.dumps(request_map), _now()))
+        try:
+            with self._conn:
+                self._conn.execute(
+                    "INSERT OR REPLACE INTO batches VALUES (?, ?, ?, ?, 'submitted', ?, ?)",
+                    (batch_id, provider, model, phase, json.dumps(request_map), _now()))
+        except sqlite3.OperationalError as exc:
+            raise _write_failed(self.path, exc) from None
 
     def finish_batch(self, batch_id: str) -> None:
         self.flush()
-        with self._conn:
-            self._conn.execute("UPDATE batches SET status = 'done' WHERE batch_id = ?",
-                               (batch_id,))
+        try:
+            with self._conn:
+                self._conn.execute("UPDATE batches SET status = 'done' WHERE batch_id = ?",
+                                   (batch_id,))
+        except sqlite3.OperationalError as exc:
+            raise _write_failed(self.path, exc) from None
 
     def pending_batches(self, provider: str, model: str, phase: str) -> list[tuple[str, dict]]:
         rows = self._conn.execute(
@@ -232,7 +263,7 @@ class CallLog:
                     with self._conn:
                         self._conn.executemany(sql, pending)
                 except BaseException as exc:  # surfaced to the next record()/flush()
-                    self._error = exc
+                    self._error = _write_failed(self.path, exc)
                 pending = []
                 last = time.monotonic()
             for w in waiters:

@@ -53,6 +53,7 @@ class Progress:
     total: int
     failed: int
     cost_usd: float
+    note: str | None = None   # what a long wait is waiting for (a submitted batch)
 
 
 class RateLimiter:
@@ -157,7 +158,7 @@ class LLMClient:
     # -- public ----------------------------------------------------------------------------
 
     def run(self, requests: list[LLMRequest],
-            progress: Callable[[Progress], None] | None = None, batch: bool = False,
+            progress: Callable[[Progress], None] | None = None, batch: bool | None = False,
             poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request (blocking); see ``arun``."""
         return asyncio.run(self.arun(requests, progress, batch, poll_seconds))
@@ -198,14 +199,15 @@ class LLMClient:
 
     async def arun(self, requests: list[LLMRequest],
                    progress: Callable[[Progress], None] | None = None,
-                   batch: bool = False, poll_seconds: float = 30.0) -> list[list[Answer]]:
+                   batch: bool | None = False, poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request. ``batch=True`` sends what the call log does not already hold
-        through the provider's batch API (half price; resumable by batch id)."""
+        through the provider's batch API (half price; resumable by batch id); ``None`` does so
+        where ``batches_by_default`` says (the offline commands)."""
         shared = self._shared
         provider = shared if shared is not None else self._open()
         requests = [self._with_defaults(r) for r in requests]
         try:
-            if batch:
+            if batch or (batch is None and self.batches_by_default(provider)):
                 from draco_cli.llm.batch import run_batch
 
                 return await run_batch(self, provider, requests, poll_seconds, progress)
@@ -216,6 +218,68 @@ class LLMClient:
             if shared is None:
                 await provider.close()
                 self.log.flush()
+
+    # -- the batch path's view of the client (llm/batch.py): the same cache, bookkeeping,
+    # validation and re-asks as online calls, through public methods -----------------------
+
+    def batches_by_default(self, provider) -> bool:
+        """Whether an offline command (``--batch`` left unset) uses the batch API: only a
+        hosted API that has one (openai/, anthropic/), never a self-hosted or other server
+        named by --base-url or DRACO_BASE_URL (most OpenAI-compatible servers have no batch
+        endpoint), a fleet, or replay/."""
+        hosted = (self.base_url or os.environ.get("DRACO_BASE_URL")) is None
+        return hosted and bool(getattr(provider, "offers_batch", False))
+
+    def recorded(self, req: LLMRequest) -> list[Answer | None]:
+        """Per sample of ``req``: its valid answer from the call log, or None (to be asked)."""
+        req = self._with_defaults(req)
+        out: list[Answer | None] = []
+        for i in range(req.samples):
+            hit = self._cache.get((req.hash(i, self.model), i))
+            value = None
+            if hit is not None:
+                try:
+                    value = req.answer_model.model_validate_json(hit.parsed)
+                except ValidationError:
+                    value = None
+                if value is not None and req.problem(value) is not None:
+                    value = None
+            if value is not None:
+                self.stats[req.phase].cached += 1
+                out.append(Answer(i, "ok", value, text=hit.answer_text, cached=True))
+            else:
+                out.append(None)
+        return out
+
+    def ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
+        return self._ticker(requests, progress)
+
+    def account(self, req: LLMRequest, reply: Reply) -> None:
+        """Count one paid HTTP reply (a batch line) in the phase's calls, tokens and dollars."""
+        stats = self.stats[req.phase]
+        stats.priced = self.priced
+        stats.calls += 1
+        stats.usage = stats.usage + reply.usage
+        cost = self._cost_of(reply)
+        stats.cost_usd += cost
+        self.spent += cost
+
+    async def settle(self, provider, req: LLMRequest, samples: list[int],
+                     reply: Reply) -> list[Answer]:
+        """Validate a reply's choices for ``samples`` as an online reply's are: invalid answers
+        re-asked, samples the reply lacks (fewer choices than asked) asked again one per call."""
+        req = self._with_defaults(req)
+        share = 1.0 / max(len(reply.choices), 1)
+        out = [await self._settle(provider, req, i, choice, reply, share)
+               for i, choice in zip(samples, reply.choices)]
+        for group in await asyncio.gather(*(self._ask(provider, req, [i])
+                                            for i in samples[len(reply.choices):])):
+            out += group
+        return out
+
+    def unanswered(self, req: LLMRequest, sample: int, reason: str) -> Answer:
+        """Record ``sample`` of ``req`` as unanswered (asked again by a rerun)."""
+        return self._final_unanswered(self._with_defaults(req), sample, reason, Usage(), 0.0, 0)
 
     def _ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
         total = sum(r.samples for r in requests)

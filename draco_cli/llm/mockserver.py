@@ -9,7 +9,9 @@ with a minimal instance of the request's own JSON schema (``schema_answer``), so
 from __future__ import annotations
 
 import asyncio
+import hashlib
 import json
+import re
 import threading
 import time
 import uuid
@@ -86,10 +88,121 @@ def schema_answer(body: dict, index: int) -> str:
     return json.dumps(instance(schema, index) if schema else {})
 
 
+_TOKEN = re.compile(r"\w+|[^\w\s]")
+
+
+def count_tokens(text: str) -> list[str]:
+    """The mock's tokenizer: a word or a punctuation mark is one token (real tokenizers give
+    the same order of magnitude on English and JSON)."""
+    return _TOKEN.findall(text)
+
+
+class PrefixCache:
+    """Prompt caching as the providers account it, over the mock's tokens.
+
+    OpenAI (automatic): a prompt of at least 1024 tokens is cached by prefix; a later prompt
+    sharing a prefix reads the longest cached one, in steps of 128 tokens past the first 1024
+    (1024, 1152, ...); ``cached_tokens`` are part of ``prompt_tokens``; writing costs nothing.
+
+    Anthropic (``cache_control``): the prefix up to each marked block is a cache entry once it
+    is at least the model's minimum (1024 tokens for Sonnet/Opus); a request reads the longest
+    marked prefix already cached (``cache_read_input_tokens``), writes the part between that
+    and its last marked block (``cache_creation_input_tokens``), and pays ``input_tokens`` for
+    the rest (input_tokens exclude both). Entries live as long as the server (real caches
+    expire after 5 minutes unused; a run's calls come closer together than that)."""
+
+    def __init__(self, minimum: int = 1024, step: int = 128) -> None:
+        self.minimum, self.step = minimum, step
+        self.seen: set[str] = set()
+
+    @staticmethod
+    def _hashes(tokens: list[str], cuts: list[int]) -> dict[int, str]:
+        h, at, out = hashlib.sha1(), 0, {}
+        for cut in sorted(set(cuts)):
+            h.update("\x00".join(tokens[at:cut]).encode() + b"\x01")
+            at = cut
+            out[cut] = h.copy().hexdigest()
+        return out
+
+    def openai(self, tokens: list[str]) -> int:
+        """Cached tokens of this prompt; the prompt's prefixes are cached for later ones."""
+        if len(tokens) < self.minimum:
+            return 0
+        cuts = list(range(self.minimum, len(tokens) + 1, self.step))
+        hashes = self._hashes(tokens, cuts)
+        hit = max((c for c in cuts if hashes[c] in self.seen), default=0)
+        self.seen.update(hashes.values())
+        return hit
+
+    def anthropic(self, tokens: list[str], marks: list[int]) -> tuple[int, int]:
+        """(cache read, cache write) tokens for a prompt with cache_control marks ending at
+        ``marks`` (token positions)."""
+        marks = [m for m in marks if m >= self.minimum]
+        if not marks:
+            return 0, 0
+        hashes = self._hashes(tokens, marks)
+        read = max((m for m in marks if hashes[m] in self.seen), default=0)
+        last = max(marks)
+        self.seen.update(hashes.values())
+        return read, last - read
+
+
+def _text_of(content) -> list[tuple[str, bool]]:
+    """(text, cache_control marked) per block of an Anthropic content field."""
+    if isinstance(content, str):
+        return [(content, False)]
+    out = []
+    for b in content or []:
+        text = b.get("text") if b.get("type") == "text" else json.dumps(b, sort_keys=True)
+        out.append((text or "", bool(b.get("cache_control"))))
+    return out
+
+
+def openai_prompt(body: dict) -> list[str]:
+    """The prompt's tokens in the order they are cached: the answer schema (a stable part of
+    the prefix), then the messages."""
+    schema = _schema_of(body)
+    head = json.dumps(schema, sort_keys=True) if schema else ""
+    parts = [head] + [f"{m.get('role')}: {json.dumps(m.get('content'))}"
+                      for m in body.get("messages") or []]
+    return count_tokens("\n".join(parts))
+
+
+def anthropic_prompt(body: dict) -> tuple[list[str], list[int]]:
+    """Tokens in Anthropic's cache order (tools, system, messages) and the positions where a
+    block with cache_control ends."""
+    blocks: list[tuple[str, bool]] = []
+    for tool in body.get("tools") or []:
+        blocks.append((json.dumps(tool, sort_keys=True), bool(tool.get("cache_control"))))
+    fmt = (body.get("output_config") or {}).get("format")
+    if fmt:
+        blocks.append((json.dumps(fmt, sort_keys=True), False))
+    blocks += _text_of(body.get("system"))
+    for m in body.get("messages") or []:
+        blocks.append((f"{m.get('role')}:", False))
+        blocks += _text_of(m.get("content"))
+    tokens: list[str] = []
+    marks = []
+    for text, marked in blocks:
+        tokens += count_tokens(text)
+        if marked:
+            marks.append(len(tokens))
+    return tokens, marks
+
+
 class FakeLLMServer:
     def __init__(self, answer: Callable[[dict, int], str] = default_answer, latency: float = 0.0,
                  prompt_tokens: int = 100, cached_tokens: int = 20, completion_tokens: int = 10,
-                 reasoning_tokens: int = 0) -> None:
+                 reasoning_tokens: int = 0, caching: bool = False, cache_minimum: int = 1024,
+                 batch_polls: int = 2) -> None:
+        # caching=False: every call reports the fixed token counts given; True: tokens are
+        # counted from the request and the answer, cached tokens as each provider's cache
+        # accounts them (PrefixCache).
+        self.caching = caching
+        self.openai_cache = PrefixCache(cache_minimum)
+        self.anthropic_cache = PrefixCache(cache_minimum)
+        self.batch_polls = batch_polls   # polls of a batch before it has ended
+        self.batch_faults: deque = deque()
         self.answer = answer
         self.latency = latency
         self.faults: deque = deque()
@@ -114,6 +227,23 @@ class FakeLLMServer:
         """Apply a fault to the next chat/messages request: 429, 500, 529, drop, slow,
         truncate, invalid_json, schema_violation, refusal, fewer_choices."""
         self.faults.append((kind, kw))
+
+    def push_batch(self, kind: str, **kw) -> None:
+        """Apply a fault to the next batch-API request (create, poll, results) of either
+        provider: 429, 500, 529, 400 (rejected), drop."""
+        self.batch_faults.append((kind, kw))
+
+    async def _batch_fault(self, request: web.Request):
+        if not self.batch_faults:
+            return None
+        kind, kw = self.batch_faults.popleft()
+        self.fault_count += 1
+        if kind == "drop":
+            request.transport.close()
+            return web.Response(status=500)
+        return web.json_response({"error": {"message": kw.get(
+            "message", f"injected batch {kind} #{self.fault_count}"), "type": "x"}},
+            status=int(kind))
 
     @property
     def url(self) -> str:
@@ -209,15 +339,24 @@ class FakeLLMServer:
             n = max(1, n - 1)
         p, c, o, r = self.tokens
         choices = []
+        out_tokens = 0
         for i in range(n):
             text, finish = self._mutate(kind, self.answer(body, i))
             refusal = text if finish == "refusal" else None
+            out_tokens += len(count_tokens(text))
             choices.append({"index": i, "finish_reason": "stop" if refusal else finish,
                             "message": {"role": "assistant", "content": None if refusal else text,
                                         "refusal": refusal}})
+        if self.caching:  # the prompt is billed once for its n choices
+            prompt = openai_prompt(body)
+            p, c = len(prompt), self.openai_cache.openai(prompt)
+            completion = out_tokens
+        else:
+            completion = o * n
         return {"id": "chatcmpl-" + uuid.uuid4().hex, "object": "chat.completion",
                 "created": int(time.time()), "model": body.get("model"), "choices": choices,
-                "usage": {"prompt_tokens": p, "completion_tokens": o * n, "total_tokens": p + o * n,
+                "usage": {"prompt_tokens": p, "completion_tokens": completion,
+                          "total_tokens": p + completion,
                           "prompt_tokens_details": {"cached_tokens": c},
                           "completion_tokens_details": {"reasoning_tokens": r * n}}}
 
@@ -244,6 +383,9 @@ class FakeLLMServer:
         return await self._generate(request, "chat", self._completion)
 
     async def upload(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
         self.hits["files"] += 1
         data = await request.post()
         raw = data["file"].file.read()
@@ -254,12 +396,18 @@ class FakeLLMServer:
                                   "purpose": "batch", "status": "processed"})
 
     async def file_content(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
         return web.Response(body=self.files[request.match_info["id"]])
 
     def _batch(self, bid: str) -> dict:
         return self.batches[bid]
 
     async def create_batch(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
         self.hits["batches"] += 1
         body = await request.json()
         bid = "batch_" + uuid.uuid4().hex
@@ -274,9 +422,13 @@ class FakeLLMServer:
         return {k: v for k, v in b.items() if k != "polls"}
 
     async def get_batch(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
+        self.hits["batch_polls"] += 1
         b = self.batches[request.match_info["id"]]
         b["polls"] += 1
-        if b["polls"] >= 2 and b["status"] != "completed":
+        if b["polls"] >= self.batch_polls and b["status"] != "completed":
             lines = []
             for line in self.files[b["input_file_id"]].decode().splitlines():
                 item = json.loads(line)
@@ -311,17 +463,25 @@ class FakeLLMServer:
         p, c, o, r = self.tokens
         text, finish = self._mutate(kind, self.answer(body, 0))
         stop = {"stop": "end_turn", "length": "max_tokens", "refusal": "refusal"}[finish]
+        write = 0
+        if self.caching:
+            tokens, marks = anthropic_prompt(body)
+            c, write = self.anthropic_cache.anthropic(tokens, marks)
+            p, o = len(tokens), len(count_tokens(text))
         return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
                 "model": body.get("model"), "content": [{"type": "text", "text": text}],
                 "stop_reason": stop, "stop_sequence": None,
-                "usage": {"input_tokens": p - c, "output_tokens": o,
-                          "cache_read_input_tokens": c, "cache_creation_input_tokens": 0,
+                "usage": {"input_tokens": p - c - write, "output_tokens": o,
+                          "cache_read_input_tokens": c, "cache_creation_input_tokens": write,
                           "output_tokens_details": {"thinking_tokens": r}}}
 
     async def messages(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "messages", self._message)
 
     async def create_anthropic_batch(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
         self.hits["anthropic_batches"] += 1
         body = await request.json()
         bid = "msgbatch_" + uuid.uuid4().hex
@@ -342,17 +502,26 @@ class FakeLLMServer:
                 "results_url": f"{self.url}/v1/messages/batches/{bid}/results" if b["ended"] else None}
 
     async def get_anthropic_batch(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
+        self.hits["batch_polls"] += 1
         bid = request.match_info["id"]
         b = self.batches[bid]
         b["polls"] += 1
-        if b["polls"] >= 2:
+        if b["polls"] >= self.batch_polls and not b["ended"]:
             b["ended"] = True
+            # answered once, in order, when the batch ends (the cache sees them as it would)
+            b["results"] = [json.dumps({"custom_id": r["custom_id"], "result": {
+                "type": "succeeded", "message": self._message(r["params"], None)}})
+                for r in b["requests"]]
         return web.json_response(self._anthropic_batch(bid))
 
     async def anthropic_results(self, request: web.Request) -> web.Response:
+        fault = await self._batch_fault(request)
+        if fault is not None:
+            return fault
         b = self.batches[request.match_info["id"]]
-        lines = [json.dumps({"custom_id": r["custom_id"],
-                             "result": {"type": "succeeded", "message": self._message(r["params"], None)}})
-                 for r in b["requests"]]
+        lines = b.get("results") or []
         return web.Response(body=("\n".join(lines) + "\n").encode(),
                             content_type="application/binary")

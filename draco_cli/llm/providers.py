@@ -8,10 +8,10 @@ which errors are worth retrying. SDK-level retries are off so every attempt is o
 from __future__ import annotations
 
 import abc
-
 import json
 import os
 import time
+from dataclasses import dataclass, field
 from typing import Any
 
 from draco_cli.llm.errors import LLMError, ModelSpecError, ReplayMiss
@@ -153,17 +153,12 @@ def _body_text(exc: Any) -> str:
     return scrub(text[:1000]) or ""
 
 
-async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[dict, float]:
-    """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
-    without re-walking the request through typed params and the reply through pydantic, which
-    cost more CPU than everything else per call at high concurrency). Returns (JSON reply,
-    latency); failures worth retrying become ``Retryable``, the rest ``LLMError``. Both SDKs
-    name their exceptions alike."""
-    import httpx2
-
-    start = time.perf_counter()
+async def _mapped(sdk, label: str, call):
+    """Await ``call()`` with the SDK's typed errors mapped once, for single calls and batch
+    operations alike: failures worth retrying become ``Retryable``, a request the server
+    rejects ``RequestRejected`` (its reason in the message). Both SDKs name them alike."""
     try:
-        raw = await client.post(path, body=body, cast_to=httpx2.Response)
+        return await call()
     except (sdk.RateLimitError, sdk.InternalServerError) as exc:
         text = _body_text(exc)
         raise Retryable(f"HTTP {exc.status_code}" + (f": {_brief(exc)}" if text else ""),
@@ -187,11 +182,65 @@ async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[di
         # A request the server rejects as malformed is not retried: its reason is the message.
         raise RequestRejected(f"{label}: HTTP {exc.status_code}: {_brief(exc)}",
                               body=_body_text(exc), status=exc.status_code) from None
-    latency = time.perf_counter() - start
+
+
+def _json_of(raw) -> dict:
     try:
-        return raw.json(), latency
+        return raw.json()
     except ValueError:
         raise Retryable("the server sent a body that is not JSON") from None
+
+
+async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[dict, float]:
+    """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
+    without re-walking the request through typed params and the reply through pydantic, which
+    cost more CPU than everything else per call at high concurrency). Returns (JSON reply,
+    latency)."""
+    import httpx2
+
+    start = time.perf_counter()
+    raw = await _mapped(sdk, label, lambda: client.post(path, body=body, cast_to=httpx2.Response))
+    latency = time.perf_counter() - start
+    return _json_of(raw), latency
+
+
+async def _get_json(sdk, client, path: str, label: str) -> dict:
+    import httpx2
+
+    return _json_of(await _mapped(sdk, label, lambda: client.get(path, cast_to=httpx2.Response)))
+
+
+async def _get_text(sdk, client, path: str, label: str, accept: str | None = None) -> str:
+    import httpx2
+
+    options = {"headers": {"Accept": accept}} if accept else {}
+
+    async def call():
+        raw = await client.get(path, cast_to=httpx2.Response, options=options)
+        return raw.text
+
+    return await _mapped(sdk, label, call)
+
+
+def _jsonl(text: str) -> list[dict]:
+    out = []
+    for line in text.splitlines():
+        if line.strip():
+            try:
+                out.append(json.loads(line))
+            except ValueError:
+                raise Retryable("a batch result file with a line that is not JSON") from None
+    return out
+
+
+@dataclass
+class BatchState:
+    """Where a submitted batch stands: ``ended`` once nothing more will be answered."""
+
+    batch_id: str
+    status: str
+    ended: bool
+    counts: dict[str, int] = field(default_factory=dict)
 
 
 class RequestRejected(LLMError):
@@ -229,6 +278,27 @@ class Provider(abc.ABC):
 
     async def close(self) -> None:
         return None
+
+    # -- batch APIs (optional): each method is one HTTP exchange, its errors mapped like a
+    # single call's (``Retryable`` / ``RequestRejected``), so the caller retries them alike.
+
+    offers_batch = False  # the protocol has a batch API (a given server may still lack it)
+
+    def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
+        """The body one batch line sends for ``samples`` of ``req``."""
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
+
+    async def submit_batch(self, lines: dict[str, dict[str, Any]]) -> str:
+        """Submit ``custom_id -> body``; return the batch id."""
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
+
+    async def poll_batch(self, batch_id: str) -> BatchState:
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
+
+    async def batch_results(self, batch_id: str) -> dict[str, Reply]:
+        """``custom_id -> reply`` for every line the batch answered (errored, expired or
+        cancelled lines are absent)."""
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
 
 
 class OpenAIProvider(Provider):
@@ -313,6 +383,52 @@ class OpenAIProvider(Provider):
     async def close(self) -> None:
         await self.client.close()
 
+    # -- OpenAI Batch: a JSONL file of /v1/chat/completions bodies, one output file ----------
+
+    offers_batch = True
+    BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
+
+    def _label(self, what: str) -> str:
+        return f"openai/{self.model}: {what}"
+
+    def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
+        body = self.body(req, req.messages, len(samples))
+        body.update(body.pop("extra_body", {}))  # SDK-only key: in a batch file it is the body
+        return body
+
+    async def submit_batch(self, lines: dict[str, dict[str, Any]]) -> str:
+        payload = "".join(json.dumps({"custom_id": cid, "method": "POST",
+                                      "url": "/v1/chat/completions", "body": body}) + "\n"
+                          for cid, body in lines.items()).encode()
+        sdk, label = self._openai, self._label("uploading the batch file")
+        f = await _mapped(sdk, label, lambda: self.client.files.create(
+            file=("draco-batch.jsonl", payload), purpose="batch"))
+        batch, _ = await _post_json(sdk, self.client, "/batches", {
+            "input_file_id": f.id, "endpoint": "/v1/chat/completions",
+            "completion_window": "24h"}, self._label("creating the batch"))
+        return batch["id"]
+
+    async def poll_batch(self, batch_id: str) -> BatchState:
+        b = await _get_json(self._openai, self.client, f"/batches/{batch_id}",
+                            self._label(f"polling batch {batch_id}"))
+        status = b.get("status") or "unknown"
+        return BatchState(batch_id, status, status in self.BATCH_ENDED,
+                          dict(b.get("request_counts") or {}))
+
+    async def batch_results(self, batch_id: str) -> dict[str, Reply]:
+        b = await _get_json(self._openai, self.client, f"/batches/{batch_id}",
+                            self._label(f"reading batch {batch_id}"))
+        if not b.get("output_file_id"):
+            return {}  # failed, expired or cancelled before any line was answered
+        text = await _get_text(self._openai, self.client, f"/files/{b['output_file_id']}/content",
+                               self._label(f"reading the results of batch {batch_id}"))
+        out = {}
+        for item in _jsonl(text):
+            resp = item.get("response") or {}
+            if resp.get("status_code") == 200 and item.get("custom_id"):
+                out[item["custom_id"]] = openai_reply(resp["body"], {}, batch_id)
+        return out
+
 
 class AnthropicProvider(Provider):
     """Anthropic's Messages API with structured output (``output_config.format``) or a forced
@@ -390,6 +506,49 @@ class AnthropicProvider(Provider):
 
     async def close(self) -> None:
         await self.client.close()
+
+    # -- Anthropic Message Batches: one line per sample (no n), results as JSONL ------------
+
+    offers_batch = True
+
+    def _label(self, what: str) -> str:
+        return f"anthropic/{self.model}: {what}"
+
+    def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
+        if len(samples) != 1:
+            raise ValueError("Anthropic answers one sample per batch line")
+        return self.body(req, req.messages)
+
+    async def submit_batch(self, lines: dict[str, dict[str, Any]]) -> str:
+        batch, _ = await _post_json(
+            self._anthropic, self.client, "/v1/messages/batches",
+            {"requests": [{"custom_id": cid, "params": body} for cid, body in lines.items()]},
+            self._label("creating the batch"))
+        return batch["id"]
+
+    async def poll_batch(self, batch_id: str) -> BatchState:
+        b = await _get_json(self._anthropic, self.client, f"/v1/messages/batches/{batch_id}",
+                            self._label(f"polling batch {batch_id}"))
+        status = b.get("processing_status") or "unknown"
+        return BatchState(batch_id, status, status == "ended",
+                          dict(b.get("request_counts") or {}))
+
+    async def batch_results(self, batch_id: str) -> dict[str, Reply]:
+        b = await _get_json(self._anthropic, self.client, f"/v1/messages/batches/{batch_id}",
+                            self._label(f"reading batch {batch_id}"))
+        url = b.get("results_url") or f"/v1/messages/batches/{batch_id}/results"
+        text = await _get_text(self._anthropic, self.client, url,
+                               self._label(f"reading the results of batch {batch_id}"),
+                               accept="application/binary")
+        out = {}
+        for entry in _jsonl(text):
+            result = entry.get("result") or {}
+            if result.get("type") == "succeeded" and entry.get("custom_id"):
+                message = result["message"]
+                out[entry["custom_id"]] = Reply(
+                    [anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
+                    {}, message, 0.0, batch_id)
+        return out
 
 
 def openai_reply(body: dict, request_body: dict, batch_id: str | None = None) -> Reply:

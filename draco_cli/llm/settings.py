@@ -22,7 +22,7 @@ class LLMSettings:
     parse_retries: int = 2
     max_cost: float | None = None
     prices: Path | None = None
-    batch: bool = False
+    batch: bool | None = None    # None: batch where LLMClient.batches_by_default says
     thinking: bool = False
     structured_output: str = "auto"
     system_role: bool = True      # False: fold system instructions into the first user message
