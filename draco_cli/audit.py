@@ -489,6 +489,6 @@ def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = 
                     replay_costs: pl.DataFrame | None = None) -> pl.DataFrame:
     """Cost by category (original, replay, reconstruction, judge, rubric writing, candidate
     scoring, environment calls): the one function `audit cost` and the report share."""
-    from draco_cli.credo_diagnostics import cost_by_category
+    from draco_cli.credo.diagnostics import cost_by_category
 
     return cost_by_category(calls, rollouts, steps, replay_costs)
