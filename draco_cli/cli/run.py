@@ -104,7 +104,7 @@ def run(
 
     Example: draco run --rollouts sample_data/appworld_mini/rollouts.parquet --steps sample_data/appworld_mini/steps.parquet --model replay/sample_data/llm_calls.sqlite -o runs/demo
     """
-    from draco_cli.run import RunOptions, run_dir_for, run_step
+    from draco_cli.ops.run import RunOptions, run_dir_for, run_step
 
     fmt_name = pick_format(fmt, as_json)
 
