@@ -32,7 +32,7 @@ def filter_(
 
     Example: draco judge filter --rollouts run/rollouts.parquet --verdicts run/verdicts.parquet -o run/verdicts.filtered.parquet
     """
-    from draco_cli.pipeline import judge_filter
+    from draco_cli.ops.judge import judge_filter
 
     kept, total = judge_filter(rollouts, verdicts, out, drop=drop.value, judge=judge, force=force)
     err_console.print(f"kept {kept} of {total} (group, criterion) pairs → {out}", highlight=False)
@@ -66,12 +66,12 @@ def score(
 
     Example: draco judge score --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --model openai/gpt-4.1 -o d/judge
     """
-    from draco_cli import stages as st
+    from draco_cli.ops.judge import judge_prompt, judge_score
+    from draco_cli.ops.llmstage import render_options
 
-    render = st.render_options(max_prompt_tokens, redact or [], no_default_redact)
+    render = render_options(max_prompt_tokens, redact or [], no_default_redact)
     if show_prompt:
-        typer.echo(st.show_prompt(rollouts, steps, "score", rubrics=rubrics, render=render,
-                                  samples=samples))
+        typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=samples))
         return
     s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
                         max_cost, prices, batch, thinking,
@@ -79,8 +79,8 @@ def score(
                         use_n=use_n, temperature=temperature, seed=seed,
                         adapt=adapt)
     with llmrun.progress_bar("judging") as bar:
-        report = st.judge_score(rollouts, steps, rubrics, out, s, samples=samples,
-                                aggregate=aggregate or "all", judge_label=judge_label,
-                                render=render, max_tokens=max_tokens, call_log=call_log,
-                                force=force, progress=bar)
+        report = judge_score(rollouts, steps, rubrics, out, s, samples=samples,
+                             aggregate=aggregate or "all", judge_label=judge_label,
+                             render=render, max_tokens=max_tokens, call_log=call_log,
+                             force=force, progress=bar)
     llmrun.print_report(report)
