@@ -32,3 +32,32 @@ def publish_file(df: Any, out: str | Path, model: type[Table], *, force: bool = 
         raise UsageError(f"{out}: is a folder, expected a file name")
     with OutputSet(out.parent, [out.name], force=force, option="output folder") as output:
         output.write_table(df, out.name, model, **kwargs)
+
+
+def checked(df: Any, model: type[Table], where: str) -> Any:
+    """``df`` held to ``model``'s contract before it is written: a figure that could not be
+    computed becomes null (never NaN), and a value outside the contract is refused naming the
+    output, instead of being written for a reader to trip over."""
+    import polars as pl
+
+    from draco_cli.io import conform
+
+    floats = [n for n, t in df.schema.items() if t in (pl.Float32, pl.Float64)]
+    if floats:
+        df = df.with_columns(pl.col(c).fill_nan(None) for c in floats)
+    return conform(df, model, where)
+
+
+def publish_tables(out: str | Path, tables: dict[str, tuple[Any, type[Table]]], *,
+                   force: bool = False) -> dict[str, Any]:
+    """Several tables (name → (frame, contract)) checked against their contracts and published
+    into ``out`` as one locked output set with one set id: all of them appear, or none.
+    Returns the frames as written (name → frame)."""
+    out = Path(out)
+    names = [f"{name}.parquet" for name in tables]
+    frames = {f"{name}.parquet": (checked(df, model, str(out / f"{name}.parquet")), model)
+              for name, (df, model) in tables.items()}
+    with OutputSet(out, names, force=force) as output:
+        for name, (df, model) in frames.items():
+            output.write_table(df, name, model)
+    return {name.removesuffix(".parquet"): df for name, (df, _) in frames.items()}
