@@ -8,7 +8,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import Force, folder_path
+from draco_cli.cli.options import CREDIT_PANEL, Force, folder_path
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
                   no_args_is_help=True)
@@ -52,9 +52,10 @@ VerdictsOpt = Annotated[Optional[Path], typer.Option(
     "--verdicts", help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
 DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
                                        "all-pass (no member failed) or also constant (every "
-                                       "answered member failed).")]
+                                       "answered member failed).", rich_help_panel=CREDIT_PANEL)]
 JudgeOpt = Annotated[Optional[str], typer.Option(help="Judge label to use when the verdicts "
-                                                 "hold several judges.")]
+                                                 "hold several judges.",
+                                                     rich_help_panel=CREDIT_PANEL)]
 
 
 @app.command("compute")
@@ -65,17 +66,21 @@ def compute(
     verdicts: VerdictsOpt = None,
     credit: Annotated[Optional[Credit], typer.Option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
-        "ablation). Default: step, or uniform with --reward outcome.")] = None,
+        "ablation). Default: step, or uniform with --reward outcome.",
+            rich_help_panel=CREDIT_PANEL)] = None,
     estimator: Annotated[Estimator, typer.Option(help="grpo: standardised within the group; "
-                                                 "rloo: r_i minus the mean of the others.")]
+                                                 "rloo: r_i minus the mean of the others.",
+                                                     rich_help_panel=CREDIT_PANEL)]
     = Estimator.grpo,
     std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, or none "
-                                     "(Dr. GRPO).")] = Std.sample,
+                                     "(Dr. GRPO).", rich_help_panel=CREDIT_PANEL)] = Std.sample,
     drop: DropOpt = Drop.all_pass,
-    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.")] = Tokens.spans,
+    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
+        rich_help_panel=CREDIT_PANEL)] = Tokens.spans,
     reward: Annotated[RewardSource, typer.Option(
         help="rubric: pass fraction of retained criteria; outcome: the environment's outcome "
-        "(vanilla GRPO: implies --credit uniform, needs no verdicts).")] = RewardSource.rubric,
+        "(vanilla GRPO: implies --credit uniform, needs no verdicts).",
+            rich_help_panel=CREDIT_PANEL)] = RewardSource.rubric,
     judge: JudgeOpt = None,
     fmt: Format = None,
     as_json: Json = False,

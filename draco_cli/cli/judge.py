@@ -9,6 +9,7 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt, VerdictsOpt
 from draco_cli.cli.options import folder_path
+from draco_cli.cli.options import JUDGE_PANEL
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
                                    BaseUrls, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
@@ -45,11 +46,13 @@ def score(
     rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     model: Model,
-    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).")] = 1,
+    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).",
+        rich_help_panel=JUDGE_PANEL)] = 1,
     aggregate: Annotated[Optional[Literal["all", "majority"]], typer.Option(
         help="all (fail if any sample fails, pass only if all pass; default for k > 1) or "
-        "majority.")] = None,
-    judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.")]
+        "majority.", rich_help_panel=JUDGE_PANEL)] = None,
+    judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.",
+        rich_help_panel=JUDGE_PANEL)]
     = "judge",
     base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
@@ -73,11 +76,11 @@ def score(
     if show_prompt:
         typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=samples))
         return
-    s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                        max_cost, prices, batch, thinking,
-                        structured_output=structured_output, system_role=system_role,
-                        use_n=use_n, temperature=temperature, seed=seed,
-                        adapt=adapt)
+    s = llmrun.settings(
+        model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
+        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost, prices=prices,
+        batch=batch, thinking=thinking, structured_output=structured_output,
+        system_role=system_role, use_n=use_n, temperature=temperature, seed=seed, adapt=adapt)
     with llmrun.progress_bar("judging") as bar:
         report = judge_score(rollouts, steps, rubrics, out, s, samples=samples,
                              aggregate=aggregate or "all", judge_label=judge_label,

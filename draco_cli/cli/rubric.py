@@ -8,6 +8,7 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.options import folder_path
+from draco_cli.cli.options import RUBRIC_PANEL
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
                                    BaseUrls, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
@@ -25,8 +26,10 @@ OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", call
 @app.command("generate")
 def generate(
     rollouts: RolloutsOpt, steps: StepsOpt, out: OutOpt, model: Model,
-    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group after merge.")] = 8,
-    stages: Annotated[str, typer.Option(help="Comma-separated stages to run.")]
+    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group after merge.",
+        rich_help_panel=RUBRIC_PANEL)] = 8,
+    stages: Annotated[str, typer.Option(help="Comma-separated stages to run.",
+        rich_help_panel=RUBRIC_PANEL)]
     = "generate,union,merge",
     base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
@@ -57,11 +60,11 @@ def generate(
         typer.echo(rubric_prompt(rollouts, steps, stage_list[0], max_criteria=max_criteria,
                                  render=render))
         return
-    s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                        max_cost, prices, batch, thinking,
-                        structured_output=structured_output, system_role=system_role,
-                        use_n=use_n, temperature=temperature, seed=seed,
-                        adapt=adapt)
+    s = llmrun.settings(
+        model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
+        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost, prices=prices,
+        batch=batch, thinking=thinking, structured_output=structured_output,
+        system_role=system_role, use_n=use_n, temperature=temperature, seed=seed, adapt=adapt)
     with llmrun.progress_bar("rubrics") as bar:
         report = rubric_generate(rollouts, steps, out, s, stages=stage_list,
                                  max_criteria=max_criteria, render=render,

@@ -34,18 +34,26 @@ def _rollouts(path: Path | None, columns: list[str]) -> pl.DataFrame | None:
 # --- self-judge -------------------------------------------------------------------------
 
 
-def read_verdicts(path: Path, judge: str | None) -> pl.DataFrame:
+def read_verdicts(path: Path, judge: str | None, option: str = "--judge") -> pl.DataFrame:
+    """One judge's verdicts, chosen as ``draco credit compute --judge`` chooses them: a label
+    the file does not hold, or several judges and no label, is a usage error naming
+    ``option`` (never an empty or mixed table audited without a word)."""
+    from draco_cli.credit import narrow_judge
+
     v = read_table(path, VerdictAggregated)
-    return v.filter(pl.col("judge") == judge) if judge else v
+    try:
+        return narrow_judge(v, judge, str(path))
+    except UsageError as exc:
+        raise UsageError(str(exc).replace("--judge", option)) from None
 
 
-def verdicts_of(path: Path, judge: str | None
+def verdicts_of(path: Path, judge: str | None, option: str
                 ) -> tuple[pl.DataFrame, pl.DataFrame | None, int | None]:
     """Verdicts from a file, or from a draco run folder (its judge/verdicts.parquet, with the
     run's rollouts and train step): (verdicts, rollouts or None, train step or None)."""
     path = Path(path)
     if not path.is_dir():
-        return read_verdicts(path, judge), None, None
+        return read_verdicts(path, judge, option), None, None
     if not RunFolder.is_run_folder(path):
         raise UsageError(f"{path}: a folder without manifest.json; give a draco run folder or "
                          "a verdicts.parquet file")
@@ -54,7 +62,7 @@ def verdicts_of(path: Path, judge: str | None
     r = read_table(folder.rollouts, Rollout, columns=AUDIT_ROLLOUT_COLUMNS)
     if step is not None:
         r = r.with_columns(pl.lit(step, pl.Int32).alias("train_step"))
-    return read_verdicts(folder.table("verdicts"), judge), r, step
+    return read_verdicts(folder.table("verdicts"), judge, option), r, step
 
 
 def pair_by_step(selfs: list[Path], refs: list[Path]) -> list[tuple[Path, Path]]:
@@ -102,8 +110,8 @@ def audit_self_judge(selfs: list[Path], refs: list[Path], out: Path, *,
     _refuse_existing(out, ["agreement", "tests"], force)
     self_frames, ref_frames, rolls = [], [], []
     for a, b in pair_by_step([Path(p) for p in selfs], [Path(p) for p in refs]):
-        va, ra, step = verdicts_of(a, self_judge)
-        vb, _, _ = verdicts_of(b, reference_judge)
+        va, ra, step = verdicts_of(a, self_judge, "--self-judge")
+        vb, _, _ = verdicts_of(b, reference_judge, "--reference-judge")
         shared = va.select("rollout_id", "criterion_id").join(
             vb.select("rollout_id", "criterion_id"), on=["rollout_id", "criterion_id"]).height
         if shared == 0:
