@@ -351,8 +351,8 @@ def propose_cmd(
     targets = [out / f"{n}.parquet" for n in ("evolve", "rubrics", "verdicts")]
     for t in targets:
         check_writable(t, force)
-    s = llmrun.settings(model, base_url, concurrency, None, None, timeout, 2, max_cost, prices,
-                        False, "off")
+    s = llmrun.settings(model=model, base_url=base_url, concurrency=concurrency,
+                        timeout=timeout, max_cost=max_cost, prices=prices)
     out.mkdir(parents=True, exist_ok=True)
     with CallLog(out / "llm_calls.sqlite") as log:
         client = s.client(log)
