@@ -138,7 +138,8 @@ def evaluate(
                   if scope != "overall"},
            "warnings": warnings}
     shown = result.metrics
-    if len(rollouts) == 1 and "train_step" not in by:  # one training step: its column would repeat overall
+    if len(rollouts) == 1 and "train_step" not in by:
+        # one training step: its column would repeat overall
         shown = shown.filter(~pl.col("scope").str.starts_with("train_step="))
     emit(Report([(f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks",
                   metrics_wide(shown))] if fmt != "csv" else
