@@ -410,11 +410,13 @@ class CostStep(Table):
 
     train_step: Optional[Int32] = Field(None, description="The train step; null for calls of "
                                         "no known step.")
-    calls: Count = Field(description="Requests sent.")
-    input_tokens: Count = Field(description="Prompt tokens.")
-    cached_tokens: Count = Field(description="Prompt tokens served from the provider's cache.")
-    output_tokens: Count = Field(description="Answer tokens.")
-    reasoning_tokens: Count = Field(description="Thinking tokens.")
+    # the counts are absent (null) when no call could be tied to a step: the table is empty
+    calls: Optional[Count] = Field(None, description="Requests sent.")
+    input_tokens: Optional[Count] = Field(None, description="Prompt tokens.")
+    cached_tokens: Optional[Count] = Field(
+        None, description="Prompt tokens served from the provider's cache.")
+    output_tokens: Optional[Count] = Field(None, description="Answer tokens.")
+    reasoning_tokens: Optional[Count] = Field(None, description="Thinking tokens.")
     cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
 
 
