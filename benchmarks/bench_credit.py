@@ -94,7 +94,7 @@ def make_inputs(n: int, folder: Path, seed: int = 0) -> None:
 CHILD_CREDIT = """
 import sys, time
 from draco_cli._allocator import tune_allocator
-from draco_cli.pipeline import credit_compute
+from draco_cli.ops.credit import credit_compute
 tune_allocator()  # as the draco command does at start-up
 d = sys.argv[1]
 t = time.perf_counter()

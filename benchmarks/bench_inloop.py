@@ -108,7 +108,7 @@ def inloop(urls, rollouts, steps, log: Path, concurrency: int) -> tuple[float, f
 
 def cli(url, tmp: Path, out: Path, concurrency: int) -> tuple[float, float, int]:
     from draco_cli.llm.settings import LLMSettings
-    from draco_cli.run import run_step
+    from draco_cli.ops.run import run_step
 
     llm = LLMSettings(model="openai/bench", base_url=url, concurrency=concurrency,
                       adaptive=False)

@@ -116,7 +116,7 @@ class Scorer:
         self.call_log_path = Path(call_log)
         self.deadline = deadline
         p = self.options.prompt
-        from draco_cli.stages import render_options
+        from draco_cli.ops.llmstage import render_options
 
         self.render = render_options(p.max_prompt_tokens, list(p.redact), p.no_default_redact)
         self.sampling = Sampling(max_tokens=p.max_tokens, thinking=self.llm.thinking)

@@ -289,7 +289,9 @@ def rubric_audit(rubrics: pl.DataFrame, verdicts: pl.DataFrame, rollouts: pl.Dat
         "verdict_failure_share": int(per["fails"].sum()) / decided if decided else None,
         "na_rate": int(per["nas"].sum()) / judged if judged else None,
     }])
-    return summary, per.sort("na_rate", descending=True)
+    # ties in a fixed order: the same inputs write the same table
+    return summary, per.sort(["na_rate", "group_id", "criterion_id"],
+                             descending=[True, False, False])
 
 
 # --- cost ---------------------------------------------------------------------------------

@@ -226,7 +226,7 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
 def merge_reports(parts) -> object:
     """One StageReport from the partitions' (phases summed, notes kept once each)."""
     from draco_cli.llm.client import PhaseStats
-    from draco_cli.stages import StageReport
+    from draco_cli.ops.llmstage import StageReport
 
     out = StageReport()
     for _, rep in parts:
@@ -293,7 +293,7 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> int:
 
 
 def rubric_work(llm, max_criteria, render, max_tokens, rollouts, steps, out, log, rubrics):
-    from draco_cli import stages as st
+    from draco_cli.ops import rubric as st
 
     return st.rubric_generate(rollouts, steps, out, llm, stages=("generate", "union", "merge"),
                               max_criteria=max_criteria, render=render, max_tokens=max_tokens,
@@ -302,7 +302,7 @@ def rubric_work(llm, max_criteria, render, max_tokens, rollouts, steps, out, log
 
 def judge_work(llm, samples, aggregate, judge_label, render, max_tokens, rollouts, steps, out,
                log, rubrics):
-    from draco_cli import stages as st
+    from draco_cli.ops import judge as st
 
     return st.judge_score(rollouts, steps, rubrics, out, llm, samples=samples,
                           aggregate=aggregate, judge_label=judge_label, render=render,

@@ -162,7 +162,7 @@ def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: li
                  "n": rollouts.height})
     shares = {}
     if rollouts.height:
-        for mode, cnt in rollouts.group_by("termination").len().iter_rows():
+        for mode, cnt in rollouts.group_by("termination").len().sort("termination").iter_rows():
             shares[str(mode) if mode is not None else "unknown"] = cnt / rollouts.height
     for mode, share in sorted(shares.items()):
         rows.append({"scope": scope, "metric": f"termination:{mode}", "k": None, "value": share,
@@ -211,7 +211,7 @@ def evaluate(rollouts: pl.DataFrame, ks: list[int] = (1, 2, 3), by: list[str] = 
     if "train_step" in rollouts.columns and "train_step" not in by:
         for value in sorted(rollouts["train_step"].drop_nulls().unique().to_list()):
             part = rollouts.filter(pl.col("train_step") == value)
-            for mode, cnt in part.group_by("termination").len().iter_rows():
+            for mode, cnt in part.group_by("termination").len().sort("termination").iter_rows():
                 rows.append({"scope": f"train_step={value}",
                              "metric": f"termination:{mode if mode is not None else 'unknown'}",
                              "k": None, "value": cnt / part.height, "n": part.height})

@@ -604,7 +604,7 @@ def require_finite(df: pl.DataFrame, names: list[str] | tuple[str, ...], source:
 
 def _check_unique(df: pl.DataFrame, model: type[Table], source: str) -> None:
     keys = list(model.keys)
-    if df.height == 0:
+    if df.height == 0 or not keys:  # a keyless table (one row of figures) has no duplicates
         return
     # Fast path: distinct hashes mean distinct keys (a collision only costs the exact check).
     if df.select(pl.struct(keys).hash().n_unique()).item() == df.height:

@@ -411,6 +411,226 @@ class EvolveScore(Table):
 REPLAY_TABLES: tuple[type[Table], ...] = (ReplayPlan, ReplayLabel, ReplayCost, ReplayCredit,
                                           HeadPrediction, AllocatorCalibration, EvolveScore)
 TABLES.update({m.table_name: m for m in REPLAY_TABLES})
+# --- audit and evaluation outputs ---------------------------------------------------------
+# The tables ``draco audit ...`` and ``draco eval`` write. Their columns are the commands' own
+# (SPEC leaves them to the commands); a share or rate that cannot be computed (no rows to
+# divide by) is null, never NaN. Extra columns are allowed (``extra="allow"``), so a later
+# command version may add figures without breaking a reader of these contracts.
+
+Share = Annotated[float, annotated_types.Ge(0.0), annotated_types.Le(1.0)]
+Count = Annotated[int, annotated_types.Ge(0)]
+
+
+class Agreement(Table):
+    """``draco audit self-judge``: agreement of a self-judge with a reference, per scope."""
+
+    table_name: ClassVar[str] = "agreement"
+    keys: ClassVar[tuple[str, ...]] = ("scope",)
+
+    scope: str = Field(description="overall, step:N, first_quarter or last_quarter.")
+    n_rows: Count = Field(description="(rollout, criterion) pairs judged by both judges.")
+    agreement: Optional[Share] = Field(None, description="Share of pairs where the verdicts "
+                                       "agree (an unanswered self verdict disagrees).")
+    pass_all_baseline: Optional[Share] = Field(
+        None, description="Agreement of a judge that passes everything (the reference's pass "
+        "share).")
+    false_pass_rate: Optional[Share] = Field(
+        None, description="Self passes among the reference's fails.")
+    false_fail_rate: Optional[Share] = Field(
+        None, description="Self fails among the reference's passes.")
+    leniency_ratio: Optional[float] = Field(
+        None, ge=0, description="False passes over false fails; null without false fails.")
+    unanswered_rate: Optional[Share] = Field(None, description="Self verdicts left unanswered.")
+    criteria_per_rollout: Optional[float] = Field(
+        None, ge=0, description="Mean criteria judged per rollout.")
+    reference_fail_share: Optional[Share] = Field(
+        None, description="Share of the reference's verdicts that are fail.")
+
+
+class AgreementTest(Table):
+    """``draco audit self-judge``: significance tests of drift over training steps."""
+
+    table_name: ClassVar[str] = "tests"
+    keys: ClassVar[tuple[str, ...]] = ("metric", "test")
+
+    metric: str = Field(description="The agreement figure tested (agreement, false_pass_rate, "
+                        "...).")
+    test: str = Field(description="two_proportion_z_first_vs_last_quarter or "
+                      "logistic_trend_wald.")
+    statistic: Optional[float] = Field(None, description="The test's z statistic; null when "
+                                       "it cannot be computed.")
+    p_value: Optional[Share] = Field(None, description="Two-sided p-value; null when the test "
+                                     "cannot be computed.")
+
+
+class Overlap(Table):
+    """``draco audit overlap``: recall and precision of a rubric writer against a reference."""
+
+    table_name: ClassVar[str] = "overlap"
+    keys: ClassVar[tuple[str, ...]] = ("scope",)
+
+    scope: str = Field(description="overall, step:N, or ceiling (the reference against "
+                       "itself across units of one task).")
+    units: Count = Field(description="Groups (or rollouts, --level rollout) compared.")
+    own_criteria: Count = Field(description="Criteria of the own rubric writer.")
+    reference_criteria: Count = Field(description="Criteria of the reference.")
+    matched: Count = Field(description="Criteria matched one-to-one.")
+    recall: Optional[Share] = Field(None, description="matched / reference_criteria.")
+    precision: Optional[Share] = Field(None, description="matched / own_criteria.")
+
+
+class OverlapUnit(Table):
+    """``draco audit overlap``: the match counts of each unit (group or rollout)."""
+
+    table_name: ClassVar[str] = "overlap_units"
+    keys: ClassVar[tuple[str, ...]] = ("unit",)
+
+    unit: str = Field(description="group_id (--level group) or rollout_id (--level rollout).")
+    n_own: Count = Field(description="Own criteria of the unit.")
+    n_reference: Count = Field(description="Reference criteria of the unit.")
+    matched: Count = Field(description="Criteria matched one-to-one.")
+    task_id: Optional[str] = Field(None, description="The unit's task (with --rollouts).")
+    train_step: Optional[Int32] = Field(None, description="The unit's train step (with "
+                                        "--rollouts).")
+
+
+class RubricSummary(Table):
+    """``draco audit rubric``: one row of rubric statistics."""
+
+    table_name: ClassVar[str] = "rubric_summary"
+    keys: ClassVar[tuple[str, ...]] = ()
+
+    criteria: Count = Field(description="Criteria in the rubrics table.")
+    groups: Count = Field(description="Groups with a rubric.")
+    criteria_per_group: Optional[float] = Field(None, ge=0, description="criteria / groups.")
+    discriminative_share: Optional[Share] = Field(
+        None, description="Judged criteria that some rollout failed.")
+    distinct_criteria: Count = Field(description="Distinct criterion texts (normalised).")
+    single_task_share: Optional[Share] = Field(
+        None, description="Distinct criteria used by one task only.")
+    single_task_judgment_share: Optional[Share] = Field(
+        None, description="Judgments made against single-task criteria.")
+    verdict_failure_share: Optional[Share] = Field(
+        None, description="fail among pass and fail verdicts.")
+    na_rate: Optional[Share] = Field(None, description="na among all judgments.")
+
+
+class RubricCriterionStats(Table):
+    """``draco audit rubric``: judgments of each criterion, worst na rate first."""
+
+    table_name: ClassVar[str] = "rubric_criteria"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "criterion_id")
+
+    group_id: str = Field(description="The criterion's group.")
+    criterion_id: str = Field(description="The criterion.")
+    title: str = Field(description="Its title.")
+    requirement: str = Field(description="Its requirement.")
+    judgments: Count = Field(description="Verdicts given on it.")
+    fails: Count = Field(description="fail verdicts.")
+    passes: Count = Field(description="pass verdicts.")
+    nas: Count = Field(description="na verdicts.")
+    na_rate: Optional[Share] = Field(None, description="nas / judgments.")
+    discriminative: bool = Field(description="Some rollout failed it.")
+    single_task: Optional[bool] = Field(None, description="Its text is used by one task only.")
+
+
+class CostPhase(Table):
+    """``draco audit cost``: calls, tokens and dollars per LLM phase."""
+
+    table_name: ClassVar[str] = "cost_phase"
+    keys: ClassVar[tuple[str, ...]] = ("phase",)
+
+    phase: str = Field(description="generate, union, merge, score, ...")
+    calls: Count = Field(description="Requests sent (cached answers are not requests).")
+    answered: Count = Field(description="Calls answered.")
+    input_tokens: Count = Field(description="Prompt tokens.")
+    cached_tokens: Count = Field(description="Prompt tokens the provider served from its cache.")
+    output_tokens: Count = Field(description="Answer tokens.")
+    reasoning_tokens: Count = Field(description="Thinking tokens (part of output_tokens).")
+    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+
+
+class CostStep(Table):
+    """``draco audit cost``: calls, tokens and dollars per train step."""
+
+    table_name: ClassVar[str] = "cost_step"
+    keys: ClassVar[tuple[str, ...]] = ("train_step",)
+
+    train_step: Optional[Int32] = Field(None, description="The train step; null for calls of "
+                                        "no known step.")
+    # the counts are absent (null) when no call could be tied to a step: the table is empty
+    calls: Optional[Count] = Field(None, description="Requests sent.")
+    input_tokens: Optional[Count] = Field(None, description="Prompt tokens.")
+    cached_tokens: Optional[Count] = Field(
+        None, description="Prompt tokens served from the provider's cache.")
+    output_tokens: Optional[Count] = Field(None, description="Answer tokens.")
+    reasoning_tokens: Optional[Count] = Field(None, description="Thinking tokens.")
+    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+
+
+class CostCategory(Table):
+    """``draco audit cost``: tokens, environment actions and dollars by what they paid for."""
+
+    table_name: ClassVar[str] = "cost_category"
+    keys: ClassVar[tuple[str, ...]] = ("category",)
+
+    category: str = Field(description="original, replay, reconstruction, judge, rubric writing "
+                          "or candidate scoring.")
+    tokens: Optional[Count] = Field(None, description="Tokens (generated or read).")
+    env_actions: Optional[Count] = Field(None, description="Environment actions taken.")
+    llm_calls: Optional[Count] = Field(None, description="LLM requests.")
+    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+
+
+class CostNaive(Table):
+    """``draco audit cost``: billed tokens and dollars per phase (and ``total``) next to what a
+    naive client would have paid: one call per sample, no prompt caching, no batch discount."""
+
+    table_name: ClassVar[str] = "cost_naive"
+    keys: ClassVar[tuple[str, ...]] = ("phase",)
+
+    phase: str = Field(description="The LLM phase, or total.")
+    calls: Count = Field(description="Requests billed (one n-choice reply is one request).")
+    naive_calls: Count = Field(description="Requests a naive client sends: one per sample.")
+    input_tokens: Count = Field(description="Uncached prompt tokens billed.")
+    cached_tokens: Count = Field(description="Prompt tokens read from the provider's cache.")
+    cache_write_tokens: Count = Field(description="Prompt tokens written to the cache "
+                                      "(Anthropic).")
+    output_tokens: Count = Field(description="Answer tokens.")
+    naive_input_tokens: Count = Field(description="Prompt tokens a naive client pays in full.")
+    batch_share: Optional[float] = Field(None, ge=0, le=1, description="Share of the rows sent "
+                                         "through a batch API.")
+    billed_usd: Optional[float] = Field(None, ge=0, description="Dollars billed; null if "
+                                        "unpriced.")
+    naive_usd: Optional[float] = Field(None, ge=0, description="Dollars a naive client pays; "
+                                       "null if unpriced.")
+    billed_over_naive: Optional[float] = Field(None, ge=0, description="billed_usd / naive_usd.")
+    unpriced_rows: Count = Field(description="Rows of models without a price, left out of the "
+                                 "dollars.")
+
+
+class Metric(Table):
+    """``draco eval``: one figure of one scope (long form)."""
+
+    table_name: ClassVar[str] = "metrics"
+    keys: ClassVar[tuple[str, ...]] = ("scope", "metric", "k")
+
+    scope: str = Field(description="overall, or COLUMN=VALUE for --by and train_step scopes.")
+    metric: str = Field(description="tgc, sgc, pass_hat_k, pass_at_k, sgc_hat_k, retention, "
+                        "sgc_retention, mean_turns or termination:MODE.")
+    k: Optional[int] = Field(None, ge=1, description="k of the k-metrics; null otherwise.")
+    value: Optional[float] = Field(None, description="The figure; null when it cannot be "
+                                   "computed (e.g. no task with k trials).")
+    n: Optional[Count] = Field(None, description="Tasks (or rollouts, for mean_turns and "
+                               "terminations) the figure is taken over.")
+
+
+OUTPUT_TABLES: dict[str, type[Table]] = {
+    m.table_name: m
+    for m in (Agreement, AgreementTest, Overlap, OverlapUnit, RubricSummary,
+              RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric)
+}
+TABLES.update(OUTPUT_TABLES)
 
 # --- Arrow derivation ---------------------------------------------------------------------
 

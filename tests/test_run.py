@@ -522,7 +522,7 @@ def test_outcome_setting_matches_verls_grpo(tmp_path):
 def test_python_api_takes_the_same_option_objects(tmp_path):
     from draco_cli.errors import UsageError
     from draco_cli.options import RunOptions
-    from draco_cli.run import run_step
+    from draco_cli.ops.run import run_step
 
     with pytest.raises(UsageError, match="--tokens 'bogus'"):
         RunOptions.for_setting("outcome", credit_options={"tokens": "bogus"})

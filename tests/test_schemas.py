@@ -18,8 +18,13 @@ def test_exported_json_schemas_are_current():
 
 
 def test_every_spec_table_has_a_model():
-    assert set(TABLES) >= {"rollouts", "steps", "rubric_candidates", "rubrics", "verdicts_raw",
-                           "verdicts", "rewards", "step_credit", "token_advantages"}
+    assert {"rollouts", "steps", "rubric_candidates", "rubrics", "verdicts_raw",
+            "verdicts", "rewards", "step_credit", "token_advantages"} <= set(TABLES)
+
+
+def test_every_audit_and_eval_output_has_a_contract():
+    assert {"agreement", "tests", "overlap", "overlap_units", "rubric_summary",
+            "rubric_criteria", "cost_phase", "cost_step", "cost_category", "metrics"} <= set(TABLES)
 
 
 def test_arrow_types_follow_the_contract():

@@ -108,8 +108,8 @@ def test_tables_piped_on_stdin(runs, tmp_path):
     named = run_draco("validate", "-", "--table", "verdicts", input=stream.getvalue())
     assert named.returncode == 0 and f"{v.height} verdicts".encode() in named.stderr
     wrong = run_draco("validate", "-", "--table", "nope", input=stream.getvalue())
-    assert wrong.returncode == 2 and b"choose " in wrong.stderr and b"rewards, rollouts" in \
-        wrong.stderr
+    assert wrong.returncode == 2 and b"'nope': choose " in wrong.stderr \
+        and b"rewards, rollouts" in wrong.stderr
     # other commands reading - take Parquet too
     r = pl.read_parquet(REPO / "sample_data" / "appworld_mini" / "rollouts.parquet")
     buf = io.BytesIO()

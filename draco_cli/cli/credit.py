@@ -8,7 +8,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import Force, folder_path
+from draco_cli.cli.options import CREDIT_PANEL, Force, folder_path
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
                   no_args_is_help=True)
@@ -52,9 +52,10 @@ VerdictsOpt = Annotated[Optional[Path], typer.Option(
     "--verdicts", help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
 DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
                                        "all-pass (no member failed) or also constant (every "
-                                       "answered member failed).")]
+                                       "answered member failed).", rich_help_panel=CREDIT_PANEL)]
 JudgeOpt = Annotated[Optional[str], typer.Option(help="Judge label to use when the verdicts "
-                                                 "hold several judges.")]
+                                                 "hold several judges.",
+                                                     rich_help_panel=CREDIT_PANEL)]
 
 
 @app.command("compute")
@@ -65,17 +66,21 @@ def compute(
     verdicts: VerdictsOpt = None,
     credit: Annotated[Optional[Credit], typer.Option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
-        "ablation). Default: step, or uniform with --reward outcome.")] = None,
+        "ablation). Default: step, or uniform with --reward outcome.",
+            rich_help_panel=CREDIT_PANEL)] = None,
     estimator: Annotated[Estimator, typer.Option(help="grpo: standardised within the group; "
-                                                 "rloo: r_i minus the mean of the others.")]
+                                                 "rloo: r_i minus the mean of the others.",
+                                                     rich_help_panel=CREDIT_PANEL)]
     = Estimator.grpo,
     std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, or none "
-                                     "(Dr. GRPO).")] = Std.sample,
+                                     "(Dr. GRPO).", rich_help_panel=CREDIT_PANEL)] = Std.sample,
     drop: DropOpt = Drop.all_pass,
-    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.")] = Tokens.spans,
+    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
+        rich_help_panel=CREDIT_PANEL)] = Tokens.spans,
     reward: Annotated[RewardSource, typer.Option(
         help="rubric: pass fraction of retained criteria; outcome: the environment's outcome "
-        "(vanilla GRPO: implies --credit uniform, needs no verdicts).")] = RewardSource.rubric,
+        "(vanilla GRPO: implies --credit uniform, needs no verdicts).",
+            rich_help_panel=CREDIT_PANEL)] = RewardSource.rubric,
     judge: JudgeOpt = None,
     fmt: Format = None,
     as_json: Json = False,
@@ -88,7 +93,7 @@ def compute(
     --verdicts run/verdicts.parquet -o run/credit
     """
     from draco_cli.options import CreditOptions
-    from draco_cli.pipeline import credit_compute
+    from draco_cli.ops.credit import credit_compute
 
     fmt = pick_format(fmt, as_json)
     outcome = reward is RewardSource.outcome
@@ -160,7 +165,7 @@ def expand(
 
     Example: draco credit expand --token-advantages run/credit/token_advantages.parquet -o dense.parquet
     """
-    from draco_cli.pipeline import credit_expand
+    from draco_cli.ops.credit import credit_expand
 
     form = credit_expand(token_advantages, out, rollouts=rollouts,
                          to=None if to is None else to.value, force=force)

@@ -5,39 +5,8 @@ from typing import Annotated, Literal, Optional
 
 import typer
 
-from draco_cli.cli.options import folder_path
-from draco_cli.cli.options import Force
+from draco_cli.cli.options import Force, folder_path
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
-from draco_cli.errors import InputError
-
-EVAL_COLUMNS = ["rollout_id", "group_id", "task_id", "train_step", "trial", "scenario_id",
-                "difficulty", "outcome", "termination", "n_turns"]
-
-
-def _rollouts(path: Path):
-    """A rollouts table, a folder holding rollouts.parquet, or a draco run folder (its
-    manifest names the rollouts it ran on, and its train step)."""
-    import polars as pl
-
-    from draco_cli.io import read_table
-    from draco_cli.schemas import Rollout
-
-    from draco_cli.runfolder import RunFolder
-
-    step = None
-    if path.is_dir():
-        if (path / "rollouts.parquet").exists() or not RunFolder.is_run_folder(path):
-            path = path / "rollouts.parquet"
-        else:
-            folder = RunFolder.open(path)
-            step = folder.train_step
-            path = folder.rollouts
-    r = read_table(path, Rollout, columns=EVAL_COLUMNS)
-    if step is not None:
-        # the run folder's training step labels its rollouts (a run made with --train-step N)
-        r = r.with_columns(pl.lit(step, dtype=pl.Int32).alias("train_step"))
-    return r
-
 
 def _parse_ks(k: str) -> list[int]:
     try:
@@ -133,10 +102,8 @@ def evaluate(
     """
     import polars as pl
 
-    from draco_cli.evaluate import compare as compare_runs
-    from draco_cli.evaluate import evaluate as run_eval
     from draco_cli.evaluate import missing_note
-    from draco_cli.io import atomic_path, check_writable
+    from draco_cli.ops.evaluate import compare_runs, evaluate_runs
 
     fmt = pick_format(fmt, as_json)
     ks = _parse_ks(k)
@@ -144,47 +111,18 @@ def evaluate(
         if len(compare) != 2:
             raise typer.BadParameter("--compare takes exactly two runs: --compare A --compare B",
                                      param_hint="--compare")
-        a, b = _rollouts(compare[0]), _rollouts(compare[1])
-        shared = set(a["task_id"].drop_nulls()) & set(b["task_id"].drop_nulls())
-        if not shared:
-            raise InputError(f"{compare[0]} and {compare[1]} share no task_id: nothing to "
-                             "compare (B − A is taken task by task)")
-        res = compare_runs(a, b, ks, missing=missing)
-        if res.height == 0:
-            raise InputError(f"the {len(shared)} shared task(s) have fewer than k={min(ks)} "
-                             "scored trials in one of the runs: lower --k")
+        res = compare_runs(compare[0], compare[1], ks, missing=missing)
         emit(Report([(f"A = {compare[0]}   B = {compare[1]}", res)],
                      document=res.to_dicts()), fmt)
         return
     if not rollouts:
         raise typer.BadParameter("give --rollouts (or --compare A --compare B)",
                                  param_hint="--rollouts")
-
-    frames = [_rollouts(p) for p in rollouts]
     by = list(by or [])
-    if len(frames) > 1:
-        keyed = [set(zip(f["rollout_id"], f["train_step"])) for f in frames]
-        if len(set().union(*keyed)) < sum(len(x) for x in keyed):
-            raise typer.BadParameter(
-                "the inputs share rollout ids within one train step (the same rollouts twice?): "
-                "pass run folders made with --train-step, or each rollouts table once",
-                param_hint="--rollouts")
-        if "train_step" not in by:
-            by.append("train_step")
-    pooled = pl.concat(frames, how="vertical_relaxed")
-    repeated = pooled["rollout_id"].is_duplicated().sum()
-    result = run_eval(pooled, ks, by, missing)
+    result = evaluate_runs(rollouts, ks, by=by, missing=missing, out=out, force=force)
     if out is not None:
-        target = out / "metrics.parquet"
-        check_writable(target, force)
-        with atomic_path(target, force) as tmp:
-            result.metrics.write_parquet(tmp)
-        note(f"wrote {target}")
+        note(f"wrote {out / 'metrics.parquet'}")
     warnings = list(result.warnings)
-    if repeated:
-        ids = pooled.filter(pl.col("rollout_id").is_duplicated())["rollout_id"].n_unique()
-        warnings.append(f"{ids} rollout id(s) appear in several train steps; the overall "
-                        "figures pool all steps, the train_step columns keep them apart")
     for w in warnings:
         warn(w)
     s = result.summary
@@ -200,7 +138,8 @@ def evaluate(
                   if scope != "overall"},
            "warnings": warnings}
     shown = result.metrics
-    if "train_step" not in by:  # one training step: its column would repeat overall
+    if len(rollouts) == 1 and "train_step" not in by:
+        # one training step: its column would repeat overall
         shown = shown.filter(~pl.col("scope").str.starts_with("train_step="))
     emit(Report([(f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks",
                   metrics_wide(shown))] if fmt != "csv" else

@@ -52,20 +52,12 @@ def ingest(
 
     Example: draco ingest tau-bench results.json --tokenizer approx -o data/step-0
     """
-    from draco_cli.ingest import ingest as run_ingest
+    from draco_cli.ops.ingest import ingest_logs
 
     with err_console.status("ingesting…"):
-        result = run_ingest(
-            fmt.value,
-            [str(p) for p in inputs],
-            out,
-            step_unit=step_unit.value,
-            tokenizer=tokenizer,
-            group_by=tuple(g.strip() for g in group_by.split(",")) if group_by else None,
-            train_step=train_step,
-            skip_invalid=skip_invalid,
-            force=force,
-        )
+        result = ingest_logs(fmt.value, list(inputs), out, step_unit=step_unit.value,
+                             tokenizer=tokenizer, group_by=group_by, train_step=train_step,
+                             skip_invalid=skip_invalid, force=force)
     m = result.manifest
     err_console.print(
         f"[green]ingested[/] {m['rollouts']} rollouts in {m['groups']} groups, {m['steps']} "

@@ -9,6 +9,7 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt, VerdictsOpt
 from draco_cli.cli.options import folder_path
+from draco_cli.cli.options import JUDGE_PANEL
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
                                    BaseUrls, Batch, CallLogPath, Concurrency, Force, MaxCost,
                                    MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
@@ -32,7 +33,7 @@ def filter_(
 
     Example: draco judge filter --rollouts run/rollouts.parquet --verdicts run/verdicts.parquet -o run/verdicts.filtered.parquet
     """
-    from draco_cli.pipeline import judge_filter
+    from draco_cli.ops.judge import judge_filter
 
     kept, total = judge_filter(rollouts, verdicts, out, drop=drop.value, judge=judge, force=force)
     err_console.print(f"kept {kept} of {total} (group, criterion) pairs → {out}", highlight=False)
@@ -45,11 +46,13 @@ def score(
     rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     model: Model,
-    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).")] = 1,
+    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout (k).",
+        rich_help_panel=JUDGE_PANEL)] = 1,
     aggregate: Annotated[Optional[Literal["all", "majority"]], typer.Option(
         help="all (fail if any sample fails, pass only if all pass; default for k > 1) or "
-        "majority.")] = None,
-    judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.")]
+        "majority.", rich_help_panel=JUDGE_PANEL)] = None,
+    judge_label: Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.",
+        rich_help_panel=JUDGE_PANEL)]
     = "judge",
     base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
     timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
@@ -66,21 +69,21 @@ def score(
 
     Example: draco judge score --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --model openai/gpt-4.1 -o d/judge
     """
-    from draco_cli import stages as st
+    from draco_cli.ops.judge import judge_prompt, judge_score
+    from draco_cli.ops.llmstage import render_options
 
-    render = st.render_options(max_prompt_tokens, redact or [], no_default_redact)
+    render = render_options(max_prompt_tokens, redact or [], no_default_redact)
     if show_prompt:
-        typer.echo(st.show_prompt(rollouts, steps, "score", rubrics=rubrics, render=render,
-                                  samples=samples))
+        typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=samples))
         return
-    s = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                        max_cost, prices, batch, thinking,
-                        structured_output=structured_output, system_role=system_role,
-                        use_n=use_n, temperature=temperature, seed=seed,
-                        adapt=adapt)
+    s = llmrun.settings(
+        model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
+        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost, prices=prices,
+        batch=batch, thinking=thinking, structured_output=structured_output,
+        system_role=system_role, use_n=use_n, temperature=temperature, seed=seed, adapt=adapt)
     with llmrun.progress_bar("judging") as bar:
-        report = st.judge_score(rollouts, steps, rubrics, out, s, samples=samples,
-                                aggregate=aggregate or "all", judge_label=judge_label,
-                                render=render, max_tokens=max_tokens, call_log=call_log,
-                                force=force, progress=bar)
+        report = judge_score(rollouts, steps, rubrics, out, s, samples=samples,
+                             aggregate=aggregate or "all", judge_label=judge_label,
+                             render=render, max_tokens=max_tokens, call_log=call_log,
+                             force=force, progress=bar)
     llmrun.print_report(report)

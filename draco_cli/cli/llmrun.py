@@ -4,18 +4,24 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
+from pathlib import Path
 
 import typer
+
+from draco_cli.llm.settings import LLMSettings
 
 from draco_cli.cli.console import err_console
 
 
-def settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries, max_cost, prices,
-             batch, thinking, *, structured_output="auto", system_role="keep", use_n=True,
-             temperature=None, seed=None, adapt=None):
+def settings(*, model: str, base_url: list[str] | str | None = None, concurrency: int = 16,
+             rpm: float | None = None, tpm: float | None = None, timeout: float = 120.0,
+             parse_retries: int = 2, max_cost: float | None = None, prices: Path | None = None,
+             batch: bool | None = None, thinking: str = "off", structured_output: str = "auto",
+             system_role: str = "keep", use_n: bool = True, temperature: float | None = None,
+             seed: int | None = None, adapt: bool | None = None) -> LLMSettings:
+    """The LLM options of a command (its "LLM options" panel) as the library's LLMSettings,
+    by name: one object, checked before any work."""
     from draco_cli.llm.providers import STRUCTURED_FORMS
-    from draco_cli.llm.settings import LLMSettings
-
     if thinking not in ("on", "off"):
         raise typer.BadParameter("--thinking takes on or off")
     if structured_output not in STRUCTURED_FORMS:

@@ -264,8 +264,8 @@ def propose_cmd(
     from draco_cli.cli import llmrun
     from draco_cli.ops.replay import propose_replay
 
-    s = llmrun.settings(model, base_url, concurrency, None, None, timeout, 2, max_cost, prices,
-                        False, "off")
+    s = llmrun.settings(model=model, base_url=base_url, concurrency=concurrency,
+                        timeout=timeout, max_cost=max_cost, prices=prices)
     res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, s,
                          max_edits=max_edits, evidence=evidence, ridge=ridge, holdout=holdout,
                          force=force)

@@ -11,6 +11,7 @@ from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
 from draco_cli.cli.options import folder_path
+from draco_cli.cli.options import LLM_PANEL, JUDGE_PANEL, RUBRIC_PANEL, CREDIT_PANEL
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN)
 from draco_cli.cli.options import (BaseUrls, Batch, CallLogPath, Concurrency, MaxCost,
                                    MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
@@ -44,33 +45,45 @@ def run(
                                       callback=folder_path)],
     model: Annotated[Optional[str], typer.Option(
         "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with "
-        "--base-url, replay/PATH); not needed for --setting outcome.")] = None,
+        "--base-url, replay/PATH); not needed for --setting outcome.",
+            rich_help_panel=LLM_PANEL)] = None,
     setting: Annotated[Setting, typer.Option(
         help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
         "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "
         "the environment outcome, uniform, no LLM call).")] = Setting.draco,
-    judge_model: Annotated[Optional[str], typer.Option(help="Judge model, if not --model.")]
+    judge_model: Annotated[Optional[str], typer.Option(help="Judge model, if not --model.",
+        rich_help_panel=JUDGE_PANEL)]
     = None,
-    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout.")] = 1,
-    aggregate: Annotated[Aggregate, typer.Option(help="How judge samples combine.")]
+    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout.",
+        rich_help_panel=JUDGE_PANEL)] = 1,
+    aggregate: Annotated[Aggregate, typer.Option(help="How judge samples combine.",
+        rich_help_panel=JUDGE_PANEL)]
     = Aggregate.all,
-    judge_label: Annotated[str, typer.Option(help="Judge arm label.")] = "judge",
-    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group at most.")] = 8,
+    judge_label: Annotated[str, typer.Option(help="Judge arm label.",
+        rich_help_panel=JUDGE_PANEL)] = "judge",
+    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group at most.",
+        rich_help_panel=RUBRIC_PANEL)] = 8,
     static_rubric: Annotated[Optional[Path], typer.Option(
-        help="Static rubric file for the static settings (default: draco's own).")] = None,
+        help="Static rubric file for the static settings (default: draco's own).",
+            rich_help_panel=RUBRIC_PANEL)] = None,
     train_step: Annotated[Optional[int], typer.Option(min=0, help="Write into OUT/step-N.")]
     = None,
     credit: Annotated[Optional[Credit], typer.Option(
-        help="Override the setting's credit: step or uniform.")] = None,
+        help="Override the setting's credit: step or uniform.",
+            rich_help_panel=CREDIT_PANEL)] = None,
     reward: Annotated[Optional[RewardSource], typer.Option(
         help="Override the setting's reward: rubric (pass fraction of retained criteria) or "
-        "outcome (the environment's).")] = None,
-    estimator: Annotated[Estimator, typer.Option(help="Group baseline.")] = Estimator.grpo,
-    std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, none.")]
+        "outcome (the environment's).", rich_help_panel=CREDIT_PANEL)] = None,
+    estimator: Annotated[Estimator, typer.Option(help="Group baseline.",
+        rich_help_panel=CREDIT_PANEL)] = Estimator.grpo,
+    std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, none.",
+        rich_help_panel=CREDIT_PANEL)]
     = Std.sample,
-    drop: Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops.")]
+    drop: Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops.",
+        rich_help_panel=CREDIT_PANEL)]
     = Drop.all_pass,
-    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.")]
+    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
+        rich_help_panel=CREDIT_PANEL)]
     = Tokens.spans,
     redo: Annotated[Optional[list[Stage]], typer.Option(
         help="Redo this stage and every stage after it even if unchanged (repeatable); "
@@ -105,7 +118,7 @@ def run(
 
     Example: draco run --rollouts sample_data/appworld_mini/rollouts.parquet --steps sample_data/appworld_mini/steps.parquet --model replay/sample_data/llm_calls.sqlite -o runs/demo
     """
-    from draco_cli.run import RunOptions, run_dir_for, run_step
+    from draco_cli.ops.run import RunOptions, run_dir_for, run_step
 
     fmt_name = pick_format(fmt, as_json)
 
@@ -123,11 +136,12 @@ def run(
         train_step=train_step, min_answered=min_answered,
         redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
         ray_address=ray_address, partitions=partitions)
-    llm = llmrun.settings(model, base_url, concurrency, rpm, tpm, timeout, parse_retries,
-                          max_cost, prices, batch, thinking,
-                          structured_output=structured_output, system_role=system_role,
-                          use_n=use_n, temperature=temperature, seed=seed,
-                          adapt=adapt) if model else None
+    llm = llmrun.settings(
+        model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
+        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost, prices=prices,
+        batch=batch, thinking=thinking, structured_output=structured_output,
+        system_role=system_role, use_n=use_n, temperature=temperature, seed=seed,
+        adapt=adapt) if model else None
     run_dir = run_dir_for(out, train_step)
 
     def waiting(holder: str) -> None:

@@ -1,20 +1,19 @@
-"""File-level operations behind the commands: read tables, call the pure functions, write.
-
-Kept apart from ``draco_cli.cli`` so Python users get the same behaviour without typer.
-"""
+"""Credit operations (``draco credit compute`` / ``expand``): read rollouts, steps and
+verdicts, compute rewards, step credit and token advantages, publish them as one set; convert
+token advantages between their spans and dense forms."""
 
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 import pyarrow as pa
 
-from draco_cli.credit import CreditStats, attach_groups, compute_credit, discriminative_filter, \
-    narrow_judge
+from draco_cli.credit import CreditStats, compute_credit
 from draco_cli.errors import InputError, UsageError
-from draco_cli.io import STDIO, OutputSet, check_writable, conform, read_arrow, read_table, \
-    write_table
+from draco_cli.io import OutputSet, check_writable, conform, read_arrow, read_table
+from draco_cli.ops import publish_file, source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
@@ -26,10 +25,6 @@ CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cit
                           "retained"]
 
 
-def _name(path: str | Path) -> str:
-    return "<stdin>" if str(path) == STDIO else str(path)
-
-
 def _check_spans_type(spans: pa.ChunkedArray | None, source: str,
                       response_len: pl.Series | None = None) -> None:
     """The policy_spans rules of ``draco validate``, raised at the first broken one."""
@@ -37,19 +32,6 @@ def _check_spans_type(spans: pa.ChunkedArray | None, source: str,
 
     if spans is not None:
         raise_first(policy_span_issues(spans, response_len), source, "policy_spans")
-
-
-def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
-                 drop: str = "all-pass", judge: str | None = None, force: bool = False
-                 ) -> tuple[int, int]:
-    check_writable(out, force)
-    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
-    v = read_table(verdicts, VerdictAggregated)
-    v = narrow_judge(v, judge, _name(verdicts))
-    v = discriminative_filter(attach_groups(v, r, _name(verdicts)), drop)  # type: ignore[arg-type]
-    write_table(v.drop("group_id", "__r"), out, VerdictAggregated, force=force)
-    pairs = v.unique(["group_id", "criterion_id"])
-    return int(pairs["retained"].sum()), pairs.height
 
 
 def _no_verdicts() -> pl.DataFrame:
@@ -60,7 +42,7 @@ def _no_verdicts() -> pl.DataFrame:
 
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                    out: str | Path, *, tokens: str | None = None, force: bool = False,
-                   options: CreditOptions | None = None, **kwargs) -> CreditStats:
+                   options: CreditOptions | None = None, **kwargs: Any) -> CreditStats:
     """Rewards, step credit and token advantages of ``rollouts`` into ``out``.
 
     ``options`` (or the same fields as keywords) says how; ``verdicts`` may be None only with
@@ -84,15 +66,15 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     arrow = read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS)
     spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
     r = conform(pl.from_arrow(arrow.drop_columns(["policy_spans"]) if spans is not None
-                              else arrow), Rollout, _name(rollouts),
+                              else arrow), Rollout, source_name(rollouts),
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
-    _check_spans_type(spans, _name(rollouts), r["response_len"])
+    _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
     s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
     v = _no_verdicts() if verdicts is None else \
         read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS)
-    result = compute_credit(r, s, v, verdicts_source=_name(verdicts or "verdicts"),
-                            steps_source=_name(steps),
+    result = compute_credit(r, s, v, verdicts_source=source_name(verdicts or "verdicts"),
+                            steps_source=source_name(steps),
                             **options.model_dump(exclude={"tokens"}))
     # The input frames are done with: freed now, their memory serves the token and write
     # steps below instead of adding to the peak.
@@ -101,7 +83,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
 
     ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
                      result.rewards["advantage"].to_numpy(),
-                     result.rewards["credit_mode"].to_numpy(), _name(steps), spans)
+                     result.rewards["credit_mode"].to_numpy(), source_name(steps), spans)
     if tokens in ("dense", "both"):
         dense = spans_to_dense(ta)
         ta = dense if tokens == "dense" else dense.with_columns(ta.select(
@@ -120,13 +102,14 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
 def credit_expand(token_advantages: str | Path, out: str | Path, *,
                   rollouts: str | Path | None = None, to: str | None = None,
                   force: bool = False) -> str:
-
+    """``token_advantages`` in the other form (or ``to``) → ``out``, exactly; returns the
+    form written."""
     check_writable(out, force)
     ta = read_table(token_advantages, TokenAdvantages)
     from draco_cli.validate import raise_first, token_advantage_issues
 
     for field, issue in token_advantage_issues(ta)[:1]:
-        raise_first([issue], _name(token_advantages), field)
+        raise_first([issue], source_name(token_advantages), field)
     present = [c for c in ("advantages", "span_start", "span_end", "span_value")
                if c in ta.columns and ta[c].null_count() < ta.height]
     ta = ta.select("rollout_id", "length", "layout", *present)
@@ -135,7 +118,7 @@ def credit_expand(token_advantages: str | Path, out: str | Path, *,
         missing = r.join(ta, on="rollout_id", how="anti")
         if missing.height:
             raise InputError(f"no token advantages for rollout {missing['rollout_id'][0]!r}",
-                             file=_name(token_advantages), field="rollout_id")
+                             file=source_name(token_advantages), field="rollout_id")
     form = form_of(ta)
     target = to or ("dense" if form == "spans" else "spans")
     if target == "dense":
@@ -147,6 +130,6 @@ def credit_expand(token_advantages: str | Path, out: str | Path, *,
     else:
         res = spans_to_dense(ta).with_columns(ta.select("span_start", "span_end", "span_value")) \
             if form == "spans" else dense_to_spans(ta).with_columns(ta.select("advantages"))
-    write_table(res, out, TokenAdvantages, force=force, drop_absent_optional=True,
-                metadata={"draco.token_form": target})
+    publish_file(res, out, TokenAdvantages, force=force, drop_absent_optional=True,
+                 metadata={"draco.token_form": target})
     return target

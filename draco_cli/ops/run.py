@@ -142,10 +142,10 @@ class _Run:
     # -- the chain -------------------------------------------------------------------------
 
     def run(self) -> RunResult:
-        from draco_cli import stages as st
+        from draco_cli.ops.llmstage import render_options
 
         opts = self.opts
-        self.render = st.render_options(opts.prompt.max_prompt_tokens,
+        self.render = render_options(opts.prompt.max_prompt_tokens,
                                         list(opts.prompt.redact), opts.prompt.no_default_redact)
         run = self.folder.path
         try:
@@ -186,7 +186,7 @@ class _Run:
         self._write("running")
         self._emit(StageEvent(name, "start"))
         t = time.perf_counter()
-        from draco_cli.stages import log_position
+        from draco_cli.ops.llmstage import log_position
 
         self._log_start = log_position(self.log)
         rec = body()
@@ -248,7 +248,7 @@ class _Run:
     # -- the stages ------------------------------------------------------------------------
 
     def _rubric(self) -> StageRecord:
-        from draco_cli import stages as st
+        from draco_cli.ops import rubric as st
 
         rubric_dir = self.folder.path / "rubric"
         if self.opts.rubric.kind == "static":
@@ -277,7 +277,7 @@ class _Run:
         return self._llm_record("rubric", report, kind="dynamic")
 
     def _judge(self) -> StageRecord:
-        from draco_cli import stages as st
+        from draco_cli.ops import judge as st
 
         if self.opts.engine == "ray":
             from functools import partial
@@ -302,7 +302,7 @@ class _Run:
         return self._llm_record("judge", report)
 
     def _llm_record(self, name: str, report, **extra: Any) -> StageRecord:
-        from draco_cli.stages import unanswered_reasons
+        from draco_cli.ops.llmstage import unanswered_reasons
 
         phases = {p: s for p, s in report.phases.items() if p in LLM_PHASES[name]}
         reused = sum(s.cached for s in phases.values())
@@ -325,7 +325,7 @@ class _Run:
                                   "unanswered": unanswered + skipped}, **extra)
 
     def _credit(self) -> StageRecord:
-        from draco_cli.pipeline import credit_compute
+        from draco_cli.ops.credit import credit_compute
 
         verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
         stats = credit_compute(self.rollouts, self.steps, verdicts, self.folder.path / "credit",

@@ -1,0 +1,116 @@
+"""Judge operations (``draco judge score`` / ``filter``): score rollouts against their group's
+rubric with an LLM, or mark the criteria the discriminative filter keeps; each publishes its
+outputs as one set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from draco_cli.errors import InputError
+from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
+from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.settings import LLMSettings
+from draco_cli.llm.types import Sampling
+from draco_cli.ops import publish_file, source_name
+from draco_cli.ops.llmstage import (StageReport, call_log_path, finish, read_inputs,
+                                    render_messages)
+from draco_cli.render import RenderOptions
+from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
+
+
+def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, out: Path,
+                settings: LLMSettings, *, samples: int, aggregate: str, judge_label: str,
+                render: RenderOptions, max_tokens: int = 4096, call_log: Path | None = None,
+                force: bool = False, progress: Callable[[Any], None] | None = None
+                ) -> StageReport:
+    """Verdicts citing steps → ``out/verdicts_raw.parquet`` (one row per sample) and
+    ``out/verdicts.parquet`` (aggregated)."""
+    from draco_cli.judge import score_rollouts
+
+    out = Path(out)
+    targets = [out / "verdicts_raw.parquet", out / "verdicts.parquet"]
+    for t in targets:
+        check_writable(t, force)
+    r, s = read_inputs(rollouts, steps)
+    rb = read_table(rubrics, Rubric)
+    report = StageReport(outputs=targets)
+    log_path = call_log_path(out, call_log)
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
+        client = settings.client(log)
+        res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
+                             judge=judge_label, render=render, batch=settings.batch,
+                             progress=progress,
+                             sampling=Sampling(max_tokens=max_tokens, thinking=settings.thinking))
+        finish(client, log_path, out, report)
+    if report.budget_reached:
+        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
+        return report
+    with OutputSet(out, [t.name for t in targets], force=force) as output:
+        output.write_table(res.raw, targets[0].name, VerdictRaw)
+        output.write_table(res.verdicts, targets[1].name, VerdictAggregated)
+    n = res.verdicts.height
+    unanswered = res.verdicts["verdict"].null_count()
+    report.rows = n
+    # per sample: a sample verdict left null is an unanswered call or a criterion the answer
+    # left out; aggregated nulls also count samples that disagree, which is not a failure
+    report.items = res.raw.height
+    report.items_answered = res.raw.height - res.raw["verdict"].null_count()
+    report.notes.append(f"{n} verdicts ({res.raw.height} sample rows); unanswered "
+                        f"{unanswered} ({unanswered / n:.1%})" if n else "no verdicts")
+    st = res.stats
+    if st.citations_dropped:
+        report.notes.append(f"{st.citations_dropped} citations outside 1..M dropped")
+    if st.unknown_ids:
+        report.notes.append(f"{st.unknown_ids} verdicts for unknown criterion ids ignored")
+    if st.missing:
+        report.notes.append(f"{st.missing} criteria missing from answers (unanswered)")
+    if res.rollouts_without_rubric:
+        report.notes.append(f"{res.rollouts_without_rubric} rollouts skipped: their group has no "
+                            "rubric")
+    return report
+
+
+def judge_prompt(rollouts: str | Path, steps: str | Path, rubrics: str | Path, *,
+                 render: RenderOptions, samples: int = 1) -> str:
+    """The rendered judge prompt of the first rollout, without calling anything."""
+    from draco_cli.judge import score_request
+
+    r, s = read_inputs(rollouts, steps)
+    if r.height == 0:
+        raise InputError("no rollouts, so no prompt to show", file=str(rollouts))
+    rb = read_table(rubrics, Rubric)
+    first = r.row(0, named=True)
+    crit = rb.filter(pl.col("group_id") == first["group_id"])
+    req = score_request(first["rollout_id"], first["instruction"],
+                        s.filter(pl.col("rollout_id") == first["rollout_id"]).sort("step"),
+                        crit, samples, Sampling(), render)
+    return render_messages(req.messages)
+
+
+def filtered_verdicts(rollouts: str | Path, verdicts: str | Path, *, drop: str = "all-pass",
+                      judge: str | None = None) -> pl.DataFrame:
+    """Aggregated verdicts of one judge with ``retained`` set by the discriminative filter,
+    ``group_id`` attached."""
+    from draco_cli.credit import attach_groups, discriminative_filter, narrow_judge
+
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
+    v = read_table(verdicts, VerdictAggregated)
+    v = narrow_judge(v, judge, source_name(verdicts))
+    return discriminative_filter(attach_groups(v, r, source_name(verdicts)), drop)
+
+
+def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
+                 drop: str = "all-pass", judge: str | None = None, force: bool = False
+                 ) -> tuple[int, int]:
+    """The filtered verdicts → ``out`` (published whole, under the folder's lock); returns
+    (retained, all) (group, criterion) pairs."""
+    check_writable(out, force)
+    v = filtered_verdicts(rollouts, verdicts, drop=drop, judge=judge)
+    publish_file(v.drop("group_id", "__r", strict=False), out, VerdictAggregated, force=force)
+    pairs = v.unique(["group_id", "criterion_id"])
+    return int(pairs["retained"].sum()), pairs.height
