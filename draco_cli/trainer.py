@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,9 @@ import pyarrow.parquet as pq
 
 __all__ = ["AlignmentError", "TokenAdvantageTable", "load_token_advantages", "fingerprint",
            "group_rollout_ids"]
+
+# Spans of many rollouts: (offsets per rollout, start, end, value), each a flat array.
+_Spans = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def fingerprint(token_ids: Sequence[int] | np.ndarray) -> str:
@@ -53,23 +57,22 @@ class TokenAdvantageTable:
         if len(self._row) != len(ids):
             raise AlignmentError(f"{source}: duplicate rollout_id")
         self._length = table.column("length").to_numpy().astype(np.int64)
-        self._dense = None
-        self._spans = None
+        self._dense: tuple[np.ndarray, np.ndarray] | None = None  # offsets, values
+        self._spans: _Spans | None = None
         names = table.column_names
         if "advantages" in names and table.column("advantages").null_count < table.num_rows:
-            col = table.column("advantages").combine_chunks()
+            col = _list_column(table, "advantages")
             self._dense = (col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False)
                            .astype(np.float32))
         elif "span_start" in names:
-            cols = [table.column(c).combine_chunks() for c in ("span_start", "span_end",
-                                                                "span_value")]
-            self._spans = (cols[0].offsets.to_numpy(),
-                           *[c.values.to_numpy(zero_copy_only=False) for c in cols])
+            cols = [_list_column(table, c) for c in ("span_start", "span_end", "span_value")]
+            start, end, value = (c.values.to_numpy(zero_copy_only=False) for c in cols)
+            self._spans = (cols[0].offsets.to_numpy(), start, end, value)
         else:
             raise AlignmentError(f"{source}: neither 'advantages' nor span columns")
         self._train_step = _optional_column(table, "train_step", pa.int64())
         self._n_policy = _optional_column(table, "n_policy_tokens", pa.int64())
-        fp = (table.column("response_fingerprint").to_pylist()
+        fp: list[str | None] = (table.column("response_fingerprint").to_pylist()
               if "response_fingerprint" in names else [None] * table.num_rows)
         self._fingerprint = fp
 
@@ -94,7 +97,9 @@ class TokenAdvantageTable:
         i = self._index(rollout_id)
         if self._dense is not None:
             offsets, values = self._dense
-            return values[offsets[i]:offsets[i + 1]].copy()
+            dense: np.ndarray = values[offsets[i]:offsets[i + 1]].copy()
+            return dense
+        assert self._spans is not None  # __init__ sets one of the two
         offsets, start, end, value = self._spans
         out = np.zeros(int(self._length[i]), dtype=np.float32)
         for s, e, v in zip(start[offsets[i]:offsets[i + 1]], end[offsets[i]:offsets[i + 1]],
@@ -251,14 +256,16 @@ class TokenAdvantageTable:
 
     def _span_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         if self._spans is None:  # dense file: runs of equal non-zero value become spans
+            assert self._dense is not None  # __init__ sets one of the two
             self._spans = _dense_runs(*self._dense, self._length)
         return self._spans
 
-    def _raise_row(self, b: int, kind: int, rollout_ids, row: np.ndarray, T: int,
+    def _raise_row(self, b: int, kind: int, rollout_ids: Sequence[str | None], row: np.ndarray, T: int,
                    mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
                    start: np.ndarray, end: np.ndarray) -> None:
         rid, i, where = rollout_ids[b], int(row[b]), f"trainer row {b}"
         if kind == _STEP:
+            assert steps is not None  # a step check ran
             file_step = int(self._train_step[i])
             if file_step < 0:
                 raise AlignmentError(
@@ -268,6 +275,7 @@ class TokenAdvantageTable:
                 f"rollout {rid!r} ({where}): the file is from train step {file_step}, the "
                 f"row from step {int(steps[b])}")
         if kind == _COUNT:
+            assert mask is not None  # a count check ran
             raise AlignmentError(
                 f"rollout {rid!r} ({where}): the response mask marks "
                 f"{int(np.count_nonzero(mask[b]))} policy tokens, the file expects "
@@ -329,7 +337,7 @@ def _tile(B: int, T: int, row: np.ndarray, start: np.ndarray, end: np.ndarray,
     return seg_row, seg_end - seg_start, seg_value, is_span, span_slot
 
 
-def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.ndarray,
+def _fingerprint_mismatches(fps: list[str | None], ids: np.ndarray, live: np.ndarray, i: np.ndarray,
                             lengths: np.ndarray) -> np.ndarray:
     """Trainer rows (of ``live``, file rows ``i``) whose token ids do not hash to the file's
     fingerprint. Hashing dominates the loader's time; hashlib releases the GIL on buffers
@@ -347,7 +355,7 @@ def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.
                 wrong.append(b)
                 continue
             # A C-contiguous little-endian int64 row is hashed in place (no copy).
-            got = (hashlib.blake2b(ids[b, :n], digest_size=8).hexdigest() if native
+            got = (hashlib.blake2b(ids[b, :n].data, digest_size=8).hexdigest() if native
                    else fingerprint(ids[b, :n]))
             if got != fp:
                 wrong.append(b)
@@ -356,7 +364,7 @@ def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.
     workers = min(os.cpu_count() or 1, 8, max(1, live.size // 4096))
     if workers == 1:
         return np.asarray(check(0, live.size), dtype=np.int64)
-    cuts = np.linspace(0, live.size, workers + 1).astype(int)
+    cuts: list[int] = np.linspace(0, live.size, workers + 1).astype(int).tolist()
     with ThreadPoolExecutor(workers) as pool:
         parts = pool.map(lambda k: check(cuts[k], cuts[k + 1]), range(workers))
         return np.asarray([b for part in parts for b in part], dtype=np.int64)
@@ -383,11 +391,16 @@ def _dense_runs(offsets: np.ndarray, values: np.ndarray, length: np.ndarray
     return out, pos[first], pos[last] + 1, values[first].astype(np.float32)
 
 
+def _list_column(table: pa.Table, name: str) -> pa.ListArray[Any]:
+    """A list column as one array (its offsets and values); list-typed by the table contract."""
+    return cast("pa.ListArray[Any]", table.column(name).combine_chunks())
+
+
 def _optional_column(table: pa.Table, name: str, type_: pa.DataType) -> np.ndarray:
     """An integer column as int64 with -1 for null (or all -1 when the file lacks it)."""
     if name not in table.column_names:
         return np.full(table.num_rows, -1, dtype=np.int64)
-    col = pc.fill_null(table.column(name).cast(type_), -1)
+    col = table.column(name).cast(type_).fill_null(pa.scalar(-1, type_))
     return col.to_numpy().astype(np.int64)
 
 
@@ -411,7 +424,7 @@ def load_token_advantages(path: str | Path | Sequence[str | Path],
                                ", ".join(map(str, paths)))
 
 
-def group_rollout_ids(index: Sequence, sep: str = ":") -> list[str]:
+def group_rollout_ids(index: Sequence[Any], sep: str = ":") -> list[str]:
     """Order-based ids: the k-th row of group u in batch order is ``f"{u}{sep}{k}"``.
 
     Correct only where the batch is provably still in generation order. verl's
@@ -421,7 +434,7 @@ def group_rollout_ids(index: Sequence, sep: str = ":") -> list[str]:
         "group_rollout_ids numbers rows by batch order; after a trainer reorders its batch "
         "(verl balance_batch, the default) they point at other rollouts. Carry a per-row id "
         "instead (see docs/trainers.md).", UserWarning, stacklevel=2)
-    seen: dict = {}
+    seen: dict[Any, int] = {}
     out = []
     for u in index:
         k = seen.get(u, 0)
