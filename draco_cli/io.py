@@ -473,9 +473,12 @@ def read_table(
     name = "<stdin>" if str(path) == STDIO else str(path)
     if columns is not None:
         columns = list(dict.fromkeys([*model.keys, *columns]))
-    # a Table converts to a DataFrame
-    df = cast(pl.DataFrame, pl.from_arrow(read_arrow(path, columns)))
-    return conform(df, model, name, columns, check_keys)
+    return conform(as_frame(read_arrow(path, columns)), model, name, columns, check_keys)
+
+
+def as_frame(table: pa.Table) -> pl.DataFrame:
+    """An Arrow table as a polars DataFrame (``pl.from_arrow`` of a Table, typed as such)."""
+    return cast(pl.DataFrame, pl.from_arrow(table))
 
 
 def conform(
