@@ -226,7 +226,7 @@ def _context_for(folder: Path, root: Path) -> list[Path]:
     return ctx
 
 
-def validate_targets(paths: list[str | Path]) -> tuple[list[tuple[str, dict[str, int]]],
+def validate_targets(paths: Sequence[str | Path]) -> tuple[list[tuple[str, dict[str, int]]],
                                                        list[str]]:
     """``draco validate``: files given together form one set; a folder is walked, and each
     folder in it (a run folder's rubric/, judge/, credit/, ...) is checked as its own set,
