@@ -189,7 +189,8 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
     return cast(pl.DataFrame, pl.from_arrow(table))  # a Table converts to a DataFrame
 
 
-def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, R: int) -> np.ndarray:
+def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays,
+                         R: int) -> np.ndarray:
     """Tokens each rollout's trainer mask should mark 1: the policy spans when known, else
     the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens)."""
     steps_n = np.bincount(sa.r, weights=sa.n.astype(np.int64), minlength=R).astype(np.int64)

@@ -260,7 +260,8 @@ class TokenAdvantageTable:
             self._spans = _dense_runs(*self._dense, self._length)
         return self._spans
 
-    def _raise_row(self, b: int, kind: int, rollout_ids: Sequence[str | None], row: np.ndarray, T: int,
+    def _raise_row(self, b: int, kind: int, rollout_ids: Sequence[str | None], row: np.ndarray,
+                   T: int,
                    mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
                    start: np.ndarray, end: np.ndarray) -> None:
         rid, i, where = rollout_ids[b], int(row[b]), f"trainer row {b}"

@@ -29,7 +29,8 @@ class EntryContext:
             raise self.error(f"expected {_type_names(types)}, got {type(value).__name__}", name)
         return value
 
-    def optional(self, obj: dict[str, Any], key: str, types: type | tuple[type, ...], path: str = "") -> Any:
+    def optional(self, obj: dict[str, Any], key: str, types: type | tuple[type, ...],
+                 path: str = "") -> Any:
         if obj.get(key) is None:
             return None
         return self.require(obj, key, types, path)
@@ -122,7 +123,8 @@ def parse_messages(raw: Any, ctx: EntryContext, field: str = "messages") -> list
     return [parse_message(m, ctx, f"{field}[{i}]") for i, m in enumerate(raw)]
 
 
-def trainer_tokens(raw: dict[str, Any], ctx: EntryContext) -> tuple[list[int] | None, list[int] | None]:
+def trainer_tokens(raw: dict[str, Any], ctx: EntryContext
+                   ) -> tuple[list[int] | None, list[int] | None]:
     """The trainer's ``response_mask`` (0/1 per response token) and optional ``response_ids``
     of an entry: positions straight from the trainer, exact by construction."""
     mask = ctx.optional(raw, "response_mask", list)
