@@ -261,8 +261,7 @@ class TokenAdvantageTable:
         return self._spans
 
     def _raise_row(self, b: int, kind: int, rollout_ids: Sequence[str | None], row: np.ndarray,
-                   T: int,
-                   mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
+                   T: int, mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
                    start: np.ndarray, end: np.ndarray) -> None:
         rid, i, where = rollout_ids[b], int(row[b]), f"trainer row {b}"
         if kind == _STEP:
