@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.runfolder import TABLES
+from draco_cli.runfolder import TABLES, RunFolder
 
 if TYPE_CHECKING:
     import duckdb  # imported where used: `draco sql` alone needs it
@@ -114,55 +114,69 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
     if stdin is not None:
         cat.sources.append(Source(stdin_name, None, None, "<stdin>", stdin))
     for folder in expand_run_roots(paths):
-        run = str(folder)
         if not folder.exists():
-            raise InputError("no such file or folder", file=run)
+            raise InputError("no such file or folder", file=str(folder))
         if folder.is_file():
-            if folder.suffix == ".sqlite":
-                cat.sources.append(Source("calls", None, None, run,
-                                          read_call_log(folder, call_columns)))
-            else:
-                cat.sources.append(Source(folder.stem, folder, None, run))
-            continue
-        m = _manifest(folder)
-        step = m.get("train_step") if m else None
-        found: dict[str, Path] = {}
-        inputs = m.get("inputs") if m else None
-        from draco_cli.runfolder import RunFolder
-
-        run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
-        if isinstance(inputs, dict):  # a run folder's manifest names the tables it ran on
-            for name in ("rollouts", "steps"):
-                given = (inputs.get(name) or {}).get("path")
-                if given:
-                    p = _input_path(given, folder)
-                    if run_folder is not None and run_folder.manifest is not None \
-                            and name in run_folder.manifest.inputs:
-                        # absolute path, else where it moved with the folder
-                        p = run_folder.input(name, verify=False, missing_ok=True) or p
-                    if p.exists():
-                        found[name] = p
-                    else:
-                        cat.notes.append(f"{run}: its {name} table {given} is gone; no "
-                                         f"{name} view from this folder")
-        for name, rel in KNOWN.items():
-            if (folder / rel).exists():
-                found[name] = folder / rel
-        for p in sorted(folder.rglob("*.parquet")):
-            if p in found.values() or p.stem in SKIP or any(part.startswith(".")
-                                                              for part in p.parts):
-                continue
-            name = p.stem if p.stem not in found else f"{p.parent.name}_{p.stem}"
-            found.setdefault(name, p)
-        for name, p in found.items():
-            cat.sources.append(Source(name, p, step, run))
-        log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
-        if log.exists():
-            cat.sources.append(Source("calls", None, step, run, read_call_log(log, call_columns)))
-        if not found and not log.exists():
-            raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
-                             "llm_calls.sqlite)", file=run)
+            cat.sources.append(_file_source(folder, call_columns))
+        else:
+            _add_folder(cat, folder, call_columns)
     return cat
+
+
+def _file_source(path: Path, call_columns: Sequence[str] | None) -> Source:
+    if path.suffix == ".sqlite":
+        return Source("calls", None, None, str(path), read_call_log(path, call_columns))
+    return Source(path.stem, path, None, str(path))
+
+
+def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None) -> None:
+    """The tables of one folder: those its manifest names, the known names, any other
+    Parquet file below it, and its call log."""
+    run = str(folder)
+    m = _manifest(folder)
+    step = m.get("train_step") if m else None
+    run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
+    found = _manifest_inputs(folder, m.get("inputs") if m else None, run_folder, cat.notes)
+    for name, rel in KNOWN.items():
+        if (folder / rel).exists():
+            found[name] = folder / rel
+    for p in sorted(folder.rglob("*.parquet")):
+        if p in found.values() or p.stem in SKIP or any(part.startswith(".")
+                                                          for part in p.parts):
+            continue
+        name = p.stem if p.stem not in found else f"{p.parent.name}_{p.stem}"
+        found.setdefault(name, p)
+    for name, p in found.items():
+        cat.sources.append(Source(name, p, step, run))
+    log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
+    if log.exists():
+        cat.sources.append(Source("calls", None, step, run, read_call_log(log, call_columns)))
+    if not found and not log.exists():
+        raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
+                         "llm_calls.sqlite)", file=run)
+
+
+def _manifest_inputs(folder: Path, inputs: Any, run_folder: RunFolder | None,
+                     notes: list[str]) -> dict[str, Path]:
+    """The rollouts and steps tables a run folder's manifest says it ran on, where they are."""
+    found: dict[str, Path] = {}
+    if not isinstance(inputs, dict):
+        return found
+    for name in ("rollouts", "steps"):
+        given = (inputs.get(name) or {}).get("path")
+        if not given:
+            continue
+        p = _input_path(given, folder)
+        if run_folder is not None and run_folder.manifest is not None \
+                and name in run_folder.manifest.inputs:
+            # absolute path, else where it moved with the folder
+            p = run_folder.input(name, verify=False, missing_ok=True) or p
+        if p.exists():
+            found[name] = p
+        else:
+            notes.append(f"{folder}: its {name} table {given} is gone; no "
+                         f"{name} view from this folder")
+    return found
 
 
 def expand_run_roots(paths: list[Path]) -> list[Path]:

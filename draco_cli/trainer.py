@@ -139,28 +139,9 @@ class TokenAdvantageTable:
         zeros and is not looked up. ``strict`` (default) also raises when a non-zero advantage
         would fall on a masked token or past T; ``strict=False`` skips every check and cuts.
         """
-        if response_mask is not None:
-            mask = np.asarray(response_mask)
-            if mask.ndim != 2 or mask.shape[0] != len(rollout_ids):
-                raise AlignmentError(f"response_mask has shape {mask.shape}; expected "
-                                     f"({len(rollout_ids)}, T)")
-            T = mask.shape[1]
-        elif length is not None:
-            mask, T = None, int(length)
-        else:
-            raise TypeError("give response_mask or length")
         B = len(rollout_ids)
-        pad = np.zeros(B, dtype=bool) if padding is None else np.asarray(padding, dtype=bool)
-        if pad.shape != (B,):
-            raise AlignmentError(f"padding has shape {pad.shape}; expected ({B},)")
-        steps = None
-        if train_step is not None:
-            steps = np.broadcast_to(np.asarray(train_step, dtype=np.int64), (B,))
-        ids = None
-        if response_ids is not None:
-            ids = np.asarray(response_ids)
-            if ids.ndim != 2 or ids.shape[0] != B:
-                raise AlignmentError(f"response_ids has shape {ids.shape}; expected ({B}, T)")
+        mask, T = _mask_and_width(response_mask, length, B)
+        pad, steps, ids = _row_inputs(B, padding, train_step, response_ids)
         # Whole-batch work, no per-token Python: every row of the result is tiled by
         # segments (zero gap, span, zero gap, ..., zero tail), so one np.repeat writes the
         # [B, T] tensor and one np.add.reduceat over the mask gives both each row's count of
@@ -289,6 +270,37 @@ class TokenAdvantageTable:
         raise AlignmentError(
             f"rollout {rid!r} ({where}): {n_past} non-zero "
             f"advantages lie past the trainer's {T} response tokens")
+
+
+def _mask_and_width(response_mask: np.ndarray | None, length: int | None, B: int
+                    ) -> tuple[np.ndarray | None, int]:
+    """The batch's response mask (if given) and its width T."""
+    if response_mask is not None:
+        mask = np.asarray(response_mask)
+        if mask.ndim != 2 or mask.shape[0] != B:
+            raise AlignmentError(f"response_mask has shape {mask.shape}; expected ({B}, T)")
+        return mask, mask.shape[1]
+    if length is not None:
+        return None, int(length)
+    raise TypeError("give response_mask or length")
+
+
+def _row_inputs(B: int, padding: Sequence[bool] | np.ndarray | None,
+                train_step: int | Sequence[int] | None, response_ids: np.ndarray | None
+                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Per-row padding flags, claimed train steps and response token ids, shapes checked."""
+    pad = np.zeros(B, dtype=bool) if padding is None else np.asarray(padding, dtype=bool)
+    if pad.shape != (B,):
+        raise AlignmentError(f"padding has shape {pad.shape}; expected ({B},)")
+    steps = None
+    if train_step is not None:
+        steps = np.broadcast_to(np.asarray(train_step, dtype=np.int64), (B,))
+    ids = None
+    if response_ids is not None:
+        ids = np.asarray(response_ids)
+        if ids.ndim != 2 or ids.shape[0] != B:
+            raise AlignmentError(f"response_ids has shape {ids.shape}; expected ({B}, T)")
+    return pad, steps, ids
 
 
 # Row checks as bit flags; a row failing several reports the first in this order.

@@ -132,6 +132,16 @@ def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = 
         if not isinstance(item, str) and item.model is not None \
                 and item.model.table_name not in frames:
             frames[item.model.table_name] = (item.source, item.df)
+    problems += _table_checks(frames, own)
+    problems += check_output_sets(loaded)
+    for m in manifests:
+        problems += check_manifest(m, counts, loaded)
+    return counts, problems
+
+
+def _table_checks(frames: dict[str, tuple[str, pl.DataFrame]], own: set[str]) -> list[str]:
+    """The checks of each table of the set (``own``) alone and against the others."""
+    problems: list[str] = []
     if "llm_calls" in own:
         problems += check_llm_calls(*frames["llm_calls"])
     if "rollouts" in own:
@@ -147,10 +157,7 @@ def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = 
             problems += check_citations(frames[name], frames["steps"])
     if "token_advantages" in own:
         problems += check_token_advantages(*frames["token_advantages"])
-    problems += check_output_sets(loaded)
-    for m in manifests:
-        problems += check_manifest(m, counts, loaded)
-    return counts, problems
+    return problems
 
 
 # --- whole folders ------------------------------------------------------------------------
