@@ -4,13 +4,20 @@ A test regenerates it and fails when the file is stale or a command lacks help o
 from __future__ import annotations
 
 import sys
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import typer
+import typer.core
+
+if TYPE_CHECKING:
+    # typer vendors click: get_command returns its Command, which typer does not re-export
+    from typer._click.core import Command
 
 
-def _commands(group, prefix: str = "draco"):
-    if getattr(group, "commands", None):
+def _commands(group: Command, prefix: str = "draco") -> Iterator[tuple[str, Command]]:
+    if isinstance(group, typer.core.TyperGroup) and group.commands:
         for name in sorted(group.commands):
             yield from _commands(group.commands[name], f"{prefix} {name}")
     else:
@@ -47,9 +54,10 @@ def missing_help() -> list[str]:
 
     bad = []
     for name, cmd in _commands(typer.main.get_command(app)):
-        if not (cmd.help or "").strip():
+        help_text = cmd.help or ""
+        if not help_text.strip():
             bad.append(f"{name}: no help")
-        elif "Example: draco " not in cmd.help:
+        elif "Example: draco " not in help_text:
             bad.append(f"{name}: no example")
     return bad
 

@@ -86,7 +86,7 @@ _OS_ERRORS = {
 }
 
 
-def describe_os_error(exc: OSError, path: str | os.PathLike | None = None) -> str:
+def describe_os_error(exc: OSError, path: str | os.PathLike[str] | None = None) -> str:
     """One line: the path (the one given, else the one the error names) and what happened."""
     what = _OS_ERRORS.get(exc.errno) if exc.errno is not None else None
     if what is None:

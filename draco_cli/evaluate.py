@@ -16,8 +16,10 @@ same tasks.
 
 from __future__ import annotations
 
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from math import comb
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -31,7 +33,7 @@ MISSING_MODES = ("fail", "drop")
 @dataclass
 class EvalResult:
     metrics: pl.DataFrame  # long form: scope, metric, k, value, n
-    summary: dict
+    summary: dict[str, Any]
     warnings: list[str] = field(default_factory=list)
 
 
@@ -42,7 +44,7 @@ def expected_trials(rollouts: pl.DataFrame) -> int:
         return 0
     if "trial" in rollouts.columns and rollouts["trial"].null_count() == 0:
         return int(rollouts["trial"].n_unique())
-    return int(rollouts.group_by("task_id").len()["len"].max())
+    return int(rollouts.group_by("task_id").len()["len"].to_numpy().max())
 
 
 def task_counts(rollouts: pl.DataFrame, missing: str = "fail") -> pl.DataFrame:
@@ -72,7 +74,8 @@ def pass_at(n: int, c: int, k: int) -> float:
     return 1.0 - comb(n - c, k) / comb(n, k)
 
 
-def _estimate(counts: list[tuple[int, int]], k: int, f) -> tuple[float | None, int, int]:
+def _estimate(counts: list[tuple[int, int]], k: int,
+              f: Callable[[int, int, int], float]) -> tuple[float | None, int, int]:
     """(mean over units with n >= k, units used, units excluded for n < k)."""
     vals = [f(n, c, k) for n, c in counts if n >= k]
     excluded = sum(1 for n, _ in counts if n < k)
@@ -119,11 +122,11 @@ def _retention(counts: list[tuple[int, int]], kmax: int) -> tuple[float | None, 
 
 
 def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: list[str],
-                 missing: str = "fail") -> tuple[list[dict], dict]:
-    rows: list[dict] = []
+                 missing: str = "fail") -> tuple[list[dict[str, Any]], dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
     tc = task_counts(rollouts, missing)
     counts = [(int(n), int(c)) for n, c in tc.select("n", "c").iter_rows()]
-    summary: dict = {"pass_hat_k": {}, "pass_at_k": {}, "sgc_hat_k": {}}
+    summary: dict[str, Any] = {"pass_hat_k": {}, "pass_at_k": {}, "sgc_hat_k": {}}
     for k in ks:
         v, used, excl = _estimate(counts, k, pass_hat)
         rows.append({"scope": scope, "metric": "pass_hat_k", "k": k, "value": v, "n": used})
@@ -178,7 +181,7 @@ def _metrics_for(rollouts: pl.DataFrame, ks: list[int], scope: str, warnings: li
     return rows, summary
 
 
-def missing_note(summary: dict) -> str:
+def missing_note(summary: dict[str, Any]) -> str:
     """One line saying how unbalanced trials were counted (SPEC §5: always printed)."""
     m = summary["missing"]
     how = ("each counted as a failure (tau-bench's display_metrics convention; --missing drop "
@@ -189,7 +192,7 @@ def missing_note(summary: dict) -> str:
             f"(absent or null outcome), {how}")
 
 
-def evaluate(rollouts: pl.DataFrame, ks: list[int] = (1, 2, 3), by: list[str] = (),
+def evaluate(rollouts: pl.DataFrame, ks: Sequence[int] = (1, 2, 3), by: Sequence[str] = (),
              missing: str = "fail") -> EvalResult:
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:

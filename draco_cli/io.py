@@ -25,7 +25,8 @@ import time
 import uuid
 from collections.abc import Iterator
 from pathlib import Path
-from typing import BinaryIO
+from types import TracebackType
+from typing import Any, BinaryIO, cast
 
 import polars as pl
 import pyarrow as pa
@@ -42,14 +43,14 @@ STDIO = "-"
 # --- atomic files -------------------------------------------------------------------------
 
 
-def check_writable(path: str | os.PathLike, force: bool) -> None:
+def check_writable(path: str | os.PathLike[str], force: bool) -> None:
     """Raise before any work is done if ``path`` exists and may not be replaced."""
     if str(path) != STDIO and Path(path).exists() and not force:
         raise OutputExistsError(str(path))
 
 
 @contextlib.contextmanager
-def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
+def atomic_path(path: str | os.PathLike[str], force: bool = False) -> Iterator[Path]:
     """Yield a temporary path beside ``path``; on success rename it over ``path``.
 
     On any exception the temporary file is removed and ``path`` is left as it was.
@@ -79,7 +80,7 @@ def atomic_path(path: str | os.PathLike, force: bool = False) -> Iterator[Path]:
         raise
 
 
-def prepare_out_dir(out: str | os.PathLike, option: str = "-o") -> Path:
+def prepare_out_dir(out: str | os.PathLike[str], option: str = "-o") -> Path:
     """Create the output folder, or say in one line why it cannot be one."""
     out = Path(out)
     if out.exists() and not out.is_dir():
@@ -110,7 +111,7 @@ class FolderBusy(DracoError):
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike, wait: float | None = None) -> Iterator[None]:
+def folder_lock(folder: str | os.PathLike[str], wait: float | None = None) -> Iterator[None]:
     """Hold ``folder``'s write lock (an flock, released by the kernel even on kill -9).
 
     A second writer polls for up to ``wait`` seconds (``DRACO_LOCK_WAIT``, default 30), then
@@ -182,7 +183,7 @@ class OutputSet:
     ``replaceable`` names may be written over without ``force`` (e.g. rejects.jsonl).
     """
 
-    def __init__(self, folder: str | os.PathLike, names: list[str], *, force: bool = False,
+    def __init__(self, folder: str | os.PathLike[str], names: list[str], *, force: bool = False,
                  replaceable: tuple[str, ...] = (), option: str = "-o") -> None:
         self.folder = Path(folder)
         self.names = list(names) + [n for n in replaceable if n not in names]
@@ -219,7 +220,7 @@ class OutputSet:
         return self.staging / name
 
     def write_table(self, df: pl.DataFrame | pa.Table, name: str, model: type[Table],
-                    **kwargs) -> None:
+                    **kwargs: Any) -> None:
         meta = {**(kwargs.pop("metadata", None) or {}), **self.metadata}
         with self._named(name):
             write_table(df, self.path(name), model, force=True, metadata=meta, **kwargs)
@@ -240,7 +241,8 @@ class OutputSet:
             raise OutputError(str(exc).replace(str(self.path(name)),
                                                str(self.folder / name))) from None
 
-    def __exit__(self, exc_type, exc, tb) -> None:
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
         try:
             if exc_type is None:
                 try:
@@ -269,7 +271,7 @@ class OutputSet:
         journal.unlink()
 
 
-def write_text_atomic(path: str | os.PathLike, text: str, force: bool = False) -> None:
+def write_text_atomic(path: str | os.PathLike[str], text: str, force: bool = False) -> None:
     with atomic_path(path, force) as tmp:
         tmp.write_text(text, encoding="utf-8")
 
@@ -300,12 +302,15 @@ def _to_arrow(df: pl.DataFrame | pa.Table, model: type[Table]) -> pa.Table:
             # polars writes large_string / large_list; keep extras as they are.
             arrays.append(col)
             fields.append(pa.field(name, col.type))
-    return pa.Table.from_arrays(arrays, schema=pa.schema(fields, metadata=schema.metadata))
+    # pyarrow-stubs type metadata as an invariant dict[bytes | str, ...]: a schema's own
+    # dict[bytes, bytes] is what pyarrow hands back and takes
+    return pa.Table.from_arrays(
+        arrays, schema=pa.schema(fields, metadata=schema.metadata))  # type: ignore[arg-type]
 
 
 def write_table(
     df: pl.DataFrame | pa.Table,
-    path: str | os.PathLike,
+    path: str | os.PathLike[str],
     model: type[Table],
     *,
     force: bool = False,
@@ -336,7 +341,8 @@ def write_table(
 
 
 def _write_ipc(table: pa.Table, sink: BinaryIO) -> None:
-    with ipc.new_stream(sink, table.schema) as writer:
+    # pyarrow takes any binary file object; its stubs list only IOBase and NativeFile
+    with ipc.new_stream(sink, table.schema) as writer:  # type: ignore[arg-type]
         writer.write_table(table)
     sink.flush()
 
@@ -347,7 +353,7 @@ class StreamingTableWriter:
     Memory stays bounded by the batch size, whatever the input size.
     """
 
-    def __init__(self, path: str | os.PathLike, model: type[Table], force: bool = False,
+    def __init__(self, path: str | os.PathLike[str], model: type[Table], force: bool = False,
                  metadata: dict[str, str] | None = None):
         self.model = model
         self.schema = arrow_schema(model)
@@ -360,7 +366,7 @@ class StreamingTableWriter:
         self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
         self.rows = 0
 
-    def write_rows(self, rows: list[dict]) -> None:
+    def write_rows(self, rows: list[dict[str, Any]]) -> None:
         if not rows:
             return
         batch = pa.Table.from_pylist(rows, schema=self.schema)
@@ -430,7 +436,7 @@ def read_stdin_table(name: str | None = None) -> pa.Table:
     return table
 
 
-def read_arrow(path: str | os.PathLike, columns: list[str] | None = None) -> pa.Table:
+def read_arrow(path: str | os.PathLike[str], columns: list[str] | None = None) -> pa.Table:
     """Read a Parquet file or (for ``-``) an Arrow IPC stream from stdin, without checks.
 
     ``columns`` reads only those of them the file has (the rest are left to the caller).
@@ -454,7 +460,7 @@ def read_arrow(path: str | os.PathLike, columns: list[str] | None = None) -> pa.
 
 
 def read_table(
-    path: str | os.PathLike, model: type[Table], columns: list[str] | None = None,
+    path: str | os.PathLike[str], model: type[Table], columns: list[str] | None = None,
     check_keys: bool = True,
 ) -> pl.DataFrame:
     """Read a table and check it against its contract; see ``conform``.
@@ -467,7 +473,12 @@ def read_table(
     name = "<stdin>" if str(path) == STDIO else str(path)
     if columns is not None:
         columns = list(dict.fromkeys([*model.keys, *columns]))
-    return conform(pl.from_arrow(read_arrow(path, columns)), model, name, columns, check_keys)
+    return conform(as_frame(read_arrow(path, columns)), model, name, columns, check_keys)
+
+
+def as_frame(table: pa.Table) -> pl.DataFrame:
+    """An Arrow table as a polars DataFrame (``pl.from_arrow`` of a Table, typed as such)."""
+    return cast(pl.DataFrame, pl.from_arrow(table))
 
 
 def conform(
@@ -497,8 +508,13 @@ def conform(
     return df
 
 
+def _number(value: object) -> float:
+    """A numeric column's min or max; 0 for an empty or all-null column."""
+    return value if isinstance(value, (int, float)) else 0
+
+
 def _cast_column(df: pl.DataFrame, col: Column, source: str) -> pl.DataFrame:
-    target = pl.from_arrow(pa.array([], type=col.arrow_type)).dtype
+    target = cast(pl.Series, pl.from_arrow(pa.array([], type=col.arrow_type))).dtype
     if df.schema[col.name] == target:
         return df
     try:
@@ -538,7 +554,7 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
                 row=row,
                 field=col.name,
             )
-    if col.ge is not None and (df[col.name].min() or 0) < col.ge:
+    if col.ge is not None and _number(df[col.name].min()) < col.ge:
         row = _first_row(df, c.is_not_null() & (c < col.ge))
         if row is not None:
             raise InputError(
@@ -547,7 +563,7 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
                 row=row,
                 field=col.name,
             )
-    if col.le is not None and (df[col.name].max() or 0) > col.le:
+    if col.le is not None and _number(df[col.name].max()) > col.le:
         row = _first_row(df, c.is_not_null() & (c > col.le))
         if row is not None:
             raise InputError(
@@ -560,7 +576,7 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
     is_list = isinstance(df.schema[col.name], pl.List)
     if col.item_ge is not None and is_list and df.height:
         low = df[col.name].list.min().min()
-        if low is not None and low < col.item_ge:
+        if isinstance(low, (int, float)) and low < col.item_ge:
             row = _first_row(df, c.list.min() < col.item_ge)
             assert row is not None
             raise InputError(

@@ -11,11 +11,16 @@ from __future__ import annotations
 import asyncio
 import json
 
+from typing import TYPE_CHECKING
+
 import numpy as np
 from pydantic import BaseModel
 
 from draco_cli.errors import UsageError
 from draco_cli.llm.types import LLMRequest, Sampling
+
+if TYPE_CHECKING:
+    from draco_cli.llm.client import LLMClient
 
 
 class Pair(BaseModel):
@@ -35,7 +40,7 @@ MATCH_PROMPT = (
 
 
 class LLMMatcher:
-    def __init__(self, client) -> None:
+    def __init__(self, client: LLMClient) -> None:
         self.client = client
         self.pending: list[tuple[list[str], list[str]]] = []
 
@@ -52,6 +57,7 @@ class LLMMatcher:
         sim = np.zeros((len(a), len(b)))
         if answer.status == "ok":
             used_a, used_b = set(), set()
+            assert isinstance(answer.value, Matching)  # status ok: parsed as answer_model
             for p in answer.value.pairs:  # enforce one-to-one whatever the model said
                 if 0 <= p.own < len(a) and 0 <= p.reference < len(b) and \
                         p.own not in used_a and p.reference not in used_b:
@@ -76,9 +82,10 @@ class EmbeddingMatcher:
     async def _embed(self, texts: list[str]) -> list[list[float]]:
         import httpx2
 
-        from draco_cli.llm.providers import make_provider
+        from draco_cli.llm.providers import OpenAIProvider, make_provider
 
         p = make_provider(f"openai/{self.name}", base_url=self.base_url, concurrency=4)
+        assert isinstance(p, OpenAIProvider)  # an openai/ model: the embeddings endpoint
         try:
             raw = await p.client.post("/embeddings", body={"model": self.name, "input": texts},
                                       cast_to=httpx2.Response)

@@ -154,8 +154,9 @@ class RunOptions(_Options):
 
     @classmethod
     def for_setting(cls, setting: str = "draco", *, credit: str | None = None,
-                    reward: str | None = None, rubric: dict | None = None,
-                    prompt: dict | None = None, judge: dict | None = None, credit_options: dict | None = None,
+                    reward: str | None = None, rubric: dict[str, Any] | None = None,
+                    prompt: dict[str, Any] | None = None, judge: dict[str, Any] | None = None,
+                    credit_options: dict[str, Any] | None = None,
                     **run: Any) -> "RunOptions":
         """Options of one setting; ``credit`` / ``reward`` override what the setting implies
         (e.g. ``--setting draco --reward outcome``: dynamic rubrics, outcome reward, step

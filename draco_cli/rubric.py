@@ -12,17 +12,23 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 from pydantic import BaseModel, Field
 
 from draco_cli.errors import InputError
-from draco_cli.llm.types import LLMRequest, Sampling
+from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.render import RenderOptions, fenced, render_rollout, task_block
+
+if TYPE_CHECKING:
+    from draco_cli.llm.client import LLMClient, Progress
+    from draco_cli.llm.drive import Stage
 
 STAGES = ("generate", "union", "merge")
 
@@ -36,7 +42,7 @@ class CriteriaAnswer(BaseModel):
     criteria: list[CriterionDraft]
 
 
-def criteria_schema(max_items: int) -> dict:
+def criteria_schema(max_items: int) -> dict[str, Any]:
     """The answer schema sent: at least one criterion and at most ``max_items`` (a model that
     loops on one criterion stops at the bound instead of at the token limit)."""
     from draco_cli.llm.types import strict_schema
@@ -46,10 +52,11 @@ def criteria_schema(max_items: int) -> dict:
     return schema
 
 
-def criteria_check(max_items: int):
+def criteria_check(max_items: int) -> Callable[[BaseModel], str | None]:
     """What the schema cannot say: no empty, repeated or surplus criterion (re-asked)."""
 
-    def check(answer: CriteriaAnswer) -> str | None:
+    def check(answer: BaseModel) -> str | None:
+        assert isinstance(answer, CriteriaAnswer)  # the requests' answer_model
         if not answer.criteria:
             return "the criteria list is empty: propose at least one criterion"
         if len(answer.criteria) > max_items:
@@ -97,13 +104,19 @@ def _steps_of(steps: pl.DataFrame) -> dict[str, pl.DataFrame]:
     return {k[0]: v.sort("step") for k, v in steps.partition_by("rollout_id", as_dict=True).items()}
 
 
+def _drafts(answer: Answer) -> list[CriterionDraft]:
+    """The criteria of an answer whose status is ok (parsed as its CriteriaAnswer)."""
+    assert isinstance(answer.value, CriteriaAnswer)
+    return answer.value.criteria
+
+
 def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[str, ...],
                    max_criteria: int, render: RenderOptions, sampling: Sampling
                    ) -> list[tuple[str, str, str | None, LLMRequest]]:
     """The generate and union requests: (stage, group_id, origin rollout or None, request)."""
     by_rollout = _steps_of(steps)
     empty = steps.clear()
-    out = []
+    out: list[tuple[str, str, str | None, LLMRequest]] = []
     for group_id, instruction, members in _groups(rollouts):
         if "generate" in stages:
             template, version = load_prompt("generate")
@@ -137,7 +150,8 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
     return out
 
 
-def merge_request(group_id: str, instruction: str, candidates: list[dict], max_criteria: int,
+def merge_request(group_id: str, instruction: str, candidates: list[dict[str, Any]],
+                  max_criteria: int,
                   render: RenderOptions, sampling: Sampling) -> LLMRequest:
     template, version = load_prompt("merge")
     red = render.redactor or (lambda s: s)
@@ -152,8 +166,9 @@ def merge_request(group_id: str, instruction: str, candidates: list[dict], max_c
                    f"Candidate criteria:\n{fenced('candidates', listing)}"}])
 
 
-def dedupe(criteria: list[dict]) -> list[dict]:
-    seen, out = set(), []
+def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: set[tuple[str, str]] = set()
+    out = []
     for c in criteria:
         key = (normalise(c["title"]), normalise(c["requirement"]))
         if key not in seen and c["title"].strip() and c["requirement"].strip():
@@ -162,10 +177,11 @@ def dedupe(criteria: list[dict]) -> list[dict]:
     return out
 
 
-def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
+def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: LLMClient, *,
                      stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
                      render: RenderOptions | None = None, sampling: Sampling | None = None,
-                     batch: bool = False, progress=None) -> RubricResult:
+                     batch: bool = False,
+                     progress: Callable[[Progress], None] | None = None) -> RubricResult:
     from draco_cli.llm.drive import drive
 
     return drive(rubric_stage(rollouts, steps, stages=stages, max_criteria=max_criteria,
@@ -175,7 +191,8 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client, *,
 
 def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                  stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
-                 render: RenderOptions | None = None, sampling: Sampling | None = None):
+                 render: RenderOptions | None = None, sampling: Sampling | None = None
+                 ) -> Stage[RubricResult]:
     """The rubric stage as a generator of request lists (``draco_cli.llm.drive``)."""
     render = render or RenderOptions()
     sampling = sampling or Sampling()
@@ -195,7 +212,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
     for (stage, group_id, origin, _), [answer] in zip(jobs, answers):
         if answer.status != "ok":
             continue
-        for c in answer.value.criteria[: max_criteria * 2]:
+        for c in _drafts(answer)[: max_criteria * 2]:
             cand_rows.append({
                 "group_id": group_id,
                 "candidate_id": f"{stage}-" + hashlib.sha256(
@@ -207,7 +224,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
         "origin_rollout_id": pl.String, "title": pl.String, "requirement": pl.String})
     candidates = candidates.unique(["group_id", "candidate_id"], keep="first", maintain_order=True)
 
-    final: dict[str, list[dict]] = {}
+    final: dict[str, list[dict[str, Any]]] = {}
     sources: dict[str, str] = {}
     groups = _groups(rollouts)
     capped = 0
@@ -224,7 +241,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
         merged = (yield [r for _, r in merge_jobs]) if merge_jobs else []
         for (group_id, _), [answer] in zip(merge_jobs, merged):
             if answer.status == "ok":
-                crit = dedupe([c.model_dump() for c in answer.value.criteria])
+                crit = dedupe([c.model_dump() for c in _drafts(answer)])
                 capped += max(len(crit) - max_criteria, 0)
                 final[group_id] = crit[:max_criteria]
                 sources[group_id] = "merge"
@@ -236,11 +253,11 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                                 "source": c["stage"]} for c in mine[:max_criteria]]
     rows = []
     for group_id, crit in final.items():
-        for c in crit:
+        for kept in crit:
             rows.append({"group_id": group_id,
-                         "criterion_id": criterion_id(group_id, c["title"], c["requirement"]),
-                         "title": c["title"].strip(), "requirement": c["requirement"].strip(),
-                         "source": c.get("source", sources.get(group_id, "merge"))})
+                         "criterion_id": criterion_id(group_id, kept["title"], kept["requirement"]),
+                         "title": kept["title"].strip(), "requirement": kept["requirement"].strip(),
+                         "source": kept.get("source", sources.get(group_id, "merge"))})
     rubrics = pl.DataFrame(rows, schema={"group_id": pl.String, "criterion_id": pl.String,
                                          "title": pl.String, "requirement": pl.String,
                                          "source": pl.String})
@@ -251,7 +268,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
 # --- static rubrics -----------------------------------------------------------------------
 
 
-def load_static_rubric(path: str | Path | None) -> list[dict]:
+def load_static_rubric(path: str | Path | None) -> list[dict[str, str]]:
     """Criteria from YAML, JSON or Parquet (``title``, ``requirement``); None = the default
     shipped with draco."""
     if path is None:
@@ -266,9 +283,9 @@ def load_static_rubric(path: str | Path | None) -> list[dict]:
                          file=str(p))
     suffix = p.suffix.lower()
     if suffix == ".parquet":
-        from draco_cli.io import read_arrow
+        from draco_cli.io import as_frame, read_arrow
 
-        df = pl.from_arrow(read_arrow(p))
+        df = as_frame(read_arrow(p))
         for col in ("title", "requirement"):
             if col not in df.columns:
                 raise InputError("missing column", file=str(p), field=col)
@@ -292,7 +309,7 @@ def load_static_rubric(path: str | Path | None) -> list[dict]:
     return _criteria_from(data, str(p))
 
 
-def _yaml(text: str, source: str):
+def _yaml(text: str, source: str) -> Any:
     import yaml
 
     try:
@@ -301,7 +318,7 @@ def _yaml(text: str, source: str):
         raise InputError(f"not YAML ({exc})", file=source) from None
 
 
-def _criteria_from(data, source: str) -> list[dict]:
+def _criteria_from(data: Any, source: str) -> list[dict[str, str]]:
     items = data.get("criteria") if isinstance(data, dict) else data
     if not isinstance(items, list) or not items:
         raise InputError("expected a non-empty list of criteria (or {criteria: [...]})",
@@ -311,9 +328,10 @@ def _criteria_from(data, source: str) -> list[dict]:
     for i, c in enumerate(items):
         if not isinstance(c, dict):
             raise InputError("a criterion must be a mapping", file=source, row=f"criterion {i}")
-        for key in ("title", "requirement"):
-            if not isinstance(c.get(key), str) or not c[key].strip():
-                raise InputError("missing or empty", file=source, row=f"criterion {i}", field=key)
+        for name in ("title", "requirement"):
+            if not isinstance(c.get(name), str) or not c[name].strip():
+                raise InputError("missing or empty", file=source, row=f"criterion {i}",
+                                 field=name)
         key = (normalise(c["title"]), normalise(c["requirement"]))
         if key in seen:
             # The same text gets the same criterion id: two rows with one key downstream.
@@ -324,7 +342,7 @@ def _criteria_from(data, source: str) -> list[dict]:
     return out
 
 
-def static_rubrics(rollouts: pl.DataFrame, criteria: list[dict]) -> pl.DataFrame:
+def static_rubrics(rollouts: pl.DataFrame, criteria: list[dict[str, str]]) -> pl.DataFrame:
     """The same criteria for every group, ids per group (verdict keys stay unique)."""
     rows = [{"group_id": g, "criterion_id": criterion_id(g, c["title"], c["requirement"]),
              "title": c["title"], "requirement": c["requirement"], "source": "static"}

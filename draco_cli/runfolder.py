@@ -122,14 +122,14 @@ def input_record(path: Path, run_dir: Path) -> InputRecord:
 class RunFolder:
     """A run folder: ``RunFolder.open(path)`` to read one, ``RunFolder(path)`` to write one."""
 
-    def __init__(self, path: str | os.PathLike, manifest: Manifest | None = None) -> None:
+    def __init__(self, path: str | os.PathLike[str], manifest: Manifest | None = None) -> None:
         self.path = Path(path)
         self.manifest = manifest
 
     # -- reading ---------------------------------------------------------------------------
 
     @staticmethod
-    def is_run_folder(path: str | os.PathLike) -> bool:
+    def is_run_folder(path: str | os.PathLike[str]) -> bool:
         """Whether ``path`` holds a draco run's manifest (``draco ingest`` writes a
         manifest.json too, without stages). An unreadable manifest counts, so that opening
         the folder reports it."""
@@ -143,7 +143,7 @@ class RunFolder:
         return not isinstance(data, dict) or "stages" in data
 
     @classmethod
-    def open(cls, path: str | os.PathLike) -> "RunFolder":
+    def open(cls, path: str | os.PathLike[str]) -> "RunFolder":
         """Open a run folder written by ``draco run``; a missing, unreadable or corrupt
         manifest is a one-line InputError saying what to do."""
         folder = cls(path)

@@ -17,12 +17,16 @@ import sqlite3
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.runfolder import TABLES
+from draco_cli.runfolder import TABLES, RunFolder
+
+if TYPE_CHECKING:
+    import duckdb  # imported where used: `draco sql` alone needs it
 
 # The run folder's own tables, by the name a query uses. Anything else found in a run folder
 # (audit outputs, future stages) is added under its file name.
@@ -52,14 +56,17 @@ class Catalog:
         return sorted({s.name for s in self.sources})
 
 
-def _manifest(folder: Path) -> dict | None:
+def _manifest(folder: Path) -> dict[str, Any] | None:
     m = folder / "manifest.json"
     if not m.exists():
         return None
     try:
-        return json.loads(m.read_text())
+        data = json.loads(m.read_text())
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"not a readable manifest ({exc})", file=str(m)) from None
+    if not isinstance(data, dict):
+        raise InputError("not a readable manifest (not a JSON object)", file=str(m))
+    return data
 
 
 def _input_path(value: str, folder: Path) -> Path:
@@ -107,54 +114,69 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
     if stdin is not None:
         cat.sources.append(Source(stdin_name, None, None, "<stdin>", stdin))
     for folder in expand_run_roots(paths):
-        run = str(folder)
         if not folder.exists():
-            raise InputError("no such file or folder", file=run)
+            raise InputError("no such file or folder", file=str(folder))
         if folder.is_file():
-            if folder.suffix == ".sqlite":
-                cat.sources.append(Source("calls", None, None, run,
-                                          read_call_log(folder, call_columns)))
-            else:
-                cat.sources.append(Source(folder.stem, folder, None, run))
-            continue
-        m = _manifest(folder)
-        step = m.get("train_step") if m else None
-        found: dict[str, Path] = {}
-        inputs = m.get("inputs") if m else None
-        from draco_cli.runfolder import RunFolder
-
-        run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
-        if isinstance(inputs, dict):  # a run folder's manifest names the tables it ran on
-            for name in ("rollouts", "steps"):
-                given = (inputs.get(name) or {}).get("path")
-                if given:
-                    p = _input_path(given, folder)
-                    if run_folder is not None and name in run_folder.manifest.inputs:
-                        # absolute path, else where it moved with the folder
-                        p = run_folder.input(name, verify=False, missing_ok=True) or p
-                    if p.exists():
-                        found[name] = p
-                    else:
-                        cat.notes.append(f"{run}: its {name} table {given} is gone; no "
-                                         f"{name} view from this folder")
-        for name, rel in KNOWN.items():
-            if (folder / rel).exists():
-                found[name] = folder / rel
-        for p in sorted(folder.rglob("*.parquet")):
-            if p in found.values() or p.stem in SKIP or any(part.startswith(".")
-                                                              for part in p.parts):
-                continue
-            name = p.stem if p.stem not in found else f"{p.parent.name}_{p.stem}"
-            found.setdefault(name, p)
-        for name, p in found.items():
-            cat.sources.append(Source(name, p, step, run))
-        log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
-        if log.exists():
-            cat.sources.append(Source("calls", None, step, run, read_call_log(log, call_columns)))
-        if not found and not log.exists():
-            raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
-                             "llm_calls.sqlite)", file=run)
+            cat.sources.append(_file_source(folder, call_columns))
+        else:
+            _add_folder(cat, folder, call_columns)
     return cat
+
+
+def _file_source(path: Path, call_columns: Sequence[str] | None) -> Source:
+    if path.suffix == ".sqlite":
+        return Source("calls", None, None, str(path), read_call_log(path, call_columns))
+    return Source(path.stem, path, None, str(path))
+
+
+def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None) -> None:
+    """The tables of one folder: those its manifest names, the known names, any other
+    Parquet file below it, and its call log."""
+    run = str(folder)
+    m = _manifest(folder)
+    step = m.get("train_step") if m else None
+    run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
+    found = _manifest_inputs(folder, m.get("inputs") if m else None, run_folder, cat.notes)
+    for name, rel in KNOWN.items():
+        if (folder / rel).exists():
+            found[name] = folder / rel
+    for p in sorted(folder.rglob("*.parquet")):
+        if p in found.values() or p.stem in SKIP or any(part.startswith(".")
+                                                          for part in p.parts):
+            continue
+        name = p.stem if p.stem not in found else f"{p.parent.name}_{p.stem}"
+        found.setdefault(name, p)
+    for name, p in found.items():
+        cat.sources.append(Source(name, p, step, run))
+    log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
+    if log.exists():
+        cat.sources.append(Source("calls", None, step, run, read_call_log(log, call_columns)))
+    if not found and not log.exists():
+        raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
+                         "llm_calls.sqlite)", file=run)
+
+
+def _manifest_inputs(folder: Path, inputs: Any, run_folder: RunFolder | None,
+                     notes: list[str]) -> dict[str, Path]:
+    """The rollouts and steps tables a run folder's manifest says it ran on, where they are."""
+    found: dict[str, Path] = {}
+    if not isinstance(inputs, dict):
+        return found
+    for name in ("rollouts", "steps"):
+        given = (inputs.get(name) or {}).get("path")
+        if not given:
+            continue
+        p = _input_path(given, folder)
+        if run_folder is not None and run_folder.manifest is not None \
+                and name in run_folder.manifest.inputs:
+            # absolute path, else where it moved with the folder
+            p = run_folder.input(name, verify=False, missing_ok=True) or p
+        if p.exists():
+            found[name] = p
+        else:
+            notes.append(f"{folder}: its {name} table {given} is gone; no "
+                         f"{name} view from this folder")
+    return found
 
 
 def expand_run_roots(paths: list[Path]) -> list[Path]:
@@ -165,7 +187,7 @@ def expand_run_roots(paths: list[Path]) -> list[Path]:
         if p.is_dir() and not (p / "manifest.json").exists():
             runs = [c for c in p.iterdir() if c.is_dir() and (c / "manifest.json").exists()]
             if runs:
-                def step(c: Path):
+                def step(c: Path) -> tuple[bool, Any, str]:
                     s = (_manifest(c) or {}).get("train_step")
                     return (s is None, s if s is not None else 0, c.name)
 
@@ -183,7 +205,7 @@ def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def connect(cat: Catalog, database: str = ":memory:"):
+def connect(cat: Catalog, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per table name, unioned by column name across
     inputs, with ``train_step`` and ``run`` columns."""
     import duckdb
@@ -200,6 +222,7 @@ def connect(cat: Catalog, database: str = ":memory:"):
                 con.register(reg, s.arrow)
                 cols, rel = s.arrow.column_names, _ident(reg)
             else:
+                assert s.path is not None  # a source without Arrow data is a file
                 try:
                     cols = pq.read_schema(s.path).names
                 except (pa.ArrowInvalid, OSError) as exc:
@@ -221,7 +244,7 @@ def connect(cat: Catalog, database: str = ":memory:"):
     return con
 
 
-def run_query(con, sql: str) -> pa.Table | None:
+def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table | None:
     """Run one or more statements; the last one's result as Arrow (None if it returns none)."""
     import duckdb
 
@@ -232,9 +255,10 @@ def run_query(con, sql: str) -> pa.Table | None:
     if rel is None:
         return None
     try:
-        return rel.to_arrow_table()
+        table: pa.Table = rel.to_arrow_table()  # duckdb's stubs leave pyarrow types as Any
     except duckdb.Error as exc:
         raise UsageError(f"SQL: {_first_line(str(exc))}") from None
+    return table
 
 
 def _first_line(text: str) -> str:
@@ -242,11 +266,12 @@ def _first_line(text: str) -> str:
     return " ".join(x.strip() for x in lines[:2]) if lines else text
 
 
-def describe(con) -> pa.Table:
+def describe(con: duckdb.DuckDBPyConnection) -> pa.Table:
     """Each view with its rows and columns: what ``.tables`` shows."""
-    return con.sql(
+    table: pa.Table = con.sql(  # duckdb's stubs leave pyarrow types as Any
         "SELECT table_name AS name, "
         "string_agg(column_name, ', ' ORDER BY ordinal_position) AS columns "
         "FROM information_schema.columns WHERE table_schema = 'main' "
         "AND NOT starts_with(table_name, '__') "
         "GROUP BY table_name ORDER BY table_name").to_arrow_table()
+    return table

@@ -10,12 +10,17 @@ sorted, non-overlapping, with adjacent ranges of equal value merged; every token
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import numpy as np
 import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
 from draco_cli.errors import InputError
+
+if TYPE_CHECKING:
+    from draco_cli.credit import StepArrays
 
 SPAN_COLUMNS = ("span_start", "span_end", "span_value")
 
@@ -28,7 +33,11 @@ def _flat(lists: pl.Series) -> np.ndarray:
     return pc.list_flatten(arr).to_numpy(zero_copy_only=False)
 
 
-def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.Array:
+def _series(arr: pa.Array[Any]) -> pl.Series:
+    return cast(pl.Series, pl.from_arrow(arr))  # an Array converts to a Series
+
+
+def _list_array(offsets: np.ndarray, values: np.ndarray, value_type: pa.DataType) -> pa.Array[Any]:
     return pa.ListArray.from_arrays(
         pa.array(offsets.astype(np.int32, copy=False), type=pa.int32()),
         pa.array(values, type=value_type),
@@ -69,9 +78,9 @@ def build_token_advantages(
                        per["credit_mode"].fill_null("grpo_fallback").to_numpy(), source)
 
 
-def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndarray,
+def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, adv_r: np.ndarray,
                 mode_r: np.ndarray, source: str = "steps",
-                policy_spans: pa.Array | pa.ChunkedArray | None = None) -> pl.DataFrame:
+                policy_spans: pa.Array[Any] | pa.ChunkedArray[Any] | None = None) -> pl.DataFrame:
     """Spans-form token advantages, one row per rollout of ``rollouts`` (in its order).
 
     ``sa`` are the steps as ``credit.StepArrays``, ``step_adv`` a_j per step (A_i for rollouts
@@ -161,8 +170,8 @@ def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndar
         off, cs, ce, cv = _canonical(rr, ss, ee, vv, Rl)
         pieces.append((off, cs.astype(np.int32), ce.astype(np.int32), cv))
     if not pieces:  # no rollouts at all
-        pieces.append(_canonical(*(np.zeros(0, dtype=t) for t in
-                                   (np.int64, np.int32, np.int32, np.float32)), R))
+        pieces.append(_canonical(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32),
+                                 np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32), R))
     n_policy = _policy_token_counts(ps, has_ps, sa, R)
     counts = np.concatenate([np.diff(off) for off, *_ in pieces])
     offsets = np.zeros(R + 1, dtype=np.int64)
@@ -177,10 +186,11 @@ def token_spans(rollouts: pl.DataFrame, sa, step_adv: np.ndarray, adv_r: np.ndar
         "span_value": _list_array(offsets, value_c, pa.float32()),
         **_self_check_columns(rollouts, n_policy),
     })
-    return pl.from_arrow(table)
+    return cast(pl.DataFrame, pl.from_arrow(table))  # a Table converts to a DataFrame
 
 
-def _policy_token_counts(ps: pa.Array, has_ps: np.ndarray, sa, R: int) -> np.ndarray:
+def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays,
+                         R: int) -> np.ndarray:
     """Tokens each rollout's trainer mask should mark 1: the policy spans when known, else
     the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens)."""
     steps_n = np.bincount(sa.r, weights=sa.n.astype(np.int64), minlength=R).astype(np.int64)
@@ -191,10 +201,11 @@ def _policy_token_counts(ps: pa.Array, has_ps: np.ndarray, sa, R: int) -> np.nda
     return np.where(has_ps, spans_n, steps_n)
 
 
-def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array]:
+def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array[Any]]:
     """SPEC §2 self-check columns: what a loader compares with the trainer's rows."""
     R = rollouts.height
-    cols = {"n_policy_tokens": pa.array(n_policy.astype(np.int32))}
+    cols: dict[str, pa.Array[Any] | pa.ChunkedArray[Any]] = {
+        "n_policy_tokens": pa.array(n_policy.astype(np.int32))}
     cols["train_step"] = (rollouts["train_step"].cast(pl.Int32).to_arrow()
                           if "train_step" in rollouts.columns else pa.nulls(R, pa.int32()))
     cols["response_fingerprint"] = (
@@ -204,7 +215,7 @@ def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[st
             for k, v in cols.items()}
 
 
-def _policy_pairs(ps: pa.Array) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def _policy_pairs(ps: pa.Array[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """Flatten policy_spans (list<list<int>>) into (rollout index, start, end) arrays."""
     parent = pc.list_parent_indices(ps).to_numpy().astype(np.int64)
     inner = pc.list_flatten(ps)
@@ -240,7 +251,7 @@ def spans_to_dense(df: pl.DataFrame) -> pl.DataFrame:
         idx = np.repeat(base - run_start, span_len) + np.arange(int(span_len.sum()))
         flat[idx] = np.repeat(value, span_len)
     dense = _list_array(offsets, flat, pa.float32())
-    return df.drop(SPAN_COLUMNS).with_columns(pl.from_arrow(dense).alias("advantages"))
+    return df.drop(SPAN_COLUMNS).with_columns(_series(dense).alias("advantages"))
 
 
 def dense_to_spans(df: pl.DataFrame) -> pl.DataFrame:
@@ -260,9 +271,9 @@ def dense_to_spans(df: pl.DataFrame) -> pl.DataFrame:
         else pl.col("length"),
     )
     return out.with_columns(
-        pl.from_arrow(_list_array(out_off, start.astype(np.int32), pa.int32())).alias("span_start"),
-        pl.from_arrow(_list_array(out_off, end.astype(np.int32), pa.int32())).alias("span_end"),
-        pl.from_arrow(_list_array(out_off, value, pa.float32())).alias("span_value"),
+        _series(_list_array(out_off, start.astype(np.int32), pa.int32())).alias("span_start"),
+        _series(_list_array(out_off, end.astype(np.int32), pa.int32())).alias("span_end"),
+        _series(_list_array(out_off, value, pa.float32())).alias("span_value"),
     )
 
 

@@ -20,6 +20,7 @@ import warnings
 from collections.abc import Iterable, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
+from typing import Any, cast
 
 import numpy as np
 import pyarrow as pa
@@ -28,6 +29,9 @@ import pyarrow.parquet as pq
 
 __all__ = ["AlignmentError", "TokenAdvantageTable", "load_token_advantages", "fingerprint",
            "group_rollout_ids"]
+
+# Spans of many rollouts: (offsets per rollout, start, end, value), each a flat array.
+_Spans = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
 
 
 def fingerprint(token_ids: Sequence[int] | np.ndarray) -> str:
@@ -53,23 +57,22 @@ class TokenAdvantageTable:
         if len(self._row) != len(ids):
             raise AlignmentError(f"{source}: duplicate rollout_id")
         self._length = table.column("length").to_numpy().astype(np.int64)
-        self._dense = None
-        self._spans = None
+        self._dense: tuple[np.ndarray, np.ndarray] | None = None  # offsets, values
+        self._spans: _Spans | None = None
         names = table.column_names
         if "advantages" in names and table.column("advantages").null_count < table.num_rows:
-            col = table.column("advantages").combine_chunks()
+            col = _list_column(table, "advantages")
             self._dense = (col.offsets.to_numpy(), col.values.to_numpy(zero_copy_only=False)
                            .astype(np.float32))
         elif "span_start" in names:
-            cols = [table.column(c).combine_chunks() for c in ("span_start", "span_end",
-                                                                "span_value")]
-            self._spans = (cols[0].offsets.to_numpy(),
-                           *[c.values.to_numpy(zero_copy_only=False) for c in cols])
+            cols = [_list_column(table, c) for c in ("span_start", "span_end", "span_value")]
+            start, end, value = (c.values.to_numpy(zero_copy_only=False) for c in cols)
+            self._spans = (cols[0].offsets.to_numpy(), start, end, value)
         else:
             raise AlignmentError(f"{source}: neither 'advantages' nor span columns")
         self._train_step = _optional_column(table, "train_step", pa.int64())
         self._n_policy = _optional_column(table, "n_policy_tokens", pa.int64())
-        fp = (table.column("response_fingerprint").to_pylist()
+        fp: list[str | None] = (table.column("response_fingerprint").to_pylist()
               if "response_fingerprint" in names else [None] * table.num_rows)
         self._fingerprint = fp
 
@@ -94,7 +97,9 @@ class TokenAdvantageTable:
         i = self._index(rollout_id)
         if self._dense is not None:
             offsets, values = self._dense
-            return values[offsets[i]:offsets[i + 1]].copy()
+            dense: np.ndarray = values[offsets[i]:offsets[i + 1]].copy()
+            return dense
+        assert self._spans is not None  # __init__ sets one of the two
         offsets, start, end, value = self._spans
         out = np.zeros(int(self._length[i]), dtype=np.float32)
         for s, e, v in zip(start[offsets[i]:offsets[i + 1]], end[offsets[i]:offsets[i + 1]],
@@ -134,28 +139,9 @@ class TokenAdvantageTable:
         zeros and is not looked up. ``strict`` (default) also raises when a non-zero advantage
         would fall on a masked token or past T; ``strict=False`` skips every check and cuts.
         """
-        if response_mask is not None:
-            mask = np.asarray(response_mask)
-            if mask.ndim != 2 or mask.shape[0] != len(rollout_ids):
-                raise AlignmentError(f"response_mask has shape {mask.shape}; expected "
-                                     f"({len(rollout_ids)}, T)")
-            T = mask.shape[1]
-        elif length is not None:
-            mask, T = None, int(length)
-        else:
-            raise TypeError("give response_mask or length")
         B = len(rollout_ids)
-        pad = np.zeros(B, dtype=bool) if padding is None else np.asarray(padding, dtype=bool)
-        if pad.shape != (B,):
-            raise AlignmentError(f"padding has shape {pad.shape}; expected ({B},)")
-        steps = None
-        if train_step is not None:
-            steps = np.broadcast_to(np.asarray(train_step, dtype=np.int64), (B,))
-        ids = None
-        if response_ids is not None:
-            ids = np.asarray(response_ids)
-            if ids.ndim != 2 or ids.shape[0] != B:
-                raise AlignmentError(f"response_ids has shape {ids.shape}; expected ({B}, T)")
+        mask, T = _mask_and_width(response_mask, length, B)
+        pad, steps, ids = _row_inputs(B, padding, train_step, response_ids)
         # Whole-batch work, no per-token Python: every row of the result is tiled by
         # segments (zero gap, span, zero gap, ..., zero tail), so one np.repeat writes the
         # [B, T] tensor and one np.add.reduceat over the mask gives both each row's count of
@@ -251,14 +237,16 @@ class TokenAdvantageTable:
 
     def _span_arrays(self) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]:
         if self._spans is None:  # dense file: runs of equal non-zero value become spans
+            assert self._dense is not None  # __init__ sets one of the two
             self._spans = _dense_runs(*self._dense, self._length)
         return self._spans
 
-    def _raise_row(self, b: int, kind: int, rollout_ids, row: np.ndarray, T: int,
-                   mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
+    def _raise_row(self, b: int, kind: int, rollout_ids: Sequence[str | None], row: np.ndarray,
+                   T: int, mask: np.ndarray | None, steps: np.ndarray | None, sb: np.ndarray,
                    start: np.ndarray, end: np.ndarray) -> None:
         rid, i, where = rollout_ids[b], int(row[b]), f"trainer row {b}"
         if kind == _STEP:
+            assert steps is not None  # a step check ran
             file_step = int(self._train_step[i])
             if file_step < 0:
                 raise AlignmentError(
@@ -268,6 +256,7 @@ class TokenAdvantageTable:
                 f"rollout {rid!r} ({where}): the file is from train step {file_step}, the "
                 f"row from step {int(steps[b])}")
         if kind == _COUNT:
+            assert mask is not None  # a count check ran
             raise AlignmentError(
                 f"rollout {rid!r} ({where}): the response mask marks "
                 f"{int(np.count_nonzero(mask[b]))} policy tokens, the file expects "
@@ -281,6 +270,37 @@ class TokenAdvantageTable:
         raise AlignmentError(
             f"rollout {rid!r} ({where}): {n_past} non-zero "
             f"advantages lie past the trainer's {T} response tokens")
+
+
+def _mask_and_width(response_mask: np.ndarray | None, length: int | None, B: int
+                    ) -> tuple[np.ndarray | None, int]:
+    """The batch's response mask (if given) and its width T."""
+    if response_mask is not None:
+        mask = np.asarray(response_mask)
+        if mask.ndim != 2 or mask.shape[0] != B:
+            raise AlignmentError(f"response_mask has shape {mask.shape}; expected ({B}, T)")
+        return mask, mask.shape[1]
+    if length is not None:
+        return None, int(length)
+    raise TypeError("give response_mask or length")
+
+
+def _row_inputs(B: int, padding: Sequence[bool] | np.ndarray | None,
+                train_step: int | Sequence[int] | None, response_ids: np.ndarray | None
+                ) -> tuple[np.ndarray, np.ndarray | None, np.ndarray | None]:
+    """Per-row padding flags, claimed train steps and response token ids, shapes checked."""
+    pad = np.zeros(B, dtype=bool) if padding is None else np.asarray(padding, dtype=bool)
+    if pad.shape != (B,):
+        raise AlignmentError(f"padding has shape {pad.shape}; expected ({B},)")
+    steps = None
+    if train_step is not None:
+        steps = np.broadcast_to(np.asarray(train_step, dtype=np.int64), (B,))
+    ids = None
+    if response_ids is not None:
+        ids = np.asarray(response_ids)
+        if ids.ndim != 2 or ids.shape[0] != B:
+            raise AlignmentError(f"response_ids has shape {ids.shape}; expected ({B}, T)")
+    return pad, steps, ids
 
 
 # Row checks as bit flags; a row failing several reports the first in this order.
@@ -329,7 +349,7 @@ def _tile(B: int, T: int, row: np.ndarray, start: np.ndarray, end: np.ndarray,
     return seg_row, seg_end - seg_start, seg_value, is_span, span_slot
 
 
-def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.ndarray,
+def _fingerprint_mismatches(fps: list[str | None], ids: np.ndarray, live: np.ndarray, i: np.ndarray,
                             lengths: np.ndarray) -> np.ndarray:
     """Trainer rows (of ``live``, file rows ``i``) whose token ids do not hash to the file's
     fingerprint. Hashing dominates the loader's time; hashlib releases the GIL on buffers
@@ -347,7 +367,7 @@ def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.
                 wrong.append(b)
                 continue
             # A C-contiguous little-endian int64 row is hashed in place (no copy).
-            got = (hashlib.blake2b(ids[b, :n], digest_size=8).hexdigest() if native
+            got = (hashlib.blake2b(ids[b, :n].data, digest_size=8).hexdigest() if native
                    else fingerprint(ids[b, :n]))
             if got != fp:
                 wrong.append(b)
@@ -356,7 +376,7 @@ def _fingerprint_mismatches(fps: list, ids: np.ndarray, live: np.ndarray, i: np.
     workers = min(os.cpu_count() or 1, 8, max(1, live.size // 4096))
     if workers == 1:
         return np.asarray(check(0, live.size), dtype=np.int64)
-    cuts = np.linspace(0, live.size, workers + 1).astype(int)
+    cuts: list[int] = np.linspace(0, live.size, workers + 1).astype(int).tolist()
     with ThreadPoolExecutor(workers) as pool:
         parts = pool.map(lambda k: check(cuts[k], cuts[k + 1]), range(workers))
         return np.asarray([b for part in parts for b in part], dtype=np.int64)
@@ -383,11 +403,16 @@ def _dense_runs(offsets: np.ndarray, values: np.ndarray, length: np.ndarray
     return out, pos[first], pos[last] + 1, values[first].astype(np.float32)
 
 
+def _list_column(table: pa.Table, name: str) -> pa.ListArray[Any]:
+    """A list column as one array (its offsets and values); list-typed by the table contract."""
+    return cast("pa.ListArray[Any]", table.column(name).combine_chunks())
+
+
 def _optional_column(table: pa.Table, name: str, type_: pa.DataType) -> np.ndarray:
     """An integer column as int64 with -1 for null (or all -1 when the file lacks it)."""
     if name not in table.column_names:
         return np.full(table.num_rows, -1, dtype=np.int64)
-    col = pc.fill_null(table.column(name).cast(type_), -1)
+    col = table.column(name).cast(type_).fill_null(pa.scalar(-1, type_))
     return col.to_numpy().astype(np.int64)
 
 
@@ -411,7 +436,7 @@ def load_token_advantages(path: str | Path | Sequence[str | Path],
                                ", ".join(map(str, paths)))
 
 
-def group_rollout_ids(index: Sequence, sep: str = ":") -> list[str]:
+def group_rollout_ids(index: Sequence[Any], sep: str = ":") -> list[str]:
     """Order-based ids: the k-th row of group u in batch order is ``f"{u}{sep}{k}"``.
 
     Correct only where the batch is provably still in generation order. verl's
@@ -421,7 +446,7 @@ def group_rollout_ids(index: Sequence, sep: str = ":") -> list[str]:
         "group_rollout_ids numbers rows by batch order; after a trainer reorders its batch "
         "(verl balance_batch, the default) they point at other rollouts. Carry a per-row id "
         "instead (see docs/trainers.md).", UserWarning, stacklevel=2)
-    seen: dict = {}
+    seen: dict[Any, int] = {}
     out = []
     for u in index:
         k = seen.get(u, 0)

@@ -7,8 +7,10 @@ find, each naming file, row and field, so a user fixes a log in one pass.
 from __future__ import annotations
 
 import json
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -17,7 +19,8 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from draco_cli.errors import InputError
-from draco_cli.io import JOURNAL_FILE, SET_ID_KEY, SET_MEMBERS_KEY, STDIO, conform, read_arrow
+from draco_cli.io import (JOURNAL_FILE, SET_ID_KEY, SET_MEMBERS_KEY, STDIO, as_frame, conform,
+                         read_arrow)
 from draco_cli.schemas import TABLES, Table
 
 MAX_PER_RULE = 5  # rows listed per broken rule; the count says how many in all
@@ -41,7 +44,8 @@ def _rows(df: pl.DataFrame, mask: pl.Expr) -> tuple[list[int], int]:
     return idx.head(MAX_PER_RULE).to_list(), idx.len()
 
 
-def _report(problems: list[str], source: str, field: str, what: str, rows: list[int], n: int):
+def _report(problems: list[str], source: str, field: str, what: str, rows: list[int],
+            n: int) -> None:
     if n:
         listed = ", ".join(str(r) for r in rows) + (f" and {n - len(rows)} more" if n > len(rows) else "")
         problems.append(f"{source}: row {listed}: field '{field}': {what}")
@@ -77,7 +81,7 @@ class _Loader:
             arrow = read_arrow(path)
             meta = dict(arrow.schema.metadata or {})
             if Path(path).name == LLM_CALLS and b"draco.table" not in meta:
-                df = pl.from_arrow(arrow)
+                df = as_frame(arrow)
                 missing = [c for c in LLM_CALLS_COLUMNS if c not in df.columns]
                 if missing:
                     return f"{path}: field '{missing[0]}': missing column of a draco call log"
@@ -86,13 +90,13 @@ class _Loader:
             if model is None:
                 return (f"{path}: cannot tell which table this is (name it after the table, "
                         f"e.g. rollouts.parquet, or write it with draco)")
-            df = conform(pl.from_arrow(arrow), model, _name(path))
+            df = conform(as_frame(arrow), model, _name(path))
         except InputError as exc:
             return str(exc)
         return Loaded(_name(path), model, df, meta)
 
 
-def validate_paths(paths: list[str | Path], context: list[str | Path] = (),
+def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = (),
                    loader: _Loader | None = None) -> tuple[dict[str, int], list[str]]:
     """Validate files as one set; return (rows per table, problems). Tables are matched to
     their contract by metadata or file name (rollouts.parquet, steps.parquet, ...).
@@ -128,6 +132,16 @@ def validate_paths(paths: list[str | Path], context: list[str | Path] = (),
         if not isinstance(item, str) and item.model is not None \
                 and item.model.table_name not in frames:
             frames[item.model.table_name] = (item.source, item.df)
+    problems += _table_checks(frames, own)
+    problems += check_output_sets(loaded)
+    for m in manifests:
+        problems += check_manifest(m, counts, loaded)
+    return counts, problems
+
+
+def _table_checks(frames: dict[str, tuple[str, pl.DataFrame]], own: set[str]) -> list[str]:
+    """The checks of each table of the set (``own``) alone and against the others."""
+    problems: list[str] = []
     if "llm_calls" in own:
         problems += check_llm_calls(*frames["llm_calls"])
     if "rollouts" in own:
@@ -143,10 +157,7 @@ def validate_paths(paths: list[str | Path], context: list[str | Path] = (),
             problems += check_citations(frames[name], frames["steps"])
     if "token_advantages" in own:
         problems += check_token_advantages(*frames["token_advantages"])
-    problems += check_output_sets(loaded)
-    for m in manifests:
-        problems += check_manifest(m, counts, loaded)
-    return counts, problems
+    return problems
 
 
 # --- whole folders ------------------------------------------------------------------------
@@ -180,6 +191,7 @@ def _run_inputs(folder: Path) -> list[Path]:
         return []
     try:
         run = RunFolder.open(folder)
+        assert run.manifest is not None  # open() reads it or raises
         return [p for name in ("rollouts", "steps") if name in run.manifest.inputs
                 for p in [run.input(name, verify=False, missing_ok=True)] if p is not None]
     except DracoError:  # a corrupt manifest is reported by check_manifest
@@ -201,6 +213,7 @@ def _context_for(folder: Path, root: Path) -> list[Path]:
             # a run folder finds its inputs where they are now (moved with it, or absolute)
             try:
                 folder_ = RunFolder.open(up)
+                assert folder_.manifest is not None  # open() reads it or raises
                 ctx += [p for name in ("rollouts", "steps") if name in folder_.manifest.inputs
                         for p in [folder_.input(name, verify=False, missing_ok=True)]
                         if p is not None]
@@ -220,7 +233,7 @@ def _context_for(folder: Path, root: Path) -> list[Path]:
     return ctx
 
 
-def validate_targets(paths: list[str | Path]) -> tuple[list[tuple[str, dict[str, int]]],
+def validate_targets(paths: Sequence[str | Path]) -> tuple[list[tuple[str, dict[str, int]]],
                                                        list[str]]:
     """``draco validate``: files given together form one set; a folder is walked, and each
     folder in it (a run folder's rubric/, judge/, credit/, ...) is checked as its own set,
@@ -248,7 +261,7 @@ def validate_targets(paths: list[str | Path]) -> tuple[list[tuple[str, dict[str,
     return sets, problems
 
 
-def _read_json(path: Path):
+def _read_json(path: Path) -> Any:
     try:
         return json.loads(path.read_text(encoding="utf-8"))
     except (OSError, ValueError):
@@ -298,7 +311,7 @@ def check_output_sets(loaded: list[tuple[Path, Loaded]]) -> list[str]:
     """Tables written by one command carry one output-set id and name their fellow members;
     a member beside them with another id means a mixed (interrupted or concurrent) write."""
     problems: list[str] = []
-    reported: set[frozenset] = set()
+    reported: set[frozenset[str]] = set()
     for path, item in loaded:
         set_id = item.metadata.get(SET_ID_KEY.encode())
         members = item.metadata.get(SET_MEMBERS_KEY.encode())
@@ -364,7 +377,8 @@ def check_steps(source: str, df: pl.DataFrame) -> list[str]:
     return problems
 
 
-def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame], steps: tuple[str, pl.DataFrame]):
+def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame],
+                         steps: tuple[str, pl.DataFrame]) -> list[str]:
     problems: list[str] = []
     (rsrc, r), (ssrc, s) = rollouts, steps
     s = s.with_row_index("__row")
@@ -401,7 +415,8 @@ def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame], steps: tuple[str, p
     return problems
 
 
-def check_known_rollouts(table: tuple[str, pl.DataFrame], rollouts: tuple[str, pl.DataFrame]):
+def check_known_rollouts(table: tuple[str, pl.DataFrame],
+                         rollouts: tuple[str, pl.DataFrame]) -> list[str]:
     (src, df), (rsrc, r) = table, rollouts
     df = df.with_row_index("__row")
     orphan = df.join(r.select("rollout_id"), on="rollout_id", how="anti")
@@ -424,7 +439,7 @@ def _issue(rows: np.ndarray, what: str) -> list[Issue]:
     return [(rows[:MAX_PER_RULE].tolist(), int(rows.size), what)] if rows.size else []
 
 
-def _combined(arr: pa.Array | pa.ChunkedArray) -> pa.Array:
+def _combined(arr: pa.Array[Any] | pa.ChunkedArray[Any]) -> pa.Array[Any]:
     return arr.combine_chunks() if isinstance(arr, pa.ChunkedArray) else arr
 
 
@@ -432,7 +447,7 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
-def policy_span_issues(spans: pa.Array | pa.ChunkedArray,
+def policy_span_issues(spans: pa.Array[Any] | pa.ChunkedArray[Any],
                        response_len: pl.Series | None = None) -> list[Issue]:
     """policy_spans: list<list<int>> of half-open [start, end) pairs, start >= 0, end > start,
     sorted and non-overlapping within a rollout, ending at or before response_len."""
@@ -450,8 +465,8 @@ def policy_span_issues(spans: pa.Array | pa.ChunkedArray,
     if pairs.null_count:
         null = pc.is_null(pairs).to_numpy(zero_copy_only=False).reshape(-1, 2).any(axis=1)
         return _issue(parent[null], "a span bound is null")
-    pairs = pairs.to_numpy(zero_copy_only=False).astype(np.int64)
-    start, end = pairs[0::2], pairs[1::2]
+    bounds = pairs.to_numpy(zero_copy_only=False).astype(np.int64)
+    start, end = bounds[0::2], bounds[1::2]
     issues = _issue(parent[(start < 0) | (end <= start)], "span with start < 0 or end <= start")
     if response_len is not None:
         resp = response_len.fill_null(-1).to_numpy().astype(np.int64)[parent]
@@ -480,10 +495,9 @@ def token_advantage_issues(df: pl.DataFrame) -> list[tuple[str, Issue]]:
         if issue:
             return out + [("span_start", i) for i in issue]
         row = np.repeat(np.arange(df.height, dtype=np.int64), ns[0])
-        start = _combined(pc.list_flatten(_combined(df["span_start"].to_arrow())))
-        end = _combined(pc.list_flatten(_combined(df["span_end"].to_arrow())))
-        start = start.to_numpy(zero_copy_only=False).astype(np.int64)
-        end = end.to_numpy(zero_copy_only=False).astype(np.int64)
+        start, end = (_combined(pc.list_flatten(_combined(df[c].to_arrow())))
+                      .to_numpy(zero_copy_only=False).astype(np.int64)
+                      for c in ("span_start", "span_end"))
         out += [("span_start", i) for i in _issue(
             row[(start < 0) | (end <= start) | (end > length[row])],
             "span outside 0..length, or empty")]
@@ -508,7 +522,8 @@ def check_token_advantages(source: str, df: pl.DataFrame) -> list[str]:
     return problems
 
 
-def check_citations(table: tuple[str, pl.DataFrame], steps: tuple[str, pl.DataFrame]):
+def check_citations(table: tuple[str, pl.DataFrame],
+                    steps: tuple[str, pl.DataFrame]) -> list[str]:
     """Every cited step exists: 1 <= step <= the rollout's last step."""
     (src, df), (ssrc, s) = table, steps
     last = s.group_by("rollout_id").agg(pl.col("step").max().alias("__M"))

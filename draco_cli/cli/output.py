@@ -18,12 +18,16 @@ import math
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Optional
 
 import typer
 from rich.console import Console
 
 from draco_cli.cli.console import err_console
+
+if TYPE_CHECKING:
+    import polars as pl
+    from rich.table import Table as RichTable
 
 FORMATS = ("table", "json", "csv")
 
@@ -88,7 +92,7 @@ def _cell(value: Any, digits: int) -> str:
     return str(value)
 
 
-def rich_table(title: str, df, digits: int = 4):
+def rich_table(title: str, df: pl.DataFrame, digits: int = 4) -> RichTable:
     from rich.table import Table
 
     t = Table(title=title or None, title_justify="left", box=None, pad_edge=False,

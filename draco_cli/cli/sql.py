@@ -2,12 +2,16 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
 from draco_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    import duckdb
+    import pyarrow as pa
 
 SHELL_HELP = """Views: {views}
 End a query with ; (it may span lines). .tables lists views and columns; .quit leaves."""
@@ -36,7 +40,7 @@ def sql(
     """
     from draco_cli.sql import catalog, connect, run_query
 
-    fmt = pick_format(fmt, as_json)
+    out_fmt = pick_format(fmt, as_json)
     args = list(args or [])
     query = command
     if query is None and args and args[-1] != "-" and not Path(args[-1]).exists():
@@ -54,7 +58,7 @@ def sql(
         warn(line)
     con = connect(cat)
     if query is None and sys.stdin.isatty():
-        _shell(con, fmt)
+        _shell(con, out_fmt)
         return
     if query is None:
         if stream is not None:
@@ -65,12 +69,12 @@ def sql(
     if query.strip() in (".tables", ".schema"):
         from draco_cli.sql import describe
 
-        _print(describe(con), fmt)
+        _print(describe(con), out_fmt)
         return
-    _print(run_query(con, query), fmt)
+    _print(run_query(con, query), out_fmt)
 
 
-def _print(result, fmt: str) -> None:
+def _print(result: pa.Table | None, fmt: str) -> None:
     if result is None:
         return
     import polars as pl
@@ -83,7 +87,7 @@ def _print(result, fmt: str) -> None:
         note(f"({df.height} row{'s' if df.height != 1 else ''})")
 
 
-def _shell(con, fmt: str) -> None:
+def _shell(con: duckdb.DuckDBPyConnection, fmt: str) -> None:
     import contextlib
 
     from draco_cli.errors import DracoError
@@ -91,7 +95,7 @@ def _shell(con, fmt: str) -> None:
 
     with contextlib.suppress(ImportError):
         import readline  # noqa: F401  (line editing and history for input())
-    views = describe(con).column("name").to_pylist()
+    views = [str(v) for v in describe(con).column("name").to_pylist()]
     note(SHELL_HELP.format(views=", ".join(views) or "none"))
     buffer: list[str] = []
     while True:

@@ -14,13 +14,13 @@ from collections import Counter
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TextIO
+from typing import Any, TextIO, cast
 
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.ingest import openai_jsonl, tau2_bench, tau_bench
-from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Episode, build
-from draco_cli.ingest.tokens import make_counter
+from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Built, Episode, StepUnit, build
+from draco_cli.ingest.tokens import TokenCounter, make_counter
 from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 
@@ -42,10 +42,11 @@ class IngestResult:
     steps: int = 0
     rejected: int = 0
     groups: int = 0
-    token_sources: Counter = field(default_factory=Counter)
+    single_rollout_groups: int = 0
+    token_sources: Counter[str] = field(default_factory=Counter)
     layout_unknown: int = 0
-    terminations: Counter = field(default_factory=Counter)
-    manifest: dict = field(default_factory=dict)
+    terminations: Counter[str | None] = field(default_factory=Counter)
+    manifest: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
 
@@ -57,7 +58,7 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
-def group_key(row: dict, group_by: tuple[str, ...]) -> str:
+def group_key(row: dict[str, Any], group_by: tuple[str, ...]) -> str:
     return "/".join("" if row.get(k) is None else str(row[k]) for k in group_by)
 
 
@@ -96,133 +97,171 @@ def ingest(
     for name in names:
         check_writable(out / name, force)
     counter = make_counter(tokenizer)
-    opts_by_source = {str(p): BuildOptions(step_unit, counter, str(p)) for p in paths}  # type: ignore[arg-type]
+    unit = cast(StepUnit, step_unit)  # checked against STEP_UNITS above
+    opts_by_source = {str(p): BuildOptions(unit, counter, str(p)) for p in paths}
 
     with OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output:
-        return _ingest(fmt, paths, output, opts_by_source, counter, step_unit, group_by,
-                       train_step, skip_invalid, progress)
+        run = _Ingestion(output, opts_by_source, group_by, train_step, skip_invalid, progress)
+        try:
+            for path in paths:
+                run.read_file(fmt, path)
+            result = run.finish(paths)
+            result.manifest = _manifest(result, fmt, paths, step_unit, counter, group_by,
+                                        train_step, output.id)
+        except BaseException:
+            run.abort()
+            raise
+        run.commit()
+        if run.rejects or (out / "rejects.jsonl").exists():
+            output.write_text("rejects.jsonl", "".join(json.dumps(r) + "\n" for r in run.rejects))
+        output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
+        return result
 
 
-def _ingest(fmt, paths, output: OutputSet, opts_by_source, counter, step_unit, group_by,
-            train_step, skip_invalid, progress) -> IngestResult:
-    out = output.folder
-    result = IngestResult(out_dir=out)
-    rollout_writer = StreamingTableWriter(output.path("rollouts.parquet"), Rollout, force=True,
-                                          metadata=output.metadata)
-    step_writer = StreamingTableWriter(output.path("steps.parquet"), Step, force=True,
-                                       metadata=output.metadata)
-    rejects: list[dict] = []
-    seen_ids: dict[str, str] = {}
-    groups: Counter = Counter()
-    rollout_rows: list[dict] = []
-    step_rows: list[dict] = []
-    try:
-        for path in paths:
-            source = str(path)
-            entries = 0
-            with path.open("r", encoding="utf-8", errors="strict") as fp:
-                try:
-                    for where, item in FORMATS[fmt](fp, source):
-                        entries += 1
-                        try:
-                            if isinstance(item, InputError):
-                                raise item
-                            if train_step is not None and item.train_step is None:
-                                item.train_step = train_step
-                            built = build(item, opts_by_source[source])
-                            rid = built.rollout["rollout_id"]
-                            if rid in seen_ids:
-                                raise InputError(
-                                    f"duplicate rollout_id {rid!r} (first at {seen_ids[rid]})",
-                                    file=source, row=where, field="rollout_id",
-                                )
-                        except InputError as exc:
-                            if not skip_invalid:
-                                raise
-                            rejects.append({"file": source, "entry": where, "reason": str(exc)})
-                            result.rejected += 1
-                            continue
-                        seen_ids[rid] = f"{source} {where}"
-                        row = built.rollout
-                        if group_by:
-                            row["group_id"] = group_key(row, group_by)
-                        elif row["group_id"] is None:
-                            keys = ("task_id", "train_step") if row["train_step"] is not None \
-                                else ("task_id",)
-                            row["group_id"] = group_key(row, keys)
-                        groups[row["group_id"]] += 1
-                        rollout_rows.append(row)
-                        step_rows.extend(built.steps)
-                        result.rollouts += 1
-                        result.steps += len(built.steps)
-                        result.token_sources[built.token_source] += 1
-                        result.layout_unknown += not built.layout_known
-                        result.terminations[row["termination"]] += 1
-                        if len(rollout_rows) >= BATCH_ROLLOUTS:
-                            rollout_writer.write_rows(rollout_rows)
-                            step_writer.write_rows(step_rows)
-                            rollout_rows, step_rows = [], []
-                            if progress:
-                                progress(result.rollouts)
-                except UnicodeDecodeError as exc:
-                    raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
-                                     file=source) from None
-                except RecursionError:
-                    raise InputError("JSON nested too deeply to be a log entry",
-                                     file=source) from None
-            if entries == 0:
-                raise InputError(f"no rollouts in this file (empty {fmt} input)", file=source)
+class _Ingestion:
+    """One ingest in progress: the rows built so far, written in batches, and the counts."""
+
+    def __init__(self, output: OutputSet, opts_by_source: dict[str, BuildOptions],
+                 group_by: tuple[str, ...] | None, train_step: int | None,
+                 skip_invalid: bool, progress: Callable[[int], None] | None) -> None:
+        self.opts_by_source = opts_by_source
+        self.group_by = group_by
+        self.train_step = train_step
+        self.skip_invalid = skip_invalid
+        self.progress = progress
+        self.result = IngestResult(out_dir=output.folder)
+        self.rollout_writer = StreamingTableWriter(output.path("rollouts.parquet"), Rollout,
+                                                   force=True, metadata=output.metadata)
+        self.step_writer = StreamingTableWriter(output.path("steps.parquet"), Step, force=True,
+                                                metadata=output.metadata)
+        self.rejects: list[dict[str, str]] = []
+        self.seen_ids: dict[str, str] = {}  # rollout_id -> where it was first seen
+        self.groups: Counter[str] = Counter()
+        self.rollout_rows: list[dict[str, Any]] = []
+        self.step_rows: list[dict[str, Any]] = []
+
+    def read_file(self, fmt: str, path: Path) -> None:
+        source = str(path)
+        entries = 0
+        with path.open("r", encoding="utf-8", errors="strict") as fp:
+            try:
+                for where, item in FORMATS[fmt](fp, source):
+                    entries += 1
+                    self._entry(source, where, item)
+            except UnicodeDecodeError as exc:
+                raise InputError(f"not UTF-8 text ({exc.reason} at byte {exc.start})",
+                                 file=source) from None
+            except RecursionError:
+                raise InputError("JSON nested too deeply to be a log entry",
+                                 file=source) from None
+        if entries == 0:
+            raise InputError(f"no rollouts in this file (empty {fmt} input)", file=source)
+
+    def _build(self, source: str, where: str, item: Episode | InputError) -> Built:
+        if isinstance(item, InputError):
+            raise item
+        if self.train_step is not None and item.train_step is None:
+            item.train_step = self.train_step
+        built = build(item, self.opts_by_source[source])
+        rid = built.rollout["rollout_id"]
+        if rid in self.seen_ids:
+            raise InputError(f"duplicate rollout_id {rid!r} (first at {self.seen_ids[rid]})",
+                             file=source, row=where, field="rollout_id")
+        return built
+
+    def _entry(self, source: str, where: str, item: Episode | InputError) -> None:
+        try:
+            built = self._build(source, where, item)
+        except InputError as exc:
+            if not self.skip_invalid:
+                raise
+            self.rejects.append({"file": source, "entry": where, "reason": str(exc)})
+            self.result.rejected += 1
+            return
+        row = built.rollout
+        self.seen_ids[row["rollout_id"]] = f"{source} {where}"
+        if self.group_by:
+            row["group_id"] = group_key(row, self.group_by)
+        elif row["group_id"] is None:
+            keys = ("task_id", "train_step") if row["train_step"] is not None else ("task_id",)
+            row["group_id"] = group_key(row, keys)
+        self.groups[row["group_id"]] += 1
+        self.rollout_rows.append(row)
+        self.step_rows.extend(built.steps)
+        result = self.result
+        result.rollouts += 1
+        result.steps += len(built.steps)
+        result.token_sources[built.token_source] += 1
+        result.layout_unknown += not built.layout_known
+        result.terminations[row["termination"]] += 1
+        if len(self.rollout_rows) >= BATCH_ROLLOUTS:
+            self._flush()
+
+    def _flush(self) -> None:
+        self.rollout_writer.write_rows(self.rollout_rows)
+        self.step_writer.write_rows(self.step_rows)
+        self.rollout_rows, self.step_rows = [], []
+        if self.progress:
+            self.progress(self.result.rollouts)
+
+    def finish(self, paths: list[Path]) -> IngestResult:
+        """Write the last batch; the result with its group counts and warnings."""
+        result = self.result
         if result.rollouts == 0:
             # Exit 0 with empty tables would look like success; say what happened instead.
-            first = f" (first: {rejects[0]['reason']})" if rejects else ""
+            first = f" (first: {self.rejects[0]['reason']})" if self.rejects else ""
             raise InputError(f"all {result.rejected} entries were rejected, no rollout "
                              f"left to write{first}", file=", ".join(map(str, paths)))
-        rollout_writer.write_rows(rollout_rows)
-        step_writer.write_rows(step_rows)
-        if progress:
-            progress(result.rollouts)
-        result.groups = len(groups)
-        singles = sum(1 for n in groups.values() if n == 1)
-        if singles == len(groups):
-            result.warnings.append(
-                f"every group has a single rollout ({len(groups)} groups): every group "
+        self._flush()
+        result.groups = len(self.groups)
+        result.single_rollout_groups = sum(1 for n in self.groups.values() if n == 1)
+        result.warnings += _group_warnings(result.groups, result.single_rollout_groups)
+        return result
+
+    def abort(self) -> None:
+        self.rollout_writer.abort()
+        self.step_writer.abort()
+
+    def commit(self) -> None:
+        self.rollout_writer.commit()
+        self.step_writer.commit()
+
+
+def _group_warnings(groups: int, singles: int) -> list[str]:
+    if singles == groups:
+        return [f"every group has a single rollout ({groups} groups): every group "
                 "advantage will be 0. Ingest the trials of each task together, or choose the "
-                f"grouping with --group-by (fields: {', '.join(GROUP_FIELDS)})")
-        elif singles:
-            result.warnings.append(f"{singles} of {len(groups)} groups have a single rollout: "
-                                   "their group advantage will be 0")
-        token_counts = sorted(k for k in result.token_sources if k != "none")
-        result.manifest = {
-            "draco_version": __version__,
-            "schema_version": SCHEMA_VERSION,
-            "format": fmt,
-            "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
-                       for p in paths],
-            "step_unit": step_unit,
-            "token_counts": token_counts,
-            "tokenizer": None if counter is None else counter.name,
-            "tokenizer_exact": None if counter is None else counter.exact,
-            "token_positions": "known" if result.layout_unknown == 0 else
-            f"unknown for {result.layout_unknown} rollout(s)",
-            "group_by": list(group_by) if group_by else None,
-            "train_step": train_step,
-            "rollouts": result.rollouts,
-            "steps": result.steps,
-            "groups": result.groups,
-            "single_rollout_groups": singles,
-            "rejected": result.rejected,
-            "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
-                                                          key=lambda kv: str(kv[0]))},
-            "output_set": output.id,
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
-        }
-    except BaseException:
-        rollout_writer.abort()
-        step_writer.abort()
-        raise
-    rollout_writer.commit()
-    step_writer.commit()
-    if rejects or (out / "rejects.jsonl").exists():
-        output.write_text("rejects.jsonl", "".join(json.dumps(r) + "\n" for r in rejects))
-    output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
-    return result
+                f"grouping with --group-by (fields: {', '.join(GROUP_FIELDS)})"]
+    if singles:
+        return [f"{singles} of {groups} groups have a single rollout: "
+                "their group advantage will be 0"]
+    return []
+
+
+def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
+              counter: TokenCounter | None, group_by: tuple[str, ...] | None,
+              train_step: int | None, output_set: str) -> dict[str, Any]:
+    return {
+        "draco_version": __version__,
+        "schema_version": SCHEMA_VERSION,
+        "format": fmt,
+        "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+                   for p in paths],
+        "step_unit": step_unit,
+        "token_counts": sorted(k for k in result.token_sources if k != "none"),
+        "tokenizer": None if counter is None else counter.name,
+        "tokenizer_exact": None if counter is None else counter.exact,
+        "token_positions": "known" if result.layout_unknown == 0 else
+        f"unknown for {result.layout_unknown} rollout(s)",
+        "group_by": list(group_by) if group_by else None,
+        "train_step": train_step,
+        "rollouts": result.rollouts,
+        "steps": result.steps,
+        "groups": result.groups,
+        "single_rollout_groups": result.single_rollout_groups,
+        "rejected": result.rejected,
+        "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
+                                                      key=lambda kv: str(kv[0]))},
+        "output_set": output_set,
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }

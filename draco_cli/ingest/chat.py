@@ -18,7 +18,7 @@ class EntryContext:
     def error(self, message: str, field: str | None = None) -> InputError:
         return InputError(message, file=self.source, row=self.where, field=field)
 
-    def require(self, obj: dict, key: str, types: type | tuple[type, ...], path: str = "") -> Any:
+    def require(self, obj: Any, key: str, types: type | tuple[type, ...], path: str = "") -> Any:
         name = f"{path}{key}"
         if not isinstance(obj, dict):
             raise self.error("expected a JSON object", path.rstrip(".") or None)
@@ -29,10 +29,16 @@ class EntryContext:
             raise self.error(f"expected {_type_names(types)}, got {type(value).__name__}", name)
         return value
 
-    def optional(self, obj: dict, key: str, types: type | tuple[type, ...], path: str = "") -> Any:
+    def optional(self, obj: dict[str, Any], key: str, types: type | tuple[type, ...],
+                 path: str = "") -> Any:
         if obj.get(key) is None:
             return None
         return self.require(obj, key, types, path)
+
+
+def as_object(value: Any) -> dict[str, Any]:
+    """A JSON value that should be an object, or {} when it is anything else."""
+    return value if isinstance(value, dict) else {}
 
 
 def _tuple(types: type | tuple[type, ...]) -> tuple[type, ...]:
@@ -79,7 +85,8 @@ def parse_tool_calls(raw: Any, ctx: EntryContext, field: str) -> list[ToolCall]:
         path = f"{field}[{k}]."
         if not isinstance(call, dict):
             raise ctx.error("expected a JSON object", f"{field}[{k}]")
-        fn = call.get("function") if isinstance(call.get("function"), dict) else call
+        function = call.get("function")
+        fn: dict[str, Any] = function if isinstance(function, dict) else call
         fpath = path + "function." if fn is not call else path
         name = ctx.require(fn, "name", str, fpath)
         args = fn.get("arguments", {})
@@ -116,7 +123,8 @@ def parse_messages(raw: Any, ctx: EntryContext, field: str = "messages") -> list
     return [parse_message(m, ctx, f"{field}[{i}]") for i, m in enumerate(raw)]
 
 
-def trainer_tokens(raw: dict, ctx: EntryContext) -> tuple[list[int] | None, list[int] | None]:
+def trainer_tokens(raw: dict[str, Any], ctx: EntryContext
+                   ) -> tuple[list[int] | None, list[int] | None]:
     """The trainer's ``response_mask`` (0/1 per response token) and optional ``response_ids``
     of an entry: positions straight from the trainer, exact by construction."""
     mask = ctx.optional(raw, "response_mask", list)

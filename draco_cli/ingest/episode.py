@@ -199,13 +199,178 @@ def _trainer_runs(ep: Episode, policy_idx: list[int], source: str) -> list[tuple
     return runs
 
 
-def build(ep: Episode, opts: BuildOptions) -> Built:
-    """Turn one episode into its rollouts row and steps rows (raises InputError)."""
-    source, counter = opts.source, opts.counter
+def _check_outcome(ep: Episode, source: str) -> None:
     if ep.outcome is not None and not math.isfinite(ep.outcome):
         # json accepts NaN and Infinity; a NaN outcome becomes NaN advantages for its group.
         raise InputError(f"must be a finite number, got {ep.outcome}", file=source,
                          row=ep.where, field=ep.outcome_field)
+
+
+def _logged_counts(ep: Episode, i: int, parts: list[Part], opts: BuildOptions) -> list[int]:
+    """The token counts of a policy message's parts when the log gives the message's total:
+    split over the parts in proportion to the counter's counts (each step keeps >= 1)."""
+    total = ep.messages[i].n_tokens
+    assert total is not None
+    where = {"file": opts.source, "row": ep.where, "field": f"{ep.messages_field}[{i}]"}
+    if len(parts) == 1:
+        if parts[0].is_step and total < 1:
+            raise InputError(f"logged token count {total} for a step (must be >= 1)", **where)
+        return [total]
+    if opts.counter is None:
+        raise InputError(
+            f"the log gives this message's {total} tokens as a whole, and the step "
+            f"unit '{opts.step_unit}' splits it into {len(parts)} parts; pass "
+            "--tokenizer PATH (or --tokenizer approx) to measure the parts", **where)
+    n_steps = sum(p.is_step for p in parts)
+    if total < n_steps:
+        raise InputError(f"logged token count {total} is smaller than its {n_steps} steps",
+                         **where)
+    return apportion(total, [opts.counter.count(p.text) for p in parts],
+                     [1 if p.is_step else 0 for p in parts])
+
+
+def _counted_parts(parts: list[Part], opts: BuildOptions) -> tuple[list[Part], list[int]]:
+    """The parts of a policy message and their token counts measured by the counter, with the
+    end-of-turn token the policy generated (n_tokens convention, docs/ingest.md): part of a
+    message step, a gap token after a code block or tool call."""
+    counter = opts.counter
+    assert counter is not None
+    # A step is at least one token even if the counter says 0 (e.g. approx on "").
+    counts = [max(counter.count(p.text), 1) if p.is_step else counter.count(p.text)
+              for p in parts]
+    eot = counter.end_of_turn()
+    if eot:
+        if opts.step_unit == "message" and parts[-1].is_step:
+            counts[-1] += eot
+        else:
+            parts = parts + [Part("", is_step=False)]
+            counts.append(eot)
+    return parts, counts
+
+
+def _block_len(ep: Episode, i: int, block: list[Message],
+               counter: TokenCounter | None) -> int | None:
+    """Tokens of the observation block after policy message ``i``; None when unknown."""
+    if not block:
+        return 0
+    if i in ep.block_tokens:
+        return ep.block_tokens[i]
+    if all(m.n_tokens is not None for m in block):
+        return sum(m.n_tokens or 0 for m in block)
+    if counter is not None:
+        return counter.observation_block([(m.role, m.text()) for m in block])
+    return None
+
+
+@dataclass
+class _Layout:
+    """Where the policy messages sit in the response sequence."""
+    starts: dict[int, int]  # policy message index -> its first token
+    spans: list[list[int]]  # [start, end) runs of policy tokens
+    response_len: int
+    known: bool
+
+
+def _lay_out(ep: Episode, policy_idx: list[int], part_tokens: dict[int, list[int]],
+             blocks: dict[int, list[Message]], counter: TokenCounter | None) -> _Layout:
+    """Lay the response out; positions stay unknown past the first block we cannot count."""
+    layout = _Layout(starts={}, spans=[], response_len=0, known=True)
+    offset = 0
+    for k, i in enumerate(policy_idx):
+        layout.starts[i] = offset
+        mlen = sum(part_tokens[i])
+        if mlen:
+            if layout.spans and layout.spans[-1][1] == offset:
+                layout.spans[-1][1] = offset + mlen
+            else:
+                layout.spans.append([offset, offset + mlen])
+        offset += mlen
+        layout.response_len = offset
+        blen = _block_len(ep, i, blocks[i], counter)
+        if blen is None:
+            if k != len(policy_idx) - 1:
+                layout.known = False
+            break
+        offset += blen
+        layout.response_len = offset
+    return layout
+
+
+def _step_observations(parts: list[Part], block: list[Message], unit: StepUnit) -> list[str]:
+    """The observation of each step part of one policy message: what came back after it."""
+    step_parts = [j for j, p in enumerate(parts) if p.is_step]
+    if unit != "tool-call":
+        return ["" if j != step_parts[-1] else _render_observation(block) for j in step_parts]
+    # Each call sees its own result; what else came back goes to the last call.
+    results_by_call = {m.call_id: m for m in block if m.role == "tool"}
+    own = {parts[s].call_id for s in step_parts}
+    rest = [m for m in block if not (m.role == "tool" and m.call_id in own)]
+    out = []
+    for j in step_parts:
+        call_id = parts[j].call_id
+        mine = [results_by_call[call_id]] if call_id in results_by_call else []
+        out.append(_render_observation(mine + rest if j == step_parts[-1] else mine))
+    return out
+
+
+def _step_rows(ep: Episode, policy_idx: list[int], msg_parts: dict[int, list[Part]],
+               part_tokens: dict[int, list[int]], blocks: dict[int, list[Message]],
+               layout: _Layout, unit: StepUnit) -> list[dict[str, Any]]:
+    steps: list[dict[str, Any]] = []
+    for i in policy_idx:
+        parts, counts = msg_parts[i], part_tokens[i]
+        observations = iter(_step_observations(parts, blocks[i], unit))
+        inner = 0
+        for p, n in zip(parts, counts):
+            if p.is_step:
+                steps.append({
+                    "rollout_id": ep.rollout_id,
+                    "step": len(steps) + 1,
+                    "action": p.text,
+                    "observation": next(observations),
+                    "n_tokens": n,
+                    "token_start": layout.starts[i] + inner if layout.known else None,
+                })
+            inner += n
+    return steps
+
+
+def _rollout_row(ep: Episode, n_steps: int, n_turns: int, layout: _Layout) -> dict[str, Any]:
+    return {
+        "rollout_id": ep.rollout_id,
+        "group_id": ep.group_id,
+        "task_id": ep.task_id,
+        "train_step": ep.train_step,
+        "trial": ep.trial,
+        "scenario_id": ep.scenario_id,
+        "difficulty": ep.difficulty,
+        "instruction": ep.instruction,
+        "outcome": ep.outcome,
+        "termination": "no_action" if not n_steps else ep.termination,
+        "n_turns": n_turns,
+        # An episode the policy never spoke in has an empty response.
+        "response_len": layout.response_len if layout.known else None,
+        "policy_spans": layout.spans if layout.known else None,
+        "termination_raw": ep.termination_raw,
+        "response_fingerprint": None if ep.response_ids is None
+        else fingerprint(ep.response_ids),
+    }
+
+
+def _token_source(has_policy: bool, trainer: bool, logged: bool, used_counter: bool) -> str:
+    if not has_policy:
+        return "none"
+    if trainer:
+        return "trainer+tokenizer" if used_counter else "trainer"
+    if logged:
+        return "log+tokenizer" if used_counter else "log"
+    return "tokenizer"
+
+
+def build(ep: Episode, opts: BuildOptions) -> Built:
+    """Turn one episode into its rollouts row and steps rows (raises InputError)."""
+    source, counter = opts.source, opts.counter
+    _check_outcome(ep, source)
     check_messages(ep, source)
     msgs = ep.messages
     policy_idx = [i for i, m in enumerate(msgs) if m.role == "assistant" and m.policy]
@@ -219,179 +384,35 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
         raise InputError(
             "the log has no token counts for this episode; pass --tokenizer PATH "
             "(the trainer's tokenizer.json) or, knowingly, --tokenizer approx",
-            file=source,
-            row=ep.where,
-            field=ep.messages_field,
+            file=source, row=ep.where, field=ep.messages_field,
         )
 
     # Token counts of each policy message's parts.
     msg_parts: dict[int, list[Part]] = {}
     part_tokens: dict[int, list[int]] = {}
-    used_counter = False
     for i in policy_idx:
-        m = msgs[i]
-        parts = _parts(m, opts.step_unit)
-        n_steps = sum(p.is_step for p in parts)
+        parts = _parts(msgs[i], opts.step_unit)
         if logged:
-            total = m.n_tokens
-            assert total is not None
-            if len(parts) == 1:
-                counts = [total]
-            elif counter is None:
-                raise InputError(
-                    f"the log gives this message's {total} tokens as a whole, and the step "
-                    f"unit '{opts.step_unit}' splits it into {len(parts)} parts; pass "
-                    "--tokenizer PATH (or --tokenizer approx) to measure the parts",
-                    file=source,
-                    row=ep.where,
-                    field=f"{ep.messages_field}[{i}]",
-                )
-            else:
-                used_counter = True
-                if total < n_steps:
-                    raise InputError(
-                        f"logged token count {total} is smaller than its {n_steps} steps",
-                        file=source,
-                        row=ep.where,
-                        field=f"{ep.messages_field}[{i}]",
-                    )
-                counts = apportion(
-                    total,
-                    [counter.count(p.text) for p in parts],
-                    [1 if p.is_step else 0 for p in parts],
-                )
+            part_tokens[i] = _logged_counts(ep, i, parts, opts)
         else:
-            assert counter is not None
-            used_counter = True
-            counts = [counter.count(p.text) for p in parts]
-            # A step is at least one token even if the counter says 0 (e.g. approx on "").
-            counts = [max(c, 1) if p.is_step else c for c, p in zip(counts, parts)]
-            # The end-of-turn token the policy generated (n_tokens convention, docs/ingest.md):
-            # part of a message step, a gap token after a code block or tool call.
-            eot = counter.end_of_turn()
-            if eot:
-                if opts.step_unit == "message" and parts[-1].is_step:
-                    counts[-1] += eot
-                else:
-                    parts = parts + [Part("", is_step=False)]
-                    counts.append(eot)
-        if logged and len(parts) == 1 and parts[0].is_step and counts[0] < 1:
-            raise InputError(
-                f"logged token count {counts[0]} for a step (must be >= 1)",
-                file=source,
-                row=ep.where,
-                field=f"{ep.messages_field}[{i}]",
-            )
+            parts, part_tokens[i] = _counted_parts(parts, opts)
         msg_parts[i] = parts
-        part_tokens[i] = counts
+    # The counter measured parts unless the log gave every message whole as one part.
+    used_counter = bool(policy_idx) and (
+        not logged or any(len(msg_parts[i]) > 1 for i in policy_idx))
 
     # Observation blocks: the messages after each policy message, up to the next one.
     bounds = policy_idx + [len(msgs)]
-    blocks: dict[int, list[Message]] = {
-        i: msgs[i + 1 : bounds[k + 1]] for k, i in enumerate(policy_idx)
-    }
-
-    def block_len(i: int) -> int | None:
-        block = blocks[i]
-        if not block:
-            return 0
-        if i in ep.block_tokens:
-            return ep.block_tokens[i]
-        if all(m.n_tokens is not None for m in block):
-            return sum(m.n_tokens or 0 for m in block)
-        if counter is not None:
-            return counter.observation_block([(m.role, m.text()) for m in block])
-        return None
-
-    # Lay the response out; positions stay unknown past the first block we cannot count.
-    layout_known = True
-    offset = 0
-    starts: dict[int, int] = {}
-    spans: list[list[int]] = []
-    response_len = 0
-    for k, i in enumerate(policy_idx):
-        starts[i] = offset
-        mlen = sum(part_tokens[i])
-        if mlen:
-            if spans and spans[-1][1] == offset:
-                spans[-1][1] = offset + mlen
-            else:
-                spans.append([offset, offset + mlen])
-        offset += mlen
-        response_len = offset
-        blen = block_len(i)
-        last = k == len(policy_idx) - 1
-        if blen is None:
-            if not last:
-                layout_known = False
-            break
-        offset += blen
-        response_len = offset
-
+    blocks = {i: msgs[i + 1 : bounds[k + 1]] for k, i in enumerate(policy_idx)}
+    layout = _lay_out(ep, policy_idx, part_tokens, blocks, counter)
     if runs is not None:
         # The trainer's mask is the truth: steps sit on its runs of 1s, the rest is observation.
         assert ep.response_mask is not None
-        starts = {i: a for i, (a, _) in zip(policy_idx, runs)}
-        spans = [[a, b] for a, b in runs]
-        response_len = len(ep.response_mask)
-        layout_known = True
+        layout = _Layout(starts={i: a for i, (a, _) in zip(policy_idx, runs)},
+                         spans=[[a, b] for a, b in runs],
+                         response_len=len(ep.response_mask), known=True)
 
-    steps: list[dict[str, Any]] = []
-    for i in policy_idx:
-        parts, counts = msg_parts[i], part_tokens[i]
-        block = blocks[i]
-        step_parts = [j for j, p in enumerate(parts) if p.is_step]
-        results_by_call = {m.call_id: m for m in block if m.role == "tool"}
-        inner = 0
-        for j, (p, n) in enumerate(zip(parts, counts)):
-            if p.is_step:
-                if opts.step_unit == "tool-call":
-                    # Each call sees its own result; what else came back goes to the last call.
-                    mine = [results_by_call[p.call_id]] if p.call_id in results_by_call else []
-                    if j == step_parts[-1]:
-                        own = {parts[s].call_id for s in step_parts}
-                        mine += [m for m in block if not (m.role == "tool" and m.call_id in own)]
-                    obs = _render_observation(mine)
-                else:
-                    obs = _render_observation(block) if j == step_parts[-1] else ""
-                steps.append(
-                    {
-                        "rollout_id": ep.rollout_id,
-                        "step": len(steps) + 1,
-                        "action": p.text,
-                        "observation": obs,
-                        "n_tokens": n,
-                        "token_start": starts[i] + inner if layout_known else None,
-                    }
-                )
-            inner += n
-
-    termination = "no_action" if not steps else ep.termination
-    rollout = {
-        "rollout_id": ep.rollout_id,
-        "group_id": ep.group_id,
-        "task_id": ep.task_id,
-        "train_step": ep.train_step,
-        "trial": ep.trial,
-        "scenario_id": ep.scenario_id,
-        "difficulty": ep.difficulty,
-        "instruction": ep.instruction,
-        "outcome": ep.outcome,
-        "termination": termination,
-        "n_turns": len(policy_idx),
-        # An episode the policy never spoke in has an empty response.
-        "response_len": response_len if layout_known else None,
-        "policy_spans": spans if layout_known else None,
-        "termination_raw": ep.termination_raw,
-        "response_fingerprint": None if ep.response_ids is None
-        else fingerprint(ep.response_ids),
-    }
-    if not policy_idx:
-        source_kind = "none"
-    elif runs is not None:
-        source_kind = "trainer+tokenizer" if used_counter else "trainer"
-    elif logged:
-        source_kind = "log+tokenizer" if used_counter else "log"
-    else:
-        source_kind = "tokenizer"
-    return Built(rollout, steps, source_kind, layout_known)
+    steps = _step_rows(ep, policy_idx, msg_parts, part_tokens, blocks, layout, opts.step_unit)
+    rollout = _rollout_row(ep, len(steps), len(policy_idx), layout)
+    source_kind = _token_source(bool(policy_idx), runs is not None, logged, used_counter)
+    return Built(rollout, steps, source_kind, layout.known)

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.chat import EntryContext, as_object, parse_messages
 from draco_cli.ingest.episode import Episode
 from draco_cli.ingest.jsonstream import iter_object_with_array
 
@@ -36,7 +36,7 @@ def _label(i: int) -> str:
 
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
-    tasks: dict[str, dict] | None = None
+    tasks: dict[str, dict[str, Any]] | None = None
     pending: list[tuple[int, Any]] = []  # simulations seen before the task list (unusual)
     walk = iter_object_with_array(fp, source, "simulations", _label)
     seen_simulations = False
@@ -68,13 +68,13 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
                                  field="simulations")
 
 
-def _task_index(value: Any) -> dict[str, dict]:
+def _task_index(value: Any) -> dict[str, dict[str, Any]]:
     if not isinstance(value, list):
         return {}
     return {str(t.get("id")): t for t in value if isinstance(t, dict)}
 
 
-def _convert(index: int, raw: Any, tasks: dict[str, dict], source: str) -> Item:
+def _convert(index: int, raw: Any, tasks: dict[str, dict[str, Any]], source: str) -> Item:
     where = _label(index)
     try:
         return where, to_episode(raw, EntryContext(source, where), tasks)
@@ -82,7 +82,7 @@ def _convert(index: int, raw: Any, tasks: dict[str, dict], source: str) -> Item:
         return where, exc
 
 
-def instruction_of(task: dict | None) -> str | None:
+def instruction_of(task: dict[str, Any] | None) -> str | None:
     if not task:
         return None
     scenario = task.get("user_scenario") or {}
@@ -97,12 +97,12 @@ def instruction_of(task: dict | None) -> str | None:
     return "\n".join(lines) or None
 
 
-def to_episode(raw: Any, ctx: EntryContext, tasks: dict[str, dict]) -> Episode:
+def to_episode(raw: Any, ctx: EntryContext, tasks: dict[str, dict[str, Any]]) -> Episode:
     if not isinstance(raw, dict):
         raise ctx.error("a simulation must be a JSON object")
     task_id = str(ctx.require(raw, "task_id", (str, int)))
-    raw_msgs = raw.get("messages")
-    messages = parse_messages(raw_msgs, ctx)
+    messages = parse_messages(raw.get("messages"), ctx)
+    raw_msgs: list[Any] = raw["messages"]  # a list: parse_messages checked it
     first_user = next((i for i, m in enumerate(messages) if m.role == "user"), len(messages))
     for i, (m, r) in enumerate(zip(messages, raw_msgs)):
         if m.role != "assistant":
@@ -118,11 +118,12 @@ def to_episode(raw: Any, ctx: EntryContext, tasks: dict[str, dict]) -> Episode:
     block_tokens: dict[int, int] = {}
     policy = [i for i, m in enumerate(messages) if m.role == "assistant" and m.policy]
     for a, b in zip(policy, policy[1:]):
-        ua, ub = raw_msgs[a].get("usage") or {}, raw_msgs[b].get("usage") or {}
+        ua, ub = as_object(raw_msgs[a].get("usage")), as_object(raw_msgs[b].get("usage"))
         pa_, pb, ca = ua.get("prompt_tokens"), ub.get("prompt_tokens"), ua.get("completion_tokens")
-        if all(isinstance(x, int) for x in (pa_, pb, ca)) and pb - pa_ - ca >= 0:
+        if isinstance(pa_, int) and isinstance(pb, int) and isinstance(ca, int) \
+                and pb - pa_ - ca >= 0:
             block_tokens[a] = pb - pa_ - ca
-    reward_info = raw.get("reward_info") if isinstance(raw.get("reward_info"), dict) else {}
+    reward_info = as_object(raw.get("reward_info"))
     reward = ctx.optional(reward_info, "reward", (int, float), "reward_info.")
     reason = raw.get("termination_reason")
     reason = reason if isinstance(reason, str) else None

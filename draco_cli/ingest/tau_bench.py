@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.chat import EntryContext, as_object, parse_messages
 from draco_cli.ingest.episode import Episode
 from draco_cli.ingest.jsonstream import iter_array
 
@@ -37,7 +37,7 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
             yield where, exc
 
 
-def termination_of(info: dict) -> tuple[str | None, str | None]:
+def termination_of(info: dict[str, Any]) -> tuple[str | None, str | None]:
     """tau-bench ends an episode when the user stops (source 'user'), on a terminal tool such
     as transfer_to_human_agents, or at its step cap; only the cap leaves reward_info null (and
     source is then the name of the last action)."""
@@ -55,7 +55,7 @@ def to_episode(raw: Any, ctx: EntryContext) -> Episode:
     trial = ctx.optional(raw, "trial", int)
     reward = ctx.optional(raw, "reward", (int, float))
     info = ctx.optional(raw, "info", dict) or {}
-    task = info.get("task") if isinstance(info.get("task"), dict) else {}
+    task = as_object(info.get("task"))
     instruction = task.get("instruction") if isinstance(task.get("instruction"), str) else None
     messages = parse_messages(raw.get("traj"), ctx, "traj")
     if instruction is None:

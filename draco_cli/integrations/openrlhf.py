@@ -56,7 +56,7 @@ def place(table: TokenAdvantageTable, ids: Sequence[str], action_mask: np.ndarra
     for b in range(B):
         c = int(first[b])
         shifted[b, : A - c] = mask[b, c:]
-        if resp_ids is not None:
+        if resp_ids is not None and sequences is not None:
             resp_ids[b, : A - c] = sequences[b, c + 1: c + 1 + A - c]
     adv = table.batch(ids, shifted, response_ids=resp_ids, train_step=train_step)
     out = np.zeros((B, A), dtype=np.float32)
@@ -66,11 +66,12 @@ def place(table: TokenAdvantageTable, ids: Sequence[str], action_mask: np.ndarra
     return out
 
 
-def _maker_class():
+def _maker_class() -> type[Any]:
     import torch
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
-    class DracoExperienceMaker(RemoteExperienceMaker):
+    # OpenRLHF ships no types: its classes are Any to mypy
+    class DracoExperienceMaker(RemoteExperienceMaker):  # type: ignore[misc]
         """``RemoteExperienceMaker`` whose advantages (and returns) are draco's.
 
         Extra keyword arguments: ``token_advantages`` (path(s) of token_advantages.parquet, or
@@ -84,7 +85,7 @@ def _maker_class():
             self.draco_id_key = id_key
             self.draco_ids_from_index = ids_from_index
 
-        def compute_advantages_and_returns(self, experiences):
+        def compute_advantages_and_returns(self, experiences: list[Any]) -> list[Any]:
             rows = [experience_rollout_ids(e, id_key=self.draco_id_key,
                                            ids_from_index=self.draco_ids_from_index)
                     for e in experiences]
@@ -107,7 +108,7 @@ def _maker_class():
     return DracoExperienceMaker
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[Any]:
     # Built on first use: importing this module never imports OpenRLHF, Ray or torch.
     if name == "DracoExperienceMaker":
         cls = _maker_class()

@@ -25,7 +25,7 @@ __all__ = ["DracoGRPOTrainer", "rollout_ids"]  # noqa: F822 (built lazily, see _
 Files = str | Path | Sequence[str | Path]
 
 
-def rollout_ids(inputs: Sequence[dict], *, id_column: str, num_generations: int,
+def rollout_ids(inputs: Sequence[dict[str, Any]], *, id_column: str, num_generations: int,
                 process_index: int = 0) -> list[str]:
     """Rollout ids of a process's rows, ``inputs`` as TRL passes them (one dict per row)."""
     ids = []
@@ -42,10 +42,11 @@ def rollout_ids(inputs: Sequence[dict], *, id_column: str, num_generations: int,
     return ids
 
 
-def _trainer_class():
+def _trainer_class() -> type[Any]:
     from trl import GRPOTrainer
 
-    class DracoGRPOTrainer(GRPOTrainer):
+    # TRL ships no types for mypy to follow: GRPOTrainer is Any
+    class DracoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
         """``GRPOTrainer`` taking advantages from draco's ``token_advantages.parquet``.
 
         ``token_advantages``: a path (or list of paths), a path template with ``{step}``
@@ -70,10 +71,10 @@ def _trainer_class():
                 return spec.format(step=step), step
             return spec, None
 
-        def _generate_and_score_completions(self, inputs):
+        def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
             import torch
 
-            out = super()._generate_and_score_completions(inputs)
+            out: dict[str, Any] = super()._generate_and_score_completions(inputs)
             ids = rollout_ids(inputs, id_column=self.draco_id_column,
                               num_generations=self.num_generations,
                               process_index=self.accelerator.process_index)
@@ -95,7 +96,7 @@ def _trainer_class():
     return DracoGRPOTrainer
 
 
-def __getattr__(name: str):
+def __getattr__(name: str) -> type[Any]:
     # The class is built on first use so that importing this module never imports TRL or torch.
     if name == "DracoGRPOTrainer":
         cls = _trainer_class()

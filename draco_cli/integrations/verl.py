@@ -32,8 +32,9 @@ import glob
 import os
 import re
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import numpy as np
 
@@ -105,7 +106,9 @@ def _files(paths: str | Sequence[str] | None = None) -> list[str]:
     return found
 
 
-def draco_advantages(token_level_rewards, response_mask, config=None, index=None, **kwargs):
+# verl calls the estimator with torch tensors (untyped to mypy here: torch is optional).
+def draco_advantages(token_level_rewards: Any, response_mask: Any, config: Any = None,
+                     index: Any = None, **kwargs: Any) -> tuple[Any, Any]:
     """The ``draco`` estimator: (advantages, returns), both draco's values, [B, T]."""
     import torch
 
@@ -126,7 +129,10 @@ def draco_advantages(token_level_rewards, response_mask, config=None, index=None
     return out, out.clone()
 
 
-def _with_rows(rows: Rows, call):
+_T = TypeVar("_T")
+
+
+def _with_rows(rows: Rows, call: Callable[[], _T]) -> _T:
     previous = getattr(_current, "rows", None)
     _current.rows = rows
     try:
@@ -135,26 +141,28 @@ def _with_rows(rows: Rows, call):
         _current.rows = previous
 
 
-def _wrap_v1(fn):
+def _wrap_v1(fn: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(fn, "_draco", False):
         return fn
 
-    def compute_advantage_for_multi_trajectories(data, batch_keys, adv_estimator, *args, **kw):
+    def compute_advantage_for_multi_trajectories(data: Any, batch_keys: Any, adv_estimator: Any,
+                                                  *args: Any, **kw: Any) -> Any:
         if adv_estimator != ESTIMATOR:
             return fn(data, batch_keys, adv_estimator, *args, **kw)
         return _with_rows(row_ids_from_keys(batch_keys),
                           lambda: fn(data, batch_keys, adv_estimator, *args, **kw))
 
+    # marks (read back with getattr) that a function object does not declare
     compute_advantage_for_multi_trajectories._draco = True  # type: ignore[attr-defined]
     compute_advantage_for_multi_trajectories.__wrapped__ = fn  # type: ignore[attr-defined]
     return compute_advantage_for_multi_trajectories
 
 
-def _wrap_legacy(fn):
+def _wrap_legacy(fn: Callable[..., Any]) -> Callable[..., Any]:
     if getattr(fn, "_draco", False):
         return fn
 
-    def compute_advantage(data, adv_estimator, *args, **kw):
+    def compute_advantage(data: Any, adv_estimator: Any, *args: Any, **kw: Any) -> Any:
         if adv_estimator != ESTIMATOR or ROW_ID_FIELD not in data.non_tensor_batch:
             return fn(data, adv_estimator, *args, **kw)
         ids = [None if i is None else str(i) for i in data.non_tensor_batch[ROW_ID_FIELD]]
@@ -165,6 +173,7 @@ def _wrap_legacy(fn):
                     None if steps is None else [int(x) for x in steps])
         return _with_rows(rows, lambda: fn(data, adv_estimator, *args, **kw))
 
+    # marks (read back with getattr) that a function object does not declare
     compute_advantage._draco = True  # type: ignore[attr-defined]
     compute_advantage.__wrapped__ = fn  # type: ignore[attr-defined]
     return compute_advantage
@@ -192,8 +201,8 @@ def setup() -> None:
     # Modules that bound the name before the hook ran (imported with ``from ... import``).
     base = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
     if base is not None:
-        base.compute_advantage_for_multi_trajectories = \
-            v1_utils.compute_advantage_for_multi_trajectories
+        setattr(base, "compute_advantage_for_multi_trajectories",  # a ModuleType to mypy
+                v1_utils.compute_advantage_for_multi_trajectories)
 
 
 def registered() -> bool:
