@@ -90,7 +90,8 @@ def commands(run: Path, constant: Path) -> dict[str, tuple]:
             lambda out: ["audit", "cost", "--rollouts", str(ROLLOUTS), "-o", str(out),
                          "--calls"],
             [str(run)], [str(REPO / "sample_data" / "llm_calls.sqlite"), "--steps", str(STEPS)],
-            ["cost_category.parquet", "cost_phase.parquet", "cost_step.parquet"]),
+            ["cost_category.parquet", "cost_naive.parquet", "cost_phase.parquet",
+             "cost_step.parquet"]),
         "audit self-judge": (
             lambda out: ["audit", "self-judge", "--reference", verdicts, "--rollouts",
                          str(ROLLOUTS), "-o", str(out), "--self"],
