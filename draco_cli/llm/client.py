@@ -402,7 +402,10 @@ class LLMClient:
         answering n samples writes n rows; long prompts make this the costly part)."""
         cache = reply.__dict__.setdefault("_logged", {})
         if which not in cache:
-            cache[which] = scrub(json.dumps(getattr(reply, which), ensure_ascii=False))
+            text = reply.request_text if which == "request_body" else None
+            if text is None:
+                text = json.dumps(getattr(reply, which), ensure_ascii=False)
+            cache[which] = scrub(text)
         return cache[which]
 
     # -- one HTTP call, with retries ---------------------------------------------------------

@@ -153,7 +153,7 @@ def _body_text(exc: Any) -> str:
     return scrub(text[:1000]) or ""
 
 
-async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[dict, float]:
+async def _post_json(sdk, client, path: str, body: dict | bytes, label: str) -> tuple[dict, float]:
     """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
     without re-walking the request through typed params and the reply through pydantic, which
     cost more CPU than everything else per call at high concurrency). Returns (JSON reply,
@@ -163,7 +163,8 @@ async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[di
 
     start = time.perf_counter()
     try:
-        raw = await client.post(path, body=body, cast_to=httpx2.Response)
+        sent = {"content": body} if isinstance(body, bytes) else {"body": body}
+        raw = await client.post(path, cast_to=httpx2.Response, **sent)
     except (sdk.RateLimitError, sdk.InternalServerError) as exc:
         text = _body_text(exc)
         raise Retryable(f"HTTP {exc.status_code}" + (f": {_brief(exc)}" if text else ""),
@@ -304,14 +305,28 @@ class OpenAIProvider(Provider):
         body = self.body(req, messages, len(samples))
         wire = dict(body)
         wire.update(wire.pop("extra_body", {}))
-        data, latency = await _post_json(self._openai, self.client, "/chat/completions", wire,
-                                         f"openai/{self.model}")
+        text = wire_json(wire, req)
+        # sent as bytes: the SDK neither copies nor encodes the body again
+        data, latency = await _post_json(self._openai, self.client, "/chat/completions",
+                                         text.encode(), f"openai/{self.model}")
         reply = openai_reply(data, wire)
         reply.latency_s = latency
+        reply.request_text = text
         return reply
 
     async def close(self) -> None:
         await self.client.close()
+
+
+def wire_json(wire: dict[str, Any], req: LLMRequest) -> str:
+    """The request body as JSON, serialised once: the request's messages, when sent as they
+    are, are spliced in from the JSON its cache key already hashed."""
+    if wire.get("messages") is not req.messages:
+        return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
+    rest = json.dumps({k: v for k, v in wire.items() if k != "messages"}, ensure_ascii=False,
+                      separators=(",", ":"))
+    return (rest[:-1] + ("," if len(wire) > 1 else "") + '"messages":' + req.messages_json()
+            + "}")
 
 
 class AnthropicProvider(Provider):
