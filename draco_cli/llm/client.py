@@ -19,7 +19,7 @@ import os
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.drive import RequestStream
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
 from draco_cli.llm.prices import PriceTable
@@ -96,7 +97,13 @@ class BudgetReached(Exception):
     pass
 
 
+# A streamed request list yields to the event loop after this many requests are built.
+STREAM_STEP = 4
+
+
 class LLMClient:
+    streams = True   # ``arun`` takes a RequestStream (``draco_cli.llm.drive``)
+
     def __init__(
         self,
         model: str,
@@ -156,7 +163,7 @@ class LLMClient:
 
     # -- public ----------------------------------------------------------------------------
 
-    def run(self, requests: list[LLMRequest],
+    def run(self, requests: Iterable[LLMRequest],
             progress: Callable[[Progress], None] | None = None, batch: bool = False,
             poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request (blocking); see ``arun``."""
@@ -196,20 +203,25 @@ class LLMClient:
         self._limiter = RateLimiter(self.rpm, self.tpm)
         return provider
 
-    async def arun(self, requests: list[LLMRequest],
+    async def arun(self, requests: Iterable[LLMRequest],
                    progress: Callable[[Progress], None] | None = None,
                    batch: bool = False, poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request. ``batch=True`` sends what the call log does not already hold
-        through the provider's batch API (half price; resumable by batch id)."""
+        through the provider's batch API (half price; resumable by batch id). A
+        ``RequestStream`` is answered as it is produced: the first calls go out while the
+        producer builds the rest."""
         shared = self._shared
         provider = shared if shared is not None else self._open()
-        requests = [self._with_defaults(r) for r in requests]
         try:
+            if batch or not isinstance(requests, RequestStream):
+                requests = [self._with_defaults(r) for r in requests]
             if batch:
                 from draco_cli.llm.batch import run_batch
 
                 return await run_batch(self, provider, requests, poll_seconds, progress)
             tick = self._ticker(requests, progress)
+            if isinstance(requests, RequestStream):
+                return await self._answer_stream(provider, requests, tick)
             return list(await asyncio.gather(*(self._answer(provider, r, tick)
                                                for r in requests)))
         finally:
@@ -217,8 +229,26 @@ class LLMClient:
                 await provider.close()
                 self.log.flush()
 
-    def _ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
-        total = sum(r.samples for r in requests)
+    async def _answer_stream(self, provider, requests: RequestStream,
+                             tick) -> list[list[Answer]]:
+        tasks: list[asyncio.Future] = []
+        try:
+            for r in requests:
+                tasks.append(asyncio.ensure_future(
+                    self._answer(provider, self._with_defaults(r), tick)))
+                if len(tasks) % STREAM_STEP == 0:
+                    await asyncio.sleep(0)   # let the calls made so far go out
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return list(await asyncio.gather(*tasks))
+
+    def _ticker(self, requests: list[LLMRequest] | RequestStream,
+                progress) -> Callable[[list[Answer]], None]:
+        total = requests.samples if isinstance(requests, RequestStream) else \
+            sum(r.samples for r in requests)
         done = [0, 0]
 
         def tick(answers: list[Answer]) -> None:
