@@ -262,6 +262,8 @@ class OpenAIProvider(Provider):
         http = _http_client(openai, concurrency, timeout)
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                          timeout=timeout, http_client=http)
+        # absolute, so the SDK does not parse and merge the base URL again on every call
+        self._chat_url = f"{self.client.base_url}chat/completions"
 
     def _response_format(self, req: LLMRequest) -> dict[str, Any]:
         schema = req.schema()
@@ -307,7 +309,7 @@ class OpenAIProvider(Provider):
         wire.update(wire.pop("extra_body", {}))
         text = wire_json(wire, req)
         # sent as bytes: the SDK neither copies nor encodes the body again
-        data, latency = await _post_json(self._openai, self.client, "/chat/completions",
+        data, latency = await _post_json(self._openai, self.client, self._chat_url,
                                          text.encode(), f"openai/{self.model}")
         reply = openai_reply(data, wire)
         reply.latency_s = latency
