@@ -99,7 +99,7 @@ def tables(n: int):
     for g in range((n + 7) // 8):
         for c in range(6):
             rubrics.append({"group_id": f"g{g}", "criterion_id": f"g{g}-c{c}",
-                            "title": f"criterion {c}",
+                            "title": f"criterion {c}", "source": "static",
                             "requirement": f"The agent checks condition {c} before acting "
                                            "and cites the step where it does."})
     return pl.DataFrame(rollouts), pl.DataFrame(steps), pl.DataFrame(rubrics)
