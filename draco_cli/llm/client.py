@@ -213,23 +213,22 @@ class LLMClient:
         shared = self._shared
         provider = shared if shared is not None else self._open()
         try:
-            if batch or not isinstance(requests, RequestStream):
-                requests = [self._with_defaults(r) for r in requests]
             if batch:
                 from draco_cli.llm.batch import run_batch
 
+                requests = [self._with_defaults(r) for r in requests]
                 return await run_batch(self, provider, requests, poll_seconds, progress)
-            tick = self._ticker(requests, progress)
-            if isinstance(requests, RequestStream):
-                return await self._answer_stream(provider, requests, tick)
-            return list(await asyncio.gather(*(self._answer(provider, r, tick)
-                                               for r in requests)))
+            if not isinstance(requests, RequestStream):
+                requests = list(requests)
+            # A list goes the same way as a stream: each request is hashed and looked up when
+            # its turn comes, so the first calls go out before the last request is hashed.
+            return await self._answer_stream(provider, requests, self._ticker(requests, progress))
         finally:
             if shared is None:
                 await provider.close()
                 self.log.flush()
 
-    async def _answer_stream(self, provider, requests: RequestStream,
+    async def _answer_stream(self, provider, requests: Iterable[LLMRequest],
                              tick) -> list[list[Answer]]:
         tasks: list[asyncio.Future] = []
         try:
