@@ -19,7 +19,7 @@ from pydantic import BaseModel
 from draco_cli.errors import UsageError
 from draco_cli.llm.types import LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
-from draco_cli.render import RenderOptions, fenced, render_rollout, task_block
+from draco_cli.render import RenderOptions, fenced, render_steps, task_block
 
 Aggregate = Literal["all", "majority"]
 
@@ -78,24 +78,38 @@ def verdict_check(criterion_ids: list[str]):
     return check
 
 
+def criteria_listing(criteria: pl.DataFrame) -> str:
+    """The group's criteria, one JSON object per line (shared by the group's prompts)."""
+    return "\n".join(json.dumps({"id": c["criterion_id"], "title": c["title"],
+                                  "requirement": c["requirement"]}, ensure_ascii=False)
+                      for c in criteria.iter_rows(named=True))
+
+
 def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criteria: pl.DataFrame,
                   samples: int, sampling: Sampling, render: RenderOptions) -> LLMRequest:
-    template, version = load_prompt("score")
-    listing = "\n".join(json.dumps({"id": c["criterion_id"], "title": c["title"],
-                                    "requirement": c["requirement"]}, ensure_ascii=False)
-                        for c in criteria.iter_rows(named=True))
-    task, traj = render_rollout(instruction, steps, render)
+    return _score_request(rollout_id, instruction, steps["step"].to_list(),
+                          steps["action"].to_list(), steps["observation"].to_list(),
+                          criteria["criterion_id"].to_list(), criteria_listing(criteria),
+                          samples, sampling, render, load_prompt("score"))
+
+
+def _score_request(rollout_id: str, instruction: str, numbers: list, actions: list,
+                   observations: list, ids: list[str], listing: str, samples: int,
+                   sampling: Sampling, render: RenderOptions,
+                   prompt: tuple[str, str]) -> LLMRequest:
+    template, version = prompt
+    task, traj = render_steps(instruction, numbers, actions, observations, render)
+    m = len(numbers)
     # Stable part first (instructions, rubric, task: shared by the group) so prompt caches hit.
-    ids = criteria["criterion_id"].to_list()
     # The criteria were written by a model that read rollouts: fenced as untrusted text too.
     return LLMRequest(
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
-        json_schema=score_schema(ids, steps.height), check=verdict_check(ids),
+        json_schema=score_schema(ids, m), check=verdict_check(ids),
         messages=[{"role": "system", "content": template},
                   {"role": "user", "content": "Criteria (one JSON object per line):\n"
                    f"{fenced('criteria', listing)}\n\n"
-                   f"Task:\n{task_block(task)}\n\nRollout ({steps.height} steps):\n"
+                   f"Task:\n{task_block(task)}\n\nRollout ({m} steps):\n"
                    f"{fenced('rollout', traj)}"}])
 
 
@@ -214,28 +228,46 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
                 samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
                 sampling: Sampling | None = None, render: RenderOptions | None = None):
     """The judge stage as a generator of request lists (``draco_cli.llm.drive``)."""
+    from draco_cli.llm.drive import RequestStream
+
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     if samples < 1:
         raise UsageError("--samples must be at least 1")
-    by_group = {k[0]: v for k, v in rubrics.partition_by("group_id", as_dict=True).items()}
-    by_rollout = {k[0]: v.sort("step") for k, v in steps.partition_by("rollout_id",
-                                                                        as_dict=True).items()}
-    empty = steps.clear()
-    jobs, skipped = [], 0
-    for r in rollouts.iter_rows(named=True):
-        crit = by_group.get(r["group_id"])
-        if crit is None or crit.height == 0:
-            skipped += 1
-            continue
-        st = by_rollout.get(r["rollout_id"], empty)
-        jobs.append((r["rollout_id"], crit["criterion_id"].to_list(), st.height,
-                     score_request(r["rollout_id"], r["instruction"], st, crit, samples,
-                                   sampling, render)))
-    answers = (yield [j[3] for j in jobs]) if jobs else []
+    # Per group once: its criterion ids and their listing (shared by the group's prompts).
+    by_group = {k[0]: (v["criterion_id"].to_list(), criteria_listing(v))
+                for k, v in rubrics.partition_by("group_id", as_dict=True).items()
+                if v.height}
+    # The steps sorted once and cut into per-rollout slices of plain lists.
+    st = steps.select("rollout_id", "step", "action", "observation").sort(
+        ["rollout_id", "step"], maintain_order=True)
+    numbers, actions, observations = (st[c].to_list() for c in ("step", "action", "observation"))
+    spans = {rid: (start, start + n) for rid, start, n in st.with_row_index("__i").group_by(
+        "rollout_id").agg(pl.col("__i").first(), pl.len()).iter_rows()}
+    del st
+    ids_col, groups, instructions = (rollouts[c].to_list()
+                                     for c in ("rollout_id", "group_id", "instruction"))
+    wanted = [i for i, g in enumerate(groups) if g in by_group]
+    skipped = len(ids_col) - len(wanted)
+    jobs: list[tuple[str, list[str], int]] = []
+    prompt = load_prompt("score")
+
+    def produce():
+        for i in wanted:
+            rid = ids_col[i]
+            ids, listing = by_group[groups[i]]
+            a, b = spans.get(rid, (0, 0))
+            jobs.append((rid, ids, b - a))
+            yield _score_request(rid, instructions[i], numbers[a:b], actions[a:b],
+                                 observations[a:b], ids, listing, samples, sampling, render,
+                                 prompt)
+
+    # Built while the first calls are in flight (``RequestStream``).
+    answers = (yield RequestStream(produce(), len(wanted), len(wanted) * samples)) \
+        if wanted else []
     stats = ScoreStats()
     rows = []
-    for (rid, ids, m, _), per_sample in zip(jobs, answers):
+    for (rid, ids, m), per_sample in zip(jobs, answers):
         for a in per_sample:
             rows += verdict_rows(rid, ids, m, judge, a.sample, a, stats)
     raw = pl.DataFrame(rows, schema=RAW_SCHEMA)

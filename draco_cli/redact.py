@@ -67,11 +67,19 @@ def _combination(active: tuple[int, ...]) -> tuple[re.Pattern, str]:
             "".join(rf"\g<{k}>" for k in keys) + MASK)
 
 
+# Every trigger literal once, with the patterns it may start: one flat loop of substring tests
+# (a generator per pattern cost more than the tests themselves).
+_LITERALS: tuple[str, ...] = tuple(dict.fromkeys(t for trig in _TRIGGERS for t in trig))
+_PATTERNS_OF = {lit: tuple(i for i, trig in enumerate(_TRIGGERS) if lit in trig)
+                for lit in _LITERALS}
+
+
 def _redact_defaults(text: str) -> tuple[str, int]:
     low = text.lower()
-    active = tuple(i for i, trig in enumerate(_TRIGGERS) if any(t in low for t in trig))
-    if not active:
+    found = [lit for lit in _LITERALS if lit in low]
+    if not found:
         return text, 0
+    active = tuple(sorted({i for lit in found for i in _PATTERNS_OF[lit]}))
     pattern, template = _combination(active)
     return pattern.subn(template, text)
 

@@ -46,11 +46,18 @@ def render_rollout(instruction: str, steps: pl.DataFrame, opts: RenderOptions,
                    budget_tokens: int | None = None) -> tuple[str, str]:
     """(task text, trajectory text) of one rollout. Actions are shown in full; observations are
     shortened in the middle, more and more, until the whole fits the budget."""
+    return render_steps(instruction, steps["step"].to_list(), steps["action"].to_list(),
+                        steps["observation"].to_list(), opts, budget_tokens)
+
+
+def render_steps(instruction: str, numbers: list, actions: list, observations: list,
+                 opts: RenderOptions, budget_tokens: int | None = None) -> tuple[str, str]:
+    """``render_rollout`` over the step columns as lists (the judge stage slices them from one
+    sorted table instead of building a frame per rollout)."""
     red = opts.redactor or (lambda s: s)
     budget = (budget_tokens or opts.max_prompt_tokens) * CHARS_PER_TOKEN
-    actions = [red(a) for a in steps["action"].to_list()]
-    observations = [red(o) for o in steps["observation"].to_list()]
-    numbers = steps["step"].to_list()
+    actions = [red(a) for a in actions]
+    observations = [red(o) for o in observations]
     limit = opts.observation_chars
     while True:
         parts = []

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections import deque
 from contextlib import asynccontextmanager
 
 GAIN = 1.2      # a doubling must raise throughput by 20% to count
@@ -31,7 +32,10 @@ class AdaptiveLimit:
         self.limit = min(self.maximum, start) if adaptive else self.maximum
         self.in_flight = 0
         self.ghosts = 0          # timed-out calls the server is presumably still computing
-        self._cond = asyncio.Condition()
+        # Callers waiting for a slot, first come first served. A freed slot is handed to the
+        # head waiter directly (one wake-up per slot, not every waiter re-checking a condition:
+        # with thousands of calls queued that herd cost more CPU than the calls themselves).
+        self._waiters: deque[asyncio.Future] = deque()
         self._round_start = time.monotonic()
         self._round_done = 0
         self._last: tuple[int, float] | None = None   # (limit, throughput) of the last round
@@ -39,17 +43,41 @@ class AdaptiveLimit:
         self._growing = True
         self.history: list[tuple[int, float]] = []    # (limit, calls/s) per round
 
+    def _free(self) -> bool:
+        return self.in_flight + self.ghosts < self.limit
+
+    def _wake(self) -> None:
+        """Hand free slots to the waiters at the head of the queue."""
+        while self._waiters and self._free():
+            fut = self._waiters.popleft()
+            if not fut.done():
+                self.in_flight += 1   # taken on the waiter's behalf
+                fut.set_result(None)
+
     @asynccontextmanager
     async def slot(self):
-        async with self._cond:
-            await self._cond.wait_for(lambda: self.in_flight + self.ghosts < self.limit)
+        if self._waiters or not self._free():
+            fut = asyncio.get_running_loop().create_future()
+            self._waiters.append(fut)
+            try:
+                await fut
+            except asyncio.CancelledError:
+                if fut.done() and not fut.cancelled():
+                    self.in_flight -= 1   # granted, then cancelled before use: give it back
+                    self._wake()
+                else:
+                    try:
+                        self._waiters.remove(fut)
+                    except ValueError:
+                        pass
+                raise
+        else:
             self.in_flight += 1
         try:
             yield
         finally:
-            async with self._cond:
-                self.in_flight -= 1
-                self._cond.notify_all()
+            self.in_flight -= 1
+            self._wake()
 
     def completed(self) -> None:
         """One call answered: count it toward the round, adapt at the end of a round."""
@@ -77,21 +105,20 @@ class AdaptiveLimit:
                 self._held = 0
                 self._growing = True
                 self.limit = min(self.maximum, self.limit * 2)
+        self._wake()   # a raised limit frees slots for calls already waiting
 
     async def timed_out(self, seconds: float) -> None:
         """A call timed out: halve the limit, and count the abandoned call as running on the
         server for ``seconds`` more."""
-        async with self._cond:
-            if self.adaptive:
-                self.limit = max(1, self.limit // 2)
-                self._growing = False
-                self._held = 0
-            self.ghosts += 1
+        if self.adaptive:
+            self.limit = max(1, self.limit // 2)
+            self._growing = False
+            self._held = 0
+        self.ghosts += 1
 
         async def release() -> None:
             await asyncio.sleep(seconds)
-            async with self._cond:
-                self.ghosts -= 1
-                self._cond.notify_all()
+            self.ghosts -= 1
+            self._wake()
 
         asyncio.get_running_loop().create_task(release())

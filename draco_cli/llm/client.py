@@ -19,7 +19,7 @@ import os
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
 
@@ -27,6 +27,7 @@ from pydantic import ValidationError
 
 from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.drive import RequestStream
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
 from draco_cli.llm.prices import PriceTable
@@ -97,7 +98,13 @@ class BudgetReached(Exception):
     pass
 
 
+# A streamed request list yields to the event loop after this many requests are built.
+STREAM_STEP = 4
+
+
 class LLMClient:
+    streams = True   # ``arun`` takes a RequestStream (``draco_cli.llm.drive``)
+
     def __init__(
         self,
         model: str,
@@ -157,7 +164,7 @@ class LLMClient:
 
     # -- public ----------------------------------------------------------------------------
 
-    def run(self, requests: list[LLMRequest],
+    def run(self, requests: Iterable[LLMRequest],
             progress: Callable[[Progress], None] | None = None, batch: bool | None = False,
             poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request (blocking); see ``arun``."""
@@ -197,23 +204,26 @@ class LLMClient:
         self._limiter = RateLimiter(self.rpm, self.tpm)
         return provider
 
-    async def arun(self, requests: list[LLMRequest],
+    async def arun(self, requests: Iterable[LLMRequest],
                    progress: Callable[[Progress], None] | None = None,
                    batch: bool | None = False, poll_seconds: float = 30.0) -> list[list[Answer]]:
         """Answer every request. ``batch=True`` sends what the call log does not already hold
         through the provider's batch API (half price; resumable by batch id); ``None`` does so
-        where ``batches_by_default`` says (the offline commands)."""
+        where ``batches_by_default`` says (the offline commands). A ``RequestStream`` is
+        answered as it is produced: the first calls go out while the producer builds the rest."""
         shared = self._shared
         provider = shared if shared is not None else self._open()
-        requests = [self._with_defaults(r) for r in requests]
         try:
             if batch or (batch is None and self.batches_by_default(provider)):
                 from draco_cli.llm.batch import run_batch
 
+                requests = [self._with_defaults(r) for r in requests]
                 return await run_batch(self, provider, requests, poll_seconds, progress)
-            tick = self._ticker(requests, progress)
-            return list(await asyncio.gather(*(self._answer(provider, r, tick)
-                                               for r in requests)))
+            if not isinstance(requests, RequestStream):
+                requests = list(requests)
+            # A list goes the same way as a stream: each request is hashed and looked up when
+            # its turn comes, so the first calls go out before the last request is hashed.
+            return await self._answer_stream(provider, requests, self._ticker(requests, progress))
         finally:
             if shared is None:
                 await provider.close()
@@ -281,8 +291,26 @@ class LLMClient:
         """Record ``sample`` of ``req`` as unanswered (asked again by a rerun)."""
         return self._final_unanswered(self._with_defaults(req), sample, reason, Usage(), 0.0, 0)
 
-    def _ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
-        total = sum(r.samples for r in requests)
+    async def _answer_stream(self, provider, requests: Iterable[LLMRequest],
+                             tick) -> list[list[Answer]]:
+        tasks: list[asyncio.Future] = []
+        try:
+            for r in requests:
+                tasks.append(asyncio.ensure_future(
+                    self._answer(provider, self._with_defaults(r), tick)))
+                if len(tasks) % STREAM_STEP == 0:
+                    await asyncio.sleep(0)   # let the calls made so far go out
+        except BaseException:
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+            raise
+        return list(await asyncio.gather(*tasks))
+
+    def _ticker(self, requests: list[LLMRequest] | RequestStream,
+                progress) -> Callable[[list[Answer]], None]:
+        total = requests.samples if isinstance(requests, RequestStream) else \
+            sum(r.samples for r in requests)
         done = [0, 0]
 
         def tick(answers: list[Answer]) -> None:
@@ -466,7 +494,10 @@ class LLMClient:
         answering n samples writes n rows; long prompts make this the costly part)."""
         cache = reply.__dict__.setdefault("_logged", {})
         if which not in cache:
-            cache[which] = scrub(json.dumps(getattr(reply, which), ensure_ascii=False))
+            text = reply.request_text if which == "request_body" else None
+            if text is None:
+                text = json.dumps(getattr(reply, which), ensure_ascii=False)
+            cache[which] = scrub(text)
         return cache[which]
 
     # -- one HTTP call, with retries ---------------------------------------------------------

@@ -191,15 +191,17 @@ def _json_of(raw) -> dict:
         raise Retryable("the server sent a body that is not JSON") from None
 
 
-async def _post_json(sdk, client, path: str, body: dict, label: str) -> tuple[dict, float]:
+async def _post_json(sdk, client, path: str, body: dict | bytes,
+                     label: str) -> tuple[dict, float]:
     """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
     without re-walking the request through typed params and the reply through pydantic, which
-    cost more CPU than everything else per call at high concurrency). Returns (JSON reply,
-    latency)."""
+    cost more CPU than everything else per call at high concurrency). A body already serialised
+    (bytes) is sent as it is. Returns (JSON reply, latency)."""
     import httpx2
 
+    sent = {"content": body} if isinstance(body, bytes) else {"body": body}
     start = time.perf_counter()
-    raw = await _mapped(sdk, label, lambda: client.post(path, body=body, cast_to=httpx2.Response))
+    raw = await _mapped(sdk, label, lambda: client.post(path, cast_to=httpx2.Response, **sent))
     latency = time.perf_counter() - start
     return _json_of(raw), latency
 
@@ -331,6 +333,8 @@ class OpenAIProvider(Provider):
         http = _http_client(openai, concurrency, timeout)
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                          timeout=timeout, http_client=http)
+        # absolute, so the SDK does not parse and merge the base URL again on every call
+        self._chat_url = f"{self.client.base_url}chat/completions"
 
     def _response_format(self, req: LLMRequest) -> dict[str, Any]:
         schema = req.schema()
@@ -374,10 +378,13 @@ class OpenAIProvider(Provider):
         body = self.body(req, messages, len(samples))
         wire = dict(body)
         wire.update(wire.pop("extra_body", {}))
-        data, latency = await _post_json(self._openai, self.client, "/chat/completions", wire,
-                                         f"openai/{self.model}")
+        text = wire_json(wire, req)
+        # sent as bytes: the SDK neither copies nor encodes the body again
+        data, latency = await _post_json(self._openai, self.client, self._chat_url,
+                                         text.encode(), f"openai/{self.model}")
         reply = openai_reply(data, wire)
         reply.latency_s = latency
+        reply.request_text = text
         return reply
 
     async def close(self) -> None:
@@ -428,6 +435,17 @@ class OpenAIProvider(Provider):
             if resp.get("status_code") == 200 and item.get("custom_id"):
                 out[item["custom_id"]] = openai_reply(resp["body"], {}, batch_id)
         return out
+
+
+def wire_json(wire: dict[str, Any], req: LLMRequest) -> str:
+    """The request body as JSON, serialised once: the request's messages, when sent as they
+    are, are spliced in from the JSON its cache key already hashed."""
+    if wire.get("messages") is not req.messages:
+        return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
+    rest = json.dumps({k: v for k, v in wire.items() if k != "messages"}, ensure_ascii=False,
+                      separators=(",", ":"))
+    return (rest[:-1] + ("," if len(wire) > 1 else "") + '"messages":' + req.messages_json()
+            + "}")
 
 
 class AnthropicProvider(Provider):

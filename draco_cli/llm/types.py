@@ -63,20 +63,39 @@ class LLMRequest:
             cache[key] = self._hash(sample, model)
         return cache[key]
 
+    def messages_json(self) -> str:
+        """The messages as compact JSON with sorted keys, made once per request: the cache
+        keys hash it and the OpenAI-compatible provider splices it into the body it sends."""
+        text = self.__dict__.get("_messages_json")
+        if text is None:
+            text = self.__dict__["_messages_json"] = _dumps(self.messages)
+        return text
+
     def _hash(self, sample: int, model: str | None) -> str:
         """Cache key: model, messages, schema, sampling, template version and sample index;
         not timeouts, concurrency or anything else that does not change the answer.
-        ``model=None`` gives the content hash used by replay (any recorded model)."""
-        payload = {
-            "model": model,
-            "messages": self.messages,
-            "schema": self.schema(),
-            "sampling": asdict(self.sampling),
-            "template": self.template_version,
-            "sample": sample,
-        }
-        text = json.dumps(payload, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
-        return hashlib.sha256(text.encode()).hexdigest()
+        ``model=None`` gives the content hash used by replay (any recorded model).
+
+        The hashed text is ``json.dumps`` of {model, messages, schema, sampling, template,
+        sample} with sorted keys, compact: keys logged by earlier versions stay valid. It is
+        hashed in two parts: the messages (the long part, first in key order) once per request,
+        then a copy of that state takes the short rest for each (sample, model)."""
+        head = self.__dict__.get("_head_hash")
+        if head is None:
+            head = self.__dict__["_head_hash"] = hashlib.sha256(
+                ('{"messages":' + self.messages_json()).encode())
+        tail = self.__dict__.get("_tail")
+        if tail is None:
+            tail = self.__dict__["_tail"] = (
+                ',"sampling":' + _dumps(asdict(self.sampling)) + ',"schema":' +
+                _dumps(self.schema()) + ',"template":' + _dumps(self.template_version) + "}")
+        h = head.copy()
+        h.update((',"model":' + _dumps(model) + ',"sample":' + _dumps(sample) + tail).encode())
+        return h.hexdigest()
+
+
+def _dumps(value: Any) -> str:
+    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
 
 
 @functools.lru_cache(maxsize=256)
@@ -145,6 +164,7 @@ class Reply:
     latency_s: float = 0.0
     batch_id: str | None = None  # answered through a batch API (billed at the batch price)
     endpoint: str | None = None  # the base URL that answered, when several serve the model
+    request_text: str | None = None  # request_body as the JSON sent, when it was serialised
 
 
 @dataclass
