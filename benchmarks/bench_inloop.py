@@ -146,7 +146,7 @@ def _proc_cpu(exclude: set[int]) -> float:
 def engine_run(engine: str, url: str, tmp: Path, out: Path, concurrency: int,
                partitions: int | None, exclude: set[int]) -> tuple[float, float, int]:
     from draco_cli.llm.settings import LLMSettings
-    from draco_cli.run import RunOptions, run_step
+    from draco_cli.ops.run import RunOptions, run_step
 
     llm = LLMSettings(model="openai/bench", base_url=url, concurrency=concurrency,
                       adaptive=False)
@@ -160,7 +160,7 @@ def engine_run(engine: str, url: str, tmp: Path, out: Path, concurrency: int,
 
 def _import_draco(batch):
     import draco_cli.engine_ray  # noqa: F401
-    import draco_cli.stages  # noqa: F401
+    import draco_cli.ops.judge  # noqa: F401
 
     return batch
 
