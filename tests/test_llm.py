@@ -105,6 +105,8 @@ def test_retries_429_500_and_dropped_connections(server, tmp_path):
     assert c.stats["score"].failed_attempts == 3 and server.hits["chat"] == 4
     rows = pl.read_database("select status, error from calls", _sqlite(tmp_path))
     assert sorted(rows["status"]) == ["http_error"] * 3 + ["ok"]
+    # a dropped connection is told from a timeout (which would hold a slot for --timeout)
+    assert "connection dropped by the server" in rows["error"].to_list()
 
 
 def test_gives_up_after_max_retries(server, tmp_path):
