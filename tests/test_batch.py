@@ -6,7 +6,6 @@ against a hosted API (never a --base-url server)."""
 from __future__ import annotations
 
 import ast
-import os
 
 import polars as pl
 import pytest
@@ -151,22 +150,18 @@ def tau(tmp_path_factory):
     return d
 
 
-def test_offline_commands_batch_by_default(tmp_path, tau):
+def test_offline_commands_batch_by_default(tmp_path, tau, monkeypatch):
     """`rubric generate`, `judge score` and `draco run` with no --batch and no --base-url use
     the batch API; --no-batch answers online; with --base-url they never batch."""
     from tests.test_rubric_judge import KEY, scripted
 
     server = FakeLLMServer(answer=scripted, batch_polls=1).start()
     try:
-        env = {**os.environ, "OPENAI_API_KEY": KEY, "OPENAI_BASE_URL": server.url + "/v1"}
-        env.pop("DRACO_BASE_URL", None)
+        monkeypatch.setenv("OPENAI_API_KEY", KEY)
+        monkeypatch.setenv("OPENAI_BASE_URL", server.url + "/v1")
+        monkeypatch.delenv("DRACO_BASE_URL", raising=False)
         r, s = str(tau / "rollouts.parquet"), str(tau / "steps.parquet")
-        import subprocess
-        import sys
-
-        def draco(*args):
-            return subprocess.run([sys.executable, "-m", "draco_cli", *args],
-                                  capture_output=True, cwd=REPO, env=env)
+        draco = run_draco
 
         res = draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
                     str(tmp_path / "rb"), "--model", "openai/m")

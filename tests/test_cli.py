@@ -1,4 +1,6 @@
-"""The real command line, in subprocesses: exit codes, messages, pipes."""
+"""The real command line: exit codes, messages, pipes. Its entry point in-process (``run_draco``)
+except where the process is the point: ``python -m draco_cli`` itself, a binary pipe from
+another process, DRACO_DEBUG's traceback."""
 
 from __future__ import annotations
 
@@ -11,9 +13,9 @@ from tests.conftest import REPO, SAMPLE, TAU, run_draco
 
 
 def test_version_and_help():
-    res = run_draco("--version")
+    res = run_draco("--version", process=True)
     assert res.returncode == 0 and res.stdout.decode().strip() == "0.1.0"
-    res = run_draco("--help")
+    res = run_draco("--help", process=True)
     assert res.returncode == 0
     for cmd in ("ingest", "validate", "schema"):
         assert cmd in res.stdout.decode()
@@ -33,7 +35,7 @@ def test_every_command_has_help_with_an_example():
 
 
 def test_no_command_is_usage_error():
-    assert run_draco().returncode == 2
+    assert run_draco(process=True).returncode == 2
 
 
 def test_usage_errors_exit_2():

@@ -105,6 +105,8 @@ def test_retries_429_500_and_dropped_connections(server, tmp_path):
     assert c.stats["score"].failed_attempts == 3 and server.hits["chat"] == 4
     rows = pl.read_database("select status, error from calls", _sqlite(tmp_path))
     assert sorted(rows["status"]) == ["http_error"] * 3 + ["ok"]
+    # a dropped connection is told from a timeout (which would hold a slot for --timeout)
+    assert "connection dropped by the server" in rows["error"].to_list()
 
 
 def test_gives_up_after_max_retries(server, tmp_path):
@@ -214,7 +216,10 @@ def test_resume_after_kill_pays_nothing_twice(server, tmp_path):
     proc = subprocess.Popen([sys.executable, "-c", KILLED_RUN, server.url,
                              str(tmp_path / "calls.sqlite")], cwd=REPO,
                             env={**os.environ, "PYTHONPATH": str(REPO)})
+    deadline = time.monotonic() + 60
     while server.hits["chat"] < 16:
+        assert proc.poll() is None, f"the run ended (exit {proc.returncode}) before the kill"
+        assert time.monotonic() < deadline, "timed out after 60 s waiting for 16 calls"
         time.sleep(0.02)
     time.sleep(0.3)  # let the writer commit what has come back
     os.kill(proc.pid, signal.SIGKILL)
@@ -639,9 +644,10 @@ def test_shipped_sample_log_still_replays():
     assert ReplayLog(REPO / "sample_data" / "llm_calls.sqlite").answers
 
 
-def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
+def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path, monkeypatch):
     import socket
 
+    from tests.conftest import run_draco
 
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
@@ -655,9 +661,10 @@ def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path):
         assert f"127.0.0.1:{port}" in line
         for model, url in (("openai/mock", f"http://127.0.0.1:{port}/v1"),
                            ("anthropic/mock", f"http://127.0.0.1:{port}")):
-            res = subprocess.run([sys.executable, "-m", "draco_cli", "llm", "check", "--model",
-                                  model, "--base-url", url, "--no-parallelism"], cwd=REPO,
-                                 env=env, capture_output=True)
+            for key in [k for k in os.environ if k.endswith("_API_KEY")]:
+                monkeypatch.delenv(key)
+            res = run_draco("llm", "check", "--model", model, "--base-url", url,
+                            "--no-parallelism")
             assert res.returncode == 0, res.stderr.decode()
             assert b"answered valid JSON" in res.stderr
     finally:

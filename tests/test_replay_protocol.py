@@ -244,9 +244,7 @@ def test_validate_checks_replay_contracts(tmp_path):
                         "return": [1.0, float("nan")]})
     path = tmp_path / "labels.parquet"
     bad.write_parquet(path)
-    res = subprocess.run([sys.executable, "-m", "draco_cli", "validate", "--table",
-                          "replay_labels", "-"], cwd=REPO, input=path.read_bytes(),
-                         capture_output=True)
+    res = run_draco("validate", "--table", "replay_labels", "-", input=path.read_bytes())
     err = res.stderr.decode()
     assert res.returncode == 1 and "row 1" in err and "'return'" in err, err
     assert "Traceback" not in err

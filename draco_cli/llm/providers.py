@@ -65,6 +65,19 @@ def _refused(exc: BaseException) -> bool:
     return False
 
 
+def _dropped(exc: BaseException) -> bool:
+    """The server closed the connection mid-request, which the SDKs' aiohttp transport reports
+    as a connect "timeout": it is a dropped connection, not a call still running upstream."""
+    cur: BaseException | None = exc
+    for _ in range(8):
+        if cur is None:
+            return False
+        if isinstance(cur, ConnectionResetError) or "server disconnected" in str(cur).lower():
+            return True
+        cur = cur.__cause__ or cur.__context__
+    return False
+
+
 def parse_model_id(model: str) -> tuple[str, str]:
     provider, sep, name = model.partition("/")
     if not sep or not name or provider not in PROVIDERS:
@@ -168,6 +181,8 @@ async def _mapped(sdk, label: str, call):
         if _refused(exc):
             raise Retryable("connection refused (is the server running?)",
                             kind="refused") from None
+        if _dropped(exc):
+            raise Retryable("connection dropped by the server", kind="connection") from None
         raise Retryable("timeout (no reply within --timeout)", kind="timeout") from None
     except sdk.APIConnectionError as exc:
         if _refused(exc):
