@@ -159,8 +159,8 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats."""
     r = _rollout_index(steps, rollouts, source)
-    step = steps["step"].to_numpy().astype(np.int32, copy=False)
-    n = steps["n_tokens"].to_numpy().astype(np.int32, copy=False)
+    step = steps["step"].to_numpy().astype(np.int32)
+    n = steps["n_tokens"].to_numpy().astype(np.int32)
     token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int64)
                    if "token_start" in steps.columns else np.full(r.size, -1, dtype=np.int64))
     rows = None
