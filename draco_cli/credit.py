@@ -308,10 +308,10 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     if len(cites) == 0:
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
     step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
-    parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64)
-    keep = step >= -(2**62)  # drop nulls inside lists (none expected)
-    vr = v["__r"].to_numpy().astype(np.int64)[parent]
-    valid = keep & (step >= 1) & (step <= sa.M[vr])
+    parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
+    vr_v = v["__r"].to_numpy().astype(np.int64)  # per verdict, gathered twice below
+    vr = vr_v[parent]
+    valid = (step >= 1) & (step <= sa.M[vr])
     dropped = int((~valid).sum())
     parent, step, vr = parent[valid], step[valid], vr[valid]
     # One count per (verdict, step): sort the combined key and keep the first of each run
@@ -323,7 +323,7 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     first = np.ones(key.size, dtype=bool)
     first[1:] = key[1:] != key[:-1]
     parent, step = np.divmod(key[first], base)
-    vr = v["__r"].to_numpy().astype(np.int64)[parent]
+    vr = vr_v[parent]
     is_pass = (v["verdict"] == "pass").to_numpy()[parent]
     gidx = sa.offsets[vr] + step - 1
     p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)

@@ -172,7 +172,7 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
     if not pieces:  # no rollouts at all
         pieces.append(_canonical(np.zeros(0, dtype=np.int64), np.zeros(0, dtype=np.int32),
                                  np.zeros(0, dtype=np.int32), np.zeros(0, dtype=np.float32), R))
-    n_policy = _policy_token_counts(ps, has_ps, sa, R)
+    n_policy = _policy_token_counts(ps, has_ps, sa, R, policy)
     counts = np.concatenate([np.diff(off) for off, *_ in pieces])
     offsets = np.zeros(R + 1, dtype=np.int64)
     np.cumsum(counts, out=offsets[1:])
@@ -189,16 +189,29 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
     return cast(pl.DataFrame, pl.from_arrow(table))  # a Table converts to a DataFrame
 
 
-def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays,
-                         R: int) -> np.ndarray:
+def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, R: int,
+                         policy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                         ) -> np.ndarray:
     """Tokens each rollout's trainer mask should mark 1: the policy spans when known, else
-    the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens)."""
-    steps_n = np.bincount(sa.r, weights=sa.n.astype(np.int64), minlength=R).astype(np.int64)
+    the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens).
+    ``policy`` is ``_policy_pairs(ps)`` when the caller already has it."""
+    steps_n = _sum_by_offsets(sa.n, sa.offsets)
     if not has_ps.any():
         return steps_n
-    parent, pstart, pend = _policy_pairs(ps)
-    spans_n = np.bincount(parent, weights=pend - pstart, minlength=R).astype(np.int64)
+    parent, pstart, pend = policy if policy is not None else _policy_pairs(ps)
+    # parent is non-decreasing (list order): per-rollout sums are differences of one running
+    # integer sum, not a float-weighted bincount over tens of millions of spans.
+    bounds = np.zeros(R + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parent, minlength=R), out=bounds[1:])
+    spans_n = _sum_by_offsets(pend - pstart, bounds)
     return np.where(has_ps, spans_n, steps_n)
+
+
+def _sum_by_offsets(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
+    """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly."""
+    running = np.zeros(values.size + 1, dtype=np.int64)
+    np.cumsum(values, dtype=np.int64, out=running[1:])
+    return running[offsets[1:]] - running[offsets[:-1]]
 
 
 def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array[Any]]:
