@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 GAIN = 1.2      # a doubling must raise throughput by 20% to count
@@ -40,7 +41,7 @@ class AdaptiveLimit:
         self.history: list[tuple[int, float]] = []    # (limit, calls/s) per round
 
     @asynccontextmanager
-    async def slot(self):
+    async def slot(self) -> AsyncIterator[None]:
         async with self._cond:
             await self._cond.wait_for(lambda: self.in_flight + self.ghosts < self.limit)
             self.in_flight += 1
