@@ -27,15 +27,15 @@ def export(
     """
     from draco_cli.llm.calllog import export_parquet
 
-    fmt = pick_format(fmt, as_json)
+    chosen = pick_format(fmt, as_json)
     n = export_parquet(calls, out, force=force)
-    if fmt == "table":
+    if chosen == "table":
         err_console.print(f"wrote {n} calls → {out}", highlight=False)
     else:
         import polars as pl
 
         emit(Report([("export", pl.DataFrame([{"file": str(out), "calls": n}]))],
-                    document={"file": str(out), "calls": n}), fmt)
+                    document={"file": str(out), "calls": n}), chosen)
 
 
 @app.command("check")

@@ -3,14 +3,18 @@
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, Protocol
 
 import typer
 
 from draco_cli.llm.settings import LLMSettings
 
 from draco_cli.cli.console import err_console
+
+if TYPE_CHECKING:
+    from draco_cli.ops.llmstage import StageReport
 
 
 def settings(*, model: str, base_url: list[str] | str | None = None, concurrency: int = 16,
@@ -32,36 +36,52 @@ def settings(*, model: str, base_url: list[str] | str | None = None, concurrency
     from draco_cli.llm.pool import base_urls
 
     urls = base_urls(base_url)
-    base_url = None if not urls else urls[0] if len(urls) == 1 else tuple(urls)
-    return LLMSettings(model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
+    endpoints = None if not urls else urls[0] if len(urls) == 1 else tuple(urls)
+    return LLMSettings(model=model, base_url=endpoints, concurrency=concurrency, rpm=rpm, tpm=tpm,
                        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost,
                        prices=prices, batch=batch, thinking=thinking == "on",
                        structured_output=structured_output, system_role=system_role == "keep",
                        use_n=use_n, temperature=temperature, seed=seed, adaptive=adapt)
 
 
-@contextlib.contextmanager
-def progress_bar(label: str) -> Iterator:
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, \
-        TimeElapsedColumn
+class BarProgress(Protocol):
+    """What the bar shows: the LLM client's ``Progress``, or any work counted alike (replays).
+    A ``note`` attribute, when present, says what a long wait is waiting for."""
 
-    with Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+    @property
+    def done(self) -> int: ...
+    @property
+    def total(self) -> int: ...
+    @property
+    def failed(self) -> int: ...
+    @property
+    def cost_usd(self) -> float: ...
+
+
+@contextlib.contextmanager
+def progress_bar(label: str) -> Iterator[Callable[[BarProgress], None]]:
+    from rich.progress import BarColumn, MofNCompleteColumn, TaskID, TextColumn, \
+        TimeElapsedColumn
+    from rich.progress import Progress as Bar
+
+    with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
                   TextColumn("failed {task.fields[failed]}  ${task.fields[cost]:.4f}"),
                   TimeElapsedColumn(), console=err_console, transient=True,
                   disable=not err_console.is_terminal) as bar:
-        tasks: dict[int, int] = {}
+        tasks: dict[int, TaskID] = {}
 
-        def update(p) -> None:
+        def update(p: BarProgress) -> None:
             key = p.total
             if key not in tasks:
                 tasks[key] = bar.add_task(label, total=p.total, failed=0, cost=0.0)
+            note = getattr(p, "note", None)
             bar.update(tasks[key], completed=p.done, failed=p.failed, cost=p.cost_usd,
-                       description=f"{label}: {p.note}" if getattr(p, "note", None) else label)
+                       description=f"{label}: {note}" if note else label)
 
         yield update
 
 
-def print_report(report) -> None:
+def print_report(report: StageReport) -> None:
     from rich.table import Table
 
     t = Table(title="LLM calls", title_justify="left", box=None, pad_edge=False)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
+from collections.abc import AsyncIterator
 from contextlib import asynccontextmanager
 
 GAIN = 1.2      # a doubling must raise throughput by 20% to count
@@ -35,7 +36,7 @@ class AdaptiveLimit:
         # Callers waiting for a slot, first come first served. A freed slot is handed to the
         # head waiter directly (one wake-up per slot, not every waiter re-checking a condition:
         # with thousands of calls queued that herd cost more CPU than the calls themselves).
-        self._waiters: deque[asyncio.Future] = deque()
+        self._waiters: deque[asyncio.Future[None]] = deque()
         self._round_start = time.monotonic()
         self._round_done = 0
         self._last: tuple[int, float] | None = None   # (limit, throughput) of the last round
@@ -55,7 +56,7 @@ class AdaptiveLimit:
                 fut.set_result(None)
 
     @asynccontextmanager
-    async def slot(self):
+    async def slot(self) -> AsyncIterator[None]:
         if self._waiters or not self._free():
             fut = asyncio.get_running_loop().create_future()
             self._waiters.append(fut)

@@ -18,17 +18,20 @@ from __future__ import annotations
 import asyncio
 import random
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
-from draco_cli.llm.providers import RequestRejected, Retryable
+from draco_cli.llm.providers import Provider, RequestRejected, Retryable
 from draco_cli.llm.types import Answer, LLMRequest
+
+if TYPE_CHECKING:  # the client imports this module (lazily), so only for the checker
+    from draco_cli.llm.client import LLMClient, Progress
 
 T = TypeVar("T")
 
 
-async def retrying(client: Any, call: Callable[[], Awaitable[T]]) -> T:
+async def retrying(client: LLMClient, call: Callable[[], Awaitable[T]]) -> T:
     """``call()`` under the client's retry policy (``max_retries``, ``backoff_base``,
     ``backoff_cap``, Retry-After honoured): the same policy as a single call's."""
     attempt = 0
@@ -50,70 +53,84 @@ async def retrying(client: Any, call: Callable[[], Awaitable[T]]) -> T:
             await asyncio.sleep(delay * random.uniform(1.0, 1.25))
 
 
-async def run_batch(client: Any, provider: Any, requests: list[LLMRequest],
-                    poll_seconds: float, progress: Any) -> list[list[Answer]]:
+async def run_batch(client: LLMClient, provider: Provider, requests: list[LLMRequest],
+                    poll_seconds: float,
+                    progress: Callable[[Progress], None] | None) -> list[list[Answer]]:
     if not provider.offers_batch:
         raise LLMError(f"{client.model}: no batch API for this provider; drop --batch")
-    model = client.model
     tick = client.ticker(requests, progress)
     answers: list[list[Answer | None]] = [client.recorded(r) for r in requests]
-    by_hash = {req.hash(0, model): k for k, req in enumerate(requests)}
+    # Resume batches a killed run already paid for; submit one batch for what they lack.
+    jobs = _pending(client, provider, requests)
+    covered = {(k, i) for _, mapping in jobs for k, samples in mapping.values() for i in samples}
     todo: list[tuple[int, list[int]]] = []
     for k, row in enumerate(answers):
-        missing = [i for i, a in enumerate(row) if a is None]
+        missing = [i for i, a in enumerate(row) if a is None and (k, i) not in covered]
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
             todo += [(k, g) for g in groups]
-
-    covered: set[tuple[int, int]] = set()
-    jobs: list[tuple[str, dict[str, tuple[int, list[int]]]]] = []
-    # Resume batches a killed run already paid for.
-    for phase in sorted({r.phase for r in requests}):
-        for batch_id, mapping in client.log.pending_batches(provider.name, model, phase):
-            resolved = {cid: (by_hash[h], samples) for cid, (h, samples) in mapping.items()
-                        if h in by_hash}
-            jobs.append((batch_id, resolved))
-            covered |= {(k, i) for k, samples in resolved.values() for i in samples}
-    todo = [(k, [i for i in g if (k, i) not in covered]) for k, g in todo]
-    todo = [(k, g) for k, g in todo if g]
     if todo:
         jobs.append(await _submit(client, provider, requests, todo))
-
-    from draco_cli.llm.client import Progress  # the client imports this module lazily
-
-    total = sum(r.samples for r in requests)
     for batch_id, mapping in jobs:
-        state = await retrying(client, lambda: provider.poll_batch(batch_id))
-        while not state.ended:
-            if progress is not None:
-                progress(Progress(0, total, 0, client.spent, note=(
-                    f"batch {batch_id} {state.status} ({len(mapping)} requests); polling every "
-                    f"{poll_seconds:g} s, a rerun resumes it")))
-            await asyncio.sleep(poll_seconds)
-            state = await retrying(client, lambda: provider.poll_batch(batch_id))
-        results = await retrying(client, lambda: provider.batch_results(batch_id))
-        for cid, (k, samples) in mapping.items():
-            req = requests[k]
-            reply = results.get(cid)
-            if reply is None:
-                for i in samples:  # errored or expired line: a rerun asks it again
-                    answers[k][i] = client.unanswered(
-                        req, i, f"batch {batch_id} ({state.status}): no result for line {cid}")
-                continue
-            reply.request_body = provider.batch_request(req, samples)
-            client.account(req, reply)
-            for a in await client.settle(provider, req, samples, reply):
-                answers[k][a.sample] = a
-        client.log.finish_batch(batch_id)
+        await _collect(client, provider, requests, batch_id, mapping, answers, poll_seconds,
+                       progress)
     out = [[a for a in row if a is not None] for row in answers]
-    for row in out:
-        tick(row)
+    for done in out:
+        tick(done)
     return out
 
 
-async def _submit(client: Any, provider: Any, requests: list[LLMRequest],
-                  todo: list[tuple[int, list[int]]]) -> tuple[str, dict]:
-    lines: dict[str, dict] = {}
+# A submitted batch: its id, and which request and samples each of its lines (custom id) asks.
+Job = tuple[str, dict[str, tuple[int, list[int]]]]
+
+
+def _pending(client: LLMClient, provider: Provider, requests: list[LLMRequest]) -> list[Job]:
+    """The batches the call log records as submitted and not yet collected, for these
+    requests (lines for requests no longer asked are left out)."""
+    by_hash = {req.hash(0, client.model): k for k, req in enumerate(requests)}
+    jobs: list[Job] = []
+    for phase in sorted({r.phase for r in requests}):
+        for batch_id, mapping in client.log.pending_batches(provider.name, client.model, phase):
+            jobs.append((batch_id, {cid: (by_hash[h], samples)
+                                    for cid, (h, samples) in mapping.items() if h in by_hash}))
+    return jobs
+
+
+async def _collect(client: LLMClient, provider: Provider, requests: list[LLMRequest],
+                   batch_id: str, mapping: dict[str, tuple[int, list[int]]],
+                   answers: list[list[Answer | None]], poll_seconds: float,
+                   progress: Callable[[Progress], None] | None) -> None:
+    """Poll one batch until it ends, then settle its lines into ``answers``."""
+    from draco_cli.llm.client import Progress  # the client imports this module lazily
+
+    total = sum(r.samples for r in requests)
+    state = await retrying(client, lambda: provider.poll_batch(batch_id))
+    while not state.ended:
+        if progress is not None:
+            progress(Progress(0, total, 0, client.spent, note=(
+                f"batch {batch_id} {state.status} ({len(mapping)} requests); polling every "
+                f"{poll_seconds:g} s, a rerun resumes it")))
+        await asyncio.sleep(poll_seconds)
+        state = await retrying(client, lambda: provider.poll_batch(batch_id))
+    results = await retrying(client, lambda: provider.batch_results(batch_id))
+    for cid, (k, samples) in mapping.items():
+        req = requests[k]
+        reply = results.get(cid)
+        if reply is None:
+            for i in samples:  # errored or expired line: a rerun asks it again
+                answers[k][i] = client.unanswered(
+                    req, i, f"batch {batch_id} ({state.status}): no result for line {cid}")
+            continue
+        reply.request_body = provider.batch_request(req, samples)
+        client.account(req, reply)
+        for a in await client.settle(provider, req, samples, reply):
+            answers[k][a.sample] = a
+    client.log.finish_batch(batch_id)
+
+
+async def _submit(client: LLMClient, provider: Provider, requests: list[LLMRequest],
+                  todo: list[tuple[int, list[int]]]) -> Job:
+    lines: dict[str, dict[str, Any]] = {}
     mapping: dict[str, tuple[int, list[int]]] = {}
     record: dict[str, tuple[str, list[int]]] = {}
     for n, (k, samples) in enumerate(todo):

@@ -23,8 +23,8 @@ from pydantic import BaseModel, ValidationError
 
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
-from draco_cli.llm.providers import (ANTHROPIC_FORMS, OPENAI_FORMS, Retryable, make_provider,
-                                     parse_model_id)
+from draco_cli.llm.providers import (ANTHROPIC_FORMS, OPENAI_FORMS, Provider, Retryable,
+                                     make_provider, parse_model_id)
 from draco_cli.llm.types import LLMRequest, Reply, Sampling
 
 
@@ -83,16 +83,96 @@ def _validates(reply: Reply) -> tuple[bool, str]:
         Pong.model_validate_json(c.text or "")
         return True, "valid answer"
     except ValidationError as exc:
-        first = exc.errors()[0] if exc.errors() else {}
-        return False, f"answer does not validate ({first.get('msg', 'invalid')}): " \
+        errors = exc.errors()
+        why = errors[0]["msg"] if errors else "invalid"
+        return False, f"answer does not validate ({why}): " \
             f"{scrub((c.text or '')[:120])!r}"
 
 
-async def _one(provider, req: LLMRequest, n: int = 1) -> tuple[Reply | None, str]:
+async def _one(provider: Provider, req: LLMRequest, n: int = 1) -> tuple[Reply | None, str]:
     try:
         return await provider.complete(req, req.messages, list(range(n))), ""
     except (Retryable, LLMError) as exc:
         return None, scrub(str(exc)) or "error"
+
+
+# A failure no other structured-output form can get past: stop probing forms at once.
+_FATAL = ("connection refused", "OPENAI_API_KEY", "ANTHROPIC_API_KEY", "HTTP 401", "HTTP 404")
+
+
+async def _pick_form(model: str, forms: list[str], base_url: str | None, timeout: float,
+                     req: LLMRequest, findings: list[Finding]) -> tuple[str | None, str | None]:
+    """(the first form that gives a valid answer, or None; the error that ended probing early,
+    or None)."""
+    for f in forms:
+        provider = make_provider(model, base_url=base_url, timeout=timeout, concurrency=8,
+                                 structured_output=f)
+        try:
+            reply, err = await _one(provider, req)
+            if reply is None:
+                findings.append(Finding(f"form {f}", False, f"rejected: {err}"))
+                if any(fatal in err for fatal in _FATAL):
+                    return None, err
+                continue
+            ok, why = _validates(reply)
+            findings.append(Finding(f"form {f}", ok, why))
+            if ok:
+                return f, None
+        finally:
+            await provider.close()
+    return None, None
+
+
+async def _check_n(provider: Provider, req: LLMRequest, findings: list[Finding],
+                   advice: dict[str, str]) -> None:
+    reply, err = await _one(provider, req, 2)
+    got = len(reply.choices) if reply else 0
+    honoured = got == 2
+    findings.append(Finding("n = 2", honoured, f"{got} choice(s) returned" +
+                            ("" if reply else f": {err}")))
+    if not honoured:
+        advice["--no-use-n"] = ""
+
+
+async def _check_system_role(provider: Provider, temperature: float | None, seed: int | None,
+                             findings: list[Finding], advice: dict[str, str]) -> None:
+    """Does a long system message reach the prompt at all? Only the prompt token counts
+    matter, so the answers may stop after a few tokens."""
+    filler = "Context for the reply. " * 40
+    bare, _ = await _one(provider, _request(8, temperature, seed, None))
+    with_sys, _ = await _one(provider, _request(8, temperature, seed, filler))
+    if bare is None or with_sys is None:
+        return
+    a = bare.usage.input_tokens + bare.usage.cached_tokens
+    b = with_sys.usage.input_tokens + with_sys.usage.cached_tokens
+    if a or b:
+        kept = b - a >= 40
+        findings.append(Finding("system role", kept,
+                                f"prompt tokens {a} without, {b} with a ~200-token "
+                                "system message" + ("" if kept else
+                                                    ": the chat format drops it")))
+        if not kept:
+            advice["--system-role"] = "fold"
+
+
+async def _check_parallelism(provider: Provider, max_tokens: int, temperature: float | None,
+                             seed: int | None, findings: list[Finding],
+                             advice: dict[str, str]) -> None:
+    best, rates = 1, dict[int, float]()
+    short = _request(min(max_tokens, 32), temperature, seed)
+    for c in (1, 2, 4, 8):
+        start = time.perf_counter()
+        results = await asyncio.gather(*(_one(provider, short) for _ in range(c)))
+        wall = time.perf_counter() - start
+        if any(r is None for r, _ in results):
+            break
+        rates[c] = c / wall
+        if c > 1 and rates[c] < rates[best] * 1.25:
+            break  # latency rose, throughput did not: the server queues
+        best = c
+    findings.append(Finding("parallelism", True, ", ".join(
+        f"{c} at once: {r:.2f} calls/s" for c, r in rates.items())))
+    advice["--concurrency"] = str(best if best < 8 else 16)
 
 
 async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: int,
@@ -100,7 +180,6 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
                  parallelism: bool) -> CheckResult:
     provider_name, _ = parse_model_id(model)
     findings: list[Finding] = []
-    advice: dict[str, str] = {}
     req = _request(max_tokens, temperature, seed)
     t0 = time.perf_counter()
     cost = 0.0
@@ -112,72 +191,21 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
                            time.perf_counter() - t0, 0.0)
     order = ANTHROPIC_ORDER if provider_name == "anthropic" else OPENAI_ORDER
     forms = [form] if form and form != "auto" else list(order)
-    chosen = None
-    for f in forms:
-        provider = make_provider(model, base_url=base_url, timeout=timeout, concurrency=8,
-                                 structured_output=f)
-        try:
-            reply, err = await _one(provider, req)
-            if reply is None:
-                findings.append(Finding(f"form {f}", False, f"rejected: {err}"))
-                if "connection refused" in err or "OPENAI_API_KEY" in err \
-                        or "ANTHROPIC_API_KEY" in err or "HTTP 401" in err or "HTTP 404" in err:
-                    return CheckResult(False, err, time.perf_counter() - t0, None, findings)
-                continue
-            ok, why = _validates(reply)
-            findings.append(Finding(f"form {f}", ok, why))
-            if ok:
-                chosen = f
-                break
-        finally:
-            await provider.close()
+    chosen, fatal = await _pick_form(model, forms, base_url, timeout, req, findings)
+    if fatal is not None:
+        return CheckResult(False, fatal, time.perf_counter() - t0, None, findings)
     if chosen is None:
         return CheckResult(False, f"{model}: no structured-output form gave a valid answer "
                            "(see the findings)", time.perf_counter() - t0, None, findings)
-    advice["--structured-output"] = chosen
+    advice = {"--structured-output": chosen}
     provider = make_provider(model, base_url=base_url, timeout=timeout, concurrency=8,
                              structured_output=chosen)
     try:
         if provider.supports_n:
-            reply, err = await _one(provider, req, 2)
-            got = len(reply.choices) if reply else 0
-            honoured = got == 2
-            findings.append(Finding("n = 2", honoured, f"{got} choice(s) returned" +
-                                    ("" if reply else f": {err}")))
-            if not honoured:
-                advice["--no-use-n"] = ""
-        # System role: does a long system message reach the prompt at all? Only the prompt
-        # token counts matter, so the answers may stop after a few tokens.
-        filler = "Context for the reply. " * 40
-        bare, _ = await _one(provider, _request(8, temperature, seed, None))
-        with_sys, _ = await _one(provider, _request(8, temperature, seed, filler))
-        if bare is not None and with_sys is not None:
-            a = bare.usage.input_tokens + bare.usage.cached_tokens
-            b = with_sys.usage.input_tokens + with_sys.usage.cached_tokens
-            if a or b:
-                kept = b - a >= 40
-                findings.append(Finding("system role", kept,
-                                        f"prompt tokens {a} without, {b} with a ~200-token "
-                                        "system message" + ("" if kept else
-                                                            ": the chat format drops it")))
-                if not kept:
-                    advice["--system-role"] = "fold"
+            await _check_n(provider, req, findings, advice)
+        await _check_system_role(provider, temperature, seed, findings, advice)
         if parallelism:
-            best, rates = 1, {}
-            short = _request(min(max_tokens, 32), temperature, seed)
-            for c in (1, 2, 4, 8):
-                start = time.perf_counter()
-                results = await asyncio.gather(*(_one(provider, short) for _ in range(c)))
-                wall = time.perf_counter() - start
-                if any(r is None for r, _ in results):
-                    break
-                rates[c] = c / wall
-                if c > 1 and rates[c] < rates[best] * 1.25:
-                    break  # latency rose, throughput did not: the server queues
-                best = c
-            findings.append(Finding("parallelism", True, ", ".join(
-                f"{c} at once: {r:.2f} calls/s" for c, r in rates.items())))
-            advice["--concurrency"] = str(best if best < 8 else 16)
+            await _check_parallelism(provider, max_tokens, temperature, seed, findings, advice)
     finally:
         await provider.close()
     from draco_cli.llm.prices import PriceTable

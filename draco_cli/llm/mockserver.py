@@ -17,17 +17,24 @@ import time
 import uuid
 from collections import Counter, deque
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
 
 
-def default_answer(body: dict, index: int) -> str:
+def default_answer(body: dict[str, Any], index: int) -> str:
     return json.dumps({"verdict": "pass" if index % 2 == 0 else "fail", "steps": [1 + index],
                        "reason": f"sample {index}"})
 
 
-def _schema_of(body: dict) -> dict | None:
-    """The answer schema a request carries, in whichever form it was sent."""
+def _schema_of(body: dict[str, Any]) -> dict[str, Any] | None:
+    """The answer schema a request carries, in whichever form it was sent (None when it
+    carries none, or one that is not a JSON object)."""
+    found = _sent_schema(body)
+    return found if isinstance(found, dict) else None
+
+
+def _sent_schema(body: dict[str, Any]) -> Any:
     rf = body.get("response_format") or {}
     if rf.get("type") == "json_schema":
         return (rf.get("json_schema") or {}).get("schema")
@@ -52,15 +59,16 @@ def _schema_of(body: dict) -> dict | None:
     return None
 
 
-def instance(schema: dict, seed: int = 0, path: str = "", root: dict | None = None) -> object:
+def instance(schema: dict[str, Any], seed: int = 0, path: str = "",
+             root: dict[str, Any] | None = None) -> object:
     """A small value valid against ``schema``: enums cycle with the position, arrays take
     their minimum length (at least one item), strings are distinct per position."""
     root = root if root is not None else schema
     if "$ref" in schema:  # pydantic puts nested models under #/$defs/Name
-        node: object = root
+        node: Any = root  # JSON: a bad reference fails here as a KeyError
         for part in schema["$ref"].lstrip("#/").split("/"):
-            node = node[part]  # type: ignore[index]
-        return instance(node, seed, path, root)  # type: ignore[arg-type]
+            node = node[part]
+        return instance(node, seed, path, root)
     if "const" in schema:
         return schema["const"]
     if "enum" in schema:
@@ -82,7 +90,7 @@ def instance(schema: dict, seed: int = 0, path: str = "", root: dict | None = No
     return f"mock {path.strip('.') or 'text'} {seed}"
 
 
-def schema_answer(body: dict, index: int) -> str:
+def schema_answer(body: dict[str, Any], index: int) -> str:
     """Answer any request with a minimal instance of its own schema (``{}`` without one)."""
     schema = _schema_of(body)
     return json.dumps(instance(schema, index) if schema else {})
@@ -147,18 +155,18 @@ class PrefixCache:
         return read, last - read
 
 
-def _text_of(content) -> list[tuple[str, bool]]:
+def _text_of(content: Any) -> list[tuple[str, bool]]:
     """(text, cache_control marked) per block of an Anthropic content field."""
     if isinstance(content, str):
         return [(content, False)]
-    out = []
+    out: list[tuple[str, bool]] = []
     for b in content or []:
         text = b.get("text") if b.get("type") == "text" else json.dumps(b, sort_keys=True)
         out.append((text or "", bool(b.get("cache_control"))))
     return out
 
 
-def openai_prompt(body: dict) -> list[str]:
+def openai_prompt(body: dict[str, Any]) -> list[str]:
     """The prompt's tokens in the order they are cached: the answer schema (a stable part of
     the prefix), then the messages."""
     schema = _schema_of(body)
@@ -168,7 +176,7 @@ def openai_prompt(body: dict) -> list[str]:
     return count_tokens("\n".join(parts))
 
 
-def anthropic_prompt(body: dict) -> tuple[list[str], list[int]]:
+def anthropic_prompt(body: dict[str, Any]) -> tuple[list[str], list[int]]:
     """Tokens in Anthropic's cache order (tools, system, messages) and the positions where a
     block with cache_control ends."""
     blocks: list[tuple[str, bool]] = []
@@ -182,7 +190,7 @@ def anthropic_prompt(body: dict) -> tuple[list[str], list[int]]:
         blocks.append((f"{m.get('role')}:", False))
         blocks += _text_of(m.get("content"))
     tokens: list[str] = []
-    marks = []
+    marks: list[int] = []
     for text, marked in blocks:
         tokens += count_tokens(text)
         if marked:
@@ -190,8 +198,14 @@ def anthropic_prompt(body: dict) -> tuple[list[str], list[int]]:
     return tokens, marks
 
 
+# Makes the text of choice ``index`` for a request body.
+Answerer = Callable[[dict[str, Any], int], str]
+# An injected fault: its kind and options (``push``, ``push_batch``).
+Fault = tuple[str, dict[str, Any]]
+
+
 class FakeLLMServer:
-    def __init__(self, answer: Callable[[dict, int], str] = default_answer, latency: float = 0.0,
+    def __init__(self, answer: Answerer = default_answer, latency: float = 0.0,
                  prompt_tokens: int = 100, cached_tokens: int = 20, completion_tokens: int = 10,
                  reasoning_tokens: int = 0, caching: bool = False, cache_minimum: int = 1024,
                  batch_polls: int = 2) -> None:
@@ -202,20 +216,20 @@ class FakeLLMServer:
         self.openai_cache = PrefixCache(cache_minimum)
         self.anthropic_cache = PrefixCache(cache_minimum)
         self.batch_polls = batch_polls   # polls of a batch before it has ended
-        self.batch_faults: deque = deque()
+        self.batch_faults: deque[Fault] = deque()
         self.answer = answer
         self.latency = latency
-        self.faults: deque = deque()
+        self.faults: deque[Fault] = deque()
         self.fault_count = 0
         self.serial = False
         self.in_flight_max = 0   # serial mode: the deepest queue seen
         self._lock: asyncio.Lock | None = None
-        self.hits: Counter = Counter()
-        self.bodies: list[dict] = []
-        self.headers: list[dict] = []
+        self.hits: Counter[str] = Counter()
+        self.bodies: list[dict[str, Any]] = []
+        self.headers: list[dict[str, str]] = []
         self.tokens = (prompt_tokens, cached_tokens, completion_tokens, reasoning_tokens)
         self.files: dict[str, bytes] = {}
-        self.batches: dict[str, dict] = {}
+        self.batches: dict[str, dict[str, Any]] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._runner: web.AppRunner | None = None
         self.port = 0
@@ -223,23 +237,23 @@ class FakeLLMServer:
 
     # -- control ---------------------------------------------------------------------------
 
-    def push(self, kind: str, **kw) -> None:
+    def push(self, kind: str, **kw: Any) -> None:
         """Apply a fault to the next chat/messages request: 429, 500, 529, drop, slow,
         truncate, invalid_json, schema_violation, refusal, fewer_choices."""
         self.faults.append((kind, kw))
 
-    def push_batch(self, kind: str, **kw) -> None:
+    def push_batch(self, kind: str, **kw: Any) -> None:
         """Apply a fault to the next batch-API request (create, poll, results) of either
         provider: 429, 500, 529, 400 (rejected), drop."""
         self.batch_faults.append((kind, kw))
 
-    async def _batch_fault(self, request: web.Request):
+    async def _batch_fault(self, request: web.Request) -> web.Response | None:
         if not self.batch_faults:
             return None
         kind, kw = self.batch_faults.popleft()
         self.fault_count += 1
         if kind == "drop":
-            request.transport.close()
+            _drop(request)
             return web.Response(status=500)
         return web.json_response({"error": {"message": kw.get(
             "message", f"injected batch {kind} #{self.fault_count}"), "type": "x"}},
@@ -267,11 +281,11 @@ class FakeLLMServer:
             app.router.add_post("/v1/messages/batches", self.create_anthropic_batch)
             app.router.add_get("/v1/messages/batches/{id}", self.get_anthropic_batch)
             app.router.add_get("/v1/messages/batches/{id}/results", self.anthropic_results)
-            self._runner = web.AppRunner(app, access_log=None)
-            self._loop.run_until_complete(self._runner.setup())
-            site = web.TCPSite(self._runner, host, port, backlog=2048)
+            runner = self._runner = web.AppRunner(app, access_log=None)
+            self._loop.run_until_complete(runner.setup())
+            site = web.TCPSite(runner, host, port, backlog=2048)
             self._loop.run_until_complete(site.start())
-            self.port = site._server.sockets[0].getsockname()[1]
+            self.port = int(runner.addresses[0][1])   # (host, port, ...) of the bound socket
             ready.set()
             self._loop.run_forever()
 
@@ -281,7 +295,7 @@ class FakeLLMServer:
         return self
 
     def stop(self) -> None:
-        if self._loop is None:
+        if self._loop is None or self._runner is None:
             return
         fut = asyncio.run_coroutine_threadsafe(self._runner.cleanup(), self._loop)
         fut.result(10)
@@ -291,7 +305,7 @@ class FakeLLMServer:
 
     # -- shared ----------------------------------------------------------------------------
 
-    async def _fault(self, request: web.Request):
+    async def _fault(self, request: web.Request) -> tuple[web.Response | None, str | None]:
         """Returns (response to send instead, or None; answer mutation or None)."""
         if not self.faults:
             return None, None
@@ -313,7 +327,7 @@ class FakeLLMServer:
                                                 "type": "invalid_request_error"}},
                                      status=401), None
         if kind == "drop":
-            request.transport.close()
+            _drop(request)
             return web.Response(status=500), None
         if kind == "slow":
             await asyncio.sleep(kw.get("seconds", 5))
@@ -333,7 +347,7 @@ class FakeLLMServer:
 
     # -- OpenAI ----------------------------------------------------------------------------
 
-    def _completion(self, body: dict, kind: str | None) -> dict:
+    def _completion(self, body: dict[str, Any], kind: str | None) -> dict[str, Any]:
         n = body.get("n", 1)
         if kind == "fewer_choices":
             n = max(1, n - 1)
@@ -360,7 +374,9 @@ class FakeLLMServer:
                           "prompt_tokens_details": {"cached_tokens": c},
                           "completion_tokens_details": {"reasoning_tokens": r * n}}}
 
-    async def _generate(self, request: web.Request, hit: str, build) -> web.StreamResponse:
+    async def _generate(self, request: web.Request, hit: str,
+                        build: Callable[[dict[str, Any], str | None], dict[str, Any]]
+                        ) -> web.StreamResponse:
         """Shared by chat completions and messages: record, wait, maybe fault, answer."""
         self.hits[hit] += 1
         body = await request.json()
@@ -388,7 +404,11 @@ class FakeLLMServer:
             return fault
         self.hits["files"] += 1
         data = await request.post()
-        raw = data["file"].file.read()
+        upload = data.get("file")
+        if not isinstance(upload, web.FileField):
+            return web.json_response({"error": {"message": "no file part named 'file'",
+                                                "type": "invalid_request_error"}}, status=400)
+        raw = upload.file.read()
         fid = "file-" + uuid.uuid4().hex
         self.files[fid] = raw
         return web.json_response({"id": fid, "object": "file", "bytes": len(raw),
@@ -401,7 +421,7 @@ class FakeLLMServer:
             return fault
         return web.Response(body=self.files[request.match_info["id"]])
 
-    def _batch(self, bid: str) -> dict:
+    def _batch(self, bid: str) -> dict[str, Any]:
         return self.batches[bid]
 
     async def create_batch(self, request: web.Request) -> web.Response:
@@ -418,7 +438,7 @@ class FakeLLMServer:
         return web.json_response(self._public(self.batches[bid]))
 
     @staticmethod
-    def _public(b: dict) -> dict:
+    def _public(b: dict[str, Any]) -> dict[str, Any]:
         return {k: v for k, v in b.items() if k != "polls"}
 
     async def get_batch(self, request: web.Request) -> web.Response:
@@ -459,7 +479,7 @@ class FakeLLMServer:
 
     # -- Anthropic -------------------------------------------------------------------------
 
-    def _message(self, body: dict, kind: str | None) -> dict:
+    def _message(self, body: dict[str, Any], kind: str | None) -> dict[str, Any]:
         p, c, o, r = self.tokens
         text, finish = self._mutate(kind, self.answer(body, 0))
         stop = {"stop": "end_turn", "length": "max_tokens", "refusal": "refusal"}[finish]
@@ -488,7 +508,7 @@ class FakeLLMServer:
         self.batches[bid] = {"requests": body["requests"], "polls": 0, "ended": False}
         return web.json_response(self._anthropic_batch(bid))
 
-    def _anthropic_batch(self, bid: str) -> dict:
+    def _anthropic_batch(self, bid: str) -> dict[str, Any]:
         b = self.batches[bid]
         n = len(b["requests"])
         return {"id": bid, "type": "message_batch",
@@ -525,3 +545,9 @@ class FakeLLMServer:
         lines = b.get("results") or []
         return web.Response(body=("\n".join(lines) + "\n").encode(),
                             content_type="application/binary")
+
+
+def _drop(request: web.Request) -> None:
+    """Close the connection under a request (a dropped connection, as the client sees it)."""
+    if request.transport is not None:
+        request.transport.close()

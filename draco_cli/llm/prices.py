@@ -6,6 +6,7 @@ import json
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 from draco_cli.errors import InputError
 from draco_cli.llm.types import Usage
@@ -23,7 +24,7 @@ class PriceTable:
     """USD per million tokens per ``provider/model``; a model missing from the table costs 0
     and is reported as unpriced (self-hosted models usually are)."""
 
-    def __init__(self, data: dict, source: str) -> None:
+    def __init__(self, data: dict[str, Any], source: str) -> None:
         self.source = source
         self.as_of = data.get("as_of")
         self.batch_discount = float(data.get("batch_discount", 0.5))

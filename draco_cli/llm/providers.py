@@ -11,8 +11,10 @@ import abc
 import json
 import os
 import time
+from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
-from typing import Any
+from types import ModuleType
+from typing import Any, TypeVar
 
 from draco_cli.llm.errors import LLMError, ModelSpecError, ReplayMiss
 from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
@@ -118,7 +120,7 @@ def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
     return [{"role": "user", "content": system}] + chat
 
 
-def schema_instruction(schema: dict) -> str:
+def schema_instruction(schema: dict[str, Any]) -> str:
     """For servers that constrain nothing: the schema, stated in the prompt."""
     return ("Reply with one JSON object only (no prose, no code fence) that matches this JSON "
             "schema:\n" + json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
@@ -133,7 +135,7 @@ def _with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[st
     return out + [{"role": "user", "content": text}]
 
 
-def _http_client(sdk, concurrency: int, timeout: float):
+def _http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
     concurrency (the SDK's own transport if the aiohttp extra is missing)."""
     import httpx2
@@ -166,7 +168,10 @@ def _body_text(exc: Any) -> str:
     return scrub(text[:1000]) or ""
 
 
-async def _mapped(sdk, label: str, call):
+T = TypeVar("T")
+
+
+async def _mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) -> T:
     """Await ``call()`` with the SDK's typed errors mapped once, for single calls and batch
     operations alike: failures worth retrying become ``Retryable``, a request the server
     rejects ``RequestRejected`` (its reason in the message). Both SDKs name them alike."""
@@ -199,15 +204,16 @@ async def _mapped(sdk, label: str, call):
                               body=_body_text(exc), status=exc.status_code) from None
 
 
-def _json_of(raw) -> dict:
+def _json_of(raw: Any) -> dict[str, Any]:
     try:
-        return raw.json()
+        data: dict[str, Any] = raw.json()
+        return data
     except ValueError:
         raise Retryable("the server sent a body that is not JSON") from None
 
 
-async def _post_json(sdk, client, path: str, body: dict | bytes,
-                     label: str) -> tuple[dict, float]:
+async def _post_json(sdk: ModuleType, client: Any, path: str, body: dict[str, Any] | bytes,
+                     label: str) -> tuple[dict[str, Any], float]:
     """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
     without re-walking the request through typed params and the reply through pydantic, which
     cost more CPU than everything else per call at high concurrency). A body already serialised
@@ -221,25 +227,27 @@ async def _post_json(sdk, client, path: str, body: dict | bytes,
     return _json_of(raw), latency
 
 
-async def _get_json(sdk, client, path: str, label: str) -> dict:
+async def _get_json(sdk: ModuleType, client: Any, path: str, label: str) -> dict[str, Any]:
     import httpx2
 
     return _json_of(await _mapped(sdk, label, lambda: client.get(path, cast_to=httpx2.Response)))
 
 
-async def _get_text(sdk, client, path: str, label: str, accept: str | None = None) -> str:
+async def _get_text(sdk: ModuleType, client: Any, path: str, label: str,
+                    accept: str | None = None) -> str:
     import httpx2
 
     options = {"headers": {"Accept": accept}} if accept else {}
 
-    async def call():
+    async def call() -> str:
         raw = await client.get(path, cast_to=httpx2.Response, options=options)
-        return raw.text
+        text: str = raw.text
+        return text
 
     return await _mapped(sdk, label, call)
 
 
-def _jsonl(text: str) -> list[dict]:
+def _jsonl(text: str) -> list[dict[str, Any]]:
     out = []
     for line in text.splitlines():
         if line.strip():
@@ -278,6 +286,12 @@ class Provider(abc.ABC):
     supports_n = False
     forms: tuple[str, ...] = ()
     default_form = "prompt"
+
+    def __init__(self, model: str, *, base_url: str | None = None, concurrency: int = 16,
+                 timeout: float = 120.0, structured_output: str | None = None,
+                 system_role: bool = True, use_n: bool = True) -> None:
+        """Every provider is made with these (``make_provider``) and uses those its API has."""
+        self.model = model
 
     def _form(self, form: str | None) -> str:
         form = form or "auto"
@@ -428,7 +442,7 @@ class OpenAIProvider(Provider):
         batch, _ = await _post_json(sdk, self.client, "/batches", {
             "input_file_id": f.id, "endpoint": "/v1/chat/completions",
             "completion_window": "24h"}, self._label("creating the batch"))
-        return batch["id"]
+        return str(batch["id"])
 
     async def poll_batch(self, batch_id: str) -> BatchState:
         b = await _get_json(self._openai, self.client, f"/batches/{batch_id}",
@@ -513,10 +527,10 @@ class AnthropicProvider(Provider):
                                "cache_control": {"type": "ephemeral"}}]
         if req.samples > 1 and chat and isinstance(chat[-1].get("content"), str):
             # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
-            chat = [dict(m) for m in chat]
-            chat[-1]["content"] = [{"type": "text", "text": chat[-1]["content"],
-                                    "cache_control": {"type": "ephemeral"}}]
-            body["messages"] = chat
+            marked: list[dict[str, Any]] = [dict(m) for m in chat]
+            marked[-1]["content"] = [{"type": "text", "text": chat[-1]["content"],
+                                      "cache_control": {"type": "ephemeral"}}]
+            body["messages"] = marked
         if s.thinking:
             # Thinking tokens count toward max_tokens; leave room for the answer.
             body["thinking"] = {"type": "enabled",
@@ -557,7 +571,7 @@ class AnthropicProvider(Provider):
             self._anthropic, self.client, "/v1/messages/batches",
             {"requests": [{"custom_id": cid, "params": body} for cid, body in lines.items()]},
             self._label("creating the batch"))
-        return batch["id"]
+        return str(batch["id"])
 
     async def poll_batch(self, batch_id: str) -> BatchState:
         b = await _get_json(self._anthropic, self.client, f"/v1/messages/batches/{batch_id}",
@@ -584,7 +598,8 @@ class AnthropicProvider(Provider):
         return out
 
 
-def openai_reply(body: dict, request_body: dict, batch_id: str | None = None) -> Reply:
+def openai_reply(body: dict[str, Any], request_body: dict[str, Any],
+                 batch_id: str | None = None) -> Reply:
     """A chat-completion JSON body (online or from a batch file) as a Reply."""
     choices = []
     for c in sorted(body.get("choices") or [], key=lambda c: c.get("index", 0)):
@@ -603,13 +618,13 @@ def openai_reply(body: dict, request_body: dict, batch_id: str | None = None) ->
     return Reply(choices, usage, request_body, body, 0.0, batch_id)
 
 
-def anthropic_choice(message: dict) -> Choice:
+def anthropic_choice(message: dict[str, Any]) -> Choice:
     blocks = message.get("content") or []
     tool = next((b for b in blocks if b.get("type") == "tool_use"), None)
     if tool is not None:  # the tool form: the answer is the forced tool's input
-        text = json.dumps(tool.get("input"), ensure_ascii=False)
         stop = message.get("stop_reason")
-        return Choice(text=text, finish="length" if stop == "max_tokens" else "stop")
+        return Choice(text=json.dumps(tool.get("input"), ensure_ascii=False),
+                      finish="length" if stop == "max_tokens" else "stop")
     text = "".join(b.get("text", "") for b in blocks if b.get("type") == "text") or None
     stop = message.get("stop_reason")
     finish = {"end_turn": "stop", "stop_sequence": "stop", "max_tokens": "length",
@@ -617,7 +632,7 @@ def anthropic_choice(message: dict) -> Choice:
     return Choice(text=text, finish=finish, refusal=text if finish == "refusal" else None)
 
 
-def anthropic_usage(u: dict) -> Usage:
+def anthropic_usage(u: dict[str, Any]) -> Usage:
     # Anthropic's input_tokens exclude cache reads and cache writes.
     details = u.get("output_tokens_details") or {}
     return Usage(input_tokens=u.get("input_tokens") or 0,

@@ -37,7 +37,7 @@ class LLMRequest:
     phase: str
     messages: list[dict[str, str]]
     answer_model: type[BaseModel]
-    json_schema: dict | None = None
+    json_schema: dict[str, Any] | None = None
     schema_name: str = "answer"
     samples: int = 1
     sampling: Sampling = field(default_factory=Sampling)
@@ -52,13 +52,13 @@ class LLMRequest:
     def problem(self, value: BaseModel) -> str | None:
         return self.check(value) if self.check is not None else None
 
-    def schema(self) -> dict:
+    def schema(self) -> dict[str, Any]:
         return self.json_schema if self.json_schema is not None else \
             _model_schema(self.answer_model)
 
     def hash(self, sample: int, model: str | None) -> str:
         key = (sample, model)
-        cache = self.__dict__.setdefault("_hashes", {})
+        cache: dict[tuple[int, str | None], str] = self.__dict__.setdefault("_hashes", {})
         if key not in cache:
             cache[key] = self._hash(sample, model)
         return cache[key]
@@ -99,11 +99,11 @@ def _dumps(value: Any) -> str:
 
 
 @functools.lru_cache(maxsize=256)
-def _model_schema(model: type[BaseModel]) -> dict:
+def _model_schema(model: type[BaseModel]) -> dict[str, Any]:
     return strict_schema(model.model_json_schema())
 
 
-def strict_schema(schema: dict) -> dict:
+def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
     """Make a pydantic JSON schema acceptable to strict structured-output modes: every object
     closed (additionalProperties false) with every property required."""
     schema = json.loads(json.dumps(schema))
@@ -159,8 +159,8 @@ class Choice:
 class Reply:
     choices: list[Choice]
     usage: Usage
-    request_body: dict
-    response_body: dict
+    request_body: dict[str, Any]
+    response_body: dict[str, Any]
     latency_s: float = 0.0
     batch_id: str | None = None  # answered through a batch API (billed at the batch price)
     endpoint: str | None = None  # the base URL that answered, when several serve the model
