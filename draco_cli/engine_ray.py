@@ -30,6 +30,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from draco_cli.errors import DracoError, UsageError
 
 if TYPE_CHECKING:
+    from draco_cli.judge import Aggregate
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.ops.llmstage import StageReport
     from draco_cli.render import RenderOptions
@@ -319,7 +320,7 @@ def rubric_work(llm: LLMSettings, max_criteria: int, render: RenderOptions, max_
                               call_log=log, force=True)
 
 
-def judge_work(llm: LLMSettings, samples: int, aggregate: str, judge_label: str,
+def judge_work(llm: LLMSettings, samples: int, aggregate: Aggregate, judge_label: str,
                render: RenderOptions, max_tokens: int, rollouts: Path, steps: Path, out: Path,
                log: Path, rubrics: Path | None) -> StageReport:
     from draco_cli.ops import judge as st

@@ -25,7 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -200,7 +200,7 @@ def _row(name: str, mean: float, var: float, cost: float, truth: float) -> dict[
             "expected_cost": cost, "expectation": mean, "gradient": truth}
 
 
-def sweep_replays(Ms: tuple[int, ...] = (1, 2, 4), p_min: float = 0.05,
+def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05,
                   budget: float | None = None, predictor: str = "zero") -> list[dict[str, Any]]:
     """Replays per side M under one fixed expected budget (environment actions per original
     trajectory; default half of full replay at M = 2): more replays per position buy less
