@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import polars as pl
 
@@ -214,7 +214,7 @@ def fit_replay(plan_path: PathLike, labels: PathLike, features: PathLike, out: P
 
 
 def evolve_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike,
-                  baseline: PathLike, candidates: list[PathLike], out: PathLike, *,
+                  baseline: PathLike, candidates: Sequence[PathLike], out: PathLike, *,
                   ridge: float = 1.0, holdout: float = 0.2, force: bool = False
                   ) -> pl.DataFrame:
     """`replay evolve`: rubric variants (feature tables) scored on held-out tasks → `out`."""
@@ -275,7 +275,7 @@ class Diagnostics:
 
 
 def diagnose_replay(plan_path: PathLike, *, labels: PathLike | None = None,
-                    heads: list[PathLike] | None = None, features: PathLike | None = None,
+                    heads: Sequence[PathLike] | None = None, features: PathLike | None = None,
                     rewards: PathLike | None = None, out: PathLike | None = None,
                     force: bool = False) -> Diagnostics:
     """`replay diagnose`: weight tails, variance split, allocator calibration and, given two
