@@ -24,8 +24,8 @@ def tune_allocator() -> bool:
         return _done
     try:
         libc = ctypes.CDLL("libc.so.6")
-        ok = libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1 and \
-            libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31) == 1
+        ok = bool(libc.mallopt(_M_MMAP_THRESHOLD, 1 << 30) == 1
+                  and libc.mallopt(_M_TRIM_THRESHOLD, 1 << 31) == 1)
     except (OSError, AttributeError):  # not glibc (musl, ...)
         ok = False
     _done = ok

@@ -20,9 +20,10 @@ Nothing here writes a table to disk; the call log is the only file.
 from __future__ import annotations
 
 import asyncio
+from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import polars as pl
 import pyarrow as pa
@@ -34,6 +35,12 @@ from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.options import RunOptions
 from draco_cli.schemas import Rollout, Step
+
+if TYPE_CHECKING:
+    from polars._typing import SchemaDict
+
+    from draco_cli.llm.client import LLMClient, Progress
+    from draco_cli.llm.types import Answer, LLMRequest
 
 __all__ = ["Scorer", "GroupScore", "CallTally"]
 
@@ -68,10 +75,11 @@ class GroupScore:
 class _Tallied:
     """The client as the stages see it, counting this group's answers on the way through."""
 
-    def __init__(self, client, tally: CallTally) -> None:
+    def __init__(self, client: LLMClient, tally: CallTally) -> None:
         self.client, self.tally = client, tally
 
-    async def arun(self, requests, progress=None):
+    async def arun(self, requests: list[LLMRequest],
+                   progress: Callable[[Progress], None] | None = None) -> list[list[Answer]]:
         answers = await self.client.arun(requests, progress=progress)
         t = self.tally
         for per_request in answers:
@@ -121,8 +129,8 @@ class Scorer:
         self.render = render_options(p.max_prompt_tokens, list(p.redact), p.no_default_redact)
         self.sampling = Sampling(max_tokens=p.max_tokens, thinking=self.llm.thinking)
         self._log: CallLog | None = None
-        self._clients: dict[str, Any] = {}
-        self._sessions: list = []
+        self._clients: dict[str, LLMClient] = {}
+        self._sessions: list[AbstractAsyncContextManager[Any]] = []
         self.static_criteria = None
         if self.options.rubric.kind == "static":
             from draco_cli.rubric import load_static_rubric
@@ -146,7 +154,7 @@ class Scorer:
             self._clients[role] = client
         return self
 
-    async def __aexit__(self, *exc) -> None:
+    async def __aexit__(self, *exc: Any) -> None:
         for session in reversed(self._sessions):
             await session.__aexit__(*exc)
         self._sessions.clear()
@@ -170,13 +178,13 @@ class Scorer:
             raise UsageError("Scorer.score_group: use the scorer inside `async with`")
         arrow = rollouts if isinstance(rollouts, pa.Table) else rollouts.to_arrow()
         spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
-        from draco_cli.io import conform
+        from draco_cli.io import as_frame, conform
 
-        r = conform(pl.from_arrow(arrow.drop_columns(["policy_spans"]) if spans is not None
-                                  else arrow), Rollout, "rollouts",
+        r = conform(as_frame(arrow.drop_columns(["policy_spans"]) if spans is not None
+                             else arrow), Rollout, "rollouts",
                     [c for c in _ROLLOUT_COLUMNS if c in arrow.column_names or c in
                      ("rollout_id", "group_id", "task_id")])
-        s = conform(steps if isinstance(steps, pl.DataFrame) else pl.from_arrow(steps), Step,
+        s = conform(steps if isinstance(steps, pl.DataFrame) else as_frame(steps), Step,
                     "steps", [c for c in _STEP_COLUMNS if c in steps.columns or c in
                               ("rollout_id", "step")])
         groups = r["group_id"].unique(maintain_order=True).to_list()
@@ -190,7 +198,9 @@ class Scorer:
         tables = await asyncio.to_thread(self._credit, r, s, verdicts, spans)
         return GroupScore(groups[0], rubrics, raw, *tables, calls=tally)
 
-    async def _judge(self, r: pl.DataFrame, s: pl.DataFrame, tally: CallTally):
+    async def _judge(self, r: pl.DataFrame, s: pl.DataFrame, tally: CallTally
+                     ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+        """(rubrics, raw verdicts, aggregated verdicts) of one group."""
         from draco_cli.judge import RAW_SCHEMA, score_stage
         from draco_cli.rubric import rubric_stage, static_rubrics
 
@@ -199,9 +209,10 @@ class Scorer:
             empty = pl.DataFrame(schema={"group_id": pl.String, "criterion_id": pl.String,
                                          "title": pl.String, "requirement": pl.String,
                                          "source": pl.String})
-            return empty, pl.DataFrame(schema=RAW_SCHEMA), pl.DataFrame(schema={
-                k: v for k, v in RAW_SCHEMA.items() if k != "sample"})
-        if o.rubric.kind == "static":
+            # RAW_SCHEMA holds polars dtypes (judge.py types it as a dict of objects)
+            raw = pl.DataFrame(schema=cast("SchemaDict", RAW_SCHEMA))
+            return empty, raw, raw.drop("sample")
+        if self.static_criteria is not None:   # rubric kind static
             rubrics = static_rubrics(r, self.static_criteria)
         else:
             res = await adrive(rubric_stage(r, s, stages=("generate", "union", "merge"),
@@ -217,7 +228,9 @@ class Scorer:
         return rubrics, scored.raw, scored.verdicts
 
     def _credit(self, r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
-                spans) -> tuple[pl.DataFrame, ...]:
+                spans: pa.ChunkedArray[Any] | None
+                ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+        """(filtered verdicts, rewards, step credit, token advantages) of one group."""
         from draco_cli.credit import attach_groups, compute_credit, discriminative_filter, \
             narrow_judge
         from draco_cli.token_advantages import spans_to_dense, token_spans

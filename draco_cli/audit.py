@@ -4,13 +4,23 @@ rubric writers overlap, what do rubrics look like, and what did the LLM calls co
 from __future__ import annotations
 
 import math
+import os
 import re
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.stats import logistic_trend, two_proportion_z
+
+if TYPE_CHECKING:
+    from polars._typing import PythonLiteral
+
+    from draco_cli.llm.prices import PriceTable
+
+# criterion texts of one side x the other's -> their |a| x |b| similarity matrix
+Similarity = Callable[[list[str], list[str]], np.ndarray]
 
 KEYS = ["rollout_id", "criterion_id"]
 
@@ -49,7 +59,13 @@ def agreement_rows(self_v: pl.DataFrame, ref_v: pl.DataFrame,
     )
 
 
-def _scope_metrics(rows: pl.DataFrame, scope: str) -> dict:
+def _number(value: PythonLiteral | None) -> float:
+    """A polars aggregate (typed as any Python literal) that is a number here: the mean of a
+    non-empty numeric or boolean column."""
+    return float(cast(float, value))
+
+
+def _scope_metrics(rows: pl.DataFrame, scope: str) -> dict[str, Any]:
     n = rows.height
     ref_fail = int((rows["ref"] == "fail").sum())
     ref_pass = int((rows["ref"] == "pass").sum())
@@ -58,12 +74,12 @@ def _scope_metrics(rows: pl.DataFrame, scope: str) -> dict:
     return {
         "scope": scope,
         "n_rows": n,
-        "agreement": float(rows["agree"].mean()) if n else None,
+        "agreement": _number(rows["agree"].mean()) if n else None,
         "pass_all_baseline": ref_pass / n if n else None,
         "false_pass_rate": fpr,
         "false_fail_rate": ffr,
         "leniency_ratio": fpr / ffr if fpr is not None and ffr else None,
-        "unanswered_rate": float(rows["unanswered"].mean()) if n else None,
+        "unanswered_rate": _number(rows["unanswered"].mean()) if n else None,
         "criteria_per_rollout": n / rows["rollout_id"].n_unique() if n else None,
         "reference_fail_share": ref_fail / n if n else None,
     }
@@ -173,7 +189,8 @@ def _sets(table: pl.DataFrame, level: str) -> dict[str, list[str]]:
 
 
 def overlap_audit(own: pl.DataFrame, reference: pl.DataFrame, level: str,
-                  rollouts: pl.DataFrame | None = None, similarity=lexical_similarity,
+                  rollouts: pl.DataFrame | None = None,
+                  similarity: Similarity = lexical_similarity,
                   threshold: float = 0.5) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(per-unit table, summary table with overall / per train_step / ceiling rows)."""
     a, b = _sets(own, level), _sets(reference, level)
@@ -208,7 +225,8 @@ def _unit_meta(level: str, rollouts: pl.DataFrame | None) -> pl.DataFrame | None
         .rename({key: "unit"})
 
 
-def _ceiling(ref: dict[str, list[str]], meta, level, similarity, threshold):
+def _ceiling(ref: dict[str, list[str]], meta: pl.DataFrame | None, level: str,
+             similarity: Similarity, threshold: float) -> pl.DataFrame | None:
     """The reference against itself: two rollouts of one task (generation), or one task at two
     train steps (merge). Pairs units in order within each task."""
     if meta is None:
@@ -222,7 +240,8 @@ def _ceiling(ref: dict[str, list[str]], meta, level, similarity, threshold):
     for us in by_task.values():
         if level == "group":
             # distinct train steps only
-            seen, picked = set(), []
+            seen: set[int | None] = set()
+            picked: list[str] = []
             for u in us:
                 if info[u][1] not in seen:
                     seen.add(info[u][1])
@@ -237,7 +256,7 @@ def _ceiling(ref: dict[str, list[str]], meta, level, similarity, threshold):
     return pl.DataFrame(rows)
 
 
-def _overlap_row(scope: str, t: pl.DataFrame) -> dict:
+def _overlap_row(scope: str, t: pl.DataFrame) -> dict[str, Any]:
     matched, own, ref = int(t["matched"].sum()), int(t["n_own"].sum()), int(t["n_reference"].sum())
     return {"scope": scope, "units": t.height, "own_criteria": own, "reference_criteria": ref,
             "matched": matched, "recall": matched / ref if ref else None,
@@ -274,14 +293,14 @@ def rubric_audit(rubrics: pl.DataFrame, verdicts: pl.DataFrame, rollouts: pl.Dat
     texts = texts.with_columns(pl.col("norm").is_in(list(single)).alias("single_task"))
     per = per.join(texts.select("group_id", "criterion_id", "single_task"),
                    on=["group_id", "criterion_id"], how="left")
-    judged = per["judgments"].sum()
-    decided = per["passes"].sum() + per["fails"].sum()
+    judged = int(per["judgments"].sum())
+    decided = int(per["passes"].sum()) + int(per["fails"].sum())
     summary = pl.DataFrame([{
         "criteria": rubrics.height,
         "groups": rubrics["group_id"].n_unique(),
         "criteria_per_group": rubrics.height / rubrics["group_id"].n_unique()
         if rubrics.height else None,
-        "discriminative_share": float(per["discriminative"].mean()) if per.height else None,
+        "discriminative_share": _number(per["discriminative"].mean()) if per.height else None,
         "distinct_criteria": tasks_per_text.height,
         "single_task_share": len(single) / tasks_per_text.height if tasks_per_text.height else None,
         "single_task_judgment_share": int(per.filter(pl.col("single_task"))["judgments"].sum())
@@ -316,7 +335,7 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         per_step = c.group_by("train_step").agg(
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
             pl.col("cost_usd").sum()).sort("train_step", nulls_last=True)
-        projected = float(per_step.drop_nulls("train_step")["cost_usd"].mean()) * 100
+        projected = _number(per_step.drop_nulls("train_step")["cost_usd"].mean()) * 100
     elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
         by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \
@@ -327,11 +346,11 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
             pl.col("cost_usd").sum()).sort("train_step")
         if per_step.height:
-            projected = float(per_step["cost_usd"].mean()) * 100
+            projected = _number(per_step["cost_usd"].mean()) * 100
     return per_phase, per_step, projected
 
 
-def read_calls(path) -> pl.DataFrame:
+def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:
     """A call log: SQLite (llm_calls.sqlite) or its Parquet export."""
     from pathlib import Path
 
@@ -371,7 +390,7 @@ def _call_key(text: str | None) -> int | None:
                           signed=True)
 
 
-def read_cost_rows(path) -> pl.DataFrame:
+def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
     """The call log's cost columns and ``call_key`` (one value per HTTP reply: the rows a reply
     with n choices was split into share it), without loading prompts or responses. SQLite or
     its Parquet export."""
@@ -396,9 +415,10 @@ def read_cost_rows(path) -> pl.DataFrame:
                 raise sqlite3.DatabaseError("no calls table")
             conn.create_function("call_key", 1, _call_key, deterministic=True)
             cols = [c for c in COST_COLUMNS if c in have]
-            key = "call_key(response)" if "response" in have else "NULL"
+            key_sql = "call_key(response)" if "response" in have else "NULL"
             order = " ORDER BY id" if "id" in have else ""
-            cur = conn.execute(f"SELECT {', '.join(cols)}, {key} AS call_key FROM calls{order}")
+            cur = conn.execute(f"SELECT {', '.join(cols)}, {key_sql} AS call_key FROM calls"
+                               f"{order}")
             names = [d[0] for d in cur.description]
             parts = []
             while rows := cur.fetchmany(10_000):
@@ -414,7 +434,7 @@ def read_cost_rows(path) -> pl.DataFrame:
     return pl.concat(parts, how="diagonal_relaxed")
 
 
-def billed_vs_naive(calls: pl.DataFrame, prices=None) -> pl.DataFrame:
+def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl.DataFrame:
     """Per phase and in total: the tokens and dollars the call log says were billed, next to
     what a naive client would have paid for the same answers — one call per sample (no ``n``),
     every prompt token at the full input price (no prompt caching), no batch discount.
@@ -466,14 +486,14 @@ def billed_vs_naive(calls: pl.DataFrame, prices=None) -> pl.DataFrame:
          / 1e6).alias("_naive"),
         pl.col("_p_in").is_null().alias("_unpriced"))
 
-    def agg(frame: pl.DataFrame, phase: str) -> dict:
+    def agg(frame: pl.DataFrame, phase: str) -> dict[str, Any]:
         priced = frame.filter(~pl.col("_unpriced"))
         billed = float(priced["cost_usd"].fill_null(0.0).sum()) if priced.height else None
         naive = float(priced["_naive"].sum()) if priced.height else None
         return {"phase": phase, "calls": frame["_call"].n_unique(), "naive_calls": frame.height,
                 **{t: int(frame[t].sum()) for t in tok},
                 "naive_input_tokens": int(frame["_prompt"].sum()),
-                "batch_share": float(frame["batch_id"].is_not_null().mean())
+                "batch_share": _number(frame["batch_id"].is_not_null().mean())
                 if frame.height else None,
                 "billed_usd": billed, "naive_usd": naive,
                 "billed_over_naive": billed / naive if billed is not None and naive else None,

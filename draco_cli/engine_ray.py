@@ -21,6 +21,7 @@ import pickle
 import sqlite3
 from dataclasses import fields
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, cast
 
 import polars as pl
 import pyarrow as pa
@@ -28,10 +29,20 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 
 from draco_cli.errors import DracoError, UsageError
 
+if TYPE_CHECKING:
+    from draco_cli.judge import Aggregate
+    from draco_cli.llm.settings import LLMSettings
+    from draco_cli.ops.llmstage import StageReport
+    from draco_cli.render import RenderOptions
+    from draco_cli.schemas import Table
+
 PART = "__draco_partition"
 
+# A stage's work on one partition: (rollouts, steps, out folder, call log, rubrics) -> report.
+StageWork = Callable[[Path, Path, Path, Path, "Path | None"], "StageReport"]
 
-def _ray():
+
+def _ray() -> Any:   # the ray module: untyped (no stubs), Any is its boundary
     try:
         import ray
         import ray.data  # noqa: F401
@@ -75,9 +86,9 @@ def partition_of(group_id: str, partitions: int) -> int:
     return int(hashlib.sha256(group_id.encode()).hexdigest()[:8], 16) % partitions
 
 
-def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work, *,
+def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work: StageWork, *,
                    partitions: int | None, address: str | None, rubrics: Path | None = None,
-                   main_log: Path | None = None):
+                   main_log: Path | None = None) -> list[tuple[int, StageReport]]:
     """Run ``work(part_rollouts_path, part_steps_path, part_dir, part_log, rubrics)`` for
     each partition on the cluster; return the partitions' reports in partition order.
     ``partitions`` None: as many as the cluster has CPUs (each partition runs its phases one
@@ -85,10 +96,11 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
     ray = _ray()
     connect(address)
     partitions = partitions or cluster_cpus()
-    from draco_cli.io import read_arrow
+    from draco_cli.io import as_frame, read_arrow
 
     table = read_arrow(rollouts)
-    gids = table.column("group_id").to_pylist()
+    # ids are non-null strings (the Rollout contract ingest wrote); the stubs say Any | None
+    gids = cast("list[str]", table.column("group_id").to_pylist())
     part_of = [partition_of(g, partitions) for g in gids]
     table = table.append_column(PART, pa.array(part_of, pa.int32()))
     root = Path(run_dir).absolute() / "ray"
@@ -102,7 +114,7 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
         part = batch.column(PART)[0].as_py()
         d = root / f"part-{part}"
         d.mkdir(parents=True, exist_ok=True)
-        r = pl.from_arrow(batch.drop_columns([PART]))
+        r = as_frame(batch.drop_columns([PART]))
         r.write_parquet(d / f"{stage}-rollouts.parquet")
         s = pl.read_parquet(steps).filter(pl.col("rollout_id").is_in(r["rollout_id"].implode()))
         s.write_parquet(d / f"{stage}-steps.parquet")
@@ -114,7 +126,8 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
     # here), and each block is one map task: a Ray Data groupby would shuffle to the same
     # place, and its hash shuffle starts aggregator actors per job (2.5 s per stage measured,
     # where the blocks' map starts in 0.1 s).
-    blocks = [table.filter(pa.compute.equal(table.column(PART), part)) for part in present]
+    blocks = [table.filter(pa.compute.equal(table.column(PART), pa.scalar(part, pa.int32())))
+              for part in present]
     rows_of = {part: b.num_rows for part, b in zip(present, blocks)}
     ds = ray.data.from_arrow(blocks).map_batches(whole(one, rows_of), batch_size=None,
                                                  batch_format="pyarrow")
@@ -123,9 +136,10 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
     except DracoError:
         raise
     except Exception as exc:  # a task that failed past Ray's retries
-        cause = exc
+        cause: BaseException = exc
+        # Ray's task errors chain the worker's exception as ``.cause``
         while getattr(cause, "cause", None) is not None:
-            cause = cause.cause
+            cause = getattr(cause, "cause")
         if isinstance(cause, DracoError):
             raise cause from None
         first = (str(cause).strip().splitlines() or ["?"])[0][:300]
@@ -135,7 +149,8 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work,
     return [(row["part"], pickle.loads(row["report"])) for row in rows]
 
 
-def whole(one, rows_of: dict[int, int]):
+def whole(one: Callable[[pa.Table], pa.Table], rows_of: dict[int, int]
+          ) -> Callable[[pa.Table], pa.Table]:
     """``one`` for a batch that must be a whole partition (batch_size=None maps one block as
     one batch; a block Ray had split would make two tasks write one partition's folder)."""
     def checked(batch: pa.Table) -> pa.Table:
@@ -153,7 +168,7 @@ def cluster_cpus() -> int:
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def share_limits(work, slots: int):
+def share_limits(work: StageWork, slots: int) -> StageWork:
     """``work`` with its LLM settings' limits shared among the ``slots`` partitions that run
     at once: --concurrency, --rpm and --tpm bound the whole run, as with the local engine, and
     --max-cost is split among them so the partitions together never spend more."""
@@ -183,10 +198,11 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
         return 0
     merge_call_logs(run_dir, main_log)   # first, whatever a partition answered and did not merge
     root = Path(run_dir) / "ray"
-    parts = table.column(PART).to_pylist()
+    parts = cast("list[int]", table.column(PART).to_pylist())
     keys: dict[int, set[str]] = {}
     for col in ("group_id", "rollout_id"):
-        for part, k in zip(parts, table.column(col).to_pylist()):
+        ids = cast("list[str]", table.column(col).to_pylist())
+        for part, k in zip(parts, ids):
             keys.setdefault(part, set()).add(k)
     seeded = 0
     main = sqlite3.connect(main_log)
@@ -223,7 +239,7 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
     return seeded
 
 
-def merge_reports(parts) -> object:
+def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
     """One StageReport from the partitions' (phases summed, notes kept once each)."""
     from draco_cli.llm.client import PhaseStats
     from draco_cli.ops.llmstage import StageReport
@@ -245,9 +261,11 @@ def merge_reports(parts) -> object:
     return out
 
 
-def union_tables(parts, stage_dir: str, names: list[str]) -> dict[str, pl.DataFrame]:
-    """The partitions' tables of one stage, concatenated in partition order."""
-    out = {}
+def union_tables(parts: list[tuple[int, StageReport]], stage_dir: str, names: list[str]
+                 ) -> dict[str, pl.DataFrame | None]:
+    """The partitions' tables of one stage, concatenated in partition order (None: no
+    partition wrote it)."""
+    out: dict[str, pl.DataFrame | None] = {}
     for name in names:
         frames = [pl.read_parquet(p) for p in
                   (rep.outputs[0].parent / name for _, rep in parts) if p.exists()]
@@ -292,7 +310,9 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> int:
     return copied
 
 
-def rubric_work(llm, max_criteria, render, max_tokens, rollouts, steps, out, log, rubrics):
+def rubric_work(llm: LLMSettings, max_criteria: int, render: RenderOptions, max_tokens: int,
+                rollouts: Path, steps: Path, out: Path, log: Path, rubrics: Path | None
+                ) -> StageReport:
     from draco_cli.ops import rubric as st
 
     return st.rubric_generate(rollouts, steps, out, llm, stages=("generate", "union", "merge"),
@@ -300,10 +320,12 @@ def rubric_work(llm, max_criteria, render, max_tokens, rollouts, steps, out, log
                               call_log=log, force=True)
 
 
-def judge_work(llm, samples, aggregate, judge_label, render, max_tokens, rollouts, steps, out,
-               log, rubrics):
+def judge_work(llm: LLMSettings, samples: int, aggregate: Aggregate, judge_label: str,
+               render: RenderOptions, max_tokens: int, rollouts: Path, steps: Path, out: Path,
+               log: Path, rubrics: Path | None) -> StageReport:
     from draco_cli.ops import judge as st
 
+    assert rubrics is not None, "the judge stage reads the rubric stage's rubrics"
     return st.judge_score(rollouts, steps, rubrics, out, llm, samples=samples,
                           aggregate=aggregate, judge_label=judge_label, render=render,
                           max_tokens=max_tokens, call_log=log, force=True)
@@ -318,8 +340,9 @@ def in_input_order(df: pl.DataFrame, key: str, order: list[str]) -> pl.DataFrame
         "__rank", maintain_order=True).drop("__rank")
 
 
-def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: Path, work, *,
-              partitions: int | None, address: str | None, rubrics: Path | None = None):
+def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: Path,
+              work: StageWork, *, partitions: int | None, address: str | None,
+              rubrics: Path | None = None) -> StageReport:
     """One LLM stage on the cluster, its union written into ``run_dir/<stage>``; returns the
     merged StageReport (``outputs`` in the run folder)."""
     from draco_cli.io import OutputSet, read_arrow
@@ -331,14 +354,16 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     merge_call_logs(run_dir, main_log)
     report = merge_reports(parts)
     out = Path(run_dir) / stage
+    names: dict[str, type[Table]]
     if stage == "rubric":
         names = {"rubric_candidates.parquet": RubricCandidate, "rubrics.parquet": Rubric}
         key = "group_id"
-        order = read_arrow(rollouts, ["group_id"]).column("group_id").to_pylist()
+        order = cast("list[str]", read_arrow(rollouts, ["group_id"]).column("group_id").to_pylist())
     else:
         names = {"verdicts_raw.parquet": VerdictRaw, "verdicts.parquet": VerdictAggregated}
         key = "rollout_id"
-        order = read_arrow(rollouts, ["rollout_id"]).column("rollout_id").to_pylist()
+        order = cast("list[str]",
+                     read_arrow(rollouts, ["rollout_id"]).column("rollout_id").to_pylist())
     order = list(dict.fromkeys(order))
     report.outputs = [out / n for n in names]
     out.mkdir(parents=True, exist_ok=True)
@@ -349,5 +374,8 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     tables = union_tables(parts, stage, list(names))
     with OutputSet(out, list(names), force=True) as output:
         for name, model in names.items():
-            output.write_table(in_input_order(tables[name], key, order), name, model)
+            table = tables[name]
+            if table is None:
+                raise DracoError(f"--engine ray: no partition wrote {stage}/{name}")
+            output.write_table(in_input_order(table, key, order), name, model)
     return report

@@ -11,7 +11,7 @@ from __future__ import annotations
 import types
 import typing
 from dataclasses import dataclass
-from typing import Annotated, ClassVar, Literal, Optional, Union
+from typing import Annotated, Any, ClassVar, Literal, Optional, Union
 
 import annotated_types
 import pyarrow as pa
@@ -663,12 +663,12 @@ def _unwrap(annotation: object) -> tuple[object, bool, list[object]]:
             args = typing.get_args(annotation)
             annotation, metadata = args[0], metadata + list(args[1:])
         elif origin in (Union, types.UnionType):
-            args = [a for a in typing.get_args(annotation) if a is not type(None)]
-            if len(args) != len(typing.get_args(annotation)):
+            members = [a for a in typing.get_args(annotation) if a is not type(None)]
+            if len(members) != len(typing.get_args(annotation)):
                 nullable = True
-            if len(args) != 1:
+            if len(members) != 1:
                 raise TypeError(f"unsupported union {annotation!r}")
-            annotation = args[0]
+            annotation = members[0]
         else:
             return annotation, nullable, metadata
 
@@ -693,6 +693,13 @@ def arrow_type_of(annotation: object) -> pa.DataType:
     raise TypeError(f"no Arrow type for {bare!r}")
 
 
+def _bound(value: object) -> float:
+    """A Ge / Le bound of a contract as a float (annotated_types allows any comparable)."""
+    if not isinstance(value, (int, float)):
+        raise TypeError(f"unsupported bound {value!r}: a contract's bounds are numbers")
+    return float(value)
+
+
 def columns(model: type[Table]) -> list[Column]:
     hints = typing.get_type_hints(model, include_extras=True)
     out = []
@@ -703,14 +710,14 @@ def columns(model: type[Table]) -> list[Column]:
         ge = le = item_ge = None
         for m in info.metadata:
             if isinstance(m, annotated_types.Ge):
-                ge = float(m.ge)
+                ge = _bound(m.ge)
             if isinstance(m, annotated_types.Le):
-                le = float(m.le)
+                le = _bound(m.le)
         if typing.get_origin(bare) is list:
             (item,) = typing.get_args(bare)
             for m in _unwrap(item)[2]:
                 if isinstance(m, annotated_types.Ge):
-                    item_ge = float(m.ge)
+                    item_ge = _bound(m.ge)
         arrow = arrow_type_of(hints[attr])
         value_type = arrow.value_type if pa.types.is_list(arrow) else arrow
         out.append(
@@ -741,7 +748,7 @@ def arrow_schema(model: type[Table]) -> pa.Schema:
     )
 
 
-def json_schema(model: type[Table]) -> dict:
+def json_schema(model: type[Table]) -> dict[str, Any]:
     schema = model.model_json_schema()
     schema["$id"] = f"draco/{model.table_name}/{SCHEMA_VERSION}"
     schema["x-draco-table"] = model.table_name

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import os
 import sys
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -26,6 +27,11 @@ from draco_cli.cli import sql as sql_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
 
+if TYPE_CHECKING:
+    from typer import _click as click
+
+    from draco_cli.storage import StagedArgs
+
 def _flags_take_no_value() -> None:
     """typer prints a type beside on/off flags (``--force <bool>``), as if they took a value;
     show nothing there, as click and every peer CLI do."""
@@ -35,10 +41,11 @@ def _flags_take_no_value() -> None:
     if shown is None:  # another typer: leave its help as it is
         return
 
-    def display_type_rich(self, ctx):
+    def display_type_rich(self: TyperOption, ctx: click.Context) -> str | None:
         return None if self.is_flag else shown(self, ctx)
 
-    TyperOption.display_type_rich = display_type_rich
+    # a patch of typer's help rendering, applied once at import (see the docstring)
+    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
 
 
 _flags_take_no_value()
@@ -89,7 +96,8 @@ def main() -> None:
     try:  # typer >= 0.20 carries its own copy of click
         from typer._click import exceptions as cx
     except ImportError:  # pragma: no cover
-        from click import exceptions as cx
+        # the same module under an older typer: mypy sees one of the two
+        from click import exceptions as cx  # type: ignore[no-redef]
 
     global _staged
     tune_allocator()
@@ -120,41 +128,44 @@ def main() -> None:
     except typer.Abort:
         err_console.print("[bold red]error:[/] aborted", highlight=False)
         sys.exit(130)
-    except DracoError as exc:
+    except (DracoError, OSError, RecursionError, MemoryError) as exc:
         if os.environ.get("DRACO_DEBUG"):
             raise
-        _fail(str(exc), exc.exit_code)
-    except OSError as exc:
-        # The generic failures of any command (a full disk, a read-only folder, no permission,
-        # a path through a file), mapped once here so every command inherits the wording.
-        if os.environ.get("DRACO_DEBUG"):
-            raise
-        from draco_cli.errors import describe_os_error
-
-        _fail(describe_os_error(exc), 1)
-    except RecursionError:
-        if os.environ.get("DRACO_DEBUG"):
-            raise
-        _fail("input nested too deeply to process", 1)
-    except MemoryError:
-        if os.environ.get("DRACO_DEBUG"):
-            raise
-        _fail("out of memory (nothing was written); try a smaller input", 1)
+        _fail(*_known_failure(exc))
     except KeyboardInterrupt:
         _fail("interrupted (nothing was published; rerun to resume)", 130)
     except Exception as exc:  # noqa: BLE001 — the last line of defence against a traceback
-        import sqlite3
-
         if os.environ.get("DRACO_DEBUG"):
             raise
-        if isinstance(exc, sqlite3.Error):  # e.g. "database or disk is full"
-            _fail(f"call log: {exc}", 1)
-        first = (str(exc).splitlines() or [""])[0][:300]
-        _fail(f"internal error ({type(exc).__name__}: {first}); rerun with DRACO_DEBUG=1 for "
-              "the traceback, and please report it", 1)
+        _fail(*_unexpected_failure(exc))
 
 
-_staged = None   # the command line's staged remote paths (draco_cli.storage.StagedArgs)
+def _known_failure(exc: BaseException) -> tuple[str, int]:
+    """(message, exit code) of a failure every command may meet."""
+    from draco_cli.errors import DracoError, describe_os_error
+
+    if isinstance(exc, DracoError):
+        return str(exc), exc.exit_code
+    if isinstance(exc, OSError):
+        # The generic failures of any command (a full disk, a read-only folder, no permission,
+        # a path through a file), mapped once here so every command inherits the wording.
+        return describe_os_error(exc), 1
+    if isinstance(exc, RecursionError):
+        return "input nested too deeply to process", 1
+    return "out of memory (nothing was written); try a smaller input", 1
+
+
+def _unexpected_failure(exc: Exception) -> tuple[str, int]:
+    import sqlite3
+
+    if isinstance(exc, sqlite3.Error):  # e.g. "database or disk is full"
+        return f"call log: {exc}", 1
+    first = (str(exc).splitlines() or [""])[0][:300]
+    return (f"internal error ({type(exc).__name__}: {first}); rerun with DRACO_DEBUG=1 for "
+            "the traceback, and please report it", 1)
+
+
+_staged: StagedArgs | None = None   # the command line's staged remote paths
 
 
 def _fail(message: str, code: int) -> None:

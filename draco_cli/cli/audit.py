@@ -41,7 +41,7 @@ def self_judge(
     """
     from draco_cli.ops.audit import audit_self_judge
 
-    fmt = pick_format(fmt, as_json)
+    shape = pick_format(fmt, as_json)
     agreement, tests = audit_self_judge(self_v, reference, out, rollouts=rollouts,
                                         self_judge=self_judge_label,
                                         reference_judge=reference_judge, force=force)
@@ -49,7 +49,7 @@ def self_judge(
     emit(Report([("self-judge vs reference", agreement)] + ([("tests", tests)] if tests.height
                                                             else []),
                 document={"overall": overall, "scopes": agreement.to_dicts(),
-                          "tests": tests.to_dicts()}), fmt)
+                          "tests": tests.to_dicts()}), shape)
 
 
 @app.command("overlap")
@@ -108,11 +108,11 @@ def rubric(
 
     summary, per = audit_rubric(rubrics, verdicts, out, rollouts=rollouts, judge=judge,
                                 force=force)
-    fmt = pick_format(fmt, as_json)
+    shape = pick_format(fmt, as_json)
     emit(Report([("rubric statistics", summary),
-                 ("na rate per criterion (worst 10)" if fmt == "table" else "criteria",
+                 ("na rate per criterion (worst 10)" if shape == "table" else "criteria",
                   per.select("title", "judgments", "na_rate", "fails", "passes").head(10)
-                  if fmt == "table" else per)], keys=["summary", "criteria"]), fmt)
+                  if shape == "table" else per)], keys=["summary", "criteria"]), shape)
 
 
 @app.command("cost")

@@ -2,13 +2,16 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.options import CREDIT_PANEL, Force, folder_path
+
+if TYPE_CHECKING:
+    from draco_cli.credit import CreditStats
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
                   no_args_is_help=True)
@@ -95,7 +98,7 @@ def compute(
     from draco_cli.options import CreditOptions
     from draco_cli.ops.credit import credit_compute
 
-    fmt = pick_format(fmt, as_json)
+    shape = pick_format(fmt, as_json)
     outcome = reward is RewardSource.outcome
     options = CreditOptions.build(
         credit=credit.value if credit else ("uniform" if outcome else "step"),
@@ -111,10 +114,11 @@ def compute(
                           + ("" if verdicts is not None else " and no criteria filter (no "
                              "verdicts)") + "; pass --credit step with --verdicts to spread it "
                           "over steps by the judge's citations", highlight=False)
-    _summary(stats, out, fmt, options.reward)
+    _summary(stats, out, shape, options.reward)
 
 
-def _summary(stats, out: Path, fmt: str = "table", reward: str = "rubric") -> None:
+def _summary(stats: CreditStats, out: Path, fmt: str = "table", reward: str = "rubric"
+             ) -> None:
     from dataclasses import asdict
 
     from rich.console import Console
@@ -135,14 +139,16 @@ def _summary(stats, out: Path, fmt: str = "table", reward: str = "rubric") -> No
     t.add_row("credit modes", ", ".join(f"{k} {v}" for k, v in stats.credit_modes.items()))
     if stats.citations_dropped:
         t.add_row("citations dropped", f"{stats.citations_dropped} (outside 1..M)")
-    fmt = lambda x: "—" if x is None else f"{x:.4f}"  # noqa: E731
-    t.add_row("advantage range", f"{fmt(stats.advantage_min)} .. {fmt(stats.advantage_max)}")
+    def num(x: float | None) -> str:
+        return "—" if x is None else f"{x:.4f}"
+
+    t.add_row("advantage range", f"{num(stats.advantage_min)} .. {num(stats.advantage_max)}")
     if reward == "outcome":
-        t.add_row("mean reward (environment outcome)", fmt(stats.mean_reward))
+        t.add_row("mean reward (environment outcome)", num(stats.mean_reward))
     else:
-        t.add_row("mean reward (filtered)", fmt(stats.mean_reward))
+        t.add_row("mean reward (filtered)", num(stats.mean_reward))
     if stats.mean_pass_rate_all is not None or reward == "rubric":
-        t.add_row("mean pass rate (unfiltered)", fmt(stats.mean_pass_rate_all))
+        t.add_row("mean pass rate (unfiltered)", num(stats.mean_pass_rate_all))
     if stats.null_rewards:
         t.add_row("rollouts without reward", f"{stats.null_rewards} (advantage 0)")
     Console(highlight=False).print(t)

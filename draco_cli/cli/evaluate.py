@@ -1,9 +1,12 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    import polars as pl
 
 from draco_cli.cli.options import Force, folder_path
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
@@ -19,9 +22,9 @@ def _parse_ks(k: str) -> list[int]:
     return ks
 
 
-def _scope_document(metrics, scope: str) -> dict:
+def _scope_document(metrics: pl.DataFrame, scope: str) -> dict[str, Any]:
     """The JSON form of one scope's figures, from the long metrics table."""
-    doc: dict = {"pass_hat_k": {}, "pass_at_k": {}, "termination_shares": {}}
+    doc: dict[str, Any] = {"pass_hat_k": {}, "pass_at_k": {}, "termination_shares": {}}
     for row in metrics.filter(metrics["scope"] == scope).iter_rows(named=True):
         m, k, v = row["metric"], row["k"], row["value"]
         if m in ("pass_hat_k", "pass_at_k", "sgc_hat_k"):
@@ -41,7 +44,7 @@ def _scope_document(metrics, scope: str) -> dict:
     return doc
 
 
-def _label(metric: str, k) -> str:
+def _label(metric: str, k: int | None) -> str:
     names = {"pass_hat_k": f"pass^{k}", "pass_at_k": f"pass@{k}", "sgc_hat_k": f"SGC^{k}",
              "tgc": "TGC (p^1)", "sgc": "SGC", "retention": f"retention p^{k}/p^1",
              "sgc_retention": f"SGC retention ^{k}/^1", "mean_turns": "mean turns"}
@@ -50,7 +53,7 @@ def _label(metric: str, k) -> str:
     return names.get(metric, metric)
 
 
-def metrics_wide(metrics):
+def metrics_wide(metrics: pl.DataFrame) -> pl.DataFrame:
     """One row per figure, one column per scope (overall first): the screen form."""
     import polars as pl
 
@@ -105,7 +108,7 @@ def evaluate(
     from draco_cli.evaluate import missing_note
     from draco_cli.ops.evaluate import compare_runs, evaluate_runs
 
-    fmt = pick_format(fmt, as_json)
+    shape = pick_format(fmt, as_json)
     ks = _parse_ks(k)
     if compare:
         if len(compare) != 2:
@@ -113,7 +116,7 @@ def evaluate(
                                      param_hint="--compare")
         res = compare_runs(compare[0], compare[1], ks, missing=missing)
         emit(Report([(f"A = {compare[0]}   B = {compare[1]}", res)],
-                     document=res.to_dicts()), fmt)
+                     document=res.to_dicts()), shape)
         return
     if not rollouts:
         raise typer.BadParameter("give --rollouts (or --compare A --compare B)",
@@ -142,5 +145,5 @@ def evaluate(
         # one training step: its column would repeat overall
         shown = shown.filter(~pl.col("scope").str.starts_with("train_step="))
     emit(Report([(f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks",
-                  metrics_wide(shown))] if fmt != "csv" else
-                [("metrics", result.metrics)], document=doc), fmt)
+                  metrics_wide(shown))] if shape != "csv" else
+                [("metrics", result.metrics)], document=doc), shape)

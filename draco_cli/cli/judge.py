@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt, VerdictsOpt
+from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt
 from draco_cli.cli.options import folder_path
 from draco_cli.cli.options import JUDGE_PANEL
 from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
@@ -22,7 +22,7 @@ app = typer.Typer(help="Judging rollouts against rubrics.", no_args_is_help=True
 @app.command("filter")
 def filter_(
     rollouts: RolloutsOpt,
-    verdicts: VerdictsOpt,
+    verdicts: Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output file (- for stdout).")],
     drop: DropOpt = Drop.all_pass,
     judge: JudgeOpt = None,

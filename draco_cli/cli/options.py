@@ -18,7 +18,7 @@ JUDGE_PANEL = "Judge options"
 CREDIT_PANEL = "Credit options"
 
 
-def folder_path(value):
+def folder_path(value: Path | None) -> Path | None:
     """A folder option: ``-`` (stdout) cannot hold a folder; say so before any work."""
     if value is not None and str(value) == "-":
         raise typer.BadParameter("- is stdout, which cannot hold a folder: give a folder path")

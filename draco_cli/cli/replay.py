@@ -1,14 +1,18 @@
 from __future__ import annotations
 
 import json
+from dataclasses import dataclass
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.options import BaseUrls, Concurrency, Force, MaxCost, Model, Prices, Timeout
 from draco_cli.cli.options import folder_path
+
+if TYPE_CHECKING:
+    import polars as pl
 
 app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric evolution.",
                   no_args_is_help=True)
@@ -87,13 +91,15 @@ def run_cmd(
     from draco_cli.ops.replay import run_replay
 
     with progress_bar("replaying") as bar:
+        @dataclass
         class _P:  # the progress bar's shape
-            failed, cost_usd = 0, 0.0
+            done: int
+            total: int
+            failed: int = 0
+            cost_usd: float = 0.0
 
         def tick(done: int, total: int) -> None:
-            p = _P()
-            p.done, p.total = done, total
-            bar(p)
+            bar(_P(done, total))
 
         res = run_replay(plan_path, env, out, workers=workers, replays=replays,
                          timeout=timeout, force=force, progress=tick)
@@ -192,7 +198,7 @@ def fit_cmd(
                           f"{cf['fold'].n_unique()} folds → {predictions}", highlight=False)
 
 
-def _print_table(df, title: str) -> None:
+def _print_table(df: pl.DataFrame, title: str) -> None:
     from rich.table import Table
 
     t = Table(title=title, title_justify="left", box=None)

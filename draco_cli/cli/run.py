@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 import typer
 
@@ -16,6 +16,9 @@ from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Te
 from draco_cli.cli.options import (BaseUrls, Batch, CallLogPath, Concurrency, MaxCost,
                                    MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
                                    Prices, Redact, Rpm, Thinking, Timeout, Tpm)
+
+if TYPE_CHECKING:
+    from draco_cli.ops.run import RunResult, StageEvent
 
 
 class Setting(str, Enum):
@@ -160,7 +163,7 @@ def run(
     _summary(result, run_dir, fmt_name)
 
 
-def _print_event(e) -> None:
+def _print_event(e: StageEvent) -> None:
     def calls() -> str:
         if not (e.calls_new or e.calls_reused):
             return ""
@@ -181,7 +184,7 @@ def _print_event(e) -> None:
         err_console.print(f"  - {note}", highlight=False, markup=False)
 
 
-def summary_document(result, run_dir: Path) -> dict:
+def summary_document(result: RunResult, run_dir: Path) -> dict[str, Any]:
     """The run's results as one JSON-able document (``draco run --format json``)."""
     m = result.manifest
     calls = m["llm_calls"]
@@ -204,7 +207,7 @@ def summary_document(result, run_dir: Path) -> dict:
     }
 
 
-def _summary(result, run_dir: Path, fmt: str = "table") -> None:
+def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
     m = result.manifest
     calls = m["llm_calls"]
     total = sum(v.get("cost_usd") or 0 for v in calls.values())

@@ -50,7 +50,8 @@ def allocate(score_norm: np.ndarray, error: np.ndarray, cost: np.ndarray, budget
     def p_of(lam: float) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
             raw = g * np.sqrt(e / (lam * c))
-        return np.clip(np.nan_to_num(raw, nan=0.0), p_min, 1.0)
+        p: np.ndarray = np.clip(np.nan_to_num(raw, nan=0.0), p_min, 1.0)
+        return p
 
     def spend(lam: float) -> float:
         return float((p_of(lam) * c).sum())
@@ -76,7 +77,8 @@ def default_cost(steps: np.ndarray, n_steps: np.ndarray, replays: int) -> np.nda
     """K·(T − t + 1) + K·(T − t) environment actions (SPEC §6): the resampled side runs a fresh
     action and the remaining steps, the realized side restores the state after step t and runs
     the remaining T − t."""
-    return replays * (2.0 * (n_steps - steps) + 1.0)
+    cost: np.ndarray = replays * (2.0 * (n_steps - steps) + 1.0)
+    return cost
 
 
 ALLOCATIONS = ("sqrt", "uniform")

@@ -3,6 +3,8 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
@@ -59,7 +61,7 @@ def rloo(rollouts: pl.DataFrame) -> pl.DataFrame:
 
 def correct(plan_df: pl.DataFrame, labels: pl.DataFrame, *, beta: float = 0.0,
             rollouts: pl.DataFrame | None = None, no_correction: bool = False,
-            clip: float | None = None) -> tuple[pl.DataFrame, dict]:
+            clip: float | None = None) -> tuple[pl.DataFrame, dict[str, Any]]:
     """Per-position corrected credit and advantage a_t = β·A_RLOO + (1 − β)·Ĉ_t."""
     if not 0 <= beta <= 1:
         raise UsageError("--beta must be in [0, 1]")
@@ -76,7 +78,7 @@ def correct(plan_df: pl.DataFrame, labels: pl.DataFrame, *, beta: float = 0.0,
     out = out.with_columns(corrected.alias("corrected"))
     if clip is not None:
         out = out.with_columns(pl.col("corrected").clip(-clip, clip))
-    if beta > 0:
+    if beta > 0 and rollouts is not None:   # not None: checked above
         out = out.join(rloo(rollouts), on="rollout_id", how="left", maintain_order="left") \
             .with_columns(pl.col("rloo").fill_null(0.0))
         out = out.with_columns((beta * pl.col("rloo") + (1 - beta) * pl.col("corrected"))

@@ -15,8 +15,13 @@
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING, Any, cast
+
 import numpy as np
 import polars as pl
+
+if TYPE_CHECKING:
+    from draco_cli.credo.heads import Heads
 
 from draco_cli.credo.correction import deltas
 from draco_cli.errors import InputError
@@ -36,7 +41,7 @@ def _labelled(plan_df: pl.DataFrame, labels: pl.DataFrame) -> pl.DataFrame:
         d, on=["rollout_id", "step"]).join(side, on=["rollout_id", "step"], how="left")
 
 
-def weight_tails(plan_df: pl.DataFrame) -> dict:
+def weight_tails(plan_df: pl.DataFrame) -> dict[str, Any]:
     """Importance weights S_t/p_t over the replayed positions."""
     sel = plan_df.filter(pl.col("selected"))
     w = 1.0 / sel["p"].to_numpy() if sel.height else np.zeros(0)
@@ -46,11 +51,12 @@ def weight_tails(plan_df: pl.DataFrame) -> dict:
             "mean_weight": float(w.mean()) if w.size else None,
             "effective_sample_size": ess,
             "ess_share": ess / w.size if w.size else None,
-            "min_p": float(plan_df["p"].min()) if plan_df.height else None,
+            # p is a float column: its minimum is a float
+            "min_p": float(cast(float, plan_df["p"].min())) if plan_df.height else None,
             "top_weight_share": float(w.max() / w.sum()) if w.size else None}
 
 
-def variance_split(plan_df: pl.DataFrame, labels: pl.DataFrame) -> dict:
+def variance_split(plan_df: pl.DataFrame, labels: pl.DataFrame) -> dict[str, Any]:
     """Replay noise σ_t² vs squared prediction error (C_t − c_t)², inverse-inclusion weighted
     totals over all planned positions (positions with one return per side have no σ̂²)."""
     rows = _labelled(plan_df, labels)
@@ -74,8 +80,8 @@ def allocator_calibration(plan_df: pl.DataFrame, labels: pl.DataFrame, bins: int
                           ) -> pl.DataFrame:
     """Predicted e_t (what the allocator used) vs realized (Δ_t − c_t)² per e-bin."""
     rows = _labelled(plan_df, labels)
-    schema = {"bin": pl.Int64, "n": pl.Int64, "mean_predicted_error": pl.Float64,
-              "mean_squared_residual": pl.Float64}
+    schema = pl.Schema({"bin": pl.Int64, "n": pl.Int64, "mean_predicted_error": pl.Float64,
+                        "mean_squared_residual": pl.Float64})
     if rows.height == 0:
         return pl.DataFrame(schema=schema)
     df = rows.select(pl.col("error").alias("e"),
@@ -91,7 +97,7 @@ def allocator_calibration(plan_df: pl.DataFrame, labels: pl.DataFrame, bins: int
     ).sort("bin").cast(schema)
 
 
-def predictor_drift(old, new, features: pl.DataFrame) -> dict:
+def predictor_drift(old: Heads, new: Heads, features: pl.DataFrame) -> dict[str, Any]:
     """How much the predictions moved between two head versions on the same positions."""
     c0, e0 = old.predict(features)
     c1, e1 = new.predict(features)
@@ -124,7 +130,7 @@ def cost_by_category(calls: pl.DataFrame | None = None, rollouts: pl.DataFrame |
     the rollouts' response tokens (Σ response_len, else Σ step tokens) and their steps;
     replay and reconstruction from `replay run`'s replay_cost table; the rest from the call
     log by phase."""
-    rows: list[dict] = []
+    rows: list[dict[str, Any]] = []
     if rollouts is not None or steps is not None:
         tokens = None
         if rollouts is not None and "response_len" in rollouts.columns and \

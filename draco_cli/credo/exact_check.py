@@ -25,6 +25,7 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
+from typing import Any, Callable, Sequence
 
 import numpy as np
 
@@ -82,6 +83,9 @@ class Position:
         return self.q_real - self.q_res
 
 
+# a number per position: a predictor's c_t, or an allocation's p_t
+Predictor = Callable[[Position], float]
+
 def trajectories(M: int, th: float = THETA) -> list[list[Position]]:
     """The 16 trajectories (a1, o1, a2, R), each with its two positions."""
     def cost(t: int) -> float:
@@ -122,13 +126,13 @@ def expected_sq_residual(pos: Position, c: float, M: int) -> float:
     return sum(pr * (d - c) ** 2 for pr, d in delta_outcomes(pos, M))
 
 
-def estimator_moments(trajs: list[list[Position]], pred, p_of, M: int, correct: bool
-                      ) -> tuple[float, float, float]:
+def estimator_moments(trajs: list[list[Position]], pred: Predictor, p_of: Predictor, M: int,
+                      correct: bool) -> tuple[float, float, float]:
     """Exact (E[Ĝ], Var[Ĝ], E[replay cost]) of Ĝ = Σ_t g_t·Ĉ_t over trajectories, inclusion
     draws and replay outcomes. Uncorrected estimators acquire the same labels (same cost)."""
     mean = second = cost = 0.0
     for traj in trajs:
-        per_pos = []
+        per_pos: list[list[tuple[float, float, float]]] = []
         for pos in traj:
             c, p = pred(pos), p_of(pos)
             branches = [(1 - p, pos.score * c, 0.0)] if p < 1 else []
@@ -145,7 +149,8 @@ def estimator_moments(trajs: list[list[Position]], pred, p_of, M: int, correct: 
     return mean, second - mean * mean, cost
 
 
-def oracle_allocation(trajs, pred, M: int, budget: float, p_min: float):
+def oracle_allocation(trajs: list[list[Position]], pred: Predictor, M: int, budget: float,
+                      p_min: float) -> Predictor:
     """Eq. 10 with the exact e_t and |g_t|, expected cost Σ P(traj)·p_t·ℓ_t = budget, through
     the product allocator: weighting ℓ by P and ‖g‖ by sqrt(P) leaves p_t's formula unchanged
     and turns its budget into an expectation."""
@@ -161,7 +166,7 @@ def oracle_allocation(trajs, pred, M: int, budget: float, p_min: float):
 
 
 def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
-                K: int | None = None) -> list[dict]:
+                K: int | None = None) -> list[dict[str, Any]]:
     """Rows per predictor × estimator: expectation, |error| against ∂J/∂θ, exact variance and
     expected replay cost per original trajectory (uniform and oracle at the same cost; the
     no-correction control buys the oracle plan's labels and ignores them)."""
@@ -170,7 +175,7 @@ def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
     truth = analytic_gradient()
     full_cost = sum(pos.prob * pos.cost for traj in trajs for pos in traj)
     budget = budget_share * full_cost
-    predictors = {
+    predictors: dict[str, Predictor] = {
         "zero": lambda pos: 0.0,                              # no rubric information
         "good": lambda pos: 0.8 * pos.credit,                 # close but shrunk: biased
         "bad": lambda pos: -0.5 * pos.credit + 0.2,           # wrong sign, offset
@@ -190,17 +195,17 @@ def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
     return rows
 
 
-def _row(name, mean, var, cost, truth) -> dict:
+def _row(name: str, mean: float, var: float, cost: float, truth: float) -> dict[str, Any]:
     return {"estimator": name, "max_abs_error": abs(mean - truth), "variance": var,
             "expected_cost": cost, "expectation": mean, "gradient": truth}
 
 
-def sweep_replays(Ms=(1, 2, 4), p_min: float = 0.05, budget: float | None = None,
-                  predictor: str = "zero") -> list[dict]:
+def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05,
+                  budget: float | None = None, predictor: str = "zero") -> list[dict[str, Any]]:
     """Replays per side M under one fixed expected budget (environment actions per original
     trajectory; default half of full replay at M = 2): more replays per position buy less
     coverage. Exact variance of the corrected estimator with oracle allocation per M."""
-    preds = {"zero": lambda pos: 0.0, "good": lambda pos: 0.8 * pos.credit,
+    preds: dict[str, Predictor] = {"zero": lambda pos: 0.0, "good": lambda pos: 0.8 * pos.credit,
              "bad": lambda pos: -0.5 * pos.credit + 0.2}
     pred = preds[predictor]
     truth = analytic_gradient()

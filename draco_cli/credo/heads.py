@@ -124,7 +124,7 @@ def fit_heads(plan_df: pl.DataFrame, labels: pl.DataFrame, features: pl.DataFram
     return Heads(names, credit.tolist(), error.tolist(), ridge, f"heads-{digest}", rows.height)
 
 
-def task_split(rollouts: pl.DataFrame, holdout: float = 0.2) -> tuple[set, set]:
+def task_split(rollouts: pl.DataFrame, holdout: float = 0.2) -> tuple[set[str], set[str]]:
     """Tasks split deterministically by hash: (train rollout ids, held-out rollout ids)."""
     def held(task: str) -> bool:
         return int(hashlib.sha256(str(task).encode()).hexdigest(), 16) % 1000 < holdout * 1000
@@ -139,8 +139,8 @@ def calibration(heads: Heads, rows: pl.DataFrame, bins: int = 5) -> pl.DataFrame
     """Held-out calibration of both heads, inverse-inclusion weighted, per prediction bin:
     credit head (mean prediction c vs mean Δ) and error head (mean predicted e vs mean
     (Δ − c_old)², c_old the plan's stored prediction — the error head's own target)."""
-    schema = {"head": pl.String, "bin": pl.Int64, "n": pl.Int64, "mean_prediction": pl.Float64,
-              "mean_target": pl.Float64}
+    schema = pl.Schema({"head": pl.String, "bin": pl.Int64, "n": pl.Int64,
+                        "mean_prediction": pl.Float64, "mean_target": pl.Float64})
     if rows.height == 0:
         return pl.DataFrame(schema=schema)
     c, e = heads.predict(rows)

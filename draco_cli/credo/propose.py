@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import Literal
+from typing import TYPE_CHECKING, Callable, Literal, Protocol, cast
 
 import numpy as np
 import polars as pl
@@ -28,6 +28,10 @@ from pydantic import BaseModel, Field
 from draco_cli.credo.evolve import objective
 from draco_cli.credo.heads import draco_features, fit_heads, task_split, training_rows
 from draco_cli.errors import InputError, UsageError
+
+if TYPE_CHECKING:
+    from draco_cli.llm.client import Progress
+    from draco_cli.llm.types import Answer, LLMRequest
 
 PROMPT_VERSION = "evolve.v1"
 PHASE = "evolve"
@@ -54,14 +58,24 @@ class EvolveResult:
     notes: list[str]
 
 
+class Client(Protocol):
+    """What evolve asks of an LLM client (``LLMClient`` is one)."""
+
+    def run(self, requests: list[LLMRequest],
+            progress: Callable[[Progress], None] | None = None, batch: bool | None = False
+            ) -> list[list[Answer]]: ...
+
+
 class _AsPhase:
     """Runs a client's requests under another phase label (cost accounting only: the phase is
     not part of a request's cache key)."""
 
-    def __init__(self, client, phase: str):
+    def __init__(self, client: Client, phase: str):
         self.client, self.phase = client, phase
 
-    def run(self, requests, progress=None, batch: bool = False):
+    def run(self, requests: list[LLMRequest],
+            progress: Callable[[Progress], None] | None = None, batch: bool | None = False
+            ) -> list[list[Answer]]:
         for r in requests:
             r.phase = self.phase
         return self.client.run(requests, progress=progress, batch=batch)
@@ -85,7 +99,7 @@ def rubric_keys(rubrics: pl.DataFrame) -> pl.DataFrame:
 
 
 def apply_edit(rubrics: pl.DataFrame, keyed: pl.DataFrame, edit: Edit
-               ) -> tuple[pl.DataFrame, list[str], dict | None]:
+               ) -> tuple[pl.DataFrame, list[str], dict[str, str] | None]:
     """(edited rubric, criterion ids removed, new criterion {title, requirement} or None)."""
     from draco_cli.rubric import criterion_id
 
@@ -125,15 +139,17 @@ def outcome_auc(rewards: pl.DataFrame, rollouts: pl.DataFrame) -> float | None:
     return float(((diff > 0).sum() + 0.5 * (diff == 0).sum()) / diff.size)
 
 
-def _features_of(rollouts, steps, verdicts):
+def _features_of(rollouts: pl.DataFrame, steps: pl.DataFrame, verdicts: pl.DataFrame
+                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
     from draco_cli.credit import compute_credit
 
     res = compute_credit(rollouts, steps, verdicts.drop("retained", strict=False))
     return draco_features(res.step_credit, res.rewards), res.rewards
 
 
-def _score(plan_df, labels, rollouts, features, train, held, ridge) -> tuple[float, float]:
-
+def _score(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFrame,
+           features: pl.DataFrame, train: set[str], held: set[str], ridge: float
+           ) -> tuple[float, float]:
     h = fit_heads(plan_df.filter(pl.col("rollout_id").is_in(list(train))), labels, features,
                   ridge)
     te = training_rows(plan_df.filter(pl.col("rollout_id").is_in(list(held))), labels,
@@ -145,7 +161,8 @@ def _score(plan_df, labels, rollouts, features, train, held, ridge) -> tuple[flo
     return objective(te, c)
 
 
-def proposal_request(rubric_lines: list[str], evidence: list[str], max_edits: int):
+def proposal_request(rubric_lines: list[str], evidence: list[str], max_edits: int
+                     ) -> LLMRequest:
     from draco_cli.llm.types import LLMRequest, Sampling
 
     template = resources.files("draco_cli.prompts").joinpath(f"{PROMPT_VERSION}.txt") \
@@ -159,7 +176,9 @@ def proposal_request(rubric_lines: list[str], evidence: list[str], max_edits: in
                    + "\n\n".join(evidence)}])
 
 
-def _evidence(plan_df, labels, rollouts, steps, verdicts, keyed, features, train, held, ridge,
+def _evidence(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFrame,
+              steps: pl.DataFrame, verdicts: pl.DataFrame, keyed: pl.DataFrame,
+              features: pl.DataFrame, train: set[str], held: set[str], ridge: float,
               n: int) -> list[str]:
     from draco_cli.render import fenced, shorten
 
@@ -190,10 +209,10 @@ def _evidence(plan_df, labels, rollouts, steps, verdicts, keyed, features, train
 
 
 def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFrame,
-                 steps: pl.DataFrame, rubrics: pl.DataFrame, verdicts: pl.DataFrame, client, *,
-                 max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
-                 holdout: float = 0.2, judge_label: str = "judge", progress=None
-                 ) -> EvolveResult:
+                 steps: pl.DataFrame, rubrics: pl.DataFrame, verdicts: pl.DataFrame,
+                 client: Client, *, max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
+                 holdout: float = 0.2, judge_label: str = "judge",
+                 progress: Callable[[Progress], None] | None = None) -> EvolveResult:
     from draco_cli.judge import score_rollouts
 
     if max_edits < 1:
@@ -220,7 +239,8 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
                      "no edit to score")
         edits: list[Edit] = []
     else:
-        edits = list(answer.value.edits)[:max_edits]
+        # the request's answer_model: the client parsed the answer into it
+        edits = list(cast(EditsAnswer, answer.value).edits)[:max_edits]
     candidates: dict[str, tuple[pl.DataFrame, pl.DataFrame]] = {}
     judge = _AsPhase(client, PHASE)
     for n, edit in enumerate(edits, start=1):
@@ -250,11 +270,11 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
         "candidate": pl.String, "op": pl.String, "title": pl.String, "reason": pl.String,
         "held_out_objective": pl.Float64, "held_out_mse": pl.Float64,
         "outcome_auc": pl.Float64, "criteria": pl.Int64, "error": pl.String})
-    scored = scores.filter(pl.col("held_out_objective").is_not_null()
+    edited = scores.filter(pl.col("held_out_objective").is_not_null()
                            & (pl.col("candidate") != "current rubric"))
     accepted = None
-    if scored.height:
-        best = scored.sort("held_out_objective").row(0, named=True)
+    if edited.height:
+        best = edited.sort("held_out_objective").row(0, named=True)
         if best["held_out_objective"] < obj0:
             accepted = best["candidate"]
     for metric, better in (("held_out_mse", "min"), ("outcome_auc", "max")):

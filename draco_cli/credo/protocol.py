@@ -38,7 +38,7 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Callable
+from typing import IO, Any, Callable, Protocol, cast
 
 import polars as pl
 
@@ -47,6 +47,10 @@ from draco_cli.errors import InputError, UsageError
 PROTOCOL = "draco-replay/1"
 LOG_NAME = "replay_log.jsonl"
 COST_FIELDS = ("env_actions", "tokens", "reconstruction_actions", "reconstruction_tokens")
+
+# A request to the environment, and a record of the log (a checked answer): JSON objects.
+Request = dict[str, Any]
+Record = dict[str, Any]
 
 
 @dataclass
@@ -74,7 +78,7 @@ def position_seed(plan_seed: int, rollout_id: str, step: int) -> int:
     return int.from_bytes(d[:8], "big") >> 1
 
 
-def requests_of(plan_df: pl.DataFrame, replays: int | None) -> list[dict]:
+def requests_of(plan_df: pl.DataFrame, replays: int | None) -> list[Request]:
     for col in ("rollout_id", "step", "selected"):
         if col not in plan_df.columns:
             raise InputError("missing column of the plan", field=col)
@@ -93,7 +97,7 @@ def requests_of(plan_df: pl.DataFrame, replays: int | None) -> list[dict]:
     return out
 
 
-def check_answer(req: dict, ans: object) -> str | None:
+def check_answer(req: Request, ans: object) -> str | None:
     """Why an answer is unusable, or None."""
     if not isinstance(ans, dict):
         return "the answer is not a JSON object"
@@ -120,8 +124,8 @@ class _Log:
     def __init__(self, path: Path, digest: str, replace_other: bool):
         self.path = path
         self.lock = threading.Lock()
-        self.done: dict[str, dict] = {}
-        head: dict = {}
+        self.done: dict[str, Record] = {}
+        head: dict[str, Any] = {}
         if path.exists():
             lines = path.read_bytes().split(b"\n")
             try:
@@ -150,7 +154,7 @@ class _Log:
                 os.fsync(f.fileno())
         self.f = open(path, "ab")
 
-    def add(self, rec: dict) -> None:
+    def add(self, rec: Record) -> None:
         with self.lock:
             self.f.write(json.dumps(rec).encode() + b"\n")
             self.f.flush()
@@ -159,6 +163,14 @@ class _Log:
 
     def close(self) -> None:
         self.f.close()
+
+
+class _Env(Protocol):
+    """One connection to the environment."""
+
+    def ask(self, req: Request, timeout: float) -> object: ...
+
+    def close(self) -> None: ...
 
 
 class _Subprocess:
@@ -171,17 +183,19 @@ class _Subprocess:
         except (OSError, ValueError) as exc:
             raise UsageError(f"--env {cmd!r} could not start: "
                              f"{getattr(exc, 'strerror', None) or exc}") from None
-        self.lines: queue.Queue = queue.Queue()
+        # Popen with PIPEs: stdin and stdout are there
+        self.stdin, self.stdout = cast("IO[str]", self.p.stdin), cast("IO[str]", self.p.stdout)
+        self.lines: queue.Queue[str | None] = queue.Queue()
         threading.Thread(target=self._read, daemon=True).start()
 
     def _read(self) -> None:  # a reader thread, so a silent environment can time out
-        for line in self.p.stdout:
+        for line in self.stdout:
             self.lines.put(line)
         self.lines.put(None)
 
-    def ask(self, req: dict, timeout: float) -> object:
-        self.p.stdin.write(json.dumps(req) + "\n")
-        self.p.stdin.flush()
+    def ask(self, req: Request, timeout: float) -> object:
+        self.stdin.write(json.dumps(req) + "\n")
+        self.stdin.flush()
         try:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
@@ -193,7 +207,7 @@ class _Subprocess:
 
     def close(self) -> None:
         try:
-            self.p.stdin.close()
+            self.stdin.close()
             self.p.wait(timeout=10)
         except (OSError, subprocess.TimeoutExpired):
             self.p.kill()
@@ -203,7 +217,7 @@ class _Http:
     def __init__(self, url: str):
         self.url = url
 
-    def ask(self, req: dict, timeout: float) -> object:
+    def ask(self, req: Request, timeout: float) -> object:
         r = urllib.request.Request(self.url, data=json.dumps(req).encode(),
                                    headers={"Content-Type": "application/json"})
         with urllib.request.urlopen(r, timeout=timeout) as resp:
@@ -211,6 +225,39 @@ class _Http:
 
     def close(self) -> None:
         pass
+
+
+def _ask(conn: _Env, req: Request, timeout: float, is_http: bool
+         ) -> tuple[str | None, Record | None, bool]:
+    """(why the answer is unusable or None, the answer, whether the connection is broken)."""
+    try:
+        ans = conn.ask(req, timeout)
+        why = check_answer(req, ans)
+    except (ValueError, OSError, RuntimeError, urllib.error.URLError) as exc:
+        return (f"{type(exc).__name__}: {exc}"[:300], None,
+                not is_http and not isinstance(exc, ValueError))
+    # check_answer returned None only for a dict
+    return why, (cast("Record", ans) if why is None else None), False
+
+
+def _tables(recs: list[Record], complete: bool) -> tuple[pl.DataFrame, pl.DataFrame | None]:
+    """(replay costs per position, labels: None until every position has its answer)."""
+    costs = pl.DataFrame(
+        [{"rollout_id": rec["rollout_id"], "step": rec["step"],
+          **{k: rec.get(k, 0) for k in COST_FIELDS}, "seconds": rec["seconds"]}
+         for rec in recs],
+        schema={"rollout_id": pl.String, "step": pl.Int64,
+                **{k: pl.Int64 for k in COST_FIELDS}, "seconds": pl.Float64})
+    if not complete:
+        return costs, None
+    labels = pl.DataFrame(
+        [{"rollout_id": rec["rollout_id"], "step": rec["step"], "side": side, "sample": k,
+          "return": float(v)}
+         for rec in recs for side in ("realized", "resampled")
+         for k, v in enumerate(rec[side])],
+        schema={"rollout_id": pl.String, "step": pl.Int64, "side": pl.String,
+                "sample": pl.Int64, "return": pl.Float64})
+    return costs, labels
 
 
 def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int = 1,
@@ -224,7 +271,7 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     reqs = requests_of(plan_df, replays)
     log = _Log(log_path, plan_digest(plan_df), replace_other)
     before = sum(1 for r in reqs if r["id"] in log.done)
-    todo: queue.Queue = queue.Queue()
+    todo: queue.Queue[Request] = queue.Queue()
     for r in reqs:
         if r["id"] not in log.done:
             todo.put(r)
@@ -233,7 +280,7 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     lock = threading.Lock()
     is_http = env.startswith(("http://", "https://"))
 
-    def connect():
+    def connect() -> _Env:
         return _Http(env) if is_http else _Subprocess(env)
 
     def worker() -> None:
@@ -250,14 +297,8 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                 except queue.Empty:
                     return
                 t0 = time.monotonic()
-                broken = False
-                try:
-                    ans = conn.ask(req, timeout)
-                    why = check_answer(req, ans)
-                except (ValueError, OSError, RuntimeError, urllib.error.URLError) as exc:
-                    why, ans = f"{type(exc).__name__}: {exc}"[:300], None
-                    broken = not is_http and not isinstance(exc, ValueError)
-                if why:
+                why, ans, broken = _ask(conn, req, timeout, is_http)
+                if why or ans is None:
                     with lock:
                         failures.append(f"({req['rollout_id']!r}, step {req['step']}): {why}")
                     if broken:  # the pipe is gone or hung: a fresh copy for the next replay
@@ -286,19 +327,5 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
         t.join()
     log.close()
     recs = [log.done[r["id"]] for r in reqs if r["id"] in log.done]
-    costs = pl.DataFrame(
-        [{"rollout_id": rec["rollout_id"], "step": rec["step"],
-          **{k: rec.get(k, 0) for k in COST_FIELDS}, "seconds": rec["seconds"]}
-         for rec in recs],
-        schema={"rollout_id": pl.String, "step": pl.Int64,
-                **{k: pl.Int64 for k in COST_FIELDS}, "seconds": pl.Float64})
-    labels = None
-    if len(recs) == len(reqs):
-        labels = pl.DataFrame(
-            [{"rollout_id": rec["rollout_id"], "step": rec["step"], "side": side, "sample": k,
-              "return": float(v)}
-             for rec in recs for side in ("realized", "resampled")
-             for k, v in enumerate(rec[side])],
-            schema={"rollout_id": pl.String, "step": pl.Int64, "side": pl.String,
-                    "sample": pl.Int64, "return": pl.Float64})
+    costs, labels = _tables(recs, len(recs) == len(reqs))
     return RunResult(labels, costs, before, ran[0], failures)

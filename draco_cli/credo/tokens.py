@@ -9,6 +9,7 @@ import polars as pl
 import pyarrow as pa
 
 from draco_cli.credit import index_steps
+from draco_cli.io import as_frame
 from draco_cli.token_advantages import _canonical, _list_array, _policy_pairs, token_spans
 
 
@@ -34,7 +35,17 @@ def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: 
     parent, pstart, pend = _policy_pairs(ps)
     # Gap tokens = policy spans minus step ranges: cut each policy span around the steps
     # (a loop over the replayed rollouts, which CREDO keeps few).
-    rr, ss, ee, vv = [], [], [], []
+    rr: list[int] = []
+    ss: list[int] = []
+    ee: list[int] = []
+    vv: list[float] = []
+
+    def piece(r: int, start: int, end: int, value: float) -> None:
+        rr.append(r)
+        ss.append(start)
+        ee.append(end)
+        vv.append(value)
+
     for r in np.unique(parent):
         lo, hi = sa.offsets[r], sa.offsets[r + 1]
         if np.any(sa.token_start[lo:hi] < 0):
@@ -48,11 +59,11 @@ def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: 
                 if e <= a or s >= b:
                     continue
                 if s > pos:
-                    rr.append(r), ss.append(pos), ee.append(s), vv.append(gap[r])
-                rr.append(r), ss.append(max(s, a)), ee.append(min(e, b)), vv.append(v)
+                    piece(r, pos, s, gap[r])
+                piece(r, max(s, a), min(e, b), v)
                 pos = min(e, b)
             if pos < b:
-                rr.append(r), ss.append(pos), ee.append(b), vv.append(gap[r])
+                piece(r, pos, b, gap[r])
     if not rr:
         return base
     r_arr = np.array(rr, dtype=np.int64)
@@ -60,7 +71,7 @@ def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: 
     offsets, s_, e_, v_ = _canonical(r_arr[order], np.array(ss, dtype=np.int64)[order],
                                      np.array(ee, dtype=np.int64)[order],
                                      np.array(vv, dtype=np.float32)[order], R)
-    with_gap = pl.from_arrow(pa.table({
+    with_gap = as_frame(pa.table({
         "span_start": _list_array(offsets, s_.astype(np.int32), pa.int32()),
         "span_end": _list_array(offsets, e_.astype(np.int32), pa.int32()),
         "span_value": _list_array(offsets, v_.astype(np.float32), pa.float32())}))

@@ -12,7 +12,7 @@ import pyarrow as pa
 
 from draco_cli.credit import CreditStats, compute_credit
 from draco_cli.errors import InputError, UsageError
-from draco_cli.io import OutputSet, check_writable, conform, read_arrow, read_table
+from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
 from draco_cli.ops import publish_file, source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
@@ -25,7 +25,7 @@ CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cit
                           "retained"]
 
 
-def _check_spans_type(spans: pa.ChunkedArray | None, source: str,
+def _check_spans_type(spans: pa.ChunkedArray[Any] | None, source: str,
                       response_len: pl.Series | None = None) -> None:
     """The policy_spans rules of ``draco validate``, raised at the first broken one."""
     from draco_cli.validate import policy_span_issues, raise_first
@@ -65,8 +65,8 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     # would cost more memory than all the credit computation.
     arrow = read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS)
     spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
-    r = conform(pl.from_arrow(arrow.drop_columns(["policy_spans"]) if spans is not None
-                              else arrow), Rollout, source_name(rollouts),
+    r = conform(as_frame(arrow.drop_columns(["policy_spans"]) if spans is not None
+                         else arrow), Rollout, source_name(rollouts),
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
     _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.

@@ -18,12 +18,13 @@ from draco_cli.llm.types import Sampling
 from draco_cli.ops import publish_file, source_name
 from draco_cli.ops.llmstage import (StageReport, call_log_path, finish, read_inputs,
                                     render_messages)
+from draco_cli.options import Aggregate, Drop
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
 
 
 def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, out: Path,
-                settings: LLMSettings, *, samples: int, aggregate: str, judge_label: str,
+                settings: LLMSettings, *, samples: int, aggregate: Aggregate, judge_label: str,
                 render: RenderOptions, max_tokens: int = 4096, call_log: Path | None = None,
                 force: bool = False, progress: Callable[[Any], None] | None = None
                 ) -> StageReport:
@@ -43,7 +44,9 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
-                             judge=judge_label, render=render, batch=settings.batch,
+                             # None: the client's default (judge.py annotates bool only)
+                             judge=judge_label, render=render,
+                             batch=settings.batch,  # type: ignore[arg-type]
                              progress=progress,
                              sampling=Sampling(max_tokens=max_tokens, thinking=settings.thinking))
         finish(client, log_path, out, report)
@@ -92,7 +95,7 @@ def judge_prompt(rollouts: str | Path, steps: str | Path, rubrics: str | Path, *
     return render_messages(req.messages)
 
 
-def filtered_verdicts(rollouts: str | Path, verdicts: str | Path, *, drop: str = "all-pass",
+def filtered_verdicts(rollouts: str | Path, verdicts: str | Path, *, drop: Drop = "all-pass",
                       judge: str | None = None) -> pl.DataFrame:
     """Aggregated verdicts of one judge with ``retained`` set by the discriminative filter,
     ``group_id`` attached."""
@@ -105,7 +108,7 @@ def filtered_verdicts(rollouts: str | Path, verdicts: str | Path, *, drop: str =
 
 
 def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
-                 drop: str = "all-pass", judge: str | None = None, force: bool = False
+                 drop: Drop = "all-pass", judge: str | None = None, force: bool = False
                  ) -> tuple[int, int]:
     """The filtered verdicts → ``out`` (published whole, under the folder's lock); returns
     (retained, all) (group, criterion) pairs."""

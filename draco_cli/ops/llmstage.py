@@ -6,7 +6,7 @@ from __future__ import annotations
 import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
@@ -16,6 +16,9 @@ from draco_cli.redact import Redactor
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Step
 
+if TYPE_CHECKING:
+    from draco_cli.llm.client import PhaseStats
+
 ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction"]
 STEP_COLUMNS = ["rollout_id", "step", "action", "observation"]
 
@@ -24,7 +27,7 @@ STEP_COLUMNS = ["rollout_id", "step", "action", "observation"]
 class StageReport:
     """What an LLM operation reports at its end (the command prints it)."""
 
-    phases: dict = field(default_factory=dict)   # phase -> PhaseStats
+    phases: dict[str, PhaseStats] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
     outputs: list[Path] = field(default_factory=list)
     budget_reached: bool = False
@@ -93,6 +96,6 @@ def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[st
     return out
 
 
-def render_messages(messages: list[dict]) -> str:
+def render_messages(messages: list[dict[str, Any]]) -> str:
     """A request's messages as text (``--show-prompt``)."""
     return "\n\n".join(f"===== {m['role']} =====\n{m['content']}" for m in messages)

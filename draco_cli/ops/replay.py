@@ -13,7 +13,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Callable
+from typing import TYPE_CHECKING, Any, Callable, Sequence
 
 import polars as pl
 
@@ -22,10 +22,13 @@ from draco_cli.credo import (Heads, correct, cross_fit, draco_features, evolve, 
 from draco_cli.credo.protocol import LOG_NAME, RunResult, run_replays
 from draco_cli.errors import UsageError
 from draco_cli.io import (OutputSet, check_writable, conform, folder_lock, prepare_out_dir,
-                          read_arrow, require_finite, write_table, write_text_atomic)
+                          as_frame, read_arrow, require_finite, write_table, write_text_atomic)
 from draco_cli.schemas import (AllocatorCalibration, EvolveScore, HeadPrediction, ReplayCost,
                                ReplayCredit, ReplayLabel, ReplayPlan, Rollout, Rubric, Step,
                                Table, TokenAdvantages, VerdictAggregated)
+
+if TYPE_CHECKING:
+    from draco_cli.llm.settings import LLMSettings
 
 PathLike = str | Path
 
@@ -41,7 +44,7 @@ TOKEN_STEP_COLUMNS = ("rollout_id", "step", "n_tokens", "token_start")
 
 
 def read(path: PathLike) -> pl.DataFrame:
-    return pl.from_arrow(read_arrow(path))
+    return as_frame(read_arrow(path))
 
 
 def features_table(path: PathLike, rewards: PathLike | None = None) -> pl.DataFrame:
@@ -211,7 +214,7 @@ def fit_replay(plan_path: PathLike, labels: PathLike, features: PathLike, out: P
 
 
 def evolve_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike,
-                  baseline: PathLike, candidates: list[PathLike], out: PathLike, *,
+                  baseline: PathLike, candidates: Sequence[PathLike], out: PathLike, *,
                   ridge: float = 1.0, holdout: float = 0.2, force: bool = False
                   ) -> pl.DataFrame:
     """`replay evolve`: rubric variants (feature tables) scored on held-out tasks → `out`."""
@@ -233,7 +236,7 @@ class ProposeResult:
 
 
 def propose_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike, steps: PathLike,
-                   rubrics: PathLike, verdicts: PathLike, out: PathLike, llm: Any, *,
+                   rubrics: PathLike, verdicts: PathLike, out: PathLike, llm: LLMSettings, *,
                    max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
                    holdout: float = 0.2, force: bool = False,
                    progress: Callable[..., None] | None = None) -> ProposeResult:
@@ -254,9 +257,10 @@ def propose_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike, st
                                read(rubrics), read(verdicts), client, max_edits=max_edits,
                                evidence=evidence, ridge=ridge, holdout=holdout,
                                progress=progress)
+        models: tuple[type[Table], ...] = (EvolveScore, Rubric, VerdictAggregated)
         with OutputSet(folder, list(PROPOSE_TABLES), force=True) as output:
             for df, name, model in zip((res.scores, res.rubrics, res.verdicts), PROPOSE_TABLES,
-                                       (EvolveScore, Rubric, VerdictAggregated)):
+                                       models):
                 output.write_table(checked(df, model, folder / name), name, model)
     return ProposeResult(res.scores, res.accepted, res.notes, dict(client.stats))
 
@@ -271,7 +275,7 @@ class Diagnostics:
 
 
 def diagnose_replay(plan_path: PathLike, *, labels: PathLike | None = None,
-                    heads: list[PathLike] | None = None, features: PathLike | None = None,
+                    heads: Sequence[PathLike] | None = None, features: PathLike | None = None,
                     rewards: PathLike | None = None, out: PathLike | None = None,
                     force: bool = False) -> Diagnostics:
     """`replay diagnose`: weight tails, variance split, allocator calibration and, given two

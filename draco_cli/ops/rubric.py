@@ -38,7 +38,9 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
     with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
-                               render=render, batch=settings.batch, progress=progress,
+                               render=render, progress=progress,
+                               # None: the client's default (rubric.py annotates bool only)
+                               batch=settings.batch,  # type: ignore[arg-type]
                                sampling=Sampling(max_tokens=max_tokens,
                                                  thinking=settings.thinking))
         finish(client, log_path, out, report)

@@ -18,7 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
@@ -28,6 +28,9 @@ from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOpti
 from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
 from draco_cli.runfolder import (Health, Manifest, RunFolder, StageHealth, StageRecord,
                                  file_sha256, input_record)
+
+if TYPE_CHECKING:
+    from draco_cli.ops.llmstage import StageReport
 
 __all__ = ["SETTINGS", "RunOptions", "RubricOptions", "PromptOptions", "JudgeOptions",
            "CreditOptions", "RunResult", "StageEvent", "run_step", "run_dir_for"]
@@ -55,7 +58,7 @@ class StageEvent:
 @dataclass
 class RunResult:
     run_dir: Path
-    manifest: dict
+    manifest: dict[str, Any]        # the manifest as JSON
     skipped: list[str]
     budget_reached: bool = False
     healthy: bool = True
@@ -79,7 +82,8 @@ def run_dir_for(out: Path, train_step: int | None) -> Path:
 
 
 def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
-             opts: RunOptions | None = None, train_step: int | None = None, progress=None,
+             opts: RunOptions | None = None, train_step: int | None = None,
+             progress: Callable[[Any], None] | None = None,
              on_event: Callable[[StageEvent], None] | None = None, wait: bool = True,
              on_wait: Callable[[str], None] | None = None) -> RunResult:
     """Run one training step into ``out`` (or ``out/step-N`` with ``train_step``).
@@ -121,8 +125,11 @@ def _check_model(model: str) -> None:
 
 
 class _Run:
-    def __init__(self, folder, rollouts, steps, llm, opts, train_step, static_criteria,
-                 progress, on_event) -> None:
+    def __init__(self, folder: RunFolder, rollouts: Path, steps: Path, llm: LLMSettings | None,
+                 opts: RunOptions, train_step: int | None,
+                 static_criteria: list[dict[str, str]] | None,
+                 progress: Callable[[Any], None] | None,
+                 on_event: Callable[[StageEvent], None] | None) -> None:
         self.folder, self.llm, self.opts, self.train_step = folder, llm, opts, train_step
         self.rollouts, self.steps = rollouts, steps
         self.static_criteria = static_criteria
@@ -210,7 +217,7 @@ class _Run:
 
     # -- keys: options + contents of what each stage reads ----------------------------------
 
-    def _llm_key(self, llm: LLMSettings) -> dict:
+    def _llm_key(self, llm: LLMSettings) -> dict[str, Any]:
         key = {"model": llm.model, "base_url": llm.base_url, "thinking": llm.thinking,
                "prompt": self.opts.prompt.model_dump(mode="json"),
                "prompt_versions": PROMPT_VERSIONS}
@@ -301,7 +308,7 @@ class _Run:
                                 force=True, progress=self.progress)
         return self._llm_record("judge", report)
 
-    def _llm_record(self, name: str, report, **extra: Any) -> StageRecord:
+    def _llm_record(self, name: str, report: StageReport, **extra: Any) -> StageRecord:
         from draco_cli.ops.llmstage import unanswered_reasons
 
         phases = {p: s for p, s in report.phases.items() if p in LLM_PHASES[name]}
