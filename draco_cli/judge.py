@@ -160,9 +160,10 @@ def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: 
     return rows
 
 
-RAW_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {"rollout_id": pl.String, "criterion_id": pl.String, "judge": pl.String,
-              "sample": pl.Int64, "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
-              "reason": pl.String}
+RAW_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "rollout_id": pl.String, "criterion_id": pl.String, "judge": pl.String,
+    "sample": pl.Int64, "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
+    "reason": pl.String}
 
 
 def aggregate_verdicts(raw: pl.DataFrame, how: Aggregate = "all") -> pl.DataFrame:

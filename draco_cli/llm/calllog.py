@@ -239,7 +239,8 @@ class CallLog:
         except sqlite3.OperationalError as exc:
             raise _write_failed(self.path, exc) from None
 
-    def pending_batches(self, provider: str, model: str, phase: str) -> list[tuple[str, dict[str, Any]]]:
+    def pending_batches(self, provider: str, model: str,
+                        phase: str) -> list[tuple[str, dict[str, Any]]]:
         rows = self._conn.execute(
             "SELECT batch_id, request_map FROM batches WHERE status = 'submitted' AND "
             "provider = ? AND model = ? AND phase = ?", (provider, model, phase)).fetchall()

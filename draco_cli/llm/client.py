@@ -377,7 +377,8 @@ class LLMClient:
         tick(final)
         return final
 
-    async def _ask_in_time(self, provider: Provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
+    async def _ask_in_time(self, provider: Provider, req: LLMRequest,
+                           samples: list[int]) -> list[Answer]:
         if self.deadline is None:
             return await self._ask(provider, req, samples)
         try:
@@ -525,7 +526,8 @@ class LLMClient:
     def _cost_of(self, reply: Reply) -> float:
         return self._cost(reply.usage, reply.batch_id is not None)
 
-    def _estimate(self, req: LLMRequest, messages: list[dict[str, str]], n: int) -> tuple[int, float]:
+    def _estimate(self, req: LLMRequest, messages: list[dict[str, str]],
+                  n: int) -> tuple[int, float]:
         """Tokens (for --tpm) and a dollar estimate (for --max-cost) of one call: the phase's
         mean billed cost per sample so far, or before any reply the prompt at ~4 characters a
         token with every answer at max_tokens."""
@@ -547,7 +549,8 @@ class LLMClient:
                         error=scrub(error), response=response, endpoint=endpoint,
                         cost_usd=0.0 if self.priced else None)
 
-    def _pool_failure(self, req: LLMRequest, samples: list[int], exc: Retryable, endpoint: str) -> None:
+    def _pool_failure(self, req: LLMRequest, samples: list[int], exc: Retryable,
+                      endpoint: str) -> None:
         """An endpoint of the fleet failed a call (retried elsewhere, or by ``_call``)."""
         stats = self.stats[req.phase]
         stats.failed_attempts += 1
