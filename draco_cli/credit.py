@@ -7,8 +7,9 @@ Every function takes and returns polars DataFrames; ``compute_credit`` chains th
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, cast
 
 import numpy as np
 import polars as pl
@@ -74,7 +75,7 @@ def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -
     )
     missing = joined.filter(pl.col("group_id").is_null())
     if missing.height:
-        row = int(missing["__row"].min())
+        row = int(cast(int, missing["__row"].min()))  # a non-empty UInt32 column
         rid = joined.filter(pl.col("__row") == row)["rollout_id"][0]
         raise InputError(f"verdict for unknown rollout {rid!r}", file=source, row=row,
                          field="rollout_id")
@@ -152,7 +153,8 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
         row = int(np.flatnonzero(run == first_run)[0])
         raise InputError(f"step of unknown rollout {rid[row]!r}", file=source, row=row,
                          field="rollout_id")
-    return joined["__r"].to_numpy().astype(np.int64)[run]
+    owner: np.ndarray = joined["__r"].to_numpy().astype(np.int64)[run]
+    return owner
 
 
 def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> StepArrays:
@@ -334,7 +336,8 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
 CHUNK_STEPS = 1 << 20  # steps per block: temporaries stay small and their memory is reused
 
 
-def rollout_chunks(offsets: np.ndarray, target: int | None = None):
+def rollout_chunks(offsets: np.ndarray, target: int | None = None,
+                   ) -> Iterator[tuple[int, int, int, int]]:
     """(first rollout, end rollout, first step, end step) blocks of about ``target`` steps
     (default CHUNK_STEPS), cut at rollout boundaries: per-rollout sums never straddle blocks."""
     target = target or CHUNK_STEPS
@@ -487,10 +490,11 @@ def compute_credit(
         criteria_dropped=int(crit.height - crit["retained"].sum()),
         citations_dropped=dropped,
         credit_modes=dict(rw.group_by("credit_mode").len().sort("credit_mode").iter_rows()),
-        advantage_min=rw["advantage"].min(),
-        advantage_max=rw["advantage"].max(),
-        mean_reward=rw["reward"].mean(),
-        mean_pass_rate_all=rw["pass_rate_all"].mean(),
+        # Float64 columns: their min, max and mean are floats (None when empty or all null)
+        advantage_min=cast("float | None", rw["advantage"].min()),
+        advantage_max=cast("float | None", rw["advantage"].max()),
+        mean_reward=cast("float | None", rw["reward"].mean()),
+        mean_pass_rate_all=cast("float | None", rw["pass_rate_all"].mean()),
         null_rewards=rw["reward"].null_count(),
     )
     return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa)

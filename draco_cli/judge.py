@@ -11,15 +11,20 @@ from __future__ import annotations
 
 import json
 from dataclasses import dataclass
-from typing import Literal
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import polars as pl
 from pydantic import BaseModel
 
 from draco_cli.errors import UsageError
-from draco_cli.llm.types import LLMRequest, Sampling
+from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.render import RenderOptions, fenced, render_steps, task_block
+
+if TYPE_CHECKING:
+    from draco_cli.llm.client import Progress
+    from draco_cli.llm.drive import Stage
 
 Aggregate = Literal["all", "majority"]
 
@@ -35,13 +40,13 @@ class ScoreAnswer(BaseModel):
     verdicts: list[VerdictItem]
 
 
-def score_schema(criterion_ids: list[str], n_steps: int) -> dict:
+def score_schema(criterion_ids: list[str], n_steps: int) -> dict[str, Any]:
     """Exactly one verdict per criterion (as many items as ids, ids from the group's list),
     citations bounded by the rollout's steps. Uniqueness of ids is checked after decoding
     (``verdict_check``): strict schema modes do not take ``uniqueItems`` on objects."""
     step = {"type": "integer", "enum": list(range(1, n_steps + 1))} if n_steps else \
         {"type": "integer"}
-    cites: dict = {"type": "array", "items": step}
+    cites: dict[str, Any] = {"type": "array", "items": step}
     if n_steps:
         cites["maxItems"] = n_steps
     item = {"type": "object", "additionalProperties": False,
@@ -57,7 +62,7 @@ def score_schema(criterion_ids: list[str], n_steps: int) -> dict:
                                         "minItems": n, "maxItems": n}}}
 
 
-def verdict_check(criterion_ids: list[str]):
+def verdict_check(criterion_ids: list[str]) -> Callable[[BaseModel], str | None]:
     """Every criterion of the group answered exactly once, no other id: else re-asked."""
     wanted = list(criterion_ids)
 
@@ -75,7 +80,8 @@ def verdict_check(criterion_ids: list[str]):
                 "for every criterion listed"
         return None
 
-    return check
+    # The request's answer_model is ScoreAnswer, so the client only ever passes one.
+    return cast("Callable[[BaseModel], str | None]", check)
 
 
 def criteria_listing(criteria: pl.DataFrame) -> str:
@@ -93,8 +99,8 @@ def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criter
                           samples, sampling, render, load_prompt("score"))
 
 
-def _score_request(rollout_id: str, instruction: str, numbers: list, actions: list,
-                   observations: list, ids: list[str], listing: str, samples: int,
+def _score_request(rollout_id: str, instruction: str, numbers: list[int], actions: list[str],
+                   observations: list[str], ids: list[str], listing: str, samples: int,
                    sampling: Sampling, render: RenderOptions,
                    prompt: tuple[str, str]) -> LLMRequest:
     template, version = prompt
@@ -122,7 +128,7 @@ class ScoreStats:
 
 
 def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: str,
-                 sample: int, answer, stats: ScoreStats) -> list[dict]:
+                 sample: int, answer: Answer, stats: ScoreStats) -> list[dict[str, Any]]:
     """Raw verdict rows of one answer, one per criterion of the group."""
     if answer.status != "ok":
         stats.unanswered_samples += 1
@@ -131,12 +137,13 @@ def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: 
                 for c in criteria_ids]
     known = set(criteria_ids)
     got: dict[str, VerdictItem] = {}
-    for item in answer.value.verdicts:
-        if item.criterion_id not in known:
+    value = cast(ScoreAnswer, answer.value)  # status ok: a validated ScoreAnswer
+    for given in value.verdicts:
+        if given.criterion_id not in known:
             stats.unknown_ids += 1
-        elif item.criterion_id not in got:  # a repeated id: the first answer stands
-            got[item.criterion_id] = item
-    rows = []
+        elif given.criterion_id not in got:  # a repeated id: the first answer stands
+            got[given.criterion_id] = given
+    rows: list[dict[str, Any]] = []
     for c in criteria_ids:
         item = got.get(c)
         if item is None:
@@ -153,9 +160,10 @@ def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: 
     return rows
 
 
-RAW_SCHEMA = {"rollout_id": pl.String, "criterion_id": pl.String, "judge": pl.String,
-              "sample": pl.Int64, "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
-              "reason": pl.String}
+RAW_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
+    "rollout_id": pl.String, "criterion_id": pl.String, "judge": pl.String,
+    "sample": pl.Int64, "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
+    "reason": pl.String}
 
 
 def aggregate_verdicts(raw: pl.DataFrame, how: Aggregate = "all") -> pl.DataFrame:
@@ -213,10 +221,11 @@ class ScoreResult:
     rollouts_without_rubric: int
 
 
-def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client,
+def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client: Any,
                    *, samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
                    sampling: Sampling | None = None, render: RenderOptions | None = None,
-                   batch: bool = False, progress=None) -> ScoreResult:
+                   batch: bool = False,
+                   progress: Callable[[Progress], None] | None = None) -> ScoreResult:
     from draco_cli.llm.drive import drive
 
     return drive(score_stage(rollouts, steps, rubrics, samples=samples, aggregate=aggregate,
@@ -226,7 +235,8 @@ def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.Data
 
 def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, *,
                 samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
-                sampling: Sampling | None = None, render: RenderOptions | None = None):
+                sampling: Sampling | None = None, render: RenderOptions | None = None,
+                ) -> Stage[ScoreResult]:
     """The judge stage as a generator of request lists (``draco_cli.llm.drive``)."""
     from draco_cli.llm.drive import RequestStream
 
@@ -252,7 +262,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
     jobs: list[tuple[str, list[str], int]] = []
     prompt = load_prompt("score")
 
-    def produce():
+    def produce() -> Iterator[LLMRequest]:
         for i in wanted:
             rid = ids_col[i]
             ids, listing = by_group[groups[i]]
@@ -266,7 +276,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
     answers = (yield RequestStream(produce(), len(wanted), len(wanted) * samples)) \
         if wanted else []
     stats = ScoreStats()
-    rows = []
+    rows: list[dict[str, Any]] = []
     for (rid, ids, m), per_sample in zip(jobs, answers):
         for a in per_sample:
             rows += verdict_rows(rid, ids, m, judge, a.sample, a, stats)

@@ -61,7 +61,7 @@ assert len(_TRIGGERS) == len(_DEFAULTS)
 
 
 @functools.lru_cache(maxsize=256)
-def _combination(active: tuple[int, ...]) -> tuple[re.Pattern, str]:
+def _combination(active: tuple[int, ...]) -> tuple[re.Pattern[str], str]:
     keys = [_DEFAULTS[i][0] for i in active if _DEFAULTS[i][0]]
     return (re.compile("|".join(DEFAULT_PATTERNS[i] for i in active)),
             "".join(rf"\g<{k}>" for k in keys) + MASK)

@@ -50,7 +50,7 @@ def render_rollout(instruction: str, steps: pl.DataFrame, opts: RenderOptions,
                         steps["observation"].to_list(), opts, budget_tokens)
 
 
-def render_steps(instruction: str, numbers: list, actions: list, observations: list,
+def render_steps(instruction: str, numbers: list[int], actions: list[str], observations: list[str],
                  opts: RenderOptions, budget_tokens: int | None = None) -> tuple[str, str]:
     """``render_rollout`` over the step columns as lists (the judge stage slices them from one
     sorted table instead of building a frame per rollout)."""

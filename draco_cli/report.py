@@ -11,13 +11,21 @@ from __future__ import annotations
 
 import html
 import json
+from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
 
 import numpy as np
 import polars as pl
 
 from draco_cli.errors import InputError
+
+if TYPE_CHECKING:
+    from duckdb import DuckDBPyConnection
+
+# the redaction applied to every rollout or LLM text (a ``draco_cli.redact.Redactor``)
+Redact = Callable[[str], str]
 
 MAX_ROLLOUTS = 200  # rollouts offered in the picker and drawn in the heatmap
 MAX_GROUP_STRIPS = 24  # above this many groups, histograms replace per-group strips
@@ -31,21 +39,24 @@ GREEN, RED = (34, 139, 34), (200, 40, 40)
 @dataclass
 class Run:
     dir: Path
-    manifest: dict
+    manifest: dict[str, Any]   # JSON
     label: str  # "step N", or the folder when it has no train step
     step: int | None
 
 
-def _manifest(run: Path) -> dict:
+def _manifest(run: Path) -> dict[str, Any]:
     from draco_cli.runfolder import RunFolder
 
     m = run / "manifest.json"
     if not run.is_dir() or not m.exists():
         raise InputError("not a draco run folder (no manifest.json)", file=str(run))
     if RunFolder.is_run_folder(run):  # typed, versioned; corrupt manifests named
-        return RunFolder.open(run).manifest.model_dump(mode="json")
+        manifest = RunFolder.open(run).manifest
+        assert manifest is not None  # open() raises when there is none
+        return manifest.model_dump(mode="json")
     try:
-        return json.loads(m.read_text())
+        loaded: dict[str, Any] = json.loads(m.read_text())
+        return loaded
     except (json.JSONDecodeError, UnicodeDecodeError) as exc:
         raise InputError(f"not a readable manifest ({exc})", file=str(m)) from None
 
@@ -61,16 +72,17 @@ def _runs(run_dirs: list[Path]) -> list[Run]:
     return runs
 
 
-def _frame(con, query: str) -> pl.DataFrame:
-    return pl.from_arrow(con.sql(query).to_arrow_table())
+def _frame(con: DuckDBPyConnection, query: str) -> pl.DataFrame:
+    # from_arrow turns a Table into a DataFrame (a Series only from an Array)
+    return cast(pl.DataFrame, pl.from_arrow(con.sql(query).to_arrow_table()))
 
 
-def _views(con) -> set[str]:
+def _views(con: DuckDBPyConnection) -> set[str]:
     return {r[0] for r in con.sql("SELECT table_name FROM information_schema.tables")
             .fetchall()}
 
 
-def _connect(runs: list[Run]):
+def _connect(runs: list[Run]) -> DuckDBPyConnection:
     """DuckDB views over every run folder; the call log with the report's columns only."""
     from draco_cli.sql import catalog, connect
 
@@ -80,15 +92,15 @@ def _connect(runs: list[Run]):
 # --- small html helpers ------------------------------------------------------------------
 
 
-def _esc(text, redact) -> str:
+def _esc(text: object, redact: Redact) -> str:
     return html.escape(redact(str(text))) if text is not None else ""
 
 
-def _num(v, fmt: str = ".3f") -> str:
+def _num(v: float | None, fmt: str = ".3f") -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def _table(df: pl.DataFrame, formats: dict | None = None, cls: str = "") -> str:
+def _table(df: pl.DataFrame, formats: dict[str, str] | None = None, cls: str = "") -> str:
     formats = formats or {}
     head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
     body = []
@@ -105,11 +117,12 @@ def _table(df: pl.DataFrame, formats: dict | None = None, cls: str = "") -> str:
     return f"<table class='{cls}'><tr>{head}</tr>{''.join(body)}</table>"
 
 
-def _fig_html(fig, div_id: str | None = None, height: int = 360, top: int = 50) -> str:
+def _fig_html(fig: Any, div_id: str | None = None, height: int = 360, top: int = 50) -> str:
     fig.update_layout(margin=dict(l=50, r=20, t=top, b=40), height=height,
                       template="plotly_white")
-    return fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
-                       config={"displaylogo": False, "responsive": True})
+    html_text: str = fig.to_html(full_html=False, include_plotlyjs=False, div_id=div_id,
+                                 config={"displaylogo": False, "responsive": True})
+    return html_text
 
 
 def _rgba(value: float | None, scale: float) -> str:
@@ -120,7 +133,7 @@ def _rgba(value: float | None, scale: float) -> str:
     return f"rgba({r},{g},{b},{0.08 + 0.62 * abs(x):.2f})"
 
 
-def _int_axis(fig, xs: list, title: str = "train step") -> None:
+def _int_axis(fig: Any, xs: list[int], title: str = "train step") -> None:
     fig.update_xaxes(title=title, tickmode="array", tickvals=xs,
                      ticktext=[str(x) for x in xs])
 
@@ -128,7 +141,7 @@ def _int_axis(fig, xs: list, title: str = "train step") -> None:
 # --- sections -----------------------------------------------------------------------------
 
 
-def _banner(runs: list[Run], redact, unanswered: list[str]) -> str:
+def _banner(runs: list[Run], redact: Redact, unanswered: list[str]) -> str:
     notice = "" if not unanswered else (
         "<div class='notice'><b>Unanswered calls</b> — these count as neither pass nor fail; "
         "see <a href='#unanswered'>Unanswered calls</a>.<ul>"
@@ -147,7 +160,7 @@ def _banner(runs: list[Run], redact, unanswered: list[str]) -> str:
             f"<ul>{''.join(items)}</ul></div>")
 
 
-def _per_step(con, runs: list[Run]) -> tuple[pl.DataFrame, str]:
+def _per_step(con: DuckDBPyConnection, runs: list[Run]) -> tuple[pl.DataFrame, str]:
     """One row per run: rollouts, rewards, outcome, the rubric reward's agreement with the
     environment outcome, unanswered verdicts, calls and dollars."""
     views = _views(con)
@@ -256,7 +269,8 @@ def _pick_rollouts(rw: pl.DataFrame, wanted: str | None) -> list[str]:
     return ids
 
 
-def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, redact) -> str:
+def _credit(run: Run, con: DuckDBPyConnection, verdicts: pl.DataFrame | None,
+            wanted: str | None, redact: Redact) -> str:
     import plotly.graph_objects as go
 
     views = _views(con)
@@ -309,11 +323,14 @@ def _credit(run: Run, con, verdicts: pl.DataFrame | None, wanted: str | None, re
                 uncited.setdefault(v["rollout_id"], []).append(line)
 
     # heatmap: rollouts x steps, the step total n_j * a_j (what to compare across steps)
-    max_step = int(sc["step"].max()) if sc.height else 0
-    z, hover, labels = [], [], []
+    max_step = int(cast(int, sc["step"].max())) if sc.height else 0  # a non-empty int column
+    z: list[list[float | None]] = []
+    hover: list[list[str]] = []
+    labels: list[str] = []
     for rid in ids:
         g = by_rollout.get(rid)
-        row, tips = [None] * max_step, [""] * max_step
+        row: list[float | None] = [None] * max_step
+        tips = [""] * max_step
         if g is not None:
             for s in g.iter_rows(named=True):
                 row[s["step"] - 1] = s["total"]
@@ -390,7 +407,7 @@ def _q_list(items: list[str]) -> str:
     return ", ".join(_q(x) for x in items) or "NULL"
 
 
-def _verdicts(run: Run, con) -> pl.DataFrame | None:
+def _verdicts(run: Run, con: DuckDBPyConnection) -> pl.DataFrame | None:
     """The run's verdicts counted per group and criterion (a large run's verdicts never sit in
     memory whole), with ``retained`` (recomputed as the discriminative filter does, with the
     run's --drop, when the stored table leaves it empty)."""
@@ -415,7 +432,7 @@ def _verdicts(run: Run, con) -> pl.DataFrame | None:
     return per.with_columns(pl.col("retained").fill_null(False)).drop("stored")
 
 
-def _titles(run: Run, con, pairs: pl.DataFrame) -> pl.DataFrame:
+def _titles(run: Run, con: DuckDBPyConnection, pairs: pl.DataFrame) -> pl.DataFrame:
     """``pairs`` (group_id, criterion_id) with the criterion's title (its id without one)."""
     title = pl.col("criterion_id")
     if "rubrics" in _views(con) and pairs.height:
@@ -428,7 +445,8 @@ def _titles(run: Run, con, pairs: pl.DataFrame) -> pl.DataFrame:
     return pairs.with_columns(title.alias("title"))
 
 
-def _verdict_details(run: Run, con, per: pl.DataFrame, ids: list[str]) -> pl.DataFrame:
+def _verdict_details(run: Run, con: DuckDBPyConnection, per: pl.DataFrame,
+                     ids: list[str]) -> pl.DataFrame:
     """The verdicts of rollouts ``ids`` (a few hundred) with reasons, citations, titles and
     their criterion's ``retained`` from ``per``."""
     v = _frame(con, f"""
@@ -440,7 +458,7 @@ def _verdict_details(run: Run, con, per: pl.DataFrame, ids: list[str]) -> pl.Dat
     return _titles(run, con, v)
 
 
-def _criteria(run: Run, con, v: pl.DataFrame | None, redact) -> str:
+def _criteria(run: Run, con: DuckDBPyConnection, v: pl.DataFrame | None, redact: Redact) -> str:
     if v is None or v.height == 0:
         return "<p>No verdicts in this run.</p>"
     per = v.with_columns(
@@ -481,7 +499,7 @@ def _criteria(run: Run, con, v: pl.DataFrame | None, redact) -> str:
             + "</table>" + more + "</details>")
 
 
-def _unanswered(runs: list[Run], con) -> tuple[str, list[str]]:
+def _unanswered(runs: list[Run], con: DuckDBPyConnection) -> tuple[str, list[str]]:
     """Answered shares per stage (from the run's health record, else from its call log), and a
     warning line for each stage that left calls unanswered."""
     rows = []
@@ -526,7 +544,7 @@ def _unanswered(runs: list[Run], con) -> tuple[str, list[str]]:
             warnings)
 
 
-def _over_steps(runs: list[Run], con, summary: pl.DataFrame) -> str:
+def _over_steps(runs: list[Run], con: DuckDBPyConnection, summary: pl.DataFrame) -> str:
     import plotly.graph_objects as go
 
     from draco_cli.evaluate import evaluate
@@ -537,7 +555,8 @@ def _over_steps(runs: list[Run], con, summary: pl.DataFrame) -> str:
     parts = []
     xs = [r.step if r.step is not None else i for i, r in enumerate(runs)]
     if "rollouts" in _views(con):
-        ph, term = {}, {}
+        ph: dict[Any, list[float | None]] = {}   # pass^k per k (evaluate's summary: JSON)
+        term: dict[str, list[float]] = {}
         for i, r in enumerate(runs):
             ro = _frame(con, f"SELECT * EXCLUDE (run) FROM rollouts WHERE run = {_q(str(r.dir))}")
             if ro.height == 0:
@@ -583,7 +602,7 @@ def _over_steps(runs: list[Run], con, summary: pl.DataFrame) -> str:
     return "".join(parts)
 
 
-def _cost(runs: list[Run], con) -> str:
+def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
     import plotly.graph_objects as go
 
     if "calls" not in _views(con):
@@ -616,7 +635,7 @@ def _cost(runs: list[Run], con) -> str:
             + _table(table, {"cost_usd": ".4f"}) + _cost_breakdown(runs, con))
 
 
-def _cost_breakdown(runs: list[Run], con) -> str:
+def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
     """Cost by category and billed vs a naive client, all steps: the tables of `draco audit
     cost` (the same library functions), read from the call logs' cost columns only."""
     from draco_cli.audit import billed_vs_naive, cost_categories, read_cost_rows

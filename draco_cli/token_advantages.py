@@ -211,7 +211,8 @@ def _sum_by_offsets(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
     """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly."""
     running = np.zeros(values.size + 1, dtype=np.int64)
     np.cumsum(values, dtype=np.int64, out=running[1:])
-    return running[offsets[1:]] - running[offsets[:-1]]
+    sums: np.ndarray = running[offsets[1:]] - running[offsets[:-1]]
+    return sums
 
 
 def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array[Any]]:

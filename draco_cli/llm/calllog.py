@@ -18,7 +18,10 @@ import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from draco_cli.errors import InputError
 
 FLUSH_SECONDS = 0.1
 FLUSH_ROWS = 500
@@ -90,7 +93,7 @@ def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
-def _bad(path: Path, why: str):
+def _bad(path: Path, why: str) -> InputError:
     from draco_cli.errors import InputError
 
     return InputError(f"{why}: {RECOVER}", file=str(path))
@@ -202,7 +205,7 @@ class CallLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = _connect(self.path)
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue[tuple[Any, ...] | threading.Event | str] = queue.Queue()
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._writer, name="draco-calllog", daemon=True)
         self._thread.start()
@@ -217,7 +220,7 @@ class CallLog:
         self._queue.put(tuple(row.get(c) for c in COLUMNS))
 
     def record_batch(self, batch_id: str, provider: str, model: str, phase: str,
-                     request_map: dict) -> None:
+                     request_map: dict[str, Any]) -> None:
         self.flush()
         try:
             with self._conn:
@@ -236,14 +239,15 @@ class CallLog:
         except sqlite3.OperationalError as exc:
             raise _write_failed(self.path, exc) from None
 
-    def pending_batches(self, provider: str, model: str, phase: str) -> list[tuple[str, dict]]:
+    def pending_batches(self, provider: str, model: str,
+                        phase: str) -> list[tuple[str, dict[str, Any]]]:
         rows = self._conn.execute(
             "SELECT batch_id, request_map FROM batches WHERE status = 'submitted' AND "
             "provider = ? AND model = ? AND phase = ?", (provider, model, phase)).fetchall()
         return [(b, json.loads(m)) for b, m in rows]
 
     def _writer(self) -> None:
-        pending: list[tuple] = []
+        pending: list[tuple[Any, ...]] = []
         waiters: list[threading.Event] = []
         last = time.monotonic()
         sql = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
@@ -382,7 +386,7 @@ def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int
     return df.height
 
 
-def endpoint_totals(path: str | Path) -> dict[str, dict[str, float]]:
+def endpoint_totals(path: str | Path) -> dict[str, dict[str, float | None]]:
     """Per endpoint of a fleet: HTTP calls, answered samples, failed attempts, mean latency of
     its answers (only rows that name an endpoint: a single --base-url leaves it empty)."""
     conn = _connect(Path(path), readonly=True)

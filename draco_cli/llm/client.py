@@ -19,11 +19,12 @@ import os
 import random
 import time
 from collections import defaultdict
-from collections.abc import Callable, Iterable
+from collections.abc import AsyncIterator, Callable, Iterable, Mapping
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field, replace
+from typing import Any
 
-from pydantic import ValidationError
+from pydantic import BaseModel, ValidationError
 
 from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.calllog import CallLog
@@ -31,7 +32,13 @@ from draco_cli.llm.drive import RequestStream
 from draco_cli.llm.errors import LLMError
 from draco_cli.llm.keys import scrub
 from draco_cli.llm.prices import PriceTable
-from draco_cli.llm.providers import RequestRejected, Retryable, make_provider, parse_model_id
+from draco_cli.llm.providers import (
+    Provider,
+    RequestRejected,
+    Retryable,
+    make_provider,
+    parse_model_id,
+)
 from draco_cli.llm.types import Answer, Choice, LLMRequest, Reply, Usage
 
 
@@ -118,7 +125,7 @@ class LLMClient:
         parse_retries: int = 2,
         max_cost: float | None = None,
         prices: PriceTable | None = None,
-        base_url: str | None = None,
+        base_url: str | tuple[str, ...] | None = None,   # several: a fleet (llm/pool.py)
         backoff_base: float = 1.0,
         backoff_cap: float = 60.0,
         structured_output: str | None = None,
@@ -159,7 +166,7 @@ class LLMClient:
         self.rejections: list[str] = []
         # seconds a request (every attempt and re-ask of it) may take before it ends unanswered
         self.deadline = deadline
-        self._shared = None       # the provider of an open ``session()``
+        self._shared: Provider | None = None   # the provider of an open ``session()``
         self._cache = call_log.answered()
 
     # -- public ----------------------------------------------------------------------------
@@ -171,32 +178,35 @@ class LLMClient:
         return asyncio.run(self.arun(requests, progress, batch, poll_seconds))
 
     @asynccontextmanager
-    async def session(self):
+    async def session(self) -> AsyncIterator[LLMClient]:
         """Share one connection pool, concurrency limit and rate limiter between every
         ``arun`` inside, concurrent ones included: the in-loop API answers many groups at once
         under one bound."""
-        self._shared = self._open()
+        provider = self._shared = self._open()
         try:
             yield self
         finally:
-            provider, self._shared = self._shared, None
+            self._shared = None
             await provider.close()
             self.log.flush()
 
-    def _open(self):
+    def _open(self) -> Provider:
         from draco_cli.llm.pool import EndpointPool
 
-        urls = [self.base_url] if isinstance(self.base_url, str) or self.base_url is None \
-            else list(self.base_url)
+        urls: list[str | None] = [self.base_url] \
+            if isinstance(self.base_url, str) or self.base_url is None else list(self.base_url)
 
-        def one(url):
+        def one(url: str | None) -> Provider:
             return make_provider(self.model, base_url=url, concurrency=self.concurrency,
                                  timeout=self.timeout, structured_output=self.structured_output,
                                  system_role=self.system_role, use_n=self.use_n)
 
+        provider: Provider
         if len(urls) > 1:
-            provider = EndpointPool([(u, one(u)) for u in urls])
-            provider.on_failure = self._pool_failure
+            # more than one URL: base_url was a tuple of str
+            pool = EndpointPool([(u, one(u)) for u in urls if u is not None])
+            pool.on_failure = self._pool_failure
+            provider = pool
         else:
             provider = one(urls[0])
         self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
@@ -232,7 +242,7 @@ class LLMClient:
     # -- the batch path's view of the client (llm/batch.py): the same cache, bookkeeping,
     # validation and re-asks as online calls, through public methods -----------------------
 
-    def batches_by_default(self, provider) -> bool:
+    def batches_by_default(self, provider: Provider) -> bool:
         """Whether an offline command (``--batch`` left unset) uses the batch API: only a
         hosted API that has one (openai/, anthropic/), never a self-hosted or other server
         named by --base-url or DRACO_BASE_URL (most OpenAI-compatible servers have no batch
@@ -254,14 +264,16 @@ class LLMClient:
                     value = None
                 if value is not None and req.problem(value) is not None:
                     value = None
-            if value is not None:
-                self.stats[req.phase].cached += 1
-                out.append(Answer(i, "ok", value, text=hit.answer_text, cached=True))
-            else:
-                out.append(None)
+                if value is not None:
+                    self.stats[req.phase].cached += 1
+                    out.append(Answer(i, "ok", value, text=hit.answer_text, cached=True))
+                    continue
+            out.append(None)
         return out
 
-    def ticker(self, requests: list[LLMRequest], progress) -> Callable[[list[Answer]], None]:
+    def ticker(self, requests: list[LLMRequest],
+               progress: Callable[[Progress], None] | None,
+               ) -> Callable[[list[Answer]], None]:
         return self._ticker(requests, progress)
 
     def account(self, req: LLMRequest, reply: Reply) -> None:
@@ -274,7 +286,7 @@ class LLMClient:
         stats.cost_usd += cost
         self.spent += cost
 
-    async def settle(self, provider, req: LLMRequest, samples: list[int],
+    async def settle(self, provider: Provider, req: LLMRequest, samples: list[int],
                      reply: Reply) -> list[Answer]:
         """Validate a reply's choices for ``samples`` as an online reply's are: invalid answers
         re-asked, samples the reply lacks (fewer choices than asked) asked again one per call."""
@@ -291,9 +303,9 @@ class LLMClient:
         """Record ``sample`` of ``req`` as unanswered (asked again by a rerun)."""
         return self._final_unanswered(self._with_defaults(req), sample, reason, Usage(), 0.0, 0)
 
-    async def _answer_stream(self, provider, requests: Iterable[LLMRequest],
-                             tick) -> list[list[Answer]]:
-        tasks: list[asyncio.Future] = []
+    async def _answer_stream(self, provider: Provider, requests: Iterable[LLMRequest],
+                             tick: Callable[[list[Answer]], None]) -> list[list[Answer]]:
+        tasks: list[asyncio.Future[list[Answer]]] = []
         try:
             for r in requests:
                 tasks.append(asyncio.ensure_future(
@@ -308,7 +320,7 @@ class LLMClient:
         return list(await asyncio.gather(*tasks))
 
     def _ticker(self, requests: list[LLMRequest] | RequestStream,
-                progress) -> Callable[[list[Answer]], None]:
+                progress: Callable[[Progress], None] | None) -> Callable[[list[Answer]], None]:
         total = requests.samples if isinstance(requests, RequestStream) else \
             sum(r.samples for r in requests)
         done = [0, 0]
@@ -332,11 +344,12 @@ class LLMClient:
 
     # -- one request -----------------------------------------------------------------------
 
-    async def _answer(self, provider, req: LLMRequest, tick) -> list[Answer]:
+    async def _answer(self, provider: Provider, req: LLMRequest,
+                      tick: Callable[[list[Answer]], None]) -> list[Answer]:
         stats = self.stats[req.phase]
         stats.priced = self.priced
         answers: list[Answer | None] = [None] * req.samples
-        missing = []
+        missing: list[int] = []
         for i in range(req.samples):
             hit = self._cache.get((req.hash(i, self.model), i))
             value = None
@@ -348,11 +361,11 @@ class LLMClient:
                 # An answer logged before a check existed is served only if it passes it.
                 if value is not None and req.problem(value) is not None:
                     value = None
-            if value is not None:
-                answers[i] = Answer(i, "ok", value, text=hit.answer_text, cached=True)
-                stats.cached += 1
-            else:
-                missing.append(i)
+                if value is not None:
+                    answers[i] = Answer(i, "ok", value, text=hit.answer_text, cached=True)
+                    stats.cached += 1
+                    continue
+            missing.append(i)
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
             results = await asyncio.gather(*(self._ask_in_time(provider, req, g)
@@ -364,7 +377,8 @@ class LLMClient:
         tick(final)
         return final
 
-    async def _ask_in_time(self, provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
+    async def _ask_in_time(self, provider: Provider, req: LLMRequest,
+                           samples: list[int]) -> list[Answer]:
         if self.deadline is None:
             return await self._ask(provider, req, samples)
         try:
@@ -375,7 +389,7 @@ class LLMClient:
                                            f"({self.deadline:g} s)", Usage(), 0.0, 0)
                     for i in samples]
 
-    async def _ask(self, provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
+    async def _ask(self, provider: Provider, req: LLMRequest, samples: list[int]) -> list[Answer]:
         """Ask for ``samples`` in one call, then validate each choice on its own, re-asking
         (one sample per call) with the validation error fed back."""
         try:
@@ -384,7 +398,7 @@ class LLMClient:
             self.stats[req.phase].skipped += len(samples)
             return [Answer(i, "skipped", reason="budget reached (--max-cost)") for i in samples]
         share = 1.0 / max(len(reply.choices), 1)
-        out = []
+        out: list[Answer] = []
         for i, choice in zip(samples, reply.choices):
             out.append(await self._settle(provider, req, i, choice, reply, share))
         rest = samples[len(reply.choices):]
@@ -398,7 +412,7 @@ class LLMClient:
                 out += group
         return out
 
-    async def _settle(self, provider, req: LLMRequest, sample: int, choice: Choice,
+    async def _settle(self, provider: Provider, req: LLMRequest, sample: int, choice: Choice,
                       reply: Reply, share: float) -> Answer:
         attempt = 0
         usage = reply.usage.scaled(share)
@@ -432,7 +446,8 @@ class LLMClient:
             usage = usage + reply.usage
             cost += self._cost_of(reply)
 
-    def _final_unanswered(self, req, sample, reason, usage, cost, attempt) -> Answer:
+    def _final_unanswered(self, req: LLMRequest, sample: int, reason: str | None, usage: Usage,
+                          cost: float, attempt: int) -> Answer:
         self.stats[req.phase].unanswered += 1
         self.log.record(request_hash=req.hash(sample, self.model),
                         content_hash=req.hash(sample, None), sample=sample, phase=req.phase,
@@ -442,12 +457,13 @@ class LLMClient:
         return Answer(sample, "unanswered", reason=reason, usage=usage, cost_usd=cost,
                       attempts=attempt + 1)
 
-    def _unanswered(self, req, sample, reason, reply, share, attempt) -> Answer:
+    def _unanswered(self, req: LLMRequest, sample: int, reason: str, reply: Reply, share: float,
+                    attempt: int) -> Answer:
         return self._final_unanswered(req, sample, reason, reply.usage.scaled(share),
                                       self._cost_of(reply) * share, attempt)
 
     @staticmethod
-    def _parse(req: LLMRequest, choice: Choice):
+    def _parse(req: LLMRequest, choice: Choice) -> tuple[BaseModel | None, str, str | None]:
         if choice.finish == "refusal" or choice.refusal:
             return None, "refused", f"refused: {(choice.refusal or choice.text or '')[:200]}"
         if choice.finish == "length":
@@ -458,7 +474,7 @@ class LLMClient:
         try:
             value = req.answer_model.model_validate_json(choice.text)
         except ValidationError as exc:
-            first = exc.errors()[0] if exc.errors() else {}
+            first: Mapping[str, Any] = exc.errors()[0] if exc.errors() else {}
             where = ".".join(str(x) for x in first.get("loc", ()))
             kind = "not JSON" if first.get("type") == "json_invalid" else "schema violation"
             return None, "invalid", f"{kind}: {where + ': ' if where else ''}{first.get('msg', exc)}"
@@ -467,8 +483,8 @@ class LLMClient:
             return None, "invalid", problem
         return value, "ok", None
 
-    def _record(self, req, sample, attempt, status, error, reply: Reply, choice: Choice, value,
-                share) -> None:
+    def _record(self, req: LLMRequest, sample: int, attempt: int, status: str, error: str | None,
+                reply: Reply, choice: Choice, value: BaseModel | None, share: float) -> None:
         """One row per sample per HTTP call; a call that answered n samples at once is split
         evenly over its n rows, so the rows sum to what was billed."""
         u = reply.usage.scaled(share)
@@ -492,7 +508,7 @@ class LLMClient:
     def _logged(reply: Reply, which: str) -> str | None:
         """The scrubbed JSON of a call's request or response, made once per HTTP call (a call
         answering n samples writes n rows; long prompts make this the costly part)."""
-        cache = reply.__dict__.setdefault("_logged", {})
+        cache: dict[str, str | None] = reply.__dict__.setdefault("_logged", {})
         if which not in cache:
             text = reply.request_text if which == "request_body" else None
             if text is None:
@@ -510,7 +526,8 @@ class LLMClient:
     def _cost_of(self, reply: Reply) -> float:
         return self._cost(reply.usage, reply.batch_id is not None)
 
-    def _estimate(self, req: LLMRequest, messages, n: int) -> tuple[int, float]:
+    def _estimate(self, req: LLMRequest, messages: list[dict[str, str]],
+                  n: int) -> tuple[int, float]:
         """Tokens (for --tpm) and a dollar estimate (for --max-cost) of one call: the phase's
         mean billed cost per sample so far, or before any reply the prompt at ~4 characters a
         token with every answer at max_tokens."""
@@ -532,14 +549,16 @@ class LLMClient:
                         error=scrub(error), response=response, endpoint=endpoint,
                         cost_usd=0.0 if self.priced else None)
 
-    def _pool_failure(self, req: LLMRequest, samples: list[int], exc, endpoint: str) -> None:
+    def _pool_failure(self, req: LLMRequest, samples: list[int], exc: Retryable,
+                      endpoint: str) -> None:
         """An endpoint of the fleet failed a call (retried elsewhere, or by ``_call``)."""
         stats = self.stats[req.phase]
         stats.failed_attempts += 1
         stats.calls += 1
         self._log_failure(req, samples, 0, str(exc), exc.body, endpoint)
 
-    async def _call(self, provider, req: LLMRequest, messages, samples: list[int]) -> Reply:
+    async def _call(self, provider: Provider, req: LLMRequest, messages: list[dict[str, str]],
+                    samples: list[int]) -> Reply:
         stats = self.stats[req.phase]
         estimate, usd = self._estimate(req, messages, len(samples))
         attempt = 0
@@ -578,7 +597,7 @@ class LLMClient:
                         # answers a request shape it does not take so), it is not busy.
                         raise RequestRejected(
                             f"{self.model}: HTTP 500 three times with the same body, so the "
-                            f"server rejects the request itself: {scrub(exc.body)[:500]}",
+                            f"server rejects the request itself: {(scrub(exc.body) or '')[:500]}",
                             body=exc.body, status=500) from None
                     last_body = exc.body
                     limit = 2 if exc.kind == "refused" else self.max_retries

@@ -13,10 +13,13 @@ stream as a list.
 
 from __future__ import annotations
 
-from collections.abc import Generator, Iterable, Iterator
-from typing import Any, TypeVar
+from collections.abc import Callable, Generator, Iterable, Iterator
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from draco_cli.llm.types import Answer, LLMRequest
+
+if TYPE_CHECKING:  # client.py imports this module
+    from draco_cli.llm.client import Progress
 
 T = TypeVar("T")
 
@@ -45,20 +48,24 @@ def _for(client: Any, requests: Iterable[LLMRequest]) -> Iterable[LLMRequest]:
     return requests
 
 
-def drive(stage: Stage[T], client: Any, *, progress=None, batch: bool = False) -> T:
+def drive(stage: Stage[T], client: Any, *,
+          progress: Callable[[Progress], None] | None = None, batch: bool = False) -> T:
     try:
         requests = next(stage)
         while True:
             requests = stage.send(client.run(_for(client, requests), progress=progress,
                                              batch=batch))
     except StopIteration as stop:
-        return stop.value
+        result: T = stop.value   # the generator's return value (StopIteration types it Any)
+        return result
 
 
-async def adrive(stage: Stage[T], client: Any, *, progress=None) -> T:
+async def adrive(stage: Stage[T], client: Any, *,
+                 progress: Callable[[Progress], None] | None = None) -> T:
     try:
         requests = next(stage)
         while True:
             requests = stage.send(await client.arun(_for(client, requests), progress=progress))
     except StopIteration as stop:
-        return stop.value
+        result: T = stop.value   # the generator's return value (StopIteration types it Any)
+        return result

@@ -18,6 +18,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 from urllib.parse import urlsplit
 
 from draco_cli.errors import UsageError
@@ -97,7 +98,7 @@ class EndpointPool(Provider):
         # told of every failed attempt (the call log holds the ones retried elsewhere too)
         self.on_failure: Callable[[LLMRequest, list[int], Retryable, str], None] | None = None
 
-    def __getattr__(self, name: str):
+    def __getattr__(self, name: str) -> Any:
         # body(), batch clients and other provider details: the first endpoint's
         if name == "endpoints":
             raise AttributeError(name)

@@ -36,9 +36,7 @@ class LLMSettings:
                          tpm=self.tpm, timeout=self.timeout, max_retries=self.max_retries,
                          parse_retries=self.parse_retries, max_cost=self.max_cost,
                          prices=PriceTable.load(self.prices),
-                         # LLMClient takes a tuple of URLs too (a fleet, llm/pool.py); its
-                         # annotation in client.py still says str | None.
-                         base_url=self.base_url,  # type: ignore[arg-type]
+                         base_url=self.base_url,
                          structured_output=self.structured_output, system_role=self.system_role,
                          use_n=self.use_n, temperature=self.temperature, seed=self.seed,
                          adaptive=self.adaptive)
