@@ -224,7 +224,7 @@ class ScoreResult:
 def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client: Any,
                    *, samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
                    sampling: Sampling | None = None, render: RenderOptions | None = None,
-                   batch: bool = False,
+                   batch: bool | None = False,
                    progress: Callable[[Progress], None] | None = None) -> ScoreResult:
     from draco_cli.llm.drive import drive
 

@@ -180,7 +180,7 @@ def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
 def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: LLMClient, *,
                      stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
                      render: RenderOptions | None = None, sampling: Sampling | None = None,
-                     batch: bool = False,
+                     batch: bool | None = False,
                      progress: Callable[[Progress], None] | None = None) -> RubricResult:
     from draco_cli.llm.drive import drive
 

@@ -49,7 +49,7 @@ def _for(client: Any, requests: Iterable[LLMRequest]) -> Iterable[LLMRequest]:
 
 
 def drive(stage: Stage[T], client: Any, *,
-          progress: Callable[[Progress], None] | None = None, batch: bool = False) -> T:
+          progress: Callable[[Progress], None] | None = None, batch: bool | None = False) -> T:
     try:
         requests = next(stage)
         while True:

@@ -44,9 +44,8 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
-                             # None: the client's default (judge.py annotates bool only)
                              judge=judge_label, render=render,
-                             batch=settings.batch,  # type: ignore[arg-type]
+                             batch=settings.batch,
                              progress=progress,
                              sampling=Sampling(max_tokens=max_tokens, thinking=settings.thinking))
         finish(client, log_path, out, report)

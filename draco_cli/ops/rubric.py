@@ -39,8 +39,7 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
         client = settings.client(log)
         res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
                                render=render, progress=progress,
-                               # None: the client's default (rubric.py annotates bool only)
-                               batch=settings.batch,  # type: ignore[arg-type]
+                               batch=settings.batch,
                                sampling=Sampling(max_tokens=max_tokens,
                                                  thinking=settings.thinking))
         finish(client, log_path, out, report)
