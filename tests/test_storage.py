@@ -222,8 +222,10 @@ def test_ray_engine_on_the_bucket_equals_local(s3, llm, tmp_path):
     pytest.importorskip("ray.data")
     ro, st = s3.put("in/rollouts.parquet", SAMPLE_RA), s3.put("in/steps.parquet", SAMPLE_SA)
     assert run_draco(*run_args(SAMPLE_RA, SAMPLE_SA, tmp_path / "local", llm)).returncode == 0
+    # a process of its own: the command starts (and leaves) its own local Ray cluster, which
+    # must not stay joined in the test process (tests/trainers start theirs)
     res = run_draco(*run_args(ro, st, s3.uri("runs/r"), llm, "--engine", "ray",
-                              "--partitions", "2"))
+                              "--partitions", "2"), process=True)
     assert res.returncode == 0, res.stderr.decode()
     for t in RUN_TABLES:
         assert s3.table(f"runs/r/{t}").equals(pl.read_parquet(tmp_path / "local" / t)), t

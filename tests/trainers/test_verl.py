@@ -204,6 +204,8 @@ def test_setup_hook_reaches_a_ray_actor(tmp_path):
                                       "truth": [r.rollout_id for r in rollouts]})
     _balance(batch, 2)
     core_algos.register_adv_est("launch_script_only")(lambda **kw: None)
+    if ray.is_initialized():   # joined by an earlier in-process test: this one needs its hook
+        ray.shutdown()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
              runtime_env={"worker_process_setup_hook": "draco_cli.integrations.verl.setup",
                           "env_vars": {draco_verl.ENV_FILES: str(path)}})
