@@ -252,7 +252,9 @@ class LLMClient:
 
     def recorded(self, req: LLMRequest) -> list[Answer | None]:
         """Per sample of ``req``: its valid answer from the call log, or None (to be asked)."""
-        req = self._with_defaults(req)
+        return self._recorded(self._with_defaults(req))
+
+    def _recorded(self, req: LLMRequest) -> list[Answer | None]:
         out: list[Answer | None] = []
         for i in range(req.samples):
             hit = self._cache.get((req.hash(i, self.model), i))
@@ -262,6 +264,7 @@ class LLMClient:
                     value = req.answer_model.model_validate_json(hit.parsed)
                 except ValidationError:
                     value = None
+                # An answer logged before a check existed is served only if it passes it.
                 if value is not None and req.problem(value) is not None:
                     value = None
                 if value is not None:
@@ -348,24 +351,8 @@ class LLMClient:
                       tick: Callable[[list[Answer]], None]) -> list[Answer]:
         stats = self.stats[req.phase]
         stats.priced = self.priced
-        answers: list[Answer | None] = [None] * req.samples
-        missing: list[int] = []
-        for i in range(req.samples):
-            hit = self._cache.get((req.hash(i, self.model), i))
-            value = None
-            if hit is not None:
-                try:
-                    value = req.answer_model.model_validate_json(hit.parsed)
-                except ValidationError:
-                    value = None
-                # An answer logged before a check existed is served only if it passes it.
-                if value is not None and req.problem(value) is not None:
-                    value = None
-                if value is not None:
-                    answers[i] = Answer(i, "ok", value, text=hit.answer_text, cached=True)
-                    stats.cached += 1
-                    continue
-            missing.append(i)
+        answers = self._recorded(req)
+        missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
             results = await asyncio.gather(*(self._ask_in_time(provider, req, g)
