@@ -390,10 +390,11 @@ def _call_key(text: str | None) -> int | None:
                           signed=True)
 
 
-def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
+def read_cost_rows(path: str | os.PathLike[str], billed_only: bool = False) -> pl.DataFrame:
     """The call log's cost columns and ``call_key`` (one value per HTTP reply: the rows a reply
     with n choices was split into share it), without loading prompts or responses. SQLite or
-    its Parquet export."""
+    its Parquet export. ``billed_only``: only the rows ``billed_vs_naive`` counts (a billed
+    status, not replay/)."""
     from pathlib import Path
 
     p = Path(path)
@@ -401,6 +402,11 @@ def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
         raise InputError("no such call log", file=str(p))
     if p.suffix == ".parquet":
         df = pl.read_parquet(p)
+        if billed_only:
+            df = df.filter(pl.col("status").is_in(BILLED_STATUS)) if "status" in df.columns \
+                else df.clear()
+            if "provider" in df.columns:
+                df = df.filter(pl.col("provider").fill_null("") != "replay")
         key = pl.col("response").map_elements(_call_key, return_dtype=pl.Int64) \
             if "response" in df.columns else pl.lit(None, pl.Int64)
         return df.select([c for c in COST_COLUMNS if c in df.columns]
@@ -417,8 +423,14 @@ def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
             cols = [c for c in COST_COLUMNS if c in have]
             key_sql = "call_key(response)" if "response" in have else "NULL"
             order = " ORDER BY id" if "id" in have else ""
+            where = ""
+            if billed_only:
+                where = (" WHERE status IN ({})".format(", ".join(f"'{s}'" for s in BILLED_STATUS))
+                         if "status" in have else " WHERE 0")
+                if "provider" in have:
+                    where += " AND coalesce(provider, '') <> 'replay'"
             cur = conn.execute(f"SELECT {', '.join(cols)}, {key_sql} AS call_key FROM calls"
-                               f"{order}")
+                               f"{where}{order}")
             names = [d[0] for d in cur.description]
             parts = []
             while rows := cur.fetchmany(10_000):

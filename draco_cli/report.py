@@ -2,8 +2,9 @@
 open it) over one or several run folders written by ``draco run``.
 
 Cross-step figures (rewards against outcomes, unanswered shares, cost) are DuckDB queries over
-the run folders' views (``draco_cli.sql``), the same views ``draco sql`` offers; the call log
-is read for the few columns the report uses only. Every text that came from a rollout or from an
+the run folders' views (``draco_cli.sql``), the same views ``draco sql`` offers; each call log
+is read as its totals per phase and status (SQLite sums it), never a row per call, so the
+report's memory does not grow with the run (``benchmarks/bench_report.py``). Every text that came from a rollout or from an
 LLM is redacted (default patterns) and escaped before it reaches the page.
 """
 
@@ -32,7 +33,6 @@ MAX_GROUP_STRIPS = 24  # above this many groups, histograms replace per-group st
 OBSERVATION_CHARS = 1500
 MAX_CRITERIA_ROWS = 300  # criteria rows in the table; the rest are counted
 HISTOGRAM_BINS = 30
-CALL_COLUMNS = ["phase", "status", "cost_usd", "input_tokens", "output_tokens"]
 GREEN, RED = (34, 139, 34), (200, 40, 40)
 
 
@@ -83,10 +83,14 @@ def _views(con: DuckDBPyConnection) -> set[str]:
 
 
 def _connect(runs: list[Run]) -> DuckDBPyConnection:
-    """DuckDB views over every run folder; the call log with the report's columns only."""
+    """DuckDB views over every run folder; each call log as its totals per phase and status
+    (``call_totals``): the report never holds a row per call."""
     from draco_cli.sql import catalog, connect
 
-    return connect(catalog([r.dir for r in runs], call_columns=CALL_COLUMNS))
+    con = connect(catalog([r.dir for r in runs], call_totals=True))
+    # one thread: the report's queries take milliseconds, and each extra thread keeps buffers
+    con.execute("SET threads = 1")
+    return con
 
 
 # --- small html helpers ------------------------------------------------------------------
@@ -193,9 +197,9 @@ def _per_step(con: DuckDBPyConnection, runs: list[Run]) -> tuple[pl.DataFrame, s
                                "FROM verdicts GROUP BY 1").iter_rows(named=True):
             rows[key.get(row["run"], row["run"])].update(
                 {k: v for k, v in row.items() if k != "run"})
-    if "calls" in views and "cost_usd" in _frame(con, "DESCRIBE calls")["column_name"]:
-        for row in _frame(con, "SELECT run, count(*) AS calls, sum(coalesce(cost_usd, 0)) "
-                               "AS cost_usd FROM calls GROUP BY 1").iter_rows(named=True):
+    if "call_totals" in views and "cost_usd" in _frame(con, "DESCRIBE call_totals")["column_name"]:
+        for row in _frame(con, "SELECT run, sum(n_rows)::BIGINT AS calls, sum(cost_usd) "
+                               "AS cost_usd FROM call_totals GROUP BY 1").iter_rows(named=True):
             rows[key.get(row["run"], row["run"])].update(
                 {k: v for k, v in row.items() if k != "run"})
     cols = ["run", "rollouts", "mean_reward", "mean_outcome", "agreement", "pairs",
@@ -519,13 +523,14 @@ def _unanswered(runs: list[Run], con: DuckDBPyConnection) -> tuple[str, list[str
                              "answered": answered,
                              "unanswered_share": None if share is None else 1 - share,
                              "reasons": reasons or "—"})
-    if "calls" in _views(con):
+    if "call_totals" in _views(con):
         labels = {str(r.dir): r.label for r in runs}
-        got = _frame(con, """SELECT run, phase, count(*) AS calls,
-                                    sum((status = 'ok')::INT) AS answered,
-                                    string_agg(DISTINCT CASE WHEN status <> 'ok' THEN status END,
-                                               ', ') AS reasons
-                             FROM calls GROUP BY 1, 2 ORDER BY 1, 2""")
+        got = _frame(con, """SELECT run, phase, sum(n_rows)::BIGINT AS calls,
+                                    sum(CASE WHEN status = 'ok' THEN n_rows ELSE 0 END)::BIGINT
+                                        AS answered,
+                                    string_agg(CASE WHEN status <> 'ok' THEN status END, ', '
+                                               ORDER BY status) AS reasons
+                             FROM call_totals GROUP BY 1, 2 ORDER BY 1, 2""")
         for x in got.filter(~pl.col("run").is_in(list(from_health))).iter_rows(named=True):
             rows.append({"run": labels.get(x["run"], x["run"]), "stage": x["phase"],
                          "calls": x["calls"], "answered": x["answered"],
@@ -605,11 +610,11 @@ def _over_steps(runs: list[Run], con: DuckDBPyConnection, summary: pl.DataFrame)
 def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
     import plotly.graph_objects as go
 
-    if "calls" not in _views(con):
+    if "call_totals" not in _views(con):
         return "<p>No LLM calls logged.</p>"
-    c = _frame(con, """SELECT run, phase, count(*) AS calls,
-                              sum(coalesce(cost_usd, 0)) AS cost_usd
-                       FROM calls GROUP BY 1, 2 ORDER BY 1, 2""")
+    c = _frame(con, """SELECT run, phase, sum(n_rows)::BIGINT AS calls,
+                              coalesce(sum(cost_usd), 0) AS cost_usd
+                       FROM call_totals GROUP BY 1, 2 ORDER BY 1, 2""")
     if c.height == 0:
         return "<p>No LLM calls logged.</p>"
     order = {str(r.dir): (r.step if r.step is not None else i) for i, r in enumerate(runs)}
@@ -637,28 +642,35 @@ def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
 
 def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
     """Cost by category and billed vs a naive client, all steps: the tables of `draco audit
-    cost` (the same library functions), read from the call logs' cost columns only."""
+    cost` (the same library functions). Cost by category reads the call logs' totals per phase
+    and status; billed vs naive the billed rows' cost columns (``read_cost_rows``)."""
     from draco_cli.audit import billed_vs_naive, cost_categories, read_cost_rows
     from draco_cli.runfolder import RunFolder
     from draco_cli.sql import CALL_LOG
 
+    views = _views(con)
+    if "call_totals" not in views:
+        return ""
     frames = []
     for r in runs:
         log = RunFolder.open(r.dir).call_log if RunFolder.is_run_folder(r.dir) \
             else r.dir / CALL_LOG
         if Path(log).exists():
-            frames.append(read_cost_rows(log))
-    if not frames:
-        return ""
-    calls = pl.concat(frames, how="diagonal_relaxed")
-    views = _views(con)
-    rollouts = _frame(con, "SELECT rollout_id, response_len FROM rollouts") \
+            frames.append(read_cost_rows(log, billed_only=True))
+    frames = [f for f in frames if f.height]  # an empty one has no column types to unify
+    billed = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+    have = set(_frame(con, "DESCRIBE call_totals")["column_name"].to_list())
+    totals = _frame(con, "SELECT phase, status, " + ", ".join(
+        f"sum({c})::{'DOUBLE' if c == 'cost_usd' else 'BIGINT'} AS {c}"
+        for c in ("n_rows", "input_tokens", "output_tokens", "reasoning_tokens", "cost_usd")
+        if c in have) + " FROM call_totals GROUP BY 1, 2 ORDER BY 1, 2")
+    rollouts = _frame(con, "SELECT response_len FROM rollouts") \
         if "rollouts" in views and "response_len" in _frame(
             con, "DESCRIBE rollouts")["column_name"].to_list() else None
     steps = _frame(con, "SELECT n_tokens FROM steps") if "steps" in views and "n_tokens" in \
         _frame(con, "DESCRIBE steps")["column_name"].to_list() else None
-    by_cat = cost_categories(calls, rollouts, steps)
-    naive = billed_vs_naive(calls)
+    by_cat = cost_categories(totals, rollouts, steps)
+    naive = billed_vs_naive(billed)
     out = ("<h3 id='cost-category'>Cost by category</h3><p class='note'>Original = the "
            "rollouts' own response tokens and environment actions; the LLM rows are draco's "
            "calls by what they were for.</p>" + _table(by_cat, {"cost_usd": ".4f"}))

@@ -105,11 +105,48 @@ def read_call_log(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
     return pa.concat_tables(parts, promote_options="permissive")
 
 
+# Token columns of the call log that ``read_call_totals`` sums.
+TOKEN_COLUMNS = ("input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens",
+                 "reasoning_tokens")
+
+
+def read_call_totals(path: Path) -> pa.Table:
+    """The call log summed per phase and status: ``n_rows`` (call-log rows), each token column
+    (nulls as 0) and ``cost_usd`` (nulls as 0), for those columns the log has. SQLite does the
+    grouping, so a log of any size costs a few dozen rows of memory."""
+    import polars as pl
+
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+            if not have:
+                raise sqlite3.DatabaseError("no calls table")
+            keys = [c for c in ("phase", "status") if c in have]
+            sums = [f"sum(coalesce({c}, 0)) AS {c}" for c in TOKEN_COLUMNS if c in have]
+            if "cost_usd" in have:
+                sums.append("total(cost_usd) AS cost_usd")  # total(): a float, nulls as 0
+            group = f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
+            cur = conn.execute(f"SELECT {', '.join([*keys, 'count(*) AS n_rows', *sums])} "
+                               f"FROM calls{group}")
+            names = [d[0] for d in cur.description]
+            rows = cur.fetchall()
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
+    schema = {n: pl.String if n in ("phase", "status") else pl.Float64 if n == "cost_usd"
+              else pl.Int64 for n in names}
+    return pl.DataFrame(rows, schema=schema, orient="row").to_arrow()
+
+
 def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = "stdin",
-            call_columns: Sequence[str] | None = None) -> Catalog:
+            call_columns: Sequence[str] | None = None, call_totals: bool = False) -> Catalog:
     """What ``paths`` hold: run folders, folders of tables (``draco ingest`` output) or single
     Parquet files; ``stdin`` is a table read from a stream, named ``stdin_name``.
-    ``call_columns`` narrows the ``calls`` view to those columns of the call logs."""
+    ``call_columns`` narrows the ``calls`` view to those columns of the call logs;
+    ``call_totals`` offers the call logs as their totals per phase and status
+    (``read_call_totals``, view ``call_totals``) instead of a row per call."""
     cat = Catalog()
     if stdin is not None:
         cat.sources.append(Source(stdin_name, None, None, "<stdin>", stdin))
@@ -117,19 +154,27 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
         if not folder.exists():
             raise InputError("no such file or folder", file=str(folder))
         if folder.is_file():
-            cat.sources.append(_file_source(folder, call_columns))
+            cat.sources.append(_file_source(folder, call_columns, call_totals))
         else:
-            _add_folder(cat, folder, call_columns)
+            _add_folder(cat, folder, call_columns, call_totals)
     return cat
 
 
-def _file_source(path: Path, call_columns: Sequence[str] | None) -> Source:
+def _call_source(log: Path, step: int | None, run: str, call_columns: Sequence[str] | None,
+                 call_totals: bool) -> Source:
+    if call_totals:
+        return Source("call_totals", None, step, run, read_call_totals(log))
+    return Source("calls", None, step, run, read_call_log(log, call_columns))
+
+
+def _file_source(path: Path, call_columns: Sequence[str] | None, call_totals: bool) -> Source:
     if path.suffix == ".sqlite":
-        return Source("calls", None, None, str(path), read_call_log(path, call_columns))
+        return _call_source(path, None, str(path), call_columns, call_totals)
     return Source(path.stem, path, None, str(path))
 
 
-def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None) -> None:
+def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None,
+                call_totals: bool) -> None:
     """The tables of one folder: those its manifest names, the known names, any other
     Parquet file below it, and its call log."""
     run = str(folder)
@@ -150,7 +195,7 @@ def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None) 
         cat.sources.append(Source(name, p, step, run))
     log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
     if log.exists():
-        cat.sources.append(Source("calls", None, step, run, read_call_log(log, call_columns)))
+        cat.sources.append(_call_source(log, step, run, call_columns, call_totals))
     if not found and not log.exists():
         raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
                          "llm_calls.sqlite)", file=run)

@@ -47,8 +47,13 @@ def test_histograms_are_binned_counts_of_every_rollout(run, monkeypatch):
         assert len(t["y"]) == report.HISTOGRAM_BINS
 
 
-def test_call_log_view_has_only_the_report_columns(run):
+def test_call_log_read_as_totals_per_phase_and_status(run):
+    import sqlite3
+
     con = report._connect(report._runs([run]))
-    cols = set(report._frame(con, "DESCRIBE calls")["column_name"].to_list())
-    assert "request" not in cols and "response" not in cols
-    assert {"phase", "status"} <= cols
+    assert "calls" not in report._views(con)  # never a row per call, nor any prompt text
+    got = report._frame(con, "SELECT phase, status, n_rows FROM call_totals ORDER BY 1, 2")
+    assert "request" not in got.columns and "response" not in got.columns
+    log = sqlite3.connect(run / "llm_calls.sqlite")
+    want = log.execute("SELECT phase, status, count(*) FROM calls GROUP BY 1, 2 ORDER BY 1, 2")
+    assert got.rows() == want.fetchall()

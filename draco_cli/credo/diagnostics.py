@@ -156,6 +156,8 @@ def cost_by_category(calls: pl.DataFrame | None = None, rollouts: pl.DataFrame |
         tok = [c for c in ("input_tokens", "output_tokens", "reasoning_tokens")
                if c in calls.columns]
         http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
+        if "n_rows" in calls.columns:  # call-log totals (sql.read_call_totals): a line per
+            http = pl.when(http).then(pl.col("n_rows")).otherwise(0)  # phase and status
         per = calls.with_columns(
             pl.col("phase").replace_strict(PHASE_CATEGORY, default=pl.col("phase"))
             .alias("category")).group_by("category").agg(
