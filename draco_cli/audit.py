@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import os
 import re
+from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
@@ -390,11 +391,10 @@ def _call_key(text: str | None) -> int | None:
                           signed=True)
 
 
-def read_cost_rows(path: str | os.PathLike[str], billed_only: bool = False) -> pl.DataFrame:
+def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
     """The call log's cost columns and ``call_key`` (one value per HTTP reply: the rows a reply
     with n choices was split into share it), without loading prompts or responses. SQLite or
-    its Parquet export. ``billed_only``: only the rows ``billed_vs_naive`` counts (a billed
-    status, not replay/)."""
+    its Parquet export."""
     from pathlib import Path
 
     p = Path(path)
@@ -402,11 +402,6 @@ def read_cost_rows(path: str | os.PathLike[str], billed_only: bool = False) -> p
         raise InputError("no such call log", file=str(p))
     if p.suffix == ".parquet":
         df = pl.read_parquet(p)
-        if billed_only:
-            df = df.filter(pl.col("status").is_in(BILLED_STATUS)) if "status" in df.columns \
-                else df.clear()
-            if "provider" in df.columns:
-                df = df.filter(pl.col("provider").fill_null("") != "replay")
         key = pl.col("response").map_elements(_call_key, return_dtype=pl.Int64) \
             if "response" in df.columns else pl.lit(None, pl.Int64)
         return df.select([c for c in COST_COLUMNS if c in df.columns]
@@ -423,14 +418,8 @@ def read_cost_rows(path: str | os.PathLike[str], billed_only: bool = False) -> p
             cols = [c for c in COST_COLUMNS if c in have]
             key_sql = "call_key(response)" if "response" in have else "NULL"
             order = " ORDER BY id" if "id" in have else ""
-            where = ""
-            if billed_only:
-                where = (" WHERE status IN ({})".format(", ".join(f"'{s}'" for s in BILLED_STATUS))
-                         if "status" in have else " WHERE 0")
-                if "provider" in have:
-                    where += " AND coalesce(provider, '') <> 'replay'"
             cur = conn.execute(f"SELECT {', '.join(cols)}, {key_sql} AS call_key FROM calls"
-                               f"{where}{order}")
+                               f"{order}")
             names = [d[0] for d in cur.description]
             parts = []
             while rows := cur.fetchmany(10_000):
@@ -516,6 +505,100 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
     if c.height:
         rows.append(agg(c, "all"))
     return pl.DataFrame(rows, schema=schema)
+
+
+def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
+                         prices: PriceTable | None = None) -> pl.DataFrame:
+    """``billed_vs_naive`` of SQLite call logs, summed inside SQLite: no row per call ever
+    reaches Python, so memory does not grow with the log (the report's path). The same table,
+    up to float rounding, except that a reply found in two logs counts as a call in each."""
+    import sqlite3
+    from pathlib import Path
+
+    from draco_cli.llm.prices import PriceTable
+
+    prices = prices or PriceTable.load()
+    sums: list[tuple[Any, ...]] = []  # phase, model, rows, 4 tokens, prompt, batched, cost
+    calls: dict[str, int] = {}  # distinct replies per phase, and over all phases ("")
+    for log in logs:
+        p = Path(log)
+        try:
+            conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+            try:
+                have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+                if not have:
+                    raise sqlite3.DatabaseError("no calls table")
+                if "status" not in have:
+                    continue
+                conn.create_function("call_key", 1, _call_key, deterministic=True)
+                col = {c: (f"coalesce({c}, 0)" if c.endswith("tokens") else c) if c in have
+                       else "NULL" for c in ["phase", "model", "batch_id", "cost_usd",
+                                             "input_tokens", "cached_tokens",
+                                             "cache_write_tokens", "output_tokens"]}
+                where = "status IN ({})".format(", ".join(f"'{s}'" for s in BILLED_STATUS))
+                if "provider" in have:
+                    where += " AND coalesce(provider, '') <> 'replay'"
+                # one row per billed row, on disk (temp store): its reply's key, and the
+                # reply's whole prompt (a row without a response is a reply of its own)
+                conn.execute(f"""CREATE TEMP TABLE billed AS SELECT {col['phase']} AS phase,
+                    {col['model']} AS model, {col['batch_id']} IS NOT NULL AS batched,
+                    {col['cost_usd']} AS cost_usd, {col['input_tokens']} AS i,
+                    {col['cached_tokens']} AS c, {col['cache_write_tokens']} AS w,
+                    {col['output_tokens']} AS o,
+                    {'call_key(response)' if 'response' in have else 'NULL'} AS k
+                    FROM calls WHERE {where}""")
+                conn.execute("CREATE TEMP TABLE prompt (k INTEGER PRIMARY KEY, p INTEGER)")
+                conn.execute("""INSERT INTO prompt SELECT k, sum(i + c + w) FROM billed
+                                WHERE k IS NOT NULL GROUP BY k""")
+                sums += conn.execute("""
+                    SELECT b.phase, b.model, count(*), sum(b.i), sum(b.c), sum(b.w), sum(b.o),
+                           sum(coalesce(pr.p, b.i + b.c + b.w)), sum(b.batched),
+                           total(b.cost_usd)
+                    FROM billed b LEFT JOIN prompt pr ON pr.k = b.k
+                    GROUP BY 1, 2""").fetchall()
+                distinct = "count(DISTINCT k) + count(*) - count(k)"  # keyless: 1 each
+                for phase, n in conn.execute(
+                        f"SELECT phase, {distinct} FROM billed GROUP BY 1").fetchall() + \
+                        conn.execute(f"SELECT '', {distinct} FROM billed").fetchall():
+                    if phase is not None:
+                        calls[phase] = calls.get(phase, 0) + n
+            finally:
+                conn.close()
+        except sqlite3.DatabaseError as exc:
+            raise InputError(f"not a draco call log ({exc})", file=str(p)) from None
+    cols = ["phase", "model", "naive_calls", "input_tokens", "cached_tokens",
+            "cache_write_tokens", "output_tokens", "naive_input_tokens", "batched", "cost_usd"]
+    t = pl.DataFrame(sums, schema=dict.fromkeys(cols[:2], pl.String) | dict.fromkeys(
+        cols[2:-1], pl.Int64) | {"cost_usd": pl.Float64}, orient="row")
+    models = t["model"].unique().drop_nulls().to_list()
+    table = pl.DataFrame(
+        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
+         for m in models for p in [prices.price(m)]],
+        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
+    t = t.join(table, on="model", how="left").with_columns(
+        ((pl.col("naive_input_tokens") * pl.col("_p_in")
+          + pl.col("output_tokens") * pl.col("_p_out")) / 1e6).alias("_naive"),
+        pl.col("_p_in").is_null().alias("_unpriced"))
+    tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
+
+    def agg(frame: pl.DataFrame, phase: str, key: str) -> dict[str, Any]:
+        priced = frame.filter(~pl.col("_unpriced"))
+        billed = float(priced["cost_usd"].sum()) if priced.height else None
+        naive = float(priced["_naive"].sum()) if priced.height else None
+        rows = int(frame["naive_calls"].sum())
+        return {"phase": phase, "calls": calls.get(key, 0), "naive_calls": rows,
+                **{c: int(frame[c].sum()) for c in tok},
+                "naive_input_tokens": int(frame["naive_input_tokens"].sum()),
+                "batch_share": int(frame["batched"].sum()) / rows if rows else None,
+                "billed_usd": billed, "naive_usd": naive,
+                "billed_over_naive": billed / naive if billed is not None and naive else None,
+                "unpriced_rows": int(frame.filter(pl.col("_unpriced"))["naive_calls"].sum())}
+
+    rows = [agg(t.filter(pl.col("phase") == ph), ph, ph)
+            for ph in sorted(t["phase"].drop_nulls().unique().to_list())]
+    if t.height:
+        rows.append(agg(t, "all", ""))
+    return pl.DataFrame(rows, schema=billed_vs_naive(pl.DataFrame(), prices).schema)
 
 
 def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = None,

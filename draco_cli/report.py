@@ -642,23 +642,18 @@ def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
 
 def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
     """Cost by category and billed vs a naive client, all steps: the tables of `draco audit
-    cost` (the same library functions). Cost by category reads the call logs' totals per phase
-    and status; billed vs naive the billed rows' cost columns (``read_cost_rows``)."""
-    from draco_cli.audit import billed_vs_naive, cost_categories, read_cost_rows
+    cost`, from the call logs' totals per phase and status (``cost_categories``) and summed
+    inside SQLite (``billed_vs_naive_logs``): no row per call reaches memory."""
+    from draco_cli.audit import billed_vs_naive_logs, cost_categories
     from draco_cli.runfolder import RunFolder
     from draco_cli.sql import CALL_LOG
 
     views = _views(con)
     if "call_totals" not in views:
         return ""
-    frames = []
-    for r in runs:
-        log = RunFolder.open(r.dir).call_log if RunFolder.is_run_folder(r.dir) \
-            else r.dir / CALL_LOG
-        if Path(log).exists():
-            frames.append(read_cost_rows(log, billed_only=True))
-    frames = [f for f in frames if f.height]  # an empty one has no column types to unify
-    billed = pl.concat(frames, how="diagonal_relaxed") if frames else pl.DataFrame()
+    logs = [log for r in runs for log in [RunFolder.open(r.dir).call_log
+                                          if RunFolder.is_run_folder(r.dir)
+                                          else r.dir / CALL_LOG] if Path(log).exists()]
     have = set(_frame(con, "DESCRIBE call_totals")["column_name"].to_list())
     totals = _frame(con, "SELECT phase, status, " + ", ".join(
         f"sum({c})::{'DOUBLE' if c == 'cost_usd' else 'BIGINT'} AS {c}"
@@ -670,7 +665,7 @@ def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
     steps = _frame(con, "SELECT n_tokens FROM steps") if "steps" in views and "n_tokens" in \
         _frame(con, "DESCRIBE steps")["column_name"].to_list() else None
     by_cat = cost_categories(totals, rollouts, steps)
-    naive = billed_vs_naive(billed)
+    naive = billed_vs_naive_logs(logs)
     out = ("<h3 id='cost-category'>Cost by category</h3><p class='note'>Original = the "
            "rollouts' own response tokens and environment actions; the LLM rows are draco's "
            "calls by what they were for.</p>" + _table(by_cat, {"cost_usd": ".4f"}))

@@ -57,3 +57,89 @@ def test_call_log_read_as_totals_per_phase_and_status(run):
     log = sqlite3.connect(run / "llm_calls.sqlite")
     want = log.execute("SELECT phase, status, count(*) FROM calls GROUP BY 1, 2 ORDER BY 1, 2")
     assert got.rows() == want.fetchall()
+
+
+def _mixed_log(path, seed=7):
+    """Rows of every status, priced, unpriced and replay/ models, replies with n samples
+    (rows sharing a response), nulls in token and cost columns."""
+    import random
+    import sqlite3
+
+    from draco_cli.llm.calllog import COLUMNS
+
+    rng = random.Random(seed)
+    rows = []
+    for i in range(300):
+        status = rng.choice(["ok", "ok", "invalid", "truncated", "refused", "http_error",
+                             "unanswered", None])
+        provider, model = rng.choice([("openai", "openai/gpt-4.1"), ("openai", "openai/gpt-4.1-mini"),
+                                      ("openai", "no-such-model"), ("replay", "x"), (None, None)])
+        reply = None if status in ("http_error", "unanswered") else f"reply {i}"
+        for s in range(rng.choice([1, 1, 2, 3])):
+            r = {"phase": rng.choice(["score", "generate", "merge", "propose", "match"]),
+                 "status": status, "provider": provider, "model": model, "sample": s,
+                 "response": reply, "input_tokens": rng.choice([None, rng.randint(0, 9000)]),
+                 "cached_tokens": rng.choice([None, rng.randint(0, 500)]),
+                 "cache_write_tokens": rng.choice([None, 0, 40]),
+                 "output_tokens": rng.choice([None, rng.randint(0, 900)]),
+                 "reasoning_tokens": rng.choice([None, 12]),
+                 "cost_usd": rng.choice([None, rng.random() / 50]),
+                 "batch_id": rng.choice([None, None, "b1"])}
+            rows.append(tuple(r.get(c) for c in COLUMNS))
+    con = sqlite3.connect(path)
+    con.executemany(f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES "
+                    f"({', '.join('?' * len(COLUMNS))})", rows)
+    con.commit()
+    con.close()
+
+
+def test_cost_tables_from_totals_equal_those_from_every_row(run, tmp_path):
+    """The report's cost by category (from the call log's totals per phase and status) and
+    billed vs naive (from the billed rows only) equal `draco audit cost`'s tables computed from
+    every row of the log."""
+    import shutil
+
+    from polars.testing import assert_frame_equal
+
+    from draco_cli.audit import (billed_vs_naive, billed_vs_naive_logs, cost_categories,
+                                 read_cost_rows)
+    from draco_cli.sql import read_call_totals
+
+    log = tmp_path / "llm_calls.sqlite"
+    shutil.copy(run / "llm_calls.sqlite", log)
+    _mixed_log(log)
+    every = read_cost_rows(log)
+    totals = pl.from_arrow(read_call_totals(log))
+    assert totals["n_rows"].sum() == every.height
+    assert_frame_equal(cost_categories(totals), cost_categories(every), rel_tol=1e-12)
+    want = billed_vs_naive(every)
+    assert want.filter(pl.col("phase") == "all")["naive_usd"][0] > 0  # priced rows counted
+    assert (want["naive_calls"] > want["calls"]).all()  # replies with several samples
+    assert_frame_equal(billed_vs_naive_logs([log]), want, rel_tol=1e-12)
+
+
+def test_report_figures_unchanged_by_reading_totals(run, tmp_path):
+    """Calls, answered shares, reasons and dollars in the page match the call log's rows."""
+    import shutil
+    import sqlite3
+
+    d = tmp_path / "run"
+    shutil.copytree(run, d)
+    _mixed_log(d / "llm_calls.sqlite")
+    manifest = json.loads((d / "manifest.json").read_text())
+    manifest["health"] = None  # the unanswered shares then come from the call log
+    (d / "manifest.json").write_text(json.dumps(manifest))
+    page = report.build_report([d])
+    con = sqlite3.connect(d / "llm_calls.sqlite")
+    n, usd = con.execute("SELECT count(*), sum(coalesce(cost_usd, 0)) FROM calls").fetchone()
+    steps = page.split("id='steps'")[1].split("<h2")[0]
+    assert f"<td class='num'>{n}</td><td class='num'>{usd:.4f}</td>" in steps
+    unanswered = page.split("id='unanswered'")[1].split("<h2")[0]
+    for phase, calls, ok, reasons in con.execute(
+            "SELECT phase, count(*), sum(status = 'ok'), group_concat(DISTINCT CASE WHEN "
+            "status <> 'ok' THEN status END) FROM calls WHERE phase = 'score' GROUP BY 1"):
+        assert f"<td>{phase}</td><td class='num'>{calls}</td><td class='num'>{ok}</td>" \
+            in unanswered
+        listed = unanswered.split(f"<td>{phase}</td>")[1].split("</tr>")[0]
+        assert sorted(reasons.split(",")) == [x.strip() for x in listed.split("<td>")[-1]
+                                              .removesuffix("</td>").split(",")]
