@@ -218,13 +218,13 @@ def _per_step(con: DuckDBPyConnection, runs: list[Run]) -> tuple[pl.DataFrame, s
     return df, _table(df, {"cost_usd": ".4f"}) + note
 
 
-def _distributions(rw: pl.DataFrame | None) -> str:
+def _distributions(rw: pl.DataFrame | None, n_groups: int) -> str:
     import plotly.graph_objects as go
     from plotly.subplots import make_subplots
 
     if rw is None or rw.height == 0:
         return "<p>No rewards in this run.</p>"
-    if rw["group_id"].n_unique() > MAX_GROUP_STRIPS:
+    if n_groups > MAX_GROUP_STRIPS:
         # too many groups for a strip each: the distributions over all rollouts
         fig = make_subplots(rows=1, cols=2, subplot_titles=(
             "rubric reward", "advantage A<sub>i</sub>"))
@@ -239,7 +239,7 @@ def _distributions(rw: pl.DataFrame | None) -> str:
                                  "%{y} rollouts<extra></extra>"), row=1, col=col)
         fig.update_yaxes(title="rollouts", row=1, col=1)
         fig.update_layout(title=f"Reward and advantage over {rw.height} rollouts in "
-                          f"{rw['group_id'].n_unique()} groups", bargap=0.05)
+                          f"{n_groups} groups", bargap=0.05)
         return _fig_html(fig, height=400, top=90)
     fig = make_subplots(rows=1, cols=2, subplot_titles=(
         "rubric reward per group", "advantage A<sub>i</sub> per group"))
@@ -733,13 +733,15 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     con = _connect(runs)
     last = runs[-1]
     m = last.manifest
-    rw = None
+    rw, n_groups = None, 0
     if "rewards" in _views(con):
         runq = _q(str(last.dir))
-        many = _frame(con, f"SELECT count(DISTINCT group_id) AS g FROM rewards WHERE run = "
-                           f"{runq}")["g"][0] > MAX_GROUP_STRIPS
+        # counted as polars' n_unique counts: a missing group id is a group of its own
+        n_groups = _frame(con, "SELECT count(DISTINCT group_id) + (count(*) > count(group_id))"
+                               f"::INT AS g FROM rewards WHERE run = {runq}")["g"][0]
         # with many groups the page shows histograms: the two numbers per rollout suffice
-        rw = _frame(con, f"SELECT {'' if many else 'rollout_id, '}group_id, reward, advantage "
+        rw = _frame(con, "SELECT " + ("" if n_groups > MAX_GROUP_STRIPS else
+                                      "rollout_id, group_id, ") + "reward, advantage "
                          f"FROM rewards WHERE run = {runq}")
     summary, summary_html = _per_step(con, runs)
     unanswered_html, unanswered = _unanswered(runs, con)
@@ -747,7 +749,7 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     credit = _credit(last, con, verdicts, rollout_id, redact)
     sections = [
         ("Training steps at a glance", summary_html),
-        ("Rewards and advantages", _distributions(rw)),
+        ("Rewards and advantages", _distributions(rw, n_groups)),
         (f"Step credit ({html.escape(last.label)})", credit),
         ("Criteria: pass rates, kept and dropped", _criteria(last, con, verdicts, redact)),
         ("Over training steps", _over_steps(runs, con, summary)),
