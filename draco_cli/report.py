@@ -171,24 +171,30 @@ def _per_step(con: DuckDBPyConnection, runs: list[Run]) -> tuple[pl.DataFrame, s
     rows = {str(r.dir): {"run": r.label} for r in runs}
     key = {str(r.dir): str(r.dir) for r in runs}
     if {"rewards", "rollouts"} <= views:
-        base = _frame(con, """
-            SELECT rw.run, count(*) AS rollouts, avg(rw.reward) AS mean_reward,
-                   avg(ro.outcome) AS mean_outcome, corr(rw.reward, ro.outcome) AS correlation
-            FROM rewards rw JOIN rollouts ro USING (run, rollout_id) GROUP BY 1""")
-        # Within a group (all GRPO sees) the rubric should rank an episode that succeeded
-        # above one that failed: the share of such pairs it orders the same way, ties half.
-        pairs = _frame(con, """
-            WITH j AS (SELECT rw.run, rw.group_id, rw.rollout_id, rw.reward, ro.outcome
-                       FROM rewards rw JOIN rollouts ro USING (run, rollout_id)
-                       WHERE rw.reward IS NOT NULL AND ro.outcome IS NOT NULL)
-            SELECT a.run, count(*) AS pairs,
-                   avg(CASE WHEN a.reward = b.reward THEN 0.5
-                            WHEN (a.reward - b.reward) * (a.outcome - b.outcome) > 0 THEN 1.0
-                            ELSE 0.0 END) AS agreement
-            FROM j a JOIN j b ON a.run = b.run AND a.group_id = b.group_id
-                 AND a.rollout_id < b.rollout_id AND a.outcome <> b.outcome
-            GROUP BY 1""")
-        for frame in (base, pairs):
+        frames = []
+        for r in runs:
+            # one run at a time, joined on the rollout id alone: the join's rows carry no run
+            one = _q(str(r.dir))
+            j = f"""(SELECT rw.group_id, rw.rollout_id, rw.reward, ro.outcome
+                     FROM (SELECT group_id, rollout_id, reward FROM rewards WHERE run = {one}) rw
+                     JOIN (SELECT rollout_id, outcome FROM rollouts WHERE run = {one}) ro
+                     USING (rollout_id))"""
+            frames.append(_frame(con, f"""
+                SELECT {one} AS run, count(*) AS rollouts, avg(reward) AS mean_reward,
+                       avg(outcome) AS mean_outcome, corr(reward, outcome) AS correlation
+                FROM {j} HAVING count(*) > 0"""))
+            # Within a group (all GRPO sees) the rubric should rank an episode that succeeded
+            # above one that failed: the share of such pairs it orders the same way, ties half.
+            frames.append(_frame(con, f"""
+                WITH j AS (SELECT * FROM {j} WHERE reward IS NOT NULL AND outcome IS NOT NULL)
+                SELECT {one} AS run, count(*) AS pairs,
+                       avg(CASE WHEN a.reward = b.reward THEN 0.5
+                                WHEN (a.reward - b.reward) * (a.outcome - b.outcome) > 0
+                                THEN 1.0 ELSE 0.0 END) AS agreement
+                FROM j a JOIN j b ON a.group_id = b.group_id
+                     AND a.rollout_id < b.rollout_id AND a.outcome <> b.outcome
+                HAVING count(*) > 0"""))
+        for frame in frames:
             for row in frame.iter_rows(named=True):
                 rows[key.get(row["run"], row["run"])].update(
                     {k: v for k, v in row.items() if k != "run"})
