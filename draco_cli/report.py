@@ -279,7 +279,7 @@ def _pick_rollouts(rw: pl.DataFrame, wanted: str | None) -> list[str]:
     return ids
 
 
-def _credit(run: Run, con: DuckDBPyConnection, verdicts: pl.DataFrame | None,
+def _credit(run: Run, con: DuckDBPyConnection, counts: str | None,
             wanted: str | None, redact: Redact) -> str:
     import plotly.graph_objects as go
 
@@ -310,8 +310,7 @@ def _credit(run: Run, con: DuckDBPyConnection, verdicts: pl.DataFrame | None,
              WHERE run = {runq} AND rollout_id IN ({sel})) st
              ON st.rollout_id = sc.rollout_id AND st.step = sc.step AND st.run = sc.run
         WHERE sc.run = {runq} AND sc.rollout_id IN ({sel}) ORDER BY sc.rollout_id, sc.step""")
-    if verdicts is not None:
-        verdicts = _verdict_details(run, con, verdicts, ids)
+    verdicts = None if counts is None else _verdict_details(run, con, counts, ids)
     info = {r["rollout_id"]: r for r in rw.filter(pl.col("rollout_id").is_in(ids))
             .iter_rows(named=True)}
     by_rollout = {k[0]: g for k, g in sc.group_by("rollout_id")} if sc.height else {}
@@ -417,29 +416,37 @@ def _q_list(items: list[str]) -> str:
     return ", ".join(_q(x) for x in items) or "NULL"
 
 
-def _verdicts(run: Run, con: DuckDBPyConnection) -> pl.DataFrame | None:
-    """The run's verdicts counted per group and criterion (a large run's verdicts never sit in
-    memory whole), with ``retained`` (recomputed as the discriminative filter does, with the
-    run's --drop, when the stored table leaves it empty)."""
+CRITERIA = "__criteria_counts"  # DuckDB temp table: the run's verdicts per group, criterion
+
+
+def _verdicts(run: Run, con: DuckDBPyConnection) -> str | None:
+    """The run's verdicts counted per group and criterion, with ``retained`` (recomputed as the
+    discriminative filter does, with the run's --drop, when the stored table leaves it empty),
+    kept in DuckDB as temp table ``CRITERIA`` (a large run has tens of thousands of rows: the
+    page fetches counts, the first rows and the shown rollouts' groups). None: no verdicts."""
     views = _views(con)
     if not {"verdicts", "rollouts"} <= views:
         return None
-    per = _frame(con, f"""
+    one = _q(str(run.dir))
+    con.execute(f"""
+        CREATE OR REPLACE TEMP TABLE {CRITERIA} AS
         SELECT ro.group_id, v.criterion_id,
                count(*) FILTER (WHERE v.verdict = 'pass') AS pass,
                count(*) FILTER (WHERE v.verdict = 'fail') AS fail,
                count(*) FILTER (WHERE v.verdict = 'na') AS na,
                count(*) FILTER (WHERE v.verdict IS NULL) AS unanswered,
                bool_or(v.retained) AS retained, count(v.retained) AS stored
-        FROM verdicts v JOIN rollouts ro ON ro.rollout_id = v.rollout_id AND ro.run = v.run
-        WHERE v.run = {_q(str(run.dir))} GROUP BY 1, 2""")
-    if per.height and per["stored"].sum() == 0:
+        FROM (SELECT rollout_id, criterion_id, verdict, retained FROM verdicts
+              WHERE run = {one}) v
+        JOIN (SELECT rollout_id, group_id FROM rollouts WHERE run = {one}) ro
+        USING (rollout_id) GROUP BY 1, 2""")
+    n, stored = _frame(con, f"SELECT count(*) AS n, sum(stored) AS stored FROM {CRITERIA}").row(0)
+    if n and not stored:
         drop = (run.manifest.get("settings") or {}).get("drop") or "all-pass"
-        keep = pl.col("fail") > 0
-        if drop == "constant":
-            keep = keep & ((pl.col("pass") + pl.col("na")) > 0)
-        per = per.with_columns(keep.alias("retained"))
-    return per.with_columns(pl.col("retained").fill_null(False)).drop("stored")
+        keep = "fail > 0" + (" AND pass + na > 0" if drop == "constant" else "")
+        con.execute(f"UPDATE {CRITERIA} SET retained = {keep}")
+    con.execute(f"UPDATE {CRITERIA} SET retained = false WHERE retained IS NULL")
+    return CRITERIA
 
 
 def _titles(run: Run, con: DuckDBPyConnection, pairs: pl.DataFrame) -> pl.DataFrame:
@@ -455,31 +462,36 @@ def _titles(run: Run, con: DuckDBPyConnection, pairs: pl.DataFrame) -> pl.DataFr
     return pairs.with_columns(title.alias("title"))
 
 
-def _verdict_details(run: Run, con: DuckDBPyConnection, per: pl.DataFrame,
+def _verdict_details(run: Run, con: DuckDBPyConnection, counts: str,
                      ids: list[str]) -> pl.DataFrame:
     """The verdicts of rollouts ``ids`` (a few hundred) with reasons, citations, titles and
-    their criterion's ``retained`` from ``per``."""
+    their criterion's ``retained`` from table ``counts`` (``_verdicts``)."""
     v = _frame(con, f"""
         SELECT v.rollout_id, ro.group_id, v.criterion_id, v.verdict, v.cited_steps, v.reason
         FROM verdicts v JOIN rollouts ro ON ro.rollout_id = v.rollout_id AND ro.run = v.run
         WHERE v.run = {_q(str(run.dir))} AND v.rollout_id IN ({_q_list(ids)})""")
-    v = v.join(per.select("group_id", "criterion_id", "retained"),
-               on=["group_id", "criterion_id"], how="left", maintain_order="left")
+    per = _frame(con, f"SELECT group_id, criterion_id, retained FROM {counts} WHERE group_id "
+                      f"IN ({_q_list(v['group_id'].drop_nulls().unique().to_list())})")
+    v = v.join(per, on=["group_id", "criterion_id"], how="left", maintain_order="left")
     return _titles(run, con, v)
 
 
-def _criteria(run: Run, con: DuckDBPyConnection, v: pl.DataFrame | None, redact: Redact) -> str:
-    if v is None or v.height == 0:
+def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Redact) -> str:
+    if counts is None:
         return "<p>No verdicts in this run.</p>"
-    per = v.with_columns(
+    total, kept = _frame(con, "SELECT count(*) AS n, count(*) FILTER (WHERE retained) AS kept "
+                              f"FROM {counts}").row(0)
+    if total == 0:
+        return "<p>No verdicts in this run.</p>"
+    # A large run has a row per group and criterion (tens of thousands): the page shows the
+    # first MAX_CRITERIA_ROWS in group order and counts the rest.
+    head = _frame(con, f"SELECT * EXCLUDE (stored) FROM {counts} ORDER BY group_id NULLS "
+                       f"FIRST, criterion_id NULLS FIRST LIMIT {MAX_CRITERIA_ROWS}")
+    per = head.with_columns(
         pl.when(pl.col("retained")).then(pl.lit("kept")).otherwise(pl.lit("dropped"))
         .alias("filter"),
         (pl.col("pass") / (pl.col("pass") + pl.col("fail"))).fill_nan(None).alias("pass_rate"))
-    kept = int((per["filter"] == "kept").sum())
-    total = per.height
-    # A large run has a row per group and criterion (tens of thousands): the page shows the
-    # first MAX_CRITERIA_ROWS in group order and counts the rest.
-    shown = _titles(run, con, per.sort("group_id", "criterion_id").head(MAX_CRITERIA_ROWS))
+    shown = _titles(run, con, per)
     shown = shown.rename({"group_id": "group"}).with_columns(
         pl.col("title").map_elements(redact, return_dtype=pl.String).alias("criterion")
     ).sort("group", "filter", "pass_rate", descending=[False, True, False])
@@ -751,13 +763,13 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
                          f"FROM rewards WHERE run = {runq}")
     summary, summary_html = _per_step(con, runs)
     unanswered_html, unanswered = _unanswered(runs, con)
-    verdicts = _verdicts(last, con)
-    credit = _credit(last, con, verdicts, rollout_id, redact)
+    counts = _verdicts(last, con)
+    credit = _credit(last, con, counts, rollout_id, redact)
     sections = [
         ("Training steps at a glance", summary_html),
         ("Rewards and advantages", _distributions(rw, n_groups)),
         (f"Step credit ({html.escape(last.label)})", credit),
-        ("Criteria: pass rates, kept and dropped", _criteria(last, con, verdicts, redact)),
+        ("Criteria: pass rates, kept and dropped", _criteria(last, con, counts, redact)),
         ("Over training steps", _over_steps(runs, con, summary)),
         ("Unanswered calls", unanswered_html),
         ("Cost per training step", _cost(runs, con)),
