@@ -531,6 +531,7 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
                 if "status" not in have:
                     continue
                 conn.create_function("call_key", 1, _call_key, deterministic=True)
+                conn.execute("PRAGMA temp_store = FILE")  # temp tables beyond the page cache
                 col = {c: (f"coalesce({c}, 0)" if c.endswith("tokens") else c) if c in have
                        else "NULL" for c in ["phase", "model", "batch_id", "cost_usd",
                                              "input_tokens", "cached_tokens",
