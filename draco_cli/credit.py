@@ -82,6 +82,73 @@ def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -
     return joined.sort("__row").drop("__row")
 
 
+def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
+    """Row in ``rollouts`` of each verdict's rollout (int64); a verdict for a rollout not in
+    ``rollouts`` is an error. Verdicts in the rollouts' order need no string join."""
+    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
+    if run is not None:
+        return run
+    return attach_groups(verdicts, rollouts, source)["__r"].to_numpy().astype(np.int64)
+
+
+def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
+    """Integer codes of a column's values (hashed once) and how many distinct values there
+    are; None when it holds nulls."""
+    if values.null_count():
+        return None
+    arr = values.to_arrow()
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    encoded = pc.dictionary_encode(arr)
+    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
+
+
+def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
+                   crits: tuple[np.ndarray, int] | None = None) -> tuple[np.ndarray, int] | None:
+    """A dense integer id per verdict of its (group, criterion) and the number of ids, or None
+    when a group or criterion id is null. ``rows`` are the verdicts' rollout rows, ``crits``
+    the criterion codes when the caller has them: every string is hashed once, and the filter
+    and the criteria count work on integers."""
+    groups = _codes(rollouts["group_id"])
+    crits = crits if crits is not None else _codes(verdicts["criterion_id"])
+    if groups is None or crits is None:
+        return None
+    (g, _), (c, n_c) = groups, crits
+    pair = pa.array(g[rows] * max(n_c, 1) + c)
+    encoded = pc.dictionary_encode(pair)
+    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
+
+
+def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
+                    drop: Drop = "all-pass") -> np.ndarray:
+    """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids."""
+    if drop not in ("all-pass", "constant"):
+        raise UsageError(f"--drop {drop!r}: choose all-pass or constant")
+    keep = np.zeros(n_keys, dtype=bool)
+    keep[key[(verdict == "fail").fill_null(False).to_numpy()]] = True
+    if drop == "constant":
+        other = np.zeros(n_keys, dtype=bool)
+        other[key[verdict.is_in(["pass", "na"]).fill_null(False).to_numpy()]] = True
+        keep &= other
+    kept: np.ndarray = keep[key]
+    return kept
+
+
+def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
+                        crits: tuple[np.ndarray, int] | None = None) -> None:
+    """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
+    rollout rows), ``crits`` (criterion codes) and one judge, integer (rollout row, criterion)
+    pairs are checked first; the exact string check runs otherwise, and names the repeat."""
+    from draco_cli.io import conform
+    from draco_cli.schemas import VerdictAggregated
+
+    if crits is not None and rows is not None and verdicts["judge"].n_unique() <= 1:
+        c, n_c = crits
+        if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
+            return
+    conform(verdicts, VerdictAggregated, source, only=[], check_keys=True)
+
+
 @dataclass
 class StepArrays:
     """Steps sorted by (rollout, step) as numpy columns; ``r`` indexes the rollouts frame.
@@ -456,19 +523,37 @@ def compute_credit(
     judge: str | None = None,
     verdicts_source: str = "verdicts",
     steps_source: str = "steps",
+    check_verdict_keys: bool = False,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
     Applies the discriminative filter when ``verdicts`` has no ``retained`` column.
+    ``check_verdict_keys`` checks the verdicts' keys are unique (for callers that read them
+    without that check: on integer codes it costs a fraction of the string check).
     """
     sa = index_steps(steps, rollouts, steps_source)
+    if check_verdict_keys and verdicts.height and verdicts["judge"].n_unique() > 1:
+        _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
+        check_verdict_keys = False
     verdicts = narrow_judge(verdicts, judge, verdicts_source)
-    verdicts = attach_groups(verdicts, rollouts, verdicts_source)
+    rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
+        else np.zeros(0, dtype=np.int64)
+    crits = _codes(verdicts["criterion_id"])
+    if check_verdict_keys:
+        _check_verdict_keys(verdicts, rows, verdicts_source, crits)
+    verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
+        pl.Series("__r", rows, dtype=pl.UInt32))
+    keys = criterion_keys(verdicts, rows, rollouts, crits)
     unfiltered = "retained" not in verdicts.columns or (
         verdicts.height > 0 and verdicts["retained"].null_count() == verdicts.height
     )
-    if unfiltered:
-        verdicts = discriminative_filter(verdicts, drop)
+    if unfiltered and keys is not None:
+        verdicts = verdicts.with_columns(pl.Series(
+            "retained", retained_by_key(*keys, verdicts["verdict"], drop)))
+    elif unfiltered:  # a null group or criterion id: the string-keyed filter
+        verdicts = discriminative_filter(
+            verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])), drop
+        ).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
     rw = rewards_table(rollouts, verdicts, reward)
@@ -482,7 +567,12 @@ def compute_credit(
         raise DracoError("internal error: credit produced a non-finite advantage; nothing "
                          "was written (please report this with your inputs)")
     step_table = step_credit_frame(sa, arrays)
-    crit = verdicts.group_by("group_id", "criterion_id").agg(pl.col("retained").first())
+    if keys is not None:  # the first verdict's retained flag per (group, criterion) id
+        crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
+            "k").agg(pl.col("retained").first())
+    else:
+        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+            "group_id", "criterion_id").agg(pl.col("retained").first())
     stats = CreditStats(
         groups=rollouts["group_id"].n_unique(),
         rollouts=rollouts.height,

@@ -5,7 +5,7 @@ token advantages between their spans and dense forms."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import polars as pl
 import pyarrow as pa
@@ -18,6 +18,9 @@ from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
+if TYPE_CHECKING:
+    from draco_cli.validate import FlatSpans
+
 CREDIT_ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "outcome", "response_len",
                           "policy_spans", "train_step", "response_fingerprint"]
 CREDIT_STEP_COLUMNS = ["rollout_id", "step", "n_tokens", "token_start"]
@@ -26,12 +29,16 @@ CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cit
 
 
 def _check_spans_type(spans: pa.ChunkedArray[Any] | None, source: str,
-                      response_len: pl.Series | None = None) -> None:
-    """The policy_spans rules of ``draco validate``, raised at the first broken one."""
-    from draco_cli.validate import policy_span_issues, raise_first
+                      response_len: pl.Series | None = None) -> FlatSpans | None:
+    """The policy_spans rules of ``draco validate``, raised at the first broken one; returns
+    the spans flattened (views of the file's buffers) for the token step to reuse."""
+    from draco_cli.validate import flat_policy_spans, policy_span_issues, raise_first
 
-    if spans is not None:
-        raise_first(policy_span_issues(spans, response_len), source, "policy_spans")
+    if spans is None:
+        return None
+    flat = flat_policy_spans(spans)
+    raise_first(policy_span_issues(spans, response_len, flat), source, "policy_spans")
+    return flat
 
 
 def _no_verdicts() -> pl.DataFrame:
@@ -68,13 +75,14 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     r = conform(as_frame(arrow.drop_columns(["policy_spans"]) if spans is not None
                          else arrow), Rollout, source_name(rollouts),
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
-    _check_spans_type(spans, source_name(rollouts), r["response_len"])
+    flat_spans = _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
     s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
+    # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
     v = _no_verdicts() if verdicts is None else \
-        read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS)
+        read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
     result = compute_credit(r, s, v, verdicts_source=source_name(verdicts or "verdicts"),
-                            steps_source=source_name(steps),
+                            steps_source=source_name(steps), check_verdict_keys=True,
                             **options.model_dump(exclude={"tokens"}))
     # The input frames are done with: freed now, their memory serves the token and write
     # steps below instead of adding to the peak.
@@ -83,7 +91,8 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
 
     ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
                      result.rewards["advantage"].to_numpy(),
-                     result.rewards["credit_mode"].to_numpy(), source_name(steps), spans)
+                     result.rewards["credit_mode"].to_numpy(), source_name(steps), spans,
+                     policy_flat=flat_spans)
     if tokens in ("dense", "both"):
         dense = spans_to_dense(ta)
         ta = dense if tokens == "dense" else dense.with_columns(ta.select(
