@@ -161,7 +161,7 @@ class StepArrays:
     r: np.ndarray  # per step: rollout index (int64)
     step: np.ndarray  # int32
     n: np.ndarray  # int32
-    token_start: np.ndarray  # int64, -1 where null
+    token_start: np.ndarray  # int32, -1 where null
     offsets: np.ndarray  # per rollout, length R + 1
     # the steps' own rollout_id column when they came already sorted (it is then the
     # per-step id; reusing it spares gathering millions of strings)
@@ -180,34 +180,47 @@ class StepArrays:
         })
 
 
-def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
-    per rollout in the same order (how ingest writes steps and verdicts); None otherwise.
-
-    This spares hashing every id string against the rollouts (the cost of a join)."""
+def _run_heads(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
+    """Positions where each run of equal ``ids`` starts, when ``ids`` are such runs, one per
+    rollout of ``rollout_ids`` in the same order (how ingest writes steps and verdicts); None
+    otherwise. This spares hashing every id string against the rollouts (the cost of a join).
+    """
     if ids.len() == 0 or rollout_ids.len() == 0:
         return None
     head = (ids != ids.shift(1)).fill_null(True)
-    n_runs = int(head.sum())
-    if n_runs != rollout_ids.len():
+    heads = head.arg_true()
+    if heads.len() != rollout_ids.len():
         return None
-    if not bool((ids.filter(head) == rollout_ids).all()):
+    if not bool((ids.gather(heads) == rollout_ids).all()):
         return None
-    return np.cumsum(head.to_numpy()) - 1
+    return heads.to_numpy().astype(np.int64)
+
+
+def _owner_of(heads: np.ndarray, n: int) -> np.ndarray:
+    """Per element of ``n``, the index of the run (starting at ``heads``) it belongs to."""
+    owner = np.zeros(n, dtype=np.int64)
+    owner[heads[1:]] = 1
+    np.cumsum(owner, out=owner)
+    return owner
+
+
+def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
+    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
+    per rollout in the same order (see ``_run_heads``); None otherwise."""
+    heads = _run_heads(ids, rollout_ids)
+    return None if heads is None else _owner_of(heads, ids.len())
 
 
 def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
     """Row of each step's rollout in ``rollouts`` (int64), or an error naming an orphan step.
 
     Logs keep a rollout's steps together, so the string join runs over the first step of each
-    run of equal rollout_id (one per rollout) instead of over every step.
+    run of equal rollout_id (one per rollout) instead of over every step. (``index_steps``
+    has tried the cheaper case, one run per rollout in the rollouts' order, first.)
     """
     rid = steps["rollout_id"]
     if rid.len() == 0:
         return np.zeros(0, dtype=np.int64)
-    run = _runs_in_order(rid, rollouts["rollout_id"])
-    if run is not None:
-        return run.astype(np.int64)
     head = (rid != rid.shift(1)).fill_null(True).to_numpy()
     run = np.cumsum(head) - 1
     heads = pl.DataFrame({"rollout_id": rid.filter(pl.Series(head)),
@@ -227,23 +240,30 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
 def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> StepArrays:
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats."""
-    r = _rollout_index(steps, rollouts, source)
+    R = rollouts.height
+    heads = _run_heads(steps["rollout_id"], rollouts["rollout_id"])
+    if heads is not None:  # one run per rollout, in order: offsets are the run heads
+        total = steps.height
+        r = _owner_of(heads, total)
+    else:
+        r = _rollout_index(steps, rollouts, source)
     step = steps["step"].to_numpy().astype(np.int32)
     n = steps["n_tokens"].to_numpy().astype(np.int32)
-    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int64)
-                   if "token_start" in steps.columns else np.full(r.size, -1, dtype=np.int64))
+    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32)
+                   if "token_start" in steps.columns else np.full(r.size, -1, dtype=np.int32))
     rows = None
     if r.size > 1 and not bool(np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1])
                                                           & (step[1:] > step[:-1])))):
         rows = np.lexsort((step, r))
         r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
-    R = rollouts.height
     offsets = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
-    bad = np.flatnonzero(step != np.arange(r.size, dtype=np.int64) - offsets[r] + 1)
-    if bad.size:
-        i = int(bad[0])
-        rid = rollouts["rollout_id"][int(r[i])]
+    if heads is not None and rows is None:
+        offsets[:-1], offsets[-1] = heads, r.size
+    else:
+        np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
+    bad = _misnumbered(step, offsets)
+    if bad is not None:
+        rid = rollouts["rollout_id"][int(r[bad])]
         row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
         raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
                          file=source, row=row, field="step")
@@ -251,6 +271,23 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
                       token_start=token_start, offsets=offsets,
                       step_rollout_ids=steps["rollout_id"].alias("rollout_id")
                       if rows is None else None)
+
+
+def _misnumbered(step: np.ndarray, offsets: np.ndarray) -> int | None:
+    """First position of sorted steps (rollout i's at ``offsets[i]:offsets[i + 1]``) whose
+    number is not its place in its rollout (1, 2, 3, ...), or None: a rollout's first step
+    must be 1 and each next step one more than the one before."""
+    if step.size == 0:
+        return None
+    firsts = offsets[:-1][np.diff(offsets) > 0]
+    bad_first = firsts[step[firsts] != 1]
+    jumps = np.flatnonzero(np.diff(step) != 1) + 1  # a rollout's first step aside
+    head = np.zeros(step.size, dtype=bool)
+    head[firsts] = True
+    bad_next = jumps[~head[jumps]]
+    if bad_first.size == 0 and bad_next.size == 0:
+        return None
+    return int(min(bad_first.min(initial=step.size), bad_next.min(initial=step.size)))
 
 
 # --- §3.3 discriminative filter -----------------------------------------------------------
@@ -475,9 +512,7 @@ def step_credit_frame(sa: StepArrays, arrays: dict[str, np.ndarray]) -> pl.DataF
         _nan_as_null("weight", arrays["weight"]),
         pl.Series("advantage", arrays["advantage"]),
         pl.Series("total", sa.n * arrays["advantage"]),  # n_j · a_j
-        pl.Series("token_start", sa.token_start),
-    ).with_columns(
-        pl.when(pl.col("token_start") >= 0).then(pl.col("token_start")).cast(pl.Int32)
+        pl.Series("token_start", pa.array(sa.token_start, mask=sa.token_start < 0)),
     )
 
 
@@ -512,7 +547,7 @@ class CreditResult:
 
 def compute_credit(
     rollouts: pl.DataFrame,
-    steps: pl.DataFrame,
+    steps: pl.DataFrame | StepArrays,
     verdicts: pl.DataFrame,
     *,
     credit: CreditKind = "step",
@@ -527,11 +562,12 @@ def compute_credit(
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
-    Applies the discriminative filter when ``verdicts`` has no ``retained`` column.
+    Applies the discriminative filter when ``verdicts`` has no ``retained`` column. ``steps``
+    may be given as ``index_steps`` of them (a caller can then free the steps frame first).
     ``check_verdict_keys`` checks the verdicts' keys are unique (for callers that read them
     without that check: on integer codes it costs a fraction of the string check).
     """
-    sa = index_steps(steps, rollouts, steps_source)
+    sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
     if check_verdict_keys and verdicts.height and verdicts["judge"].n_unique() > 1:
         _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
         check_verdict_keys = False

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 import pyarrow as pa
 
-from draco_cli.credit import CreditStats, compute_credit
+from draco_cli.credit import CreditStats, compute_credit, index_steps
 from draco_cli.errors import InputError, UsageError
 from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
 from draco_cli.ops import publish_file, source_name
@@ -81,31 +81,40 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
     v = _no_verdicts() if verdicts is None else \
         read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
-    result = compute_credit(r, s, v, verdicts_source=source_name(verdicts or "verdicts"),
+    sa = index_steps(s, r, source_name(steps))
+    del s  # the steps' own columns are copied or kept by sa: freed before the computation
+    result = compute_credit(r, sa, v, verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
                             **options.model_dump(exclude={"tokens"}))
     # The input frames are done with: freed now, their memory serves the token and write
     # steps below instead of adding to the peak.
-    del s, v, arrow
+    del v, arrow
     from draco_cli.token_advantages import token_spans
 
-    ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
-                     result.rewards["advantage"].to_numpy(),
-                     result.rewards["credit_mode"].to_numpy(), source_name(steps), spans,
-                     policy_flat=flat_spans)
-    if tokens in ("dense", "both"):
-        dense = spans_to_dense(ta)
-        ta = dense if tokens == "dense" else dense.with_columns(ta.select(
-            "span_start", "span_end", "span_value"))
-    layouts = sorted(set(ta["layout"].to_list()))
-    meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
-            "draco.token_form": tokens}
+    rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
+                                       result.steps)
+    del result
+    step_adv = step_credit["advantage"].to_numpy()
     with OutputSet(out, [t.name for t in targets], force=force) as output:
-        output.write_table(result.rewards, targets[0].name, Reward)
-        output.write_table(result.step_credit, targets[1].name, StepCredit)
+        # step_credit is written, then freed, before token advantages are built: the two
+        # largest tables never coexist (an error below still publishes nothing).
+        output.write_table(rewards, targets[0].name, Reward)
+        output.write_table(step_credit, targets[1].name, StepCredit)
+        del step_credit
+        sa.step_rollout_ids = None
+        ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
+                         rewards["credit_mode"].to_numpy(), source_name(steps), spans,
+                         policy_flat=flat_spans)
+        if tokens in ("dense", "both"):
+            dense = spans_to_dense(ta)
+            ta = dense if tokens == "dense" else dense.with_columns(ta.select(
+                "span_start", "span_end", "span_value"))
+        layouts = sorted(set(ta["layout"].to_list()))
+        meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
+                "draco.token_form": tokens}
         output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
                            metadata=meta)
-    return result.stats
+    return stats
 
 
 def credit_expand(token_advantages: str | Path, out: str | Path, *,
