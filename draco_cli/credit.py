@@ -180,35 +180,27 @@ class StepArrays:
         })
 
 
-def _run_heads(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Positions where each run of equal ``ids`` starts, when ``ids`` are such runs, one per
-    rollout of ``rollout_ids`` in the same order (how ingest writes steps and verdicts); None
-    otherwise. This spares hashing every id string against the rollouts (the cost of a join).
-    """
+def _run_lengths(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
+    """Lengths of the runs of equal ``ids`` when they are such runs, one per rollout of
+    ``rollout_ids`` in the same order (how ingest writes steps and verdicts); None otherwise.
+    This spares hashing every id string against the rollouts (the cost of a join)."""
     if ids.len() == 0 or rollout_ids.len() == 0:
         return None
-    head = (ids != ids.shift(1)).fill_null(True)
-    heads = head.arg_true()
-    if heads.len() != rollout_ids.len():
+    runs = ids.rle().struct.unnest()  # one pass: (length, value) per run
+    if runs.height != rollout_ids.len():
         return None
-    if not bool((ids.gather(heads) == rollout_ids).all()):
+    length, value = runs.to_series(0), runs.to_series(1)
+    if not bool((value == rollout_ids).all()):
         return None
-    return heads.to_numpy().astype(np.int64)
-
-
-def _owner_of(heads: np.ndarray, n: int) -> np.ndarray:
-    """Per element of ``n``, the index of the run (starting at ``heads``) it belongs to."""
-    owner = np.zeros(n, dtype=np.int64)
-    owner[heads[1:]] = 1
-    np.cumsum(owner, out=owner)
-    return owner
+    lengths: np.ndarray = length.to_numpy().astype(np.int64)
+    return lengths
 
 
 def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
     """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
-    per rollout in the same order (see ``_run_heads``); None otherwise."""
-    heads = _run_heads(ids, rollout_ids)
-    return None if heads is None else _owner_of(heads, ids.len())
+    per rollout in the same order (see ``_run_lengths``); None otherwise."""
+    lengths = _run_lengths(ids, rollout_ids)
+    return None if lengths is None else np.repeat(np.arange(lengths.size), lengths)
 
 
 def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
@@ -241,27 +233,28 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats."""
     R = rollouts.height
-    heads = _run_heads(steps["rollout_id"], rollouts["rollout_id"])
-    if heads is not None:  # one run per rollout, in order: offsets are the run heads
-        total = steps.height
-        r = _owner_of(heads, total)
-    else:
-        r = _rollout_index(steps, rollouts, source)
     step = steps["step"].to_numpy().astype(np.int32)
     n = steps["n_tokens"].to_numpy().astype(np.int32)
     token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32)
-                   if "token_start" in steps.columns else np.full(r.size, -1, dtype=np.int32))
-    rows = None
-    if r.size > 1 and not bool(np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1])
-                                                          & (step[1:] > step[:-1])))):
-        rows = np.lexsort((step, r))
-        r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
+                   if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
-    if heads is not None and rows is None:
-        offsets[:-1], offsets[-1] = heads, r.size
+    lengths = _run_lengths(steps["rollout_id"], rollouts["rollout_id"])
+    rows = None
+    if lengths is not None:  # one run per rollout, in order: offsets are the run bounds
+        np.cumsum(lengths, out=offsets[1:])
+        r = np.repeat(np.arange(R, dtype=np.int64), lengths)
+        # numbered 1..M in place means sorted too: the check below is then done
+        bad = _misnumbered(step, offsets)
     else:
+        r = _rollout_index(steps, rollouts, source)
+        bad = -1
+    if bad is not None:
+        if r.size > 1 and not bool(np.all((r[1:] > r[:-1])
+                                          | ((r[1:] == r[:-1]) & (step[1:] > step[:-1])))):
+            rows = np.lexsort((step, r))
+            r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
         np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
-    bad = _misnumbered(step, offsets)
+        bad = _misnumbered(step, offsets)
     if bad is not None:
         rid = rollouts["rollout_id"][int(r[bad])]
         row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
@@ -415,23 +408,26 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
     step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
     parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
-    vr_v = v["__r"].to_numpy().astype(np.int64)  # per verdict, gathered twice below
-    vr = vr_v[parent]
+    vr = v["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
     valid = (step >= 1) & (step <= sa.M[vr])
-    dropped = int((~valid).sum())
-    parent, step, vr = parent[valid], step[valid], vr[valid]
-    # One count per (verdict, step): sort the combined key and keep the first of each run
-    # (a sort is much faster here than numpy's hash-based unique).
-    base = int(step.max(initial=0)) + 1
-    # parent is non-decreasing, so the keys are sorted but for each verdict's few citations:
-    # a stable (timsort) pass over such nearly sorted data is close to linear.
-    key = np.sort(parent * base + step, kind="stable")
-    first = np.ones(key.size, dtype=bool)
-    first[1:] = key[1:] != key[:-1]
-    parent, step = np.divmod(key[first], base)
-    vr = vr_v[parent]
-    is_pass = (v["verdict"] == "pass").to_numpy()[parent]
+    dropped = int(valid.size - np.count_nonzero(valid))
+    if dropped:
+        parent, step, vr = parent[valid], step[valid], vr[valid]
+    del valid
+    # The cited step's row among all steps; one count per (verdict, step): sort the combined
+    # key and keep the first of each run. parent is non-decreasing, so the keys are sorted but
+    # for each verdict's few citations (a stable, timsort pass over such data is close to
+    # linear, and much faster than numpy's hash-based unique), and each position keeps its
+    # parent: no key needs decoding but the step row.
     gidx = sa.offsets[vr] + step - 1
+    del vr, step
+    key = parent * max(total, 1) + gidx
+    key.sort(kind="stable")
+    first = np.ones(key.size, dtype=bool)
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    gidx = key[first] - parent[first] * max(total, 1)
+    is_pass = (v["verdict"] == "pass").to_numpy()[parent[first]]
+    del key, parent, first
     p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)
     f = np.bincount(gidx[~is_pass], minlength=total).astype(np.int32)
     return p, f, dropped
