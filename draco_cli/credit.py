@@ -137,12 +137,13 @@ def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
 def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
                         crits: tuple[np.ndarray, int] | None = None) -> None:
     """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
-    rollout rows), ``crits`` (criterion codes) and one judge, integer (rollout row, criterion)
-    pairs are checked first; the exact string check runs otherwise, and names the repeat."""
+    rollout rows) and ``crits`` (criterion codes) of one judge's verdicts, integer (rollout row,
+    criterion) pairs are checked first; the exact string check runs otherwise, and names the
+    repeat."""
     from draco_cli.io import conform
     from draco_cli.schemas import VerdictAggregated
 
-    if crits is not None and rows is not None and verdicts["judge"].n_unique() <= 1:
+    if crits is not None and rows is not None:  # callers pass rows for one judge only
         c, n_c = crits
         if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
             return
@@ -564,7 +565,8 @@ def compute_credit(
     without that check: on integer codes it costs a fraction of the string check).
     """
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    if check_verdict_keys and verdicts.height and verdicts["judge"].n_unique() > 1:
+    one_judge = verdicts.height == 0 or bool((verdicts["judge"] == verdicts["judge"][0]).all())
+    if check_verdict_keys and not one_judge:
         _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
         check_verdict_keys = False
     verdicts = narrow_judge(verdicts, judge, verdicts_source)
@@ -588,9 +590,22 @@ def compute_credit(
         ).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
+    if keys is not None:  # the first verdict's retained flag per (group, criterion) id
+        crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
+            "k").agg(pl.col("retained").first())
+    else:
+        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+            "group_id", "criterion_id").agg(pl.col("retained").first())
+    criteria_kept = int(crit["retained"].sum())
+    criteria = crit.height
+    # Only the columns still needed stay referenced (the ids and judge labels are freed when
+    # the caller holds no other reference); the verdicts go once citations are counted.
+    del crit, keys, crits
+    verdicts = verdicts.select("__r", "verdict", "cited_steps", "retained")
     rw = rewards_table(rollouts, verdicts, reward)
     rw = rw.with_columns(group_advantage(rw, estimator, std))
     p, f, dropped = citation_arrays(sa, verdicts)
+    del verdicts
     arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
     rw = rw.with_columns(pl.Series("credit_mode", arrays["mode_r"]))
     # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer
@@ -599,17 +614,11 @@ def compute_credit(
         raise DracoError("internal error: credit produced a non-finite advantage; nothing "
                          "was written (please report this with your inputs)")
     step_table = step_credit_frame(sa, arrays)
-    if keys is not None:  # the first verdict's retained flag per (group, criterion) id
-        crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
-            "k").agg(pl.col("retained").first())
-    else:
-        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
-            "group_id", "criterion_id").agg(pl.col("retained").first())
     stats = CreditStats(
         groups=rollouts["group_id"].n_unique(),
         rollouts=rollouts.height,
-        criteria_kept=int(crit["retained"].sum()),
-        criteria_dropped=int(crit.height - crit["retained"].sum()),
+        criteria_kept=criteria_kept,
+        criteria_dropped=criteria - criteria_kept,
         citations_dropped=dropped,
         credit_modes=dict(rw.group_by("credit_mode").len().sort("credit_mode").iter_rows()),
         # Float64 columns: their min, max and mean are floats (None when empty or all null)

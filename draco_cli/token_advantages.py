@@ -50,7 +50,8 @@ def _canonical(row: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.nd
     """Drop zero spans, merge touching spans of equal value; inputs sorted by (row, start).
     Returns (offsets per row, start, end, value)."""
     keep = value != 0
-    row, start, end, value = row[keep], start[keep], end[keep], value[keep]
+    if not keep.all():
+        row, start, end, value = row[keep], start[keep], end[keep], value[keep]
     if row.size:
         new = np.ones(row.size, dtype=bool)
         new[1:] = (row[1:] != row[:-1]) | (start[1:] != end[:-1]) | (value[1:] != value[:-1])
@@ -151,10 +152,10 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
         # Uniform / fallback with known policy spans: every policy token (gap included) gets
         # A_i; otherwise the steps' own ranges carry the values.
         whole = ~is_step_r[r0:r1] & pos & has_ps[r0:r1]
-        keep = ~whole[rl]
-        rr, ss, ee = rl[keep], start[keep], end[keep]
-        vv = step_adv[s0:s1][keep].astype(np.float32)
+        rr, ss, ee, vv = rl, start, end, step_adv[s0:s1].astype(np.float32)
         if whole.any():
+            keep = ~whole[rl]
+            rr, ss, ee, vv = rr[keep], ss[keep], ee[keep], vv[keep]
             assert policy is not None  # whole needs has_ps
             lo, hi = int(policy.offsets[r0]), int(policy.offsets[r1])
             local = np.repeat(np.arange(Rl), np.diff(policy.offsets[r0:r1 + 1]))

@@ -28,7 +28,7 @@ CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cit
                           "retained"]
 
 
-def _check_spans_type(spans: pa.ChunkedArray[Any] | None, source: str,
+def _check_spans_type(spans: pa.Array[Any] | None, source: str,
                       response_len: pl.Series | None = None) -> FlatSpans | None:
     """The policy_spans rules of ``draco validate``, raised at the first broken one; returns
     the spans flattened (views of the file's buffers) for the token step to reuse."""
@@ -71,10 +71,15 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     # policy_spans stays an Arrow column: converting millions of nested spans to polars
     # would cost more memory than all the credit computation.
     arrow = read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS)
-    spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
-    r = conform(as_frame(arrow.drop_columns(["policy_spans"]) if spans is not None
-                         else arrow), Rollout, source_name(rollouts),
+    spans = None
+    if "policy_spans" in arrow.column_names:
+        # one contiguous copy, made once: the check and the token step work on its buffers
+        # (and the file's chunks are freed with the column)
+        spans = arrow.column("policy_spans").combine_chunks()
+        arrow = arrow.drop_columns(["policy_spans"])
+    r = conform(as_frame(arrow), Rollout, source_name(rollouts),
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
+    del arrow
     flat_spans = _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
     s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
@@ -83,12 +88,13 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
         read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
     sa = index_steps(s, r, source_name(steps))
     del s  # the steps' own columns are copied or kept by sa: freed before the computation
-    result = compute_credit(r, sa, v, verdicts_source=source_name(verdicts or "verdicts"),
+    # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
+    # with them (arguments pass to the callee's frame).
+    held = {"verdicts": v}
+    del v
+    result = compute_credit(r, sa, held.pop("verdicts"), verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
                             **options.model_dump(exclude={"tokens"}))
-    # The input frames are done with: freed now, their memory serves the token and write
-    # steps below instead of adding to the peak.
-    del v, arrow
     from draco_cli.token_advantages import token_spans
 
     rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
