@@ -7,6 +7,7 @@ Every function takes and returns polars DataFrames; ``compute_credit`` chains th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Literal, cast
@@ -168,8 +169,9 @@ class StepArrays:
     # per-step id; reusing it spares gathering millions of strings)
     step_rollout_ids: pl.Series | None = None
 
-    @property
+    @functools.cached_property
     def M(self) -> np.ndarray:
+        """Steps per rollout (computed once: block loops slice it many times)."""
         return np.diff(self.offsets)
 
     def order(self) -> pl.DataFrame:
