@@ -10,7 +10,7 @@ from __future__ import annotations
 import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import polars as pl
@@ -100,7 +100,7 @@ def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
     arr = values.to_arrow()
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
-    encoded = pc.dictionary_encode(arr)
+    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(arr))
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 
@@ -116,7 +116,7 @@ def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFr
         return None
     (g, _), (c, n_c) = groups, crits
     pair = pa.array(g[rows] * max(n_c, 1) + c)
-    encoded = pc.dictionary_encode(pair)
+    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(pair))
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 

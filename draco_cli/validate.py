@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -462,7 +462,7 @@ class FlatSpans:
         return found
 
 
-def _is_span_lists(t: pa.DataType) -> bool:
+def _is_span_lists(t: Any) -> bool:  # a pa.DataType; list types carry value_type
     return bool(_is_list(t) and _is_list(t.value_type)
                 and pa.types.is_integer(t.value_type.value_type))
 
@@ -472,13 +472,13 @@ def flat_policy_spans(spans: pa.Array[Any] | pa.ChunkedArray[Any]) -> FlatSpans 
     rollout holding none); None for anything else, which ``policy_span_issues`` reports."""
     if not _is_span_lists(spans.type):
         return None
-    spans = _combined(spans)
-    outer = spans.offsets.to_numpy().astype(np.int64)  # into spans.values (slice-aware)
-    if spans.null_count and np.any(np.diff(outer)[~spans.is_valid().to_numpy(
+    lists = cast("pa.ListArray[Any]", _combined(spans))  # or LargeListArray: the same accessors
+    outer = lists.offsets.to_numpy().astype(np.int64)  # into lists.values (slice-aware)
+    if lists.null_count and np.any(np.diff(outer)[~lists.is_valid().to_numpy(
             zero_copy_only=False)]):
         return None  # a null rollout backed by spans: let the general path decide
     first, last = int(outer[0]), int(outer[-1])
-    inner = spans.values.slice(first, last - first)
+    inner = cast("pa.ListArray[Any]", lists.values.slice(first, last - first))
     if inner.null_count:
         return None
     inner_off = inner.offsets.to_numpy()
