@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 import pyarrow as pa
 
+from draco_cli._allocator import trim_heap
 from draco_cli.credit import CreditStats, compute_credit, index_steps
 from draco_cli.errors import InputError, UsageError
 from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
@@ -101,6 +102,9 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
                                        result.steps)
     del result
     step_adv = step_credit["advantage"].to_numpy()
+    # The computation's temporaries are freed; without this the allocator would keep them
+    # and the writes below would stack their peak on top.
+    trim_heap()
     with OutputSet(out, [t.name for t in targets], force=force) as output:
         # step_credit is written, then freed, before token advantages are built: the two
         # largest tables never coexist (an error below still publishes nothing).
@@ -108,6 +112,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
         output.write_table(step_credit, targets[1].name, StepCredit)
         del step_credit
         sa.step_rollout_ids = None
+        trim_heap()
         ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
                          rewards["credit_mode"].to_numpy(), source_name(steps), spans,
                          policy_flat=flat_spans)
