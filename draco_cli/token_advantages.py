@@ -122,7 +122,7 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
         ps_end[nonempty] = np.maximum.reduceat(policy.end, policy.offsets[nonempty])
     for r0, r1, s0, s1 in rollout_chunks(sa.offsets):
         Rl = r1 - r0
-        rl = sa.r[s0:s1] - r0
+        rl = np.repeat(np.arange(Rl, dtype=np.int64), sa.M[r0:r1])  # from the offsets alone
         n = sa.n[s0:s1].astype(np.int64)
         ts = sa.token_start[s0:s1]
         M = sa.M[r0:r1]

@@ -7,6 +7,7 @@ from __future__ import annotations
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
@@ -102,6 +103,9 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
                                        result.steps)
     del result
     step_adv = step_credit["advantage"].to_numpy()
+    # token_spans finds each step's rollout from the offsets: the per-step index (8 bytes a
+    # step) goes before the writes instead of adding to their peak.
+    sa.r = np.zeros(0, dtype=np.int64)
     # The computation's temporaries are freed; without this the allocator would keep them
     # and the writes below would stack their peak on top.
     trim_heap()
