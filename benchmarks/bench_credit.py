@@ -13,12 +13,19 @@ citations each) as Parquet, then runs in fresh subprocesses:
 It prints wall time, rollouts/s, peak RSS, the ratio to the floor, and cost per rollout relative
 to the smallest size. Targets (issue 19, 2-core machine): 1M rollouts within 1.5x the floor and
 under 3 GB peak RSS; cost per rollout flat (±30%) from 10k to 1M. ``--repeat K`` runs each K
-times in turn and keeps the best (the machine is shared and noisy).
+times in turn and keeps the best (the machine is shared and noisy). Process CPU (user + system of
+all threads, over the timed part) is printed beside wall time: on a loaded machine it is the steadier figure.
+
+``--data DIR`` keeps the generated inputs in ``DIR/N/`` and reuses them on the next run
+(generating 1M rollouts takes minutes and ~4 GB). ``--baseline SRC`` also runs credit compute
+from another source tree (a folder holding an older ``draco_cli``, e.g. from ``git archive``)
+in turn with the current one, on the same inputs, and prints the A/B ratios.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import shutil
 import sys
 import tempfile
@@ -28,9 +35,6 @@ from pathlib import Path
 import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _child import run_child  # noqa: E402
 
 REPO = Path(__file__).resolve().parent.parent
 GROUP = 8
@@ -96,11 +100,11 @@ import sys, time
 from draco_cli._allocator import tune_allocator
 from draco_cli.ops.credit import credit_compute
 tune_allocator()  # as the draco command does at start-up
-d = sys.argv[1]
-t = time.perf_counter()
+d, out = sys.argv[1], sys.argv[2]
+t, c = time.perf_counter(), time.process_time()
 credit_compute(f"{d}/rollouts.parquet", f"{d}/steps.parquet", f"{d}/verdicts.parquet",
-               f"{d}/out", tokens="spans", force=True)
-print(time.perf_counter() - t)
+               f"{d}/{out}", tokens="spans", force=True)
+print(time.perf_counter() - t, time.process_time() - c)
 """
 
 CHILD_FLOOR = """
@@ -109,19 +113,55 @@ import pyarrow.parquet as pq
 d = sys.argv[1]
 outs = {n: pq.read_table(f"{d}/out/{n}.parquet") for n in
         ("rewards", "step_credit", "token_advantages")}
-t = time.perf_counter()
+t, c = time.perf_counter(), time.process_time()
 for n in ("rollouts", "steps", "verdicts"):
     pq.read_table(f"{d}/{n}.parquet")
 for n, tab in outs.items():
     pq.write_table(tab, f"{d}/floor_{n}.parquet", compression="zstd")
-print(time.perf_counter() - t)
+print(time.perf_counter() - t, time.process_time() - c)
 """
 
 
-def timed_child(code: str, *args: str) -> tuple[float, float]:
-    """(seconds printed by the child, its peak RSS in MiB)."""
-    out, rss = run_child(code, *args)
-    return float(out.split()[-1]), rss
+def timed_child(code: str, *args: str, source: str | None = None) -> tuple[float, float, float]:
+    """(wall and CPU seconds (user + system, all threads) of the timed part, as the child
+    prints them; its peak RSS in MiB), run in a fresh interpreter; ``source`` puts another ``draco_cli`` first on its path."""
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:  # pragma: no cover - child
+        os.close(r)
+        os.dup2(w, 1)
+        os.chdir(source or REPO)  # ``python -c`` puts the working folder first on the path
+        env = dict(os.environ)
+        if source is not None:
+            env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
+        os.execve(sys.executable, [sys.executable, "-c", code, *args], env)
+    os.close(w)
+    with os.fdopen(r) as f:
+        out = f.read()
+    _, status, usage = os.wait4(pid, 0)
+    if status:
+        raise SystemExit(f"benchmark child failed (status {status})")
+    wall, cpu = (float(x) for x in out.split()[-2:])
+    return wall, cpu, usage.ru_maxrss / 1024
+
+
+def same_outputs(a: Path, b: Path) -> bool:
+    """The three tables hold the same columns, types and values (the output-set id in the
+    metadata differs by design)."""
+    for name in ("rewards", "step_credit", "token_advantages"):
+        ta, tb = (pq.read_table(x / f"{name}.parquet") for x in (a, b))
+        ma, mb = ({k: v for k, v in (t.schema.metadata or {}).items()
+                   if not k.startswith(b"draco.output_set")} for t in (ta, tb))
+        if ma != mb or not ta.replace_schema_metadata().equals(tb.replace_schema_metadata()):
+            print(f"  {name}: differs from the baseline's")
+            return False
+    return True
+
+
+def _line(label: str, n: int, run: tuple[float, float, float]) -> str:
+    secs, cpu, rss = run
+    return (f"  {label:<14}: {secs:7.2f} s  cpu {cpu:7.2f} s  {n / secs:10.0f} rollouts/s  "
+            f"peak RSS {rss:8.1f} MiB")
 
 
 def main() -> None:
@@ -129,34 +169,56 @@ def main() -> None:
     ap.add_argument("--sizes", default="10000,100000,1000000")
     ap.add_argument("--repeat", type=int, default=1,
                     help="runs of each, in turn (credit, floor, credit, ...); the best counts")
+    ap.add_argument("--data", type=Path, default=None,
+                    help="keep generated inputs here (DIR/N/) and reuse them")
+    ap.add_argument("--baseline", default=None,
+                    help="source tree of an older draco_cli to A/B against, in turn")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     tmp = Path(tempfile.mkdtemp(prefix="draco-bench-credit-"))
     per_rollout = {}
     try:
         for n in sizes:
-            d = tmp / str(n)
+            d = (args.data or tmp) / str(n)
             t0 = time.perf_counter()
-            make_inputs(n, d)
+            if not (d / "verdicts.parquet").exists():
+                make_inputs(n, d)
             gen = time.perf_counter() - t0
-            runs = []
-            for _ in range(args.repeat):  # in turn, so load changes hit both alike
-                runs.append((timed_child(CHILD_CREDIT, str(d)), timed_child(CHILD_FLOOR, str(d))))
-            secs, rss = min(c for c, _ in runs)
-            floor, floor_rss = min(f for _, f in runs)
-            per_rollout[n] = secs / n
+            runs, base_runs, floor_runs = [], [], []
+            for _ in range(args.repeat):  # in turn, so load changes hit all alike
+                if args.baseline:
+                    base_runs.append(timed_child(CHILD_CREDIT, str(d), "out_baseline",
+                                                  source=args.baseline))
+                runs.append(timed_child(CHILD_CREDIT, str(d), "out"))
+                floor_runs.append(timed_child(CHILD_FLOOR, str(d)))
+            best = min(runs)
+            floor = min(floor_runs)
+            per_rollout[n] = best[0] / n
             in_mb = sum((d / f"{x}.parquet").stat().st_size for x in
                         ("rollouts", "steps", "verdicts")) / 2**20
             out_mb = sum(p.stat().st_size for p in (d / "out").glob("*.parquet")) / 2**20
             print(f"N={n:>8}  inputs {in_mb:7.1f} MiB, outputs {out_mb:7.1f} MiB "
-                  f"(generated in {gen:.1f}s)")
-            print(f"  credit compute: {secs:7.2f} s  {n / secs:10.0f} rollouts/s  "
-                  f"peak RSS {rss:8.1f} MiB")
-            print(f"  I/O floor     : {floor:7.2f} s  {n / floor:10.0f} rollouts/s  "
-                  f"peak RSS {floor_rss:8.1f} MiB")
-            print(f"  ratio to floor: {secs / floor:.2f}x;  cost per rollout vs N={sizes[0]}: "
-                  f"{per_rollout[n] / per_rollout[sizes[0]]:.2f}x")
-            shutil.rmtree(d)
+                  f"(inputs ready in {gen:.1f}s)")
+            if base_runs:
+                print(_line("baseline", n, min(base_runs)))
+            print(_line("credit compute", n, best))
+            print(_line("I/O floor", n, floor))
+            print(f"  ratio to floor: {best[0] / floor[0]:.2f}x wall, "
+                  f"{min(c for _, c, _ in runs) / min(c for _, c, _ in floor_runs):.2f}x cpu;  "
+                  f"cost per rollout vs N={sizes[0]}: {per_rollout[n] / per_rollout[sizes[0]]:.2f}x")
+            if base_runs:
+                b = min(base_runs)
+                print(f"  vs baseline   : {best[0] / b[0]:.2f}x wall, "
+                      f"{min(c for _, c, _ in runs) / min(c for _, c, _ in base_runs):.2f}x cpu, "
+                      f"{best[2] / b[2]:.2f}x peak RSS")
+            for label, group in (("baseline", base_runs), ("credit", runs), ("floor", floor_runs)):
+                for k, (w, c, m) in enumerate(group):
+                    print(f"    {label} run {k + 1}: wall {w:.2f} s, cpu {c:.2f} s, "
+                          f"peak {m:.0f} MiB")
+            if base_runs:
+                print(f"  outputs equal to the baseline's: {same_outputs(d / 'out', d / 'out_baseline')}")
+            if args.data is None:
+                shutil.rmtree(d)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 

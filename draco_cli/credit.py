@@ -7,9 +7,10 @@ Every function takes and returns polars DataFrames; ``compute_credit`` chains th
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Literal, cast
+from typing import Any, Literal, cast
 
 import numpy as np
 import polars as pl
@@ -82,6 +83,74 @@ def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -
     return joined.sort("__row").drop("__row")
 
 
+def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
+    """Row in ``rollouts`` of each verdict's rollout (int64); a verdict for a rollout not in
+    ``rollouts`` is an error. Verdicts in the rollouts' order need no string join."""
+    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
+    if run is not None:
+        return run
+    return attach_groups(verdicts, rollouts, source)["__r"].to_numpy().astype(np.int64)
+
+
+def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
+    """Integer codes of a column's values (hashed once) and how many distinct values there
+    are; None when it holds nulls."""
+    if values.null_count():
+        return None
+    arr = values.to_arrow()
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(arr))
+    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
+
+
+def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
+                   crits: tuple[np.ndarray, int] | None = None) -> tuple[np.ndarray, int] | None:
+    """A dense integer id per verdict of its (group, criterion) and the number of ids, or None
+    when a group or criterion id is null. ``rows`` are the verdicts' rollout rows, ``crits``
+    the criterion codes when the caller has them: every string is hashed once, and the filter
+    and the criteria count work on integers."""
+    groups = _codes(rollouts["group_id"])
+    crits = crits if crits is not None else _codes(verdicts["criterion_id"])
+    if groups is None or crits is None:
+        return None
+    (g, _), (c, n_c) = groups, crits
+    pair = pa.array(g[rows] * max(n_c, 1) + c)
+    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(pair))
+    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
+
+
+def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
+                    drop: Drop = "all-pass") -> np.ndarray:
+    """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids."""
+    if drop not in ("all-pass", "constant"):
+        raise UsageError(f"--drop {drop!r}: choose all-pass or constant")
+    keep = np.zeros(n_keys, dtype=bool)
+    keep[key[(verdict == "fail").fill_null(False).to_numpy()]] = True
+    if drop == "constant":
+        other = np.zeros(n_keys, dtype=bool)
+        other[key[verdict.is_in(["pass", "na"]).fill_null(False).to_numpy()]] = True
+        keep &= other
+    kept: np.ndarray = keep[key]
+    return kept
+
+
+def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
+                        crits: tuple[np.ndarray, int] | None = None) -> None:
+    """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
+    rollout rows) and ``crits`` (criterion codes) of one judge's verdicts, integer (rollout row,
+    criterion) pairs are checked first; the exact string check runs otherwise, and names the
+    repeat."""
+    from draco_cli.io import conform
+    from draco_cli.schemas import VerdictAggregated
+
+    if crits is not None and rows is not None:  # callers pass rows for one judge only
+        c, n_c = crits
+        if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
+            return
+    conform(verdicts, VerdictAggregated, source, only=[], check_keys=True)
+
+
 @dataclass
 class StepArrays:
     """Steps sorted by (rollout, step) as numpy columns; ``r`` indexes the rollouts frame.
@@ -94,14 +163,15 @@ class StepArrays:
     r: np.ndarray  # per step: rollout index (int64)
     step: np.ndarray  # int32
     n: np.ndarray  # int32
-    token_start: np.ndarray  # int64, -1 where null
+    token_start: np.ndarray  # int32, -1 where null
     offsets: np.ndarray  # per rollout, length R + 1
     # the steps' own rollout_id column when they came already sorted (it is then the
     # per-step id; reusing it spares gathering millions of strings)
     step_rollout_ids: pl.Series | None = None
 
-    @property
+    @functools.cached_property
     def M(self) -> np.ndarray:
+        """Steps per rollout (computed once: block loops slice it many times)."""
         return np.diff(self.offsets)
 
     def order(self) -> pl.DataFrame:
@@ -113,34 +183,39 @@ class StepArrays:
         })
 
 
-def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
-    per rollout in the same order (how ingest writes steps and verdicts); None otherwise.
-
+def _run_lengths(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
+    """Lengths of the runs of equal ``ids`` when they are such runs, one per rollout of
+    ``rollout_ids`` in the same order (how ingest writes steps and verdicts); None otherwise.
     This spares hashing every id string against the rollouts (the cost of a join)."""
     if ids.len() == 0 or rollout_ids.len() == 0:
         return None
-    head = (ids != ids.shift(1)).fill_null(True)
-    n_runs = int(head.sum())
-    if n_runs != rollout_ids.len():
+    runs = ids.rle().struct.unnest()  # one pass: (length, value) per run
+    if runs.height != rollout_ids.len():
         return None
-    if not bool((ids.filter(head) == rollout_ids).all()):
+    length, value = runs.to_series(0), runs.to_series(1)
+    if not bool((value == rollout_ids).all()):
         return None
-    return np.cumsum(head.to_numpy()) - 1
+    lengths: np.ndarray = length.to_numpy().astype(np.int64)
+    return lengths
+
+
+def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
+    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
+    per rollout in the same order (see ``_run_lengths``); None otherwise."""
+    lengths = _run_lengths(ids, rollout_ids)
+    return None if lengths is None else np.repeat(np.arange(lengths.size), lengths)
 
 
 def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
     """Row of each step's rollout in ``rollouts`` (int64), or an error naming an orphan step.
 
     Logs keep a rollout's steps together, so the string join runs over the first step of each
-    run of equal rollout_id (one per rollout) instead of over every step.
+    run of equal rollout_id (one per rollout) instead of over every step. (``index_steps``
+    has tried the cheaper case, one run per rollout in the rollouts' order, first.)
     """
     rid = steps["rollout_id"]
     if rid.len() == 0:
         return np.zeros(0, dtype=np.int64)
-    run = _runs_in_order(rid, rollouts["rollout_id"])
-    if run is not None:
-        return run.astype(np.int64)
     head = (rid != rid.shift(1)).fill_null(True).to_numpy()
     run = np.cumsum(head) - 1
     heads = pl.DataFrame({"rollout_id": rid.filter(pl.Series(head)),
@@ -160,23 +235,31 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
 def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> StepArrays:
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats."""
-    r = _rollout_index(steps, rollouts, source)
+    R = rollouts.height
     step = steps["step"].to_numpy().astype(np.int32)
     n = steps["n_tokens"].to_numpy().astype(np.int32)
-    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int64)
-                   if "token_start" in steps.columns else np.full(r.size, -1, dtype=np.int64))
-    rows = None
-    if r.size > 1 and not bool(np.all((r[1:] > r[:-1]) | ((r[1:] == r[:-1])
-                                                          & (step[1:] > step[:-1])))):
-        rows = np.lexsort((step, r))
-        r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
-    R = rollouts.height
+    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32)
+                   if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
-    bad = np.flatnonzero(step != np.arange(r.size, dtype=np.int64) - offsets[r] + 1)
-    if bad.size:
-        i = int(bad[0])
-        rid = rollouts["rollout_id"][int(r[i])]
+    lengths = _run_lengths(steps["rollout_id"], rollouts["rollout_id"])
+    rows = None
+    if lengths is not None:  # one run per rollout, in order: offsets are the run bounds
+        np.cumsum(lengths, out=offsets[1:])
+        r = np.repeat(np.arange(R, dtype=np.int64), lengths)
+        # numbered 1..M in place means sorted too: the check below is then done
+        bad = _misnumbered(step, offsets)
+    else:
+        r = _rollout_index(steps, rollouts, source)
+        bad = -1
+    if bad is not None:
+        if r.size > 1 and not bool(np.all((r[1:] > r[:-1])
+                                          | ((r[1:] == r[:-1]) & (step[1:] > step[:-1])))):
+            rows = np.lexsort((step, r))
+            r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
+        np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
+        bad = _misnumbered(step, offsets)
+    if bad is not None:
+        rid = rollouts["rollout_id"][int(r[bad])]
         row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
         raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
                          file=source, row=row, field="step")
@@ -184,6 +267,23 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
                       token_start=token_start, offsets=offsets,
                       step_rollout_ids=steps["rollout_id"].alias("rollout_id")
                       if rows is None else None)
+
+
+def _misnumbered(step: np.ndarray, offsets: np.ndarray) -> int | None:
+    """First position of sorted steps (rollout i's at ``offsets[i]:offsets[i + 1]``) whose
+    number is not its place in its rollout (1, 2, 3, ...), or None: a rollout's first step
+    must be 1 and each next step one more than the one before."""
+    if step.size == 0:
+        return None
+    firsts = offsets[:-1][np.diff(offsets) > 0]
+    bad_first = firsts[step[firsts] != 1]
+    jumps = np.flatnonzero(np.diff(step) != 1) + 1  # a rollout's first step aside
+    head = np.zeros(step.size, dtype=bool)
+    head[firsts] = True
+    bad_next = jumps[~head[jumps]]
+    if bad_first.size == 0 and bad_next.size == 0:
+        return None
+    return int(min(bad_first.min(initial=step.size), bad_next.min(initial=step.size)))
 
 
 # --- §3.3 discriminative filter -----------------------------------------------------------
@@ -311,23 +411,26 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
     step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
     parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
-    vr_v = v["__r"].to_numpy().astype(np.int64)  # per verdict, gathered twice below
-    vr = vr_v[parent]
+    vr = v["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
     valid = (step >= 1) & (step <= sa.M[vr])
-    dropped = int((~valid).sum())
-    parent, step, vr = parent[valid], step[valid], vr[valid]
-    # One count per (verdict, step): sort the combined key and keep the first of each run
-    # (a sort is much faster here than numpy's hash-based unique).
-    base = int(step.max(initial=0)) + 1
-    # parent is non-decreasing, so the keys are sorted but for each verdict's few citations:
-    # a stable (timsort) pass over such nearly sorted data is close to linear.
-    key = np.sort(parent * base + step, kind="stable")
-    first = np.ones(key.size, dtype=bool)
-    first[1:] = key[1:] != key[:-1]
-    parent, step = np.divmod(key[first], base)
-    vr = vr_v[parent]
-    is_pass = (v["verdict"] == "pass").to_numpy()[parent]
+    dropped = int(valid.size - np.count_nonzero(valid))
+    if dropped:
+        parent, step, vr = parent[valid], step[valid], vr[valid]
+    del valid
+    # The cited step's row among all steps; one count per (verdict, step): sort the combined
+    # key and keep the first of each run. parent is non-decreasing, so the keys are sorted but
+    # for each verdict's few citations (a stable, timsort pass over such data is close to
+    # linear, and much faster than numpy's hash-based unique), and each position keeps its
+    # parent: no key needs decoding but the step row.
     gidx = sa.offsets[vr] + step - 1
+    del vr, step
+    key = parent * max(total, 1) + gidx
+    key.sort(kind="stable")
+    first = np.ones(key.size, dtype=bool)
+    np.not_equal(key[1:], key[:-1], out=first[1:])
+    gidx = key[first] - parent[first] * max(total, 1)
+    is_pass = (v["verdict"] == "pass").to_numpy()[parent[first]]
+    del key, parent, first
     p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)
     f = np.bincount(gidx[~is_pass], minlength=total).astype(np.int32)
     return p, f, dropped
@@ -408,9 +511,7 @@ def step_credit_frame(sa: StepArrays, arrays: dict[str, np.ndarray]) -> pl.DataF
         _nan_as_null("weight", arrays["weight"]),
         pl.Series("advantage", arrays["advantage"]),
         pl.Series("total", sa.n * arrays["advantage"]),  # n_j · a_j
-        pl.Series("token_start", sa.token_start),
-    ).with_columns(
-        pl.when(pl.col("token_start") >= 0).then(pl.col("token_start")).cast(pl.Int32)
+        pl.Series("token_start", pa.array(sa.token_start, mask=sa.token_start < 0)),
     )
 
 
@@ -445,7 +546,7 @@ class CreditResult:
 
 def compute_credit(
     rollouts: pl.DataFrame,
-    steps: pl.DataFrame,
+    steps: pl.DataFrame | StepArrays,
     verdicts: pl.DataFrame,
     *,
     credit: CreditKind = "step",
@@ -456,24 +557,57 @@ def compute_credit(
     judge: str | None = None,
     verdicts_source: str = "verdicts",
     steps_source: str = "steps",
+    check_verdict_keys: bool = False,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
-    Applies the discriminative filter when ``verdicts`` has no ``retained`` column.
+    Applies the discriminative filter when ``verdicts`` has no ``retained`` column. ``steps``
+    may be given as ``index_steps`` of them (a caller can then free the steps frame first).
+    ``check_verdict_keys`` checks the verdicts' keys are unique (for callers that read them
+    without that check: on integer codes it costs a fraction of the string check).
     """
-    sa = index_steps(steps, rollouts, steps_source)
+    sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
+    one_judge = verdicts.height == 0 or bool((verdicts["judge"] == verdicts["judge"][0]).all())
+    if check_verdict_keys and not one_judge:
+        _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
+        check_verdict_keys = False
     verdicts = narrow_judge(verdicts, judge, verdicts_source)
-    verdicts = attach_groups(verdicts, rollouts, verdicts_source)
+    rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
+        else np.zeros(0, dtype=np.int64)
+    crits = _codes(verdicts["criterion_id"])
+    if check_verdict_keys:
+        _check_verdict_keys(verdicts, rows, verdicts_source, crits)
+    verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
+        pl.Series("__r", rows, dtype=pl.UInt32))
+    keys = criterion_keys(verdicts, rows, rollouts, crits)
     unfiltered = "retained" not in verdicts.columns or (
         verdicts.height > 0 and verdicts["retained"].null_count() == verdicts.height
     )
-    if unfiltered:
-        verdicts = discriminative_filter(verdicts, drop)
+    if unfiltered and keys is not None:
+        verdicts = verdicts.with_columns(pl.Series(
+            "retained", retained_by_key(*keys, verdicts["verdict"], drop)))
+    elif unfiltered:  # a null group or criterion id: the string-keyed filter
+        verdicts = discriminative_filter(
+            verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])), drop
+        ).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
+    if keys is not None:  # the first verdict's retained flag per (group, criterion) id
+        crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
+            "k").agg(pl.col("retained").first())
+    else:
+        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+            "group_id", "criterion_id").agg(pl.col("retained").first())
+    criteria_kept = int(crit["retained"].sum())
+    criteria = crit.height
+    # Only the columns still needed stay referenced (the ids and judge labels are freed when
+    # the caller holds no other reference); the verdicts go once citations are counted.
+    del crit, keys, crits
+    verdicts = verdicts.select("__r", "verdict", "cited_steps", "retained")
     rw = rewards_table(rollouts, verdicts, reward)
     rw = rw.with_columns(group_advantage(rw, estimator, std))
     p, f, dropped = citation_arrays(sa, verdicts)
+    del verdicts
     arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
     rw = rw.with_columns(pl.Series("credit_mode", arrays["mode_r"]))
     # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer
@@ -482,12 +616,11 @@ def compute_credit(
         raise DracoError("internal error: credit produced a non-finite advantage; nothing "
                          "was written (please report this with your inputs)")
     step_table = step_credit_frame(sa, arrays)
-    crit = verdicts.group_by("group_id", "criterion_id").agg(pl.col("retained").first())
     stats = CreditStats(
         groups=rollouts["group_id"].n_unique(),
         rollouts=rollouts.height,
-        criteria_kept=int(crit["retained"].sum()),
-        criteria_dropped=int(crit.height - crit["retained"].sum()),
+        criteria_kept=criteria_kept,
+        criteria_dropped=criteria - criteria_kept,
         citations_dropped=dropped,
         credit_modes=dict(rw.group_by("credit_mode").len().sort("credit_mode").iter_rows()),
         # Float64 columns: their min, max and mean are floats (None when empty or all null)

@@ -21,6 +21,7 @@ from draco_cli.errors import InputError
 
 if TYPE_CHECKING:
     from draco_cli.credit import StepArrays
+    from draco_cli.validate import FlatSpans
 
 SPAN_COLUMNS = ("span_start", "span_end", "span_value")
 
@@ -49,7 +50,8 @@ def _canonical(row: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.nd
     """Drop zero spans, merge touching spans of equal value; inputs sorted by (row, start).
     Returns (offsets per row, start, end, value)."""
     keep = value != 0
-    row, start, end, value = row[keep], start[keep], end[keep], value[keep]
+    if not keep.all():
+        row, start, end, value = row[keep], start[keep], end[keep], value[keep]
     if row.size:
         new = np.ones(row.size, dtype=bool)
         new[1:] = (row[1:] != row[:-1]) | (start[1:] != end[:-1]) | (value[1:] != value[:-1])
@@ -80,14 +82,16 @@ def build_token_advantages(
 
 def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, adv_r: np.ndarray,
                 mode_r: np.ndarray, source: str = "steps",
-                policy_spans: pa.Array[Any] | pa.ChunkedArray[Any] | None = None) -> pl.DataFrame:
+                policy_spans: pa.Array[Any] | pa.ChunkedArray[Any] | None = None,
+                policy_flat: FlatSpans | None = None) -> pl.DataFrame:
     """Spans-form token advantages, one row per rollout of ``rollouts`` (in its order).
 
     ``sa`` are the steps as ``credit.StepArrays``, ``step_adv`` a_j per step (A_i for rollouts
     not under step credit), ``adv_r`` / ``mode_r`` A_i and credit_mode per rollout.
     ``policy_spans`` (an Arrow list<list<int>> column aligned with ``rollouts``) is taken from
     ``rollouts`` when not given; passing it as Arrow spares converting a nested column that
-    can hold tens of millions of spans.
+    can hold tens of millions of spans; ``policy_flat`` is ``validate.flat_policy_spans`` of
+    it when the caller has it already (the check at read made it).
     A rollout whose steps all have token_start is laid out by position (length = response_len,
     or the end of its last step when that is null); otherwise its steps are laid end to end in
     step order (length = Σ n_j). Works block by block over rollouts to bound memory.
@@ -109,16 +113,16 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
     length = np.zeros(R, dtype=np.int64)
     pos_r = np.zeros(R, dtype=bool)
     pieces: list[tuple[np.ndarray, ...]] = []
-    policy = None  # (parent rollout, start, end) of every policy span, flattened once
+    policy = policy_flat if policy_flat is not None or not has_ps.any() else _flat_policy(ps)
     # Without response_len the response is at least as long as its policy spans (a final
     # message after the last step): the length covers them, whatever the credit mode.
     ps_end = np.full(R, -1, dtype=np.int64)
-    if np.any(has_ps & (resp < 0)):
-        policy = _policy_pairs(ps)
-        np.maximum.at(ps_end, policy[0], policy[2].astype(np.int64))
+    if policy is not None and np.any(has_ps & (resp < 0)) and policy.end.size:
+        nonempty = np.flatnonzero(np.diff(policy.offsets) > 0)
+        ps_end[nonempty] = np.maximum.reduceat(policy.end, policy.offsets[nonempty])
     for r0, r1, s0, s1 in rollout_chunks(sa.offsets):
         Rl = r1 - r0
-        rl = sa.r[s0:s1] - r0
+        rl = np.repeat(np.arange(Rl, dtype=np.int64), sa.M[r0:r1])  # from the offsets alone
         n = sa.n[s0:s1].astype(np.int64)
         ts = sa.token_start[s0:s1]
         M = sa.M[r0:r1]
@@ -148,19 +152,18 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
         # Uniform / fallback with known policy spans: every policy token (gap included) gets
         # A_i; otherwise the steps' own ranges carry the values.
         whole = ~is_step_r[r0:r1] & pos & has_ps[r0:r1]
-        keep = ~whole[rl]
-        rr, ss, ee = rl[keep], start[keep], end[keep]
-        vv = step_adv[s0:s1][keep].astype(np.float32)
+        rr, ss, ee, vv = rl, start, end, step_adv[s0:s1].astype(np.float32)
         if whole.any():
-            if policy is None:
-                policy = _policy_pairs(ps)
-            parent, pstart, pend = policy
-            lo, hi = np.searchsorted(parent, [r0, r1])
-            pick = whole[parent[lo:hi] - r0]
-            pr = parent[lo:hi][pick] - r0
+            keep = ~whole[rl]
+            rr, ss, ee, vv = rr[keep], ss[keep], ee[keep], vv[keep]
+            assert policy is not None  # whole needs has_ps
+            lo, hi = int(policy.offsets[r0]), int(policy.offsets[r1])
+            local = np.repeat(np.arange(Rl), np.diff(policy.offsets[r0:r1 + 1]))
+            pick = whole[local]
+            pr = local[pick]
             rr = np.concatenate([rr, pr])
-            ss = np.concatenate([ss, pstart[lo:hi][pick]])
-            ee = np.concatenate([ee, pend[lo:hi][pick]])
+            ss = np.concatenate([ss, policy.start[lo:hi][pick].astype(np.int64)])
+            ee = np.concatenate([ee, policy.end[lo:hi][pick].astype(np.int64)])
             vv = np.concatenate([vv, adv_r[r0:r1][pr].astype(np.float32)])
         # Steps come sorted by (rollout, step); sort only where positions disagree.
         if rr.size > 1 and not bool(np.all((rr[1:] > rr[:-1])
@@ -190,20 +193,17 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
 
 
 def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, R: int,
-                         policy: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                         ) -> np.ndarray:
+                         policy: FlatSpans | None = None) -> np.ndarray:
     """Tokens each rollout's trainer mask should mark 1: the policy spans when known, else
     the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens).
-    ``policy`` is ``_policy_pairs(ps)`` when the caller already has it."""
+    ``policy`` is ``_flat_policy(ps)`` when the caller already has it."""
     steps_n = _sum_by_offsets(sa.n, sa.offsets)
     if not has_ps.any():
         return steps_n
-    parent, pstart, pend = policy if policy is not None else _policy_pairs(ps)
-    # parent is non-decreasing (list order): per-rollout sums are differences of one running
-    # integer sum, not a float-weighted bincount over tens of millions of spans.
-    bounds = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(np.bincount(parent, minlength=R), out=bounds[1:])
-    spans_n = _sum_by_offsets(pend - pstart, bounds)
+    policy = policy if policy is not None else _flat_policy(ps)
+    # Per-rollout sums as differences of one running integer sum over the spans' offsets,
+    # not a float-weighted bincount over tens of millions of spans.
+    spans_n = _sum_by_offsets(policy.end.astype(np.int64) - policy.start, policy.offsets)
     return np.where(has_ps, spans_n, steps_n)
 
 
@@ -227,6 +227,20 @@ def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[st
         if "response_fingerprint" in rollouts.columns else pa.nulls(R, pa.string()))
     return {k: (v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v)
             for k, v in cols.items()}
+
+
+def _flat_policy(ps: pa.Array[Any]) -> FlatSpans:
+    """policy_spans as ``FlatSpans``: the file's buffers when well formed, else through
+    ``_policy_pairs`` (which names a span that is not a pair)."""
+    from draco_cli.validate import FlatSpans, flat_policy_spans
+
+    flat = flat_policy_spans(ps)
+    if flat is not None:
+        return flat
+    parent, start, end = _policy_pairs(ps)
+    offsets = np.zeros(len(ps) + 1, dtype=np.int64)
+    np.cumsum(np.bincount(parent, minlength=len(ps)), out=offsets[1:])
+    return FlatSpans(offsets, start, end)
 
 
 def _policy_pairs(ps: pa.Array[Any]) -> tuple[np.ndarray, np.ndarray, np.ndarray]:

@@ -10,7 +10,7 @@ import json
 from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -447,13 +447,86 @@ def _is_list(t: pa.DataType) -> bool:
     return pa.types.is_list(t) or pa.types.is_large_list(t)
 
 
+@dataclass
+class FlatSpans:
+    """policy_spans flattened: rollout i's spans are ``start[offsets[i]:offsets[i + 1]]`` /
+    ``end[...]``; ``start`` and ``end`` are views of the file's integer buffer (no copy)."""
+
+    offsets: np.ndarray  # int64, one more than rollouts
+    start: np.ndarray
+    end: np.ndarray
+
+    def rollout_of(self, span: np.ndarray) -> np.ndarray:
+        """The rollout (row) of each span index."""
+        found: np.ndarray = np.searchsorted(self.offsets, span, side="right") - 1
+        return found
+
+
+def _is_span_lists(t: Any) -> bool:  # a pa.DataType; list types carry value_type
+    return bool(_is_list(t) and _is_list(t.value_type)
+                and pa.types.is_integer(t.value_type.value_type))
+
+
+def flat_policy_spans(spans: pa.Array[Any] | pa.ChunkedArray[Any]) -> FlatSpans | None:
+    """policy_spans as ``FlatSpans`` when every span is a pair of non-null bounds (a null
+    rollout holding none); None for anything else, which ``policy_span_issues`` reports."""
+    if not _is_span_lists(spans.type):
+        return None
+    lists = cast("pa.ListArray[Any]", _combined(spans))  # or LargeListArray: the same accessors
+    outer = lists.offsets.to_numpy().astype(np.int64)  # into lists.values (slice-aware)
+    if lists.null_count and np.any(np.diff(outer)[~lists.is_valid().to_numpy(
+            zero_copy_only=False)]):
+        return None  # a null rollout backed by spans: let the general path decide
+    first, last = int(outer[0]), int(outer[-1])
+    inner = cast("pa.ListArray[Any]", lists.values.slice(first, last - first))
+    if inner.null_count:
+        return None
+    inner_off = inner.offsets.to_numpy()
+    if np.any(np.diff(inner_off) != 2):
+        return None
+    bounds = inner.values.slice(int(inner_off[0]), int(inner_off[-1] - inner_off[0]))
+    if bounds.null_count:
+        return None
+    pairs = bounds.to_numpy()
+    return FlatSpans(outer - first, pairs[0::2], pairs[1::2])
+
+
 def policy_span_issues(spans: pa.Array[Any] | pa.ChunkedArray[Any],
-                       response_len: pl.Series | None = None) -> list[Issue]:
+                       response_len: pl.Series | None = None,
+                       flat: FlatSpans | None = None) -> list[Issue]:
     """policy_spans: list<list<int>> of half-open [start, end) pairs, start >= 0, end > start,
-    sorted and non-overlapping within a rollout, ending at or before response_len."""
+    sorted and non-overlapping within a rollout, ending at or before response_len.
+
+    ``flat`` is ``flat_policy_spans(spans)`` when the caller has it already."""
     t = spans.type
-    if not (_is_list(t) and _is_list(t.value_type) and pa.types.is_integer(t.value_type.value_type)):
+    if not _is_span_lists(t):
         return [([], 1, f"expected list<list<int32>>, got {t}")]
+    flat = flat if flat is not None else flat_policy_spans(spans)
+    if flat is None:  # a malformed span or a null somewhere: the general path names it
+        return _policy_span_issues_general(spans, response_len)
+    # Well-formed pairs: checked on the file's own buffers, a rollout's spans found by its
+    # offsets instead of a per-span rollout index.
+    start, end, offsets = flat.start, flat.end, flat.offsets
+    issues = _issue(flat.rollout_of(np.flatnonzero((start < 0) | (end <= start))),
+                    "span with start < 0 or end <= start")
+    if response_len is not None and start.size:
+        resp = response_len.fill_null(-1).to_numpy().astype(np.int64)
+        nonempty = np.flatnonzero(np.diff(offsets) > 0)
+        last_end = np.maximum.reduceat(end, offsets[nonempty])
+        rows = nonempty[(resp[nonempty] >= 0) & (last_end > resp[nonempty])]
+        issues += _issue(rows, "span ends past response_len")
+    if start.size > 1:
+        out_of_order = start[1:] < end[:-1]
+        heads = offsets[(offsets > 0) & (offsets < start.size)]  # first span of a rollout
+        out_of_order[heads - 1] = False
+        issues += _issue(flat.rollout_of(np.flatnonzero(out_of_order) + 1),
+                         "spans overlap or are out of order")
+    return issues
+
+
+def _policy_span_issues_general(spans: pa.Array[Any] | pa.ChunkedArray[Any],
+                                response_len: pl.Series | None = None) -> list[Issue]:
+    """policy_span_issues for any list<list<int>> column, nulls and odd shapes included."""
     spans = _combined(spans)
     parent = pc.list_parent_indices(spans).to_numpy().astype(np.int64)
     inner = pc.list_flatten(spans)

@@ -5,18 +5,23 @@ token advantages between their spans and dense forms."""
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
 import polars as pl
 import pyarrow as pa
 
-from draco_cli.credit import CreditStats, compute_credit
+from draco_cli._allocator import trim_heap
+from draco_cli.credit import CreditStats, compute_credit, index_steps
 from draco_cli.errors import InputError, UsageError
 from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
 from draco_cli.ops import publish_file, source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
+
+if TYPE_CHECKING:
+    from draco_cli.validate import FlatSpans
 
 CREDIT_ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "outcome", "response_len",
                           "policy_spans", "train_step", "response_fingerprint"]
@@ -25,13 +30,17 @@ CREDIT_VERDICT_COLUMNS = ["rollout_id", "criterion_id", "judge", "verdict", "cit
                           "retained"]
 
 
-def _check_spans_type(spans: pa.ChunkedArray[Any] | None, source: str,
-                      response_len: pl.Series | None = None) -> None:
-    """The policy_spans rules of ``draco validate``, raised at the first broken one."""
-    from draco_cli.validate import policy_span_issues, raise_first
+def _check_spans_type(spans: pa.Array[Any] | None, source: str,
+                      response_len: pl.Series | None = None) -> FlatSpans | None:
+    """The policy_spans rules of ``draco validate``, raised at the first broken one; returns
+    the spans flattened (views of the file's buffers) for the token step to reuse."""
+    from draco_cli.validate import flat_policy_spans, policy_span_issues, raise_first
 
-    if spans is not None:
-        raise_first(policy_span_issues(spans, response_len), source, "policy_spans")
+    if spans is None:
+        return None
+    flat = flat_policy_spans(spans)
+    raise_first(policy_span_issues(spans, response_len, flat), source, "policy_spans")
+    return flat
 
 
 def _no_verdicts() -> pl.DataFrame:
@@ -64,39 +73,63 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     # policy_spans stays an Arrow column: converting millions of nested spans to polars
     # would cost more memory than all the credit computation.
     arrow = read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS)
-    spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
-    r = conform(as_frame(arrow.drop_columns(["policy_spans"]) if spans is not None
-                         else arrow), Rollout, source_name(rollouts),
+    spans = None
+    if "policy_spans" in arrow.column_names:
+        # one contiguous copy, made once: the check and the token step work on its buffers
+        # (and the file's chunks are freed with the column)
+        spans = arrow.column("policy_spans").combine_chunks()
+        arrow = arrow.drop_columns(["policy_spans"])
+    r = conform(as_frame(arrow), Rollout, source_name(rollouts),
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
-    _check_spans_type(spans, source_name(rollouts), r["response_len"])
+    del arrow
+    flat_spans = _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
     s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
+    # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
     v = _no_verdicts() if verdicts is None else \
-        read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS)
-    result = compute_credit(r, s, v, verdicts_source=source_name(verdicts or "verdicts"),
-                            steps_source=source_name(steps),
+        read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
+    sa = index_steps(s, r, source_name(steps))
+    del s  # the steps' own columns are copied or kept by sa: freed before the computation
+    # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
+    # with them (arguments pass to the callee's frame).
+    held = {"verdicts": v}
+    del v
+    result = compute_credit(r, sa, held.pop("verdicts"), verdicts_source=source_name(verdicts or "verdicts"),
+                            steps_source=source_name(steps), check_verdict_keys=True,
                             **options.model_dump(exclude={"tokens"}))
-    # The input frames are done with: freed now, their memory serves the token and write
-    # steps below instead of adding to the peak.
-    del s, v, arrow
     from draco_cli.token_advantages import token_spans
 
-    ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
-                     result.rewards["advantage"].to_numpy(),
-                     result.rewards["credit_mode"].to_numpy(), source_name(steps), spans)
-    if tokens in ("dense", "both"):
-        dense = spans_to_dense(ta)
-        ta = dense if tokens == "dense" else dense.with_columns(ta.select(
-            "span_start", "span_end", "span_value"))
-    layouts = sorted(set(ta["layout"].to_list()))
-    meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
-            "draco.token_form": tokens}
+    rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
+                                       result.steps)
+    del result
+    step_adv = step_credit["advantage"].to_numpy()
+    # token_spans finds each step's rollout from the offsets: the per-step index (8 bytes a
+    # step) goes before the writes instead of adding to their peak.
+    sa.r = np.zeros(0, dtype=np.int64)
+    # The computation's temporaries are freed; without this the allocator would keep them
+    # and the writes below would stack their peak on top.
+    trim_heap()
     with OutputSet(out, [t.name for t in targets], force=force) as output:
-        output.write_table(result.rewards, targets[0].name, Reward)
-        output.write_table(result.step_credit, targets[1].name, StepCredit)
+        # step_credit is written, then freed, before token advantages are built: the two
+        # largest tables never coexist (an error below still publishes nothing).
+        output.write_table(rewards, targets[0].name, Reward)
+        output.write_table(step_credit, targets[1].name, StepCredit)
+        del step_credit
+        sa.step_rollout_ids = None
+        trim_heap()
+        ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
+                         rewards["credit_mode"].to_numpy(), source_name(steps), spans,
+                         policy_flat=flat_spans)
+        if tokens in ("dense", "both"):
+            dense = spans_to_dense(ta)
+            ta = dense if tokens == "dense" else dense.with_columns(ta.select(
+                "span_start", "span_end", "span_value"))
+        layouts = sorted(set(ta["layout"].to_list()))
+        meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
+                "draco.token_form": tokens}
         output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
                            metadata=meta)
-    return result.stats
+    return stats
 
 
 def credit_expand(token_advantages: str | Path, out: str | Path, *,

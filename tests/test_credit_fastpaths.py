@@ -1,0 +1,173 @@
+"""The integer-coded fast paths of credit compute give exactly what the general (string-keyed
+or per-span) paths give, on random inputs that include the odd cases: nulls, empty and
+misnumbered step runs, repeated and out-of-range citations, duplicate verdict keys, spans out
+of order or past response_len."""
+
+from __future__ import annotations
+
+import numpy as np
+import polars as pl
+import pyarrow as pa
+import pytest
+
+from draco_cli.credit import (StepArrays, _check_verdict_keys, _codes, _misnumbered,
+                              citation_arrays, criterion_keys, discriminative_filter,
+                              index_steps, retained_by_key)
+from draco_cli.errors import InputError
+from draco_cli.io import conform
+from draco_cli.schemas import VerdictAggregated
+from draco_cli.validate import _policy_span_issues_general, flat_policy_spans, policy_span_issues
+
+SPANS = pa.list_(pa.list_(pa.int32()))
+
+
+def random_spans(rng: np.random.Generator, n: int) -> tuple[list, list]:
+    rows, resp = [], []
+    for _ in range(n):
+        kind = rng.random()
+        if kind < 0.1:
+            rows.append(None)
+        else:
+            k = int(rng.integers(0, 5))
+            starts = np.sort(rng.integers(-1 if kind < 0.15 else 0, 40, size=k))
+            spans = [[int(s), int(s + rng.integers(-1 if kind < 0.2 else 1, 8))] for s in starts]
+            if kind > 0.95 and spans:
+                spans[0] = spans[0][:1]  # not a pair
+            if 0.9 < kind <= 0.95 and spans:
+                spans[-1] = [spans[-1][0], None]  # a null bound
+            if 0.85 < kind <= 0.9:
+                spans = spans[::-1]  # out of order
+            rows.append(spans)
+        resp.append(None if rng.random() < 0.2 else int(rng.integers(0, 50)))
+    return rows, resp
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_flat_span_check_matches_the_general_one(seed):
+    rng = np.random.default_rng(seed)
+    rows, resp = random_spans(rng, int(rng.integers(1, 30)))
+    arr = pa.array(rows, type=SPANS)
+    resp_s = pl.Series(resp, dtype=pl.Int32)
+    # as one array, as chunks, and as a slice (offsets not starting at 0)
+    cut = len(rows) // 2
+    for spans in (arr, pa.chunked_array([arr.slice(0, cut), arr.slice(cut)]),
+                  pa.array([[[0, 1]]] + rows, type=SPANS).slice(1)):
+        assert policy_span_issues(spans, resp_s) == _policy_span_issues_general(spans, resp_s)
+        assert policy_span_issues(spans) == _policy_span_issues_general(spans)
+
+
+def test_flat_spans_are_views_of_well_formed_pairs():
+    arr = pa.array([[[0, 5], [7, 9]], None, [], [[1, 2]]], type=SPANS)
+    flat = flat_policy_spans(arr)
+    assert flat is not None
+    assert flat.offsets.tolist() == [0, 2, 2, 2, 3]
+    assert flat.start.tolist() == [0, 7, 1] and flat.end.tolist() == [5, 9, 2]
+    assert flat_policy_spans(pa.array([[[0, 5, 6]]], type=SPANS)) is None
+    assert flat_policy_spans(pa.array([[[0, None]]], type=SPANS)) is None
+
+
+@pytest.mark.parametrize("seed", range(60))
+def test_misnumbered_finds_the_first_step_out_of_place(seed):
+    rng = np.random.default_rng(seed)
+    M = rng.integers(0, 5, size=int(rng.integers(1, 12)))
+    offsets = np.concatenate([[0], np.cumsum(M)]).astype(np.int64)
+    step = np.concatenate([np.arange(1, m + 1) for m in M] + [np.zeros(0)]).astype(np.int32)
+    if step.size and rng.random() < 0.7:
+        for _ in range(int(rng.integers(1, 3))):
+            step[rng.integers(0, step.size)] = rng.integers(0, 6)
+    r = np.repeat(np.arange(M.size), M)
+    expected = np.flatnonzero(step != np.arange(step.size) - offsets[r] + 1)
+    assert _misnumbered(step, offsets) == (int(expected[0]) if expected.size else None)
+
+
+def random_verdicts(rng: np.random.Generator, R: int, with_nulls: bool = True):
+    groups = [f"g{i // 3}" for i in range(R)]
+    rollouts = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R)], "group_id": groups})
+    rows = []
+    for i in range(R):
+        for c in rng.choice(6, size=int(rng.integers(0, 5)), replace=False):
+            v = rng.choice(["pass", "fail", "na", None] if with_nulls else ["pass", "fail", "na"])
+            rows.append((f"r{i}", f"c{c}" if rng.random() < 0.8 else f"{groups[i]}-c{c}", v,
+                         [int(x) for x in rng.integers(-1, 6, size=int(rng.integers(0, 4)))]))
+    verdicts = pl.DataFrame(rows, schema={"rollout_id": pl.String, "criterion_id": pl.String,
+                                          "verdict": pl.String, "cited_steps": pl.List(pl.Int32)},
+                            orient="row")
+    return rollouts, verdicts.with_columns(pl.lit("frontier").alias("judge"))
+
+
+@pytest.mark.parametrize("seed", range(30))
+@pytest.mark.parametrize("drop", ["all-pass", "constant"])
+def test_integer_filter_matches_the_string_window(seed, drop):
+    rng = np.random.default_rng(seed)
+    rollouts, verdicts = random_verdicts(rng, int(rng.integers(1, 25)))
+    if verdicts.height == 0:
+        return
+    rows = pl.DataFrame({"rollout_id": rollouts["rollout_id"]}).with_row_index("r").join(
+        verdicts.select("rollout_id"), on="rollout_id", maintain_order="right")["r"].to_numpy()
+    keys = criterion_keys(verdicts, rows.astype(np.int64), rollouts)
+    assert keys is not None
+    ours = retained_by_key(*keys, verdicts["verdict"], drop)
+    with_groups = verdicts.with_columns(rollouts["group_id"].gather(pl.Series(rows)))
+    theirs = discriminative_filter(with_groups, drop)["retained"].to_numpy()
+    assert ours.tolist() == theirs.tolist()
+    # a key per (group, criterion): as many as the string pairs
+    assert keys[1] == with_groups.select("group_id", "criterion_id").n_unique()
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_verdict_key_check_matches_the_contract_check(seed):
+    rng = np.random.default_rng(seed)
+    rollouts, verdicts = random_verdicts(rng, int(rng.integers(1, 15)), with_nulls=False)
+    if verdicts.height and rng.random() < 0.6:  # repeat a row somewhere after it
+        i = int(rng.integers(0, verdicts.height))
+        j = int(rng.integers(i + 1, verdicts.height + 1))
+        verdicts = pl.concat([verdicts[:j], verdicts[i:i + 1], verdicts[j:]])
+    rows = pl.DataFrame({"rollout_id": rollouts["rollout_id"]}).with_row_index("r").join(
+        verdicts.select("rollout_id"), on="rollout_id", maintain_order="right")["r"].to_numpy()
+
+    def outcome(check):
+        try:
+            check()
+        except InputError as exc:
+            return str(exc)
+        return None
+
+    ours = outcome(lambda: _check_verdict_keys(verdicts, rows.astype(np.int64), "v.parquet",
+                                               _codes(verdicts["criterion_id"])))
+    theirs = outcome(lambda: conform(verdicts, VerdictAggregated, "v.parquet", only=[]))
+    assert ours == theirs
+
+
+def reference_citations(sa: StepArrays, verdicts: pl.DataFrame):
+    p, f = np.zeros(sa.r.size, np.int32), np.zeros(sa.r.size, np.int32)
+    dropped = 0
+    for r, verdict, cites, kept in verdicts.select("__r", "verdict", "cited_steps",
+                                                   "retained").iter_rows():
+        if not kept or verdict not in ("pass", "fail"):
+            continue
+        M = int(sa.offsets[r + 1] - sa.offsets[r])
+        valid = [c for c in cites if 1 <= c <= M]
+        dropped += len(cites) - len(valid)
+        for c in set(valid):
+            (p if verdict == "pass" else f)[sa.offsets[r] + c - 1] += 1
+    return p, f, dropped
+
+
+@pytest.mark.parametrize("seed", range(30))
+def test_citation_counts_match_a_loop(seed):
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 20))
+    rollouts, verdicts = random_verdicts(rng, R)
+    M = rng.integers(0, 6, size=R)
+    steps = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R) for _ in range(M[i])],
+                          "step": [s + 1 for i in range(R) for s in range(M[i])],
+                          "n_tokens": [3] * int(M.sum())},
+                         schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32})
+    sa = index_steps(steps, rollouts, "steps")
+    rows = pl.DataFrame({"rollout_id": rollouts["rollout_id"]}).with_row_index("r").join(
+        verdicts.select("rollout_id"), on="rollout_id", maintain_order="right")["r"]
+    verdicts = verdicts.with_columns(rows.alias("__r"),
+                                     pl.Series("retained", rng.random(verdicts.height) < 0.8))
+    p, f, dropped = citation_arrays(sa, verdicts)
+    rp, rf, rdropped = reference_citations(sa, verdicts)
+    assert p.tolist() == rp.tolist() and f.tolist() == rf.tolist() and dropped == rdropped
