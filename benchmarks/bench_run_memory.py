@@ -1,6 +1,7 @@
 """``draco run`` peak memory as the number of rollouts grows.
 
     python benchmarks/bench_run_memory.py [--sizes 10000,100000] [--latency 0.005]
+        [--against SRC [--against-sizes 10000]]
 
 Tiles the sample rollouts (sample_data/appworld_mini: rollouts and steps repeated with suffixed
 ids, so groups keep their size) to each size, starts ``draco llm mock-server`` in another
@@ -9,6 +10,12 @@ real ``draco run`` command against it (``openai/mock``, ``--concurrency 64``) in
 process per size. Prints wall time and the process's peak RSS (``wait4``) per size, and the
 ratio of the largest size's peak to the smallest's. Target (issue 19): flat, within ±20%.
 Each size is a full run: 100,000 rollouts make well over 100,000 calls (minutes of wall).
+
+``--against SRC`` also runs another draco source tree (e.g. ``git archive main | tar -x -C
+/tmp/main``) on the same inputs in turn, with the same server, and prints its peak and wall
+and the ratios this/other; the two runs' tables are compared (every Parquet table of the run
+folder equal row for row; the call logs equal as sets of answered requests) and a difference
+fails the benchmark.
 """
 
 from __future__ import annotations
@@ -49,22 +56,68 @@ def tile(n: int, dst: Path) -> tuple[Path, Path, int]:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
+
+
+def draco_run(src: Path, r: Path, s: Path, out: Path, port: int) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one ``draco run`` from the source tree ``src``."""
+    env = dict(os.environ, OPENAI_API_KEY="sk-bench-local-only",
+               PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    t = time.perf_counter()
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "draco_cli", "run", "--rollouts", str(r), "--steps",
+         str(s), "--model", "openai/mock", "--base-url", f"http://127.0.0.1:{port}/v1",
+         "--concurrency", "64", "-o", str(out)],
+        stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=src, env=env)
+    assert proc.stderr is not None
+    err = proc.stderr.read()     # read while it runs: a full pipe would stall the child
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if status:
+        raise SystemExit(f"draco run ({src}) failed: {err.decode()[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def same_outputs(a: Path, b: Path) -> list[str]:
+    """Differences between two run folders' tables (none: the same run)."""
+    diffs = []
+    tables = sorted(str(p.relative_to(a)) for p in a.rglob("*.parquet")
+                    if p.name != "llm_calls.parquet")
+    other = sorted(str(p.relative_to(b)) for p in b.rglob("*.parquet")
+                   if p.name != "llm_calls.parquet")
+    if tables != other:
+        diffs.append(f"tables differ: {tables} vs {other}")
+    for rel in tables:
+        if rel in other and not pl.read_parquet(a / rel).equals(pl.read_parquet(b / rel)):
+            diffs.append(f"{rel} differs")
+    # The call log: the same requests answered the same way (row order and timings follow
+    # the server's scheduling, not draco's).
+    cols = ["request_hash", "sample", "phase", "key", "status", "answer_text", "parsed"]
+    logs = [pl.read_parquet(d / "judge" / "llm_calls.parquet", columns=cols)
+            .sort(cols, nulls_last=True) for d in (a, b)]
+    if not logs[0].equals(logs[1]):
+        diffs.append("call logs differ")
+    return diffs
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--sizes", default="10000,100000")
     ap.add_argument("--latency", type=float, default=0.005)
+    ap.add_argument("--against", type=Path, help="another draco source tree to compare with")
+    ap.add_argument("--against-sizes", default=None,
+                    help="sizes run with --against too (default: the smallest)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
+    against = [int(s) for s in args.against_sizes.split(",")] if args.against_sizes \
+        else sizes[:1]
     tmp = Path(tempfile.mkdtemp(prefix="draco-bench-run-"))
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "draco_cli", "llm", "mock-server",
                                "--port", str(port), "--latency", str(args.latency)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    env = dict(os.environ, OPENAI_API_KEY="sk-bench-local-only")
     got: dict[int, float] = {}
+    failed = False
     try:
         for _ in range(100):
             try:
@@ -74,20 +127,20 @@ def main() -> None:
                 time.sleep(0.1)
         for n in sizes:
             r, s, real = tile(n, tmp)
-            t = time.perf_counter()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "draco_cli", "run", "--rollouts", str(r), "--steps",
-                 str(s), "--model", "openai/mock", "--base-url", f"http://127.0.0.1:{port}/v1",
-                 "--concurrency", "64", "-o", str(tmp / f"run{n}")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=env)
-            _, status, usage = os.wait4(proc.pid, 0)
-            wall = time.perf_counter() - t
-            if status:
-                raise SystemExit(f"draco run failed at {n}: {proc.stderr.read().decode()[-2000:]}")
-            rss = usage.ru_maxrss / 1024
+            wall, rss = draco_run(REPO, r, s, tmp / f"run{n}", port)
             got[n] = rss
             print(f"{real:>7} rollouts: draco run {wall:7.1f} s, peak RSS {rss:8.1f} MiB",
                   flush=True)
+            if args.against and n in against:
+                wall_o, rss_o = draco_run(args.against.resolve(), r, s, tmp / f"other{n}", port)
+                print(f"{real:>7} rollouts: {args.against} {wall_o:7.1f} s, peak RSS "
+                      f"{rss_o:8.1f} MiB", flush=True)
+                print(f"run_peak_rss_ratio_this_over_other_{n}={rss / rss_o:.2f}")
+                print(f"run_wall_ratio_this_over_other_{n}={wall / wall_o:.2f}")
+                diffs = same_outputs(tmp / f"run{n}", tmp / f"other{n}")
+                print(f"outputs at {n}: " + ("identical" if not diffs else "; ".join(diffs)))
+                failed = failed or bool(diffs)
+                shutil.rmtree(tmp / f"other{n}", ignore_errors=True)
             shutil.rmtree(tmp / f"run{n}", ignore_errors=True)
         lo, hi = sizes[0], sizes[-1]
         print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
@@ -96,6 +149,8 @@ def main() -> None:
         server.terminate()
         server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+    if failed:
+        raise SystemExit("the two draco versions wrote different outputs")
 
 
 if __name__ == "__main__":

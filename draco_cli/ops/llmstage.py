@@ -3,21 +3,30 @@ prompt rendering options, the call log they resume from and the report they end 
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from draco_cli.io import read_table
+from draco_cli.io import OutputSet, read_table
 from draco_cli.llm.calllog import export_parquet
 from draco_cli.redact import Redactor
 from draco_cli.render import RenderOptions
-from draco_cli.schemas import Rollout, Step
+from draco_cli.schemas import Rollout, Step, Table
 
 if TYPE_CHECKING:
     from draco_cli.llm.client import PhaseStats
+    from draco_cli.llm.drive import Stage
+    from draco_cli.llm.settings import LLMSettings
+
+R = TypeVar("R")
 
 ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction"]
 STEP_COLUMNS = ["rollout_id", "step", "action", "observation"]
@@ -99,3 +108,152 @@ def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[st
 def render_messages(messages: list[dict[str, Any]]) -> str:
     """A request's messages as text (``--show-prompt``)."""
     return "\n\n".join(f"===== {m['role']} =====\n{m['content']}" for m in messages)
+
+
+# --- chunked stages: memory set by the chunk size, not by the number of rollouts ----------
+#
+# Rubrics and verdicts of a group depend on that group alone, so a stage runs over chunks of
+# about CHUNK_ROLLOUTS rollouts: each chunk's requests are built, answered and turned into
+# rows, and its rows are appended to the output tables in the staging folder of the stage's
+# output set (published whole at the end, or not at all). CHUNKS_IN_FLIGHT chunks run at once
+# on one client session, so the client's concurrency stays full while a chunk finishes its last
+# calls (and, for rubrics, its merge phase). Outputs are written in chunk order, which is the
+# order the whole-table stage wrote: the same tables, row for row.
+
+CHUNK_ROLLOUTS = 1024
+CHUNKS_IN_FLIGHT = 2
+
+
+def batching(settings: LLMSettings) -> bool:
+    """Whether the stage goes through the provider's batch API (then it is one batch, run
+    whole as before: chunks would make many batches)."""
+    import os
+
+    from draco_cli.llm.providers import REGISTRY, parse_model_id
+
+    if settings.batch is not None:
+        return bool(settings.batch)
+    provider = REGISTRY.get(parse_model_id(settings.model)[0])
+    hosted = (settings.base_url or os.environ.get("DRACO_BASE_URL")) is None
+    return hosted and bool(getattr(provider, "offers_batch", False))
+
+
+def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
+                 ) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+    """(rollouts, steps) of each chunk, in chunk order; ``chunk`` numbers each rollout row's
+    chunk (0, 1, ...; non-decreasing in the order the chunks' rollouts should keep). Rows keep
+    their order within a chunk; steps of rollouts not listed are left out. The frames are
+    sorted by chunk once and cut into zero-copy slices."""
+    r = rollouts.with_columns(chunk.alias("__chunk"))
+    if not r["__chunk"].is_sorted():
+        r = r.sort("__chunk", maintain_order=True)
+    s = steps.join(r.select("rollout_id", "__chunk"), on="rollout_id", how="inner",
+                   maintain_order="left").sort("__chunk", maintain_order=True)
+    n_chunks = int(r["__chunk"][-1]) + 1 if r.height else 1   # sorted: the last is the most
+    r_counts = _counts(r["__chunk"], n_chunks)
+    s_counts = _counts(s["__chunk"], n_chunks)
+    r, s = r.drop("__chunk"), s.drop("__chunk")
+    r_at = s_at = 0
+    for k in range(n_chunks):
+        yield r.slice(r_at, r_counts[k]), s.slice(s_at, s_counts[k])
+        r_at += r_counts[k]
+        s_at += s_counts[k]
+
+
+def _counts(chunk: pl.Series, n: int) -> list[int]:
+    out = [0] * n
+    for k, c in chunk.value_counts().iter_rows():
+        out[int(k)] = int(c)
+    return out
+
+
+class ChunkTables:
+    """Tables of an output set written chunk by chunk into its staging folder (published with
+    the set). Each table is converted as ``OutputSet.write_table`` converts a whole one."""
+
+    def __init__(self, output: OutputSet, models: dict[str, type[Table]]) -> None:
+        self.output, self.models = output, models
+        self._writers: dict[str, tuple[pq.ParquetWriter, pa.Schema]] = {}
+
+    def write(self, name: str, df: pl.DataFrame) -> None:
+        from draco_cli.io import _to_arrow
+
+        table = _to_arrow(df, self.models[name])
+        if name not in self._writers:
+            meta = dict(table.schema.metadata or {})
+            meta.update({k.encode(): v.encode() for k, v in self.output.metadata.items()})
+            schema = table.schema.with_metadata(meta)
+            self._writers[name] = (pq.ParquetWriter(self.output.path(name), schema,
+                                                    compression="zstd"), schema)
+        writer, schema = self._writers[name]
+        if not table.schema.equals(schema, check_metadata=False):
+            table = table.cast(schema)
+        writer.write_table(table)
+
+    def close(self) -> None:
+        for writer, _ in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+
+class _ChunkProgress:
+    """One progress count over every chunk and phase of a stage (the client counts each of its
+    runs from zero); ``total`` is fixed up front, so a progress bar keeps one line."""
+
+    def __init__(self, progress: Callable[[Any], None] | None, total: int) -> None:
+        self.progress, self.total = progress, total
+        self.done = self.failed = 0
+
+    def sub(self) -> Callable[[Any], None] | None:
+        if self.progress is None:
+            return None
+        last = [0, 0]
+
+        def tick(p: Any) -> None:
+            self.done += p.done - last[0]
+            self.failed += p.failed - last[1]
+            last[:] = [p.done, p.failed]
+            from draco_cli.llm.client import Progress
+
+            assert self.progress is not None
+            self.progress(Progress(self.done, self.total, self.failed, p.cost_usd,
+                                   getattr(p, "note", None)))
+
+        return tick
+
+
+async def _drive_chunk(stage: Stage[R], client: Any, progress: _ChunkProgress) -> R:
+    try:
+        requests = next(stage)
+        while True:
+            requests = stage.send(await client.arun(requests, progress=progress.sub(),
+                                                    batch=False))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result
+
+
+def run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
+               progress: Callable[[Any], None] | None = None, total: int = 0,
+               in_flight: int = CHUNKS_IN_FLIGHT) -> None:
+    """Drive each chunk's stage on one client session, ``in_flight`` at a time, and hand the
+    results to ``on_result`` in chunk order."""
+    asyncio.run(_run_chunks(client, stages, on_result, _ChunkProgress(progress, total),
+                            max(1, in_flight)))
+
+
+async def _run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
+                      progress: _ChunkProgress, in_flight: int) -> None:
+    pending: deque[asyncio.Future[R]] = deque()
+    async with client.session():
+        try:
+            for stage in stages:
+                pending.append(asyncio.ensure_future(_drive_chunk(stage, client, progress)))
+                if len(pending) >= in_flight:
+                    on_result(await pending.popleft())
+            while pending:
+                on_result(await pending.popleft())
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)
