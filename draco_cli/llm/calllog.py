@@ -462,7 +462,7 @@ class ReplayLog:
 # every row at once: any text makes a column String, else any real Float64, else Int64; a
 # column with no value at all is written as the null type.
 _EXPORT_BATCH_ROWS = 500
-_EXPORT_GROUP_BYTES = 32 << 20
+_EXPORT_GROUP_BYTES = 16 << 20
 
 
 def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int:

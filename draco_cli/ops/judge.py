@@ -67,6 +67,8 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
             size = max(1, chunk_rollouts)
             chunk = pl.int_range(0, r.height, dtype=pl.Int64, eager=True) // size
             judged = r["group_id"].is_in(rb["group_id"].unique().implode()).sum() * samples
+            frames = chunk_frames(r, s, chunk)
+            del chunk, r, s
             try:
                 with OutputSet(out, [t.name for t in targets], force=force) as output:
                     tables = ChunkTables(output, {targets[0].name: VerdictRaw,
@@ -78,7 +80,7 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
                         summary.add(res)
 
                     def stages() -> Iterator[Stage[ScoreResult]]:
-                        for cr, cs in chunk_frames(r, s, chunk):
+                        for cr, cs in frames:
                             mine = cr["group_id"].unique().implode()
                             crb = rb.filter(pl.col("group_id").is_in(mine))
                             yield score_stage(cr, cs, crb, samples=samples, aggregate=aggregate,

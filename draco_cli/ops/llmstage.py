@@ -143,12 +143,14 @@ def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
     """(rollouts, steps) of each chunk, in chunk order; ``chunk`` numbers each rollout row's
     chunk (0, 1, ...; non-decreasing in the order the chunks' rollouts should keep). Rows keep
     their order within a chunk; steps of rollouts not listed are left out. The frames are
-    sorted by chunk once and cut into zero-copy slices."""
+    sorted by chunk once and cut into zero-copy slices (a caller passes its frames and drops
+    them, so the inputs are held once)."""
     r = rollouts.with_columns(chunk.alias("__chunk"))
     if not r["__chunk"].is_sorted():
         r = r.sort("__chunk", maintain_order=True)
     s = steps.join(r.select("rollout_id", "__chunk"), on="rollout_id", how="inner",
                    maintain_order="left").sort("__chunk", maintain_order=True)
+    del rollouts, steps, chunk   # a caller that let go of them has one copy of its inputs
     n_chunks = int(r["__chunk"][-1]) + 1 if r.height else 1   # sorted: the last is the most
     r_counts = _counts(r["__chunk"], n_chunks)
     s_counts = _counts(s["__chunk"], n_chunks)

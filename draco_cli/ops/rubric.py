@@ -64,8 +64,9 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
                 ((start // max(1, chunk_rollouts)).rank("dense") - 1).alias("__c"))
             chunk = r.select("group_id").join(groups.select("group_id", "__c"), on="group_id",
                                                how="left", maintain_order="left")["__c"]
-            n_groups = groups.height
-            del groups
+            total = r.height + 2 * groups.height   # generate + union, merge
+            frames = chunk_frames(r, s, chunk)
+            del groups, chunk, r, s
             try:
                 with OutputSet(out, [t.name for t in targets], force=force) as output:
                     tables = ChunkTables(output, {targets[0].name: RubricCandidate,
@@ -80,8 +81,8 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
                         run_chunks(client, (rubric_stage(cr, cs, stages=stages,
                                                          max_criteria=max_criteria,
                                                          render=render, sampling=sampling)
-                                            for cr, cs in chunk_frames(r, s, chunk)),
-                                   written, progress=progress, total=r.height + 2 * n_groups)
+                                            for cr, cs in frames),
+                                   written, progress=progress, total=total)
                     finally:
                         tables.close()
                     finish(client, log_path, out, report)
