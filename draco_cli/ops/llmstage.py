@@ -141,32 +141,35 @@ def batching(settings: LLMSettings) -> bool:
 def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
                  ) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
     """(rollouts, steps) of each chunk, in chunk order; ``chunk`` numbers each rollout row's
-    chunk (0, 1, ...; non-decreasing in the order the chunks' rollouts should keep). Rows keep
-    their order within a chunk; steps of rollouts not listed are left out. The frames are
-    sorted by chunk once and cut into zero-copy slices (a caller passes its frames and drops
-    them, so the inputs are held once)."""
-    r = rollouts.with_columns(chunk.alias("__chunk"))
-    if not r["__chunk"].is_sorted():
-        r = r.sort("__chunk", maintain_order=True)
-    s = steps.join(r.select("rollout_id", "__chunk"), on="rollout_id", how="inner",
-                   maintain_order="left").sort("__chunk", maintain_order=True)
-    del rollouts, steps, chunk   # a caller that let go of them has one copy of its inputs
-    n_chunks = int(r["__chunk"][-1]) + 1 if r.height else 1   # sorted: the last is the most
-    r_counts = _counts(r["__chunk"], n_chunks)
-    s_counts = _counts(s["__chunk"], n_chunks)
-    r, s = r.drop("__chunk"), s.drop("__chunk")
-    r_at = s_at = 0
-    for k in range(n_chunks):
-        yield r.slice(r_at, r_counts[k]), s.slice(s_at, s_counts[k])
-        r_at += r_counts[k]
-        s_at += s_counts[k]
+    chunk (0, 1, ... with none left empty). Rows keep their order within a chunk; steps of
+    rollouts not listed are left out. Each chunk's rows are gathered when its turn comes (by
+    positions found once), so the inputs are not copied whole."""
+    n = int(chunk.max() or 0) + 1 if len(chunk) else 1   # type: ignore[arg-type]
+    keyed = pl.DataFrame({"rollout_id": rollouts["rollout_id"], "__c": chunk})
+    step_chunk = steps.select("rollout_id").join(keyed, on="rollout_id", how="left",
+                                                 maintain_order="left")["__c"]
+    del keyed
+    r_at, r_counts = _positions(chunk, n)
+    s_at, s_counts = _positions(step_chunk, n)
+    del step_chunk
+    contiguous = chunk.is_sorted()
+    a = b = 0
+    for k in range(n):
+        r = rollouts.slice(a, r_counts[k]) if contiguous else \
+            rollouts[r_at.slice(a, r_counts[k])]
+        yield r, steps[s_at.slice(b, s_counts[k])]
+        a += r_counts[k]
+        b += s_counts[k]
 
 
-def _counts(chunk: pl.Series, n: int) -> list[int]:
-    out = [0] * n
-    for k, c in chunk.value_counts().iter_rows():
-        out[int(k)] = int(c)
-    return out
+def _positions(chunk: pl.Series, n: int) -> tuple[pl.Series, list[int]]:
+    """Row positions ordered by chunk (stable; rows of no chunk last) and rows per chunk."""
+    counts = [0] * n
+    for k, c in chunk.drop_nulls().value_counts().iter_rows():
+        counts[int(k)] = int(c)
+    order = chunk.to_frame("c").select(
+        pl.arg_sort_by("c", maintain_order=True, nulls_last=True)).to_series()
+    return order, counts
 
 
 class ChunkTables:
