@@ -16,9 +16,9 @@ from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.ops import publish_file, source_name
-from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, ChunkTables, StageReport, batching,
-                                    call_log_path, chunk_frames, finish, read_inputs,
-                                    render_messages, run_chunks)
+from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
+                                    chunk_frames, finish, publish_chunks, read_inputs,
+                                    render_messages)
 from draco_cli.options import Aggregate, Drop
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
@@ -69,34 +69,22 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
             judged = r["group_id"].is_in(rb["group_id"].unique().implode()).sum() * samples
             frames = chunk_frames(r, s, chunk)
             del chunk, r, s
-            try:
-                with OutputSet(out, [t.name for t in targets], force=force) as output:
-                    tables = ChunkTables(output, {targets[0].name: VerdictRaw,
-                                                  targets[1].name: VerdictAggregated})
 
-                    def written(res: ScoreResult) -> None:
-                        tables.write(targets[0].name, res.raw)
-                        tables.write(targets[1].name, res.verdicts)
-                        summary.add(res)
+            def tables(res: ScoreResult) -> dict[str, pl.DataFrame]:
+                summary.add(res)
+                return {targets[0].name: res.raw, targets[1].name: res.verdicts}
 
-                    def stages() -> Iterator[Stage[ScoreResult]]:
-                        for cr, cs in frames:
-                            mine = cr["group_id"].unique().implode()
-                            crb = rb.filter(pl.col("group_id").is_in(mine))
-                            yield score_stage(cr, cs, crb, samples=samples, aggregate=aggregate,
-                                              judge=judge_label, sampling=sampling,
-                                              render=render)
+            def stages() -> Iterator[Stage[ScoreResult]]:
+                for cr, cs in frames:
+                    mine = cr["group_id"].unique().implode()
+                    yield score_stage(cr, cs, rb.filter(pl.col("group_id").is_in(mine)),
+                                      samples=samples, aggregate=aggregate, judge=judge_label,
+                                      sampling=sampling, render=render)
 
-                    try:
-                        run_chunks(client, stages(), written, progress=progress,
-                                   total=int(judged))
-                    finally:
-                        tables.close()
-                    finish(client, log_path, out, report)
-                    if report.budget_reached:
-                        raise _NotPublished()
-            except _NotPublished:
-                pass
+            publish_chunks(out, {targets[0].name: VerdictRaw,
+                                 targets[1].name: VerdictAggregated},
+                           client, log_path, stages(), tables, report, force=force,
+                           progress=progress, total=int(judged))
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
@@ -120,10 +108,6 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
         report.notes.append(f"{summary.without_rubric} rollouts skipped: their group has no "
                             "rubric")
     return report
-
-
-class _NotPublished(Exception):
-    """Leaves an output set unpublished (the budget was reached)."""
 
 
 class _Summary:

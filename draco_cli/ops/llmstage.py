@@ -238,6 +238,36 @@ async def _drive_chunk(stage: Stage[R], client: Any, progress: _ChunkProgress) -
         return result
 
 
+class _Unpublished(Exception):
+    """Leaves an output set unpublished (the budget was reached)."""
+
+
+def publish_chunks(out: Path, models: dict[str, type[Table]], client: Any, log_path: Path,
+                   stages: Iterable[Stage[R]], tables_of: Callable[[R], dict[str, pl.DataFrame]],
+                   report: StageReport, *, force: bool,
+                   progress: Callable[[Any], None] | None, total: int) -> None:
+    """Run a stage's chunks (``run_chunks``), append each chunk's tables (``tables_of``: file
+    name → rows) to the output set ``models`` names in ``out``, export the call log
+    (``finish``) and publish the set, unless the budget was reached: then nothing is."""
+    try:
+        with OutputSet(out, list(models), force=force) as output:
+            tables = ChunkTables(output, models)
+
+            def write(result: R) -> None:
+                for name, df in tables_of(result).items():
+                    tables.write(name, df)
+
+            try:
+                run_chunks(client, stages, write, progress=progress, total=total)
+            finally:
+                tables.close()
+            finish(client, log_path, out, report)
+            if report.budget_reached:
+                raise _Unpublished()
+    except _Unpublished:
+        pass
+
+
 def run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
                progress: Callable[[Any], None] | None = None, total: int = 0,
                in_flight: int = CHUNKS_IN_FLIGHT) -> None:

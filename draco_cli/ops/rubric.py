@@ -14,9 +14,9 @@ from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
-from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, ROLLOUT_COLUMNS, ChunkTables, StageReport,
-                                    batching, call_log_path, chunk_frames, finish, read_inputs,
-                                    render_messages, run_chunks)
+from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, ROLLOUT_COLUMNS, StageReport, batching,
+                                    call_log_path, chunk_frames, finish, publish_chunks,
+                                    read_inputs, render_messages)
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, RubricCandidate
 
@@ -67,29 +67,16 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
             total = r.height + 2 * groups.height   # generate + union, merge
             frames = chunk_frames(r, s, chunk)
             del groups, chunk, r, s
-            try:
-                with OutputSet(out, [t.name for t in targets], force=force) as output:
-                    tables = ChunkTables(output, {targets[0].name: RubricCandidate,
-                                                  targets[1].name: Rubric})
 
-                    def written(res: RubricResult) -> None:
-                        tables.write(targets[0].name, res.candidates)
-                        tables.write(targets[1].name, res.rubrics)
-                        summary.add(res)
+            def tables(res: RubricResult) -> dict[str, pl.DataFrame]:
+                summary.add(res)
+                return {targets[0].name: res.candidates, targets[1].name: res.rubrics}
 
-                    try:
-                        run_chunks(client, (rubric_stage(cr, cs, stages=stages,
-                                                         max_criteria=max_criteria,
-                                                         render=render, sampling=sampling)
-                                            for cr, cs in frames),
-                                   written, progress=progress, total=total)
-                    finally:
-                        tables.close()
-                    finish(client, log_path, out, report)
-                    if report.budget_reached:
-                        raise _NotPublished()
-            except _NotPublished:
-                pass
+            publish_chunks(out, {targets[0].name: RubricCandidate, targets[1].name: Rubric},
+                           client, log_path,
+                           (rubric_stage(cr, cs, stages=stages, max_criteria=max_criteria,
+                                         render=render, sampling=sampling) for cr, cs in frames),
+                           tables, report, force=force, progress=progress, total=total)
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
@@ -103,10 +90,6 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
                         f"groups, {summary.candidates} candidates")
     report.rows = summary.criteria
     return report
-
-
-class _NotPublished(Exception):
-    """Leaves an output set unpublished (the budget was reached)."""
 
 
 class _Summary:
