@@ -109,3 +109,35 @@ def test_budget_reached_in_a_chunk_publishes_nothing(server, shuffled, tmp_path)
     assert not (tmp_path / "rubric" / "rubrics.parquet").exists()
     assert not (tmp_path / "rubric" / "rubric_candidates.parquet").exists()
     assert not list((tmp_path / "rubric").glob(".draco-staging-*"))
+
+
+def test_the_answer_cache_reads_the_log_as_the_dict_did(tmp_path):
+    """``CallLog.answered()`` looks answers up on demand: the last answered row of a hash, only
+    rows logged before it was opened, misses (hex or not) None, the export unchanged."""
+    from draco_cli.llm.calllog import export_parquet
+
+    h1, h2 = "ab" * 32, "cd" * 32
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        log.record(request_hash=h1, sample=0, phase="score", status="ok", answer_text="first",
+                   parsed="{}")
+        log.record(request_hash=h1, sample=0, phase="score", status="ok", answer_text="last",
+                   parsed="{}")
+        log.record(request_hash=h1, sample=1, phase="score", status="unanswered")
+        log.record(request_hash="not-hex", sample=0, phase="union", status="ok",
+                   answer_text="plain", parsed="{}")
+        cache = log.answered()
+        log.record(request_hash=h2, sample=0, phase="score", status="ok", answer_text="later",
+                   parsed="{}")
+        log.flush()
+        assert cache.get((h1, 0)).answer_text == "last"
+        assert cache.get((h1, 1)) is None                 # unanswered is no answer
+        assert cache.get(("not-hex", 0)).answer_text == "plain"
+        assert cache.get((h2, 0)) is None                 # logged after the cache was opened
+        assert (h1, 0) in cache and (h2, 0) not in cache
+        assert len(cache) == 2 and set(cache) == {(h1, 0), ("not-hex", 0)}
+        assert log.answered().get((h2, 0)).answer_text == "later"
+    n = export_parquet(tmp_path / "calls.sqlite", tmp_path / "calls.parquet")
+    df = pl.read_parquet(tmp_path / "calls.parquet")
+    assert n == df.height == 5
+    assert df["answer_text"].to_list() == ["first", "last", None, "plain", "later"]
+    assert df.schema["error"] == pl.Null and df.schema["sample"] == pl.Int64
