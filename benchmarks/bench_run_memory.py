@@ -1,19 +1,28 @@
 """``draco run`` peak memory as the number of rollouts grows.
 
     python benchmarks/bench_run_memory.py [--sizes 10000,100000] [--latency 0.005]
+        [--against SRC [--against-sizes 10000]]
 
 Tiles the sample rollouts (sample_data/appworld_mini: rollouts and steps repeated with suffixed
 ids, so groups keep their size) to each size, starts ``draco llm mock-server`` in another
-process (answers made from each request's schema, ``--latency`` seconds per call), and runs the
+process (answers made from each request's schema, ``--latency`` seconds per call; a fresh
+server per run), and runs the
 real ``draco run`` command against it (``openai/mock``, ``--concurrency 64``) in a fresh
 process per size. Prints wall time and the process's peak RSS (``wait4``) per size, and the
 ratio of the largest size's peak to the smallest's. Target (issue 19): flat, within ±20%.
 Each size is a full run: 100,000 rollouts make well over 100,000 calls (minutes of wall).
+
+``--against SRC`` also runs another draco source tree (e.g. ``git archive main | tar -x -C
+/tmp/main``) on the same inputs in turn (each run with a fresh server; which goes first
+alternates from size to size), and prints its peak and wall and the ratios this/other; the two runs' tables are compared (every Parquet table of the run
+folder equal row for row; the call logs equal as sets of answered requests) and a difference
+fails the benchmark.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
 import shutil
 import socket
@@ -21,6 +30,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import polars as pl
@@ -49,22 +59,17 @@ def tile(n: int, dst: Path) -> tuple[Path, Path, int]:
 def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
+        return int(s.getsockname()[1])
 
 
-def main() -> None:
-    ap = argparse.ArgumentParser()
-    ap.add_argument("--sizes", default="10000,100000")
-    ap.add_argument("--latency", type=float, default=0.005)
-    args = ap.parse_args()
-    sizes = [int(s) for s in args.sizes.split(",")]
-    tmp = Path(tempfile.mkdtemp(prefix="draco-bench-run-"))
+@contextlib.contextmanager
+def mock_server(latency: float) -> Iterator[int]:
+    """A fresh ``draco llm mock-server`` (its prompt-cache state starts empty for every run,
+    so neither of two runs in turn finds the other's prompts warm); yields its port."""
     port = free_port()
     server = subprocess.Popen([sys.executable, "-m", "draco_cli", "llm", "mock-server",
-                               "--port", str(port), "--latency", str(args.latency)],
+                               "--port", str(port), "--latency", str(latency)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
-    env = dict(os.environ, OPENAI_API_KEY="sk-bench-local-only")
-    got: dict[int, float] = {}
     try:
         for _ in range(100):
             try:
@@ -72,30 +77,105 @@ def main() -> None:
                 break
             except OSError:
                 time.sleep(0.1)
+        yield port
+    finally:
+        server.terminate()
+        server.wait()
+
+
+def draco_run(src: Path, r: Path, s: Path, out: Path, latency: float) -> tuple[float, float]:
+    """(wall seconds, peak RSS MiB) of one ``draco run`` from the source tree ``src``."""
+    env = dict(os.environ, OPENAI_API_KEY="sk-bench-local-only",
+               PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    with mock_server(latency) as port:
+        t = time.perf_counter()
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "draco_cli", "run", "--rollouts", str(r), "--steps",
+             str(s), "--model", "openai/mock", "--base-url", f"http://127.0.0.1:{port}/v1",
+             "--concurrency", "64", "-o", str(out)],
+            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=src, env=env)
+        assert proc.stderr is not None
+        err = proc.stderr.read()     # read while it runs: a full pipe would stall the child
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t
+    if status:
+        raise SystemExit(f"draco run ({src}) failed: {err.decode()[-2000:]}")
+    return wall, usage.ru_maxrss / 1024
+
+
+def same_outputs(a: Path, b: Path) -> list[str]:
+    """Differences between two run folders' tables (none: the same run)."""
+    diffs = []
+    tables = sorted(str(p.relative_to(a)) for p in a.rglob("*.parquet")
+                    if p.name != "llm_calls.parquet")
+    other = sorted(str(p.relative_to(b)) for p in b.rglob("*.parquet")
+                   if p.name != "llm_calls.parquet")
+    if tables != other:
+        diffs.append(f"tables differ: {tables} vs {other}")
+    for rel in tables:
+        if rel in other and not pl.read_parquet(a / rel).equals(pl.read_parquet(b / rel)):
+            diffs.append(f"{rel} differs")
+    # The call log: the same requests answered the same way (row order and timings follow
+    # the server's scheduling, not draco's).
+    cols = ["request_hash", "sample", "phase", "key", "status", "answer_text", "parsed"]
+    logs = [pl.read_parquet(d / "judge" / "llm_calls.parquet", columns=cols)
+            .sort(cols, nulls_last=True) for d in (a, b)]
+    if not logs[0].equals(logs[1]):
+        diffs.append("call logs differ")
+    return diffs
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--sizes", default="10000,100000")
+    ap.add_argument("--latency", type=float, default=0.005)
+    ap.add_argument("--against", type=Path, help="another draco source tree to compare with")
+    ap.add_argument("--against-sizes", default=None,
+                    help="sizes run with --against too (default: the smallest)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="A/B pairs per size with --against (order alternating; walls summed)")
+    args = ap.parse_args()
+    sizes = [int(s) for s in args.sizes.split(",")]
+    against = [int(s) for s in args.against_sizes.split(",")] if args.against_sizes \
+        else sizes[:1]
+    tmp = Path(tempfile.mkdtemp(prefix="draco-bench-run-"))
+    got: dict[int, float] = {}
+    failed = False
+    try:
         for n in sizes:
             r, s, real = tile(n, tmp)
-            t = time.perf_counter()
-            proc = subprocess.Popen(
-                [sys.executable, "-m", "draco_cli", "run", "--rollouts", str(r), "--steps",
-                 str(s), "--model", "openai/mock", "--base-url", f"http://127.0.0.1:{port}/v1",
-                 "--concurrency", "64", "-o", str(tmp / f"run{n}")],
-                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=REPO, env=env)
-            _, status, usage = os.wait4(proc.pid, 0)
-            wall = time.perf_counter() - t
-            if status:
-                raise SystemExit(f"draco run failed at {n}: {proc.stderr.read().decode()[-2000:]}")
-            rss = usage.ru_maxrss / 1024
-            got[n] = rss
-            print(f"{real:>7} rollouts: draco run {wall:7.1f} s, peak RSS {rss:8.1f} MiB",
-                  flush=True)
-            shutil.rmtree(tmp / f"run{n}", ignore_errors=True)
+            runs = [("this", REPO)]
+            if args.against and n in against:
+                # in turn, alternating which goes first (warm disk cache, drifting load)
+                other = ("other", args.against.resolve())
+                runs = [p for k in range(args.rounds)
+                        for p in ([runs[0], other] if k % 2 == 0 else [other, runs[0]])]
+            seen: dict[str, tuple[float, float]] = {}
+            for name, src in runs:
+                shutil.rmtree(tmp / f"{name}{n}", ignore_errors=True)
+                wall, rss = draco_run(src, r, s, tmp / f"{name}{n}", args.latency)
+                w0, r0 = seen.get(name, (0.0, 0.0))
+                seen[name] = (w0 + wall, max(r0, rss))   # walls summed over rounds
+                label = "draco run" if name == "this" else str(args.against)
+                print(f"{real:>7} rollouts: {label} {wall:7.1f} s, peak RSS "
+                      f"{rss:8.1f} MiB", flush=True)
+            got[n] = seen["this"][1]
+            if "other" in seen:
+                (wall, rss), (wall_o, rss_o) = seen["this"], seen["other"]
+                print(f"run_peak_rss_ratio_this_over_other_{n}={rss / rss_o:.2f}")
+                print(f"run_wall_ratio_this_over_other_{n}={wall / wall_o:.2f}")
+                diffs = same_outputs(tmp / f"this{n}", tmp / f"other{n}")
+                print(f"outputs at {n}: " + ("identical" if not diffs else "; ".join(diffs)))
+                failed = failed or bool(diffs)
+            for name in seen:
+                shutil.rmtree(tmp / f"{name}{n}", ignore_errors=True)
         lo, hi = sizes[0], sizes[-1]
         print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         print(f"run_peak_rss_ratio_{hi}_over_{lo}={got[hi] / got[lo]:.2f}")
     finally:
-        server.terminate()
-        server.wait()
         shutil.rmtree(tmp, ignore_errors=True)
+    if failed:
+        raise SystemExit("the two draco versions wrote different outputs")
 
 
 if __name__ == "__main__":

@@ -16,9 +16,10 @@ import queue
 import sqlite3
 import threading
 import time
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 if TYPE_CHECKING:
     from draco_cli.errors import InputError
@@ -207,6 +208,7 @@ class CallLog:
         self._conn = _connect(self.path)
         self._queue: queue.Queue[tuple[Any, ...] | threading.Event | str] = queue.Queue()
         self._error: BaseException | None = None
+        self._views: list[AnsweredCalls] = []
         self._thread = threading.Thread(target=self._writer, name="draco-calllog", daemon=True)
         self._thread.start()
 
@@ -285,6 +287,8 @@ class CallLog:
             raise self._error
 
     def close(self) -> None:
+        for view in self._views:
+            view.close()
         if self._thread.is_alive():
             self._queue.put("stop")
             self._thread.join()
@@ -300,14 +304,109 @@ class CallLog:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def answered(self, model: str | None = None) -> dict[tuple[str, int], Recorded]:
-        """Every answered (request_hash, sample) in the log — the cache."""
+    def answered(self, model: str | None = None) -> AnsweredCalls:
+        """Every answered (request_hash, sample) in the log as it is now — the cache, looked up
+        in the log on demand (memory does not grow with the log; rows written later are not
+        in it, as they were not in the dict this once was)."""
         self.flush()
-        return load_answered(self._conn, "request_hash", self.path)
+        view = AnsweredCalls(self.path, "request_hash")
+        self._views.append(view)
+        return view
 
     def totals(self) -> dict[str, dict[str, float]]:
         self.flush()
         return phase_totals(self._conn)
+
+
+class AnsweredCalls(Mapping[tuple[str, int], Recorded]):
+    """The answered calls of a log up to the moment it was opened, keyed (hash, sample) where
+    the hash is ``request_hash`` (the cache) or ``content_hash`` (replay/). Only the hashes'
+    first 64 bits are held (8 bytes a call, sorted), so a miss costs no query and a hit one
+    indexed query; the answer text stays in the log until it is asked for. A hash that occurs
+    twice answers with its last row, as the dict this replaces did."""
+
+    def __init__(self, path: Path, by: str) -> None:
+        import numpy as np
+
+        if by not in ("request_hash", "content_hash"):
+            raise ValueError(by)
+        self.path, self.by = path, by
+        self._conn: sqlite3.Connection | None = _connect(path, readonly=True)
+        self._lock = threading.Lock()
+        try:
+            self._last = int(self._conn.execute(
+                "SELECT COALESCE(MAX(id), 0) FROM calls").fetchone()[0])
+            cur = self._conn.execute(
+                f"SELECT {by} FROM calls WHERE status = 'ok' AND id <= ?", (self._last,))
+            prefixes = np.fromiter((_prefix(h) for (h,) in cur), dtype=np.uint64)
+        except sqlite3.DatabaseError as exc:
+            self.close()
+            raise _bad(path, f"corrupt call log ({exc})") from None
+        self._prefixes = np.unique(prefixes)
+        self._sql = (f"SELECT answer_text, parsed, phase FROM calls WHERE {by} = ? AND "
+                     "sample = ? AND status = 'ok' AND id <= ? ORDER BY id DESC LIMIT 1")
+
+    def _maybe(self, h: str) -> bool:
+        import numpy as np
+
+        p = np.uint64(_prefix(h))
+        i = int(np.searchsorted(self._prefixes, p))
+        return i < len(self._prefixes) and self._prefixes[i] == p
+
+    def get(self, key: tuple[str, int], default: Any = None) -> Any:
+        h, sample = key
+        if not isinstance(h, str) or not self._maybe(h):
+            return default
+        with self._lock:
+            if self._conn is None:
+                raise ValueError(f"{self.path}: the call log is closed")
+            row = self._conn.execute(self._sql, (h, sample, self._last)).fetchone()
+        return default if row is None else Recorded(*row)
+
+    def __getitem__(self, key: tuple[str, int]) -> Recorded:
+        hit = self.get(key)
+        if hit is None:
+            raise KeyError(key)
+        return cast(Recorded, hit)
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, tuple) and len(key) == 2 and self.get(key) is not None
+
+    def __iter__(self) -> Iterator[tuple[str, int]]:
+        with self._lock:
+            assert self._conn is not None
+            rows = self._conn.execute(
+                f"SELECT DISTINCT {self.by}, sample FROM calls WHERE status = 'ok' AND id <= ?",
+                (self._last,)).fetchall()
+        return iter([(h, s) for h, s in rows])
+
+    def __len__(self) -> int:
+        with self._lock:
+            assert self._conn is not None
+            return int(self._conn.execute(
+                f"SELECT COUNT(*) FROM (SELECT DISTINCT {self.by}, sample FROM calls "
+                "WHERE status = 'ok' AND id <= ?)", (self._last,)).fetchone()[0])
+
+    def close(self) -> None:
+        with self._lock:
+            if self._conn is not None:
+                self._conn.close()
+                self._conn = None
+
+    def __del__(self) -> None:
+        conn = getattr(self, "_conn", None)
+        if conn is not None:
+            conn.close()
+
+
+def _prefix(h: str | None) -> int:
+    """A hash's first 64 bits (hex digests; anything else hashed to 64 bits)."""
+    try:
+        return int(str(h)[:16], 16)
+    except ValueError:
+        import hashlib
+
+        return int.from_bytes(hashlib.sha256(str(h).encode()).digest()[:8], "big")
 
 
 def load_answered(conn: sqlite3.Connection, by: str,
@@ -356,14 +455,22 @@ class ReplayLog:
 
             raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
                              file=str(path))
-        conn = _connect(self.path, readonly=True)
-        self.answers = load_answered(conn, "content_hash", self.path)
-        conn.close()
+        self.answers = AnsweredCalls(self.path, "content_hash")
+
+
+# SQLite's storage classes as the Arrow types polars inferred for them when the export read
+# every row at once: any text makes a column String, else any real Float64, else Int64; a
+# column with no value at all is written as the null type.
+_EXPORT_BATCH_ROWS = 500
+_EXPORT_GROUP_BYTES = 16 << 20
 
 
 def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int:
-    """Write the ``calls`` table as Parquet (atomically); return the row count."""
-    import polars as pl
+    """Write the ``calls`` table as Parquet (atomically); return the row count. Streamed a few
+    hundred rows at a time: request and response bodies make a call log large, and its export
+    must not hold it all."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
 
     from draco_cli.io import atomic_path
 
@@ -372,18 +479,46 @@ def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int
 
         raise InputError("no such call log", file=str(log))
     conn = _connect(Path(log), readonly=True)
+    rows = 0
     try:
-        cur = conn.execute("SELECT * FROM calls ORDER BY id")
-        rows = cur.fetchall()
+        names = [r[1] for r in conn.execute("PRAGMA table_info(calls)")]
+        kinds = conn.execute("SELECT " + ", ".join(
+            f"MAX(typeof(\"{c}\") = 'text'), MAX(typeof(\"{c}\") = 'real'), "
+            f"MAX(typeof(\"{c}\") = 'integer')" for c in names) + " FROM calls").fetchone()
+        types = []
+        for i in range(len(names)):
+            text, real, integer = kinds[3 * i: 3 * i + 3]
+            types.append(pa.large_string() if text else pa.float64() if real else
+                         pa.int64() if integer else pa.null())
+        schema = pa.schema([pa.field(n, t) for n, t in zip(names, types)])
+        cur = conn.execute(f"SELECT {', '.join(chr(34) + n + chr(34) for n in names)} "
+                           "FROM calls ORDER BY id")
+        with atomic_path(out, force) as tmp:
+            with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+                group: list[pa.RecordBatch] = []
+                size = 0
+                while True:
+                    batch = cur.fetchmany(_EXPORT_BATCH_ROWS)
+                    more = bool(batch)
+                    if more:
+                        cols = list(zip(*batch))
+                        group.append(pa.record_batch(
+                            [pa.array(c, type=t) for c, t in zip(cols, types)], schema=schema))
+                        size += group[-1].nbytes
+                        rows += len(batch)
+                        del batch, cols
+                    # row groups of some size compress as well as one whole-table write
+                    if group and (not more or size >= _EXPORT_GROUP_BYTES):
+                        writer.write_table(pa.Table.from_batches(group, schema=schema),
+                                           row_group_size=1 << 30)
+                        group, size = [], 0
+                    if not more:
+                        break
     except sqlite3.DatabaseError as exc:
-        conn.close()
         raise _bad(Path(log), f"corrupt call log ({exc})") from None
-    names = [d[0] for d in cur.description]
-    df = pl.DataFrame(rows, schema=names, orient="row", infer_schema_length=None)
-    conn.close()
-    with atomic_path(out, force) as tmp:
-        df.write_parquet(tmp)
-    return df.height
+    finally:
+        conn.close()
+    return rows
 
 
 def endpoint_totals(path: str | Path) -> dict[str, dict[str, float | None]]:

@@ -3,21 +3,30 @@ prompt rendering options, the call log they resume from and the report they end 
 
 from __future__ import annotations
 
+import asyncio
 import sqlite3
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, TypeVar
 
 import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
 
-from draco_cli.io import read_table
+from draco_cli.io import OutputSet, read_table
 from draco_cli.llm.calllog import export_parquet
 from draco_cli.redact import Redactor
 from draco_cli.render import RenderOptions
-from draco_cli.schemas import Rollout, Step
+from draco_cli.schemas import Rollout, Step, Table
 
 if TYPE_CHECKING:
     from draco_cli.llm.client import PhaseStats
+    from draco_cli.llm.drive import Stage
+    from draco_cli.llm.settings import LLMSettings
+
+R = TypeVar("R")
 
 ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction"]
 STEP_COLUMNS = ["rollout_id", "step", "action", "observation"]
@@ -38,8 +47,26 @@ class StageReport:
 
 def read_inputs(rollouts: str | Path, steps: str | Path) -> tuple[pl.DataFrame, pl.DataFrame]:
     """The rollout and step columns a prompt is rendered from."""
-    return (read_table(rollouts, Rollout, columns=ROLLOUT_COLUMNS),
-            read_table(steps, Step, columns=STEP_COLUMNS))
+    return (_read_text_table(rollouts, Rollout, ROLLOUT_COLUMNS),
+            _read_text_table(steps, Step, STEP_COLUMNS))
+
+
+def _read_text_table(path: str | Path, model: type[Table], columns: list[str]) -> pl.DataFrame:
+    """``read_table`` with the same checks, for the columns holding the rollouts' text: a
+    Parquet file is read by polars itself (through Arrow the text was held 2-3 times over while
+    it was converted: +263 MiB at 100k rollouts of the benchmark, against +97); stdin, or a
+    file polars cannot read as asked, goes through ``read_table`` and its errors."""
+    from draco_cli.io import STDIO, conform
+
+    wanted = list(dict.fromkeys([*model.keys, *columns]))
+    if str(path) != STDIO and Path(path).is_file():
+        try:
+            df = pl.read_parquet(path, columns=wanted)
+        except Exception:   # noqa: BLE001 - read_table names what is wrong with the file
+            pass
+        else:
+            return conform(df, model, str(path), wanted)
+    return read_table(path, model, columns=columns)
 
 
 def render_options(max_prompt_tokens: int, redact: list[str], no_default_redact: bool
@@ -99,3 +126,187 @@ def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[st
 def render_messages(messages: list[dict[str, Any]]) -> str:
     """A request's messages as text (``--show-prompt``)."""
     return "\n\n".join(f"===== {m['role']} =====\n{m['content']}" for m in messages)
+
+
+# --- chunked stages: memory set by the chunk size, not by the number of rollouts ----------
+#
+# Rubrics and verdicts of a group depend on that group alone, so a stage runs over chunks of
+# about CHUNK_ROLLOUTS rollouts: each chunk's requests are built, answered and turned into
+# rows, and its rows are appended to the output tables in the staging folder of the stage's
+# output set (published whole at the end, or not at all). CHUNKS_IN_FLIGHT chunks run at once
+# on one client session, so the client's concurrency stays full while a chunk finishes its last
+# calls (and, for rubrics, its merge phase). Outputs are written in chunk order, which is the
+# order the whole-table stage wrote: the same tables, row for row.
+
+CHUNK_ROLLOUTS = 1024
+CHUNKS_IN_FLIGHT = 2
+
+
+def batching(settings: LLMSettings) -> bool:
+    """Whether the stage goes through the provider's batch API (then it is one batch, run
+    whole as before: chunks would make many batches)."""
+    import os
+
+    from draco_cli.llm.providers import REGISTRY, parse_model_id
+
+    if settings.batch is not None:
+        return bool(settings.batch)
+    provider = REGISTRY.get(parse_model_id(settings.model)[0])
+    hosted = (settings.base_url or os.environ.get("DRACO_BASE_URL")) is None
+    return hosted and bool(getattr(provider, "offers_batch", False))
+
+
+def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
+                 ) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+    """(rollouts, steps) of each chunk, in chunk order; ``chunk`` numbers each rollout row's
+    chunk (0, 1, ... with none left empty). Rows keep their order within a chunk; steps of
+    rollouts not listed are left out. Each chunk's rows are gathered when its turn comes (by
+    positions found once), so the inputs are not copied whole."""
+    n = int(chunk.max() or 0) + 1 if len(chunk) else 1   # type: ignore[arg-type]
+    keyed = pl.DataFrame({"rollout_id": rollouts["rollout_id"], "__c": chunk})
+    step_chunk = steps.select("rollout_id").join(keyed, on="rollout_id", how="left",
+                                                 maintain_order="left")["__c"]
+    del keyed
+    r_at, r_counts = _positions(chunk, n)
+    s_at, s_counts = _positions(step_chunk, n)
+    del step_chunk
+    contiguous = chunk.is_sorted()
+    a = b = 0
+    for k in range(n):
+        r = rollouts.slice(a, r_counts[k]) if contiguous else \
+            rollouts[r_at.slice(a, r_counts[k])]
+        yield r, steps[s_at.slice(b, s_counts[k])]
+        a += r_counts[k]
+        b += s_counts[k]
+
+
+def _positions(chunk: pl.Series, n: int) -> tuple[pl.Series, list[int]]:
+    """Row positions ordered by chunk (stable; rows of no chunk last) and rows per chunk."""
+    counts = [0] * n
+    for k, c in chunk.drop_nulls().value_counts().iter_rows():
+        counts[int(k)] = int(c)
+    order = chunk.to_frame("c").select(
+        pl.arg_sort_by("c", maintain_order=True, nulls_last=True)).to_series()
+    return order, counts
+
+
+class ChunkTables:
+    """Tables of an output set written chunk by chunk into its staging folder (published with
+    the set). Each table is converted as ``OutputSet.write_table`` converts a whole one."""
+
+    def __init__(self, output: OutputSet, models: dict[str, type[Table]]) -> None:
+        self.output, self.models = output, models
+        self._writers: dict[str, tuple[pq.ParquetWriter, pa.Schema]] = {}
+
+    def write(self, name: str, df: pl.DataFrame) -> None:
+        from draco_cli.io import _to_arrow
+
+        table = _to_arrow(df, self.models[name])
+        if name not in self._writers:
+            meta = dict(table.schema.metadata or {})
+            meta.update({k.encode(): v.encode() for k, v in self.output.metadata.items()})
+            schema = table.schema.with_metadata(meta)
+            self._writers[name] = (pq.ParquetWriter(self.output.path(name), schema,
+                                                    compression="zstd"), schema)
+        writer, schema = self._writers[name]
+        if not table.schema.equals(schema, check_metadata=False):
+            table = table.cast(schema)
+        writer.write_table(table)
+
+    def close(self) -> None:
+        for writer, _ in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+
+class _ChunkProgress:
+    """One progress count over every chunk and phase of a stage (the client counts each of its
+    runs from zero); ``total`` is fixed up front, so a progress bar keeps one line."""
+
+    def __init__(self, progress: Callable[[Any], None] | None, total: int) -> None:
+        self.progress, self.total = progress, total
+        self.done = self.failed = 0
+
+    def sub(self) -> Callable[[Any], None] | None:
+        if self.progress is None:
+            return None
+        last = [0, 0]
+
+        def tick(p: Any) -> None:
+            self.done += p.done - last[0]
+            self.failed += p.failed - last[1]
+            last[:] = [p.done, p.failed]
+            from draco_cli.llm.client import Progress
+
+            assert self.progress is not None
+            self.progress(Progress(self.done, self.total, self.failed, p.cost_usd,
+                                   getattr(p, "note", None)))
+
+        return tick
+
+
+async def _drive_chunk(stage: Stage[R], client: Any, progress: _ChunkProgress) -> R:
+    try:
+        requests = next(stage)
+        while True:
+            requests = stage.send(await client.arun(requests, progress=progress.sub(),
+                                                    batch=False))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result
+
+
+class _Unpublished(Exception):
+    """Leaves an output set unpublished (the budget was reached)."""
+
+
+def publish_chunks(out: Path, models: dict[str, type[Table]], client: Any, log_path: Path,
+                   stages: Iterable[Stage[R]], tables_of: Callable[[R], dict[str, pl.DataFrame]],
+                   report: StageReport, *, force: bool,
+                   progress: Callable[[Any], None] | None, total: int) -> None:
+    """Run a stage's chunks (``run_chunks``), append each chunk's tables (``tables_of``: file
+    name → rows) to the output set ``models`` names in ``out``, export the call log
+    (``finish``) and publish the set, unless the budget was reached: then nothing is."""
+    try:
+        with OutputSet(out, list(models), force=force) as output:
+            tables = ChunkTables(output, models)
+
+            def write(result: R) -> None:
+                for name, df in tables_of(result).items():
+                    tables.write(name, df)
+
+            try:
+                run_chunks(client, stages, write, progress=progress, total=total)
+            finally:
+                tables.close()
+            finish(client, log_path, out, report)
+            if report.budget_reached:
+                raise _Unpublished()
+    except _Unpublished:
+        pass
+
+
+def run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
+               progress: Callable[[Any], None] | None = None, total: int = 0,
+               in_flight: int = CHUNKS_IN_FLIGHT) -> None:
+    """Drive each chunk's stage on one client session, ``in_flight`` at a time, and hand the
+    results to ``on_result`` in chunk order."""
+    asyncio.run(_run_chunks(client, stages, on_result, _ChunkProgress(progress, total),
+                            max(1, in_flight)))
+
+
+async def _run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
+                      progress: _ChunkProgress, in_flight: int) -> None:
+    pending: deque[asyncio.Future[R]] = deque()
+    async with client.session():
+        try:
+            for stage in stages:
+                pending.append(asyncio.ensure_future(_drive_chunk(stage, client, progress)))
+                if len(pending) >= in_flight:
+                    on_result(await pending.popleft())
+            while pending:
+                on_result(await pending.popleft())
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -115,6 +115,20 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
                     static_criteria, progress, on_event).run()
 
 
+def _row_count(path: Path) -> int:
+    """A table's rows from its Parquet footer (the manifest is rewritten at every stage: reading
+    the tables themselves would hold the largest of them in memory each time)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.is_dir():
+        raise InputError("is a folder, expected a Parquet file", file=str(path))
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"not a readable Parquet file ({exc})", file=str(path)) from None
+
+
 def _check_model(model: str) -> None:
     from draco_cli.llm.providers import parse_model_id
 
@@ -370,14 +384,13 @@ class _Run:
                       messages=messages)
 
     def _manifest(self, status: str) -> Manifest:
-        from draco_cli.io import read_arrow
         from draco_cli.runfolder import TABLES
 
         counts = {}
         for rel in TABLES.values():
             p = self.folder.path / rel
             if p.exists() and not rel.startswith("audit/"):
-                counts[rel] = read_arrow(p).num_rows
+                counts[rel] = _row_count(p)
         settings: dict[str, Any] = {
             "setting": self.opts.setting,
             **self.opts.rubric.model_dump(mode="json", exclude={"kind"}),
