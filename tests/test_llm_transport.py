@@ -18,7 +18,7 @@ import pytest
 
 from draco_cli.errors import UsageError
 from draco_cli.llm import CallLog, LLMClient, LLMError
-from draco_cli.llm.providers import make_provider
+from draco_cli.llm.providers import make_provider, wire_json
 from tests.llm_server import FakeLLMServer
 from tests.test_llm import PLANTED, PRICES, req
 
@@ -203,3 +203,25 @@ def test_the_transport_is_chosen_and_checked(monkeypatch):
     monkeypatch.setenv("DRACO_LLM_TRANSPORT", "fast")
     with pytest.raises(UsageError, match="DRACO_LLM_TRANSPORT='fast'"):
         direct()
+
+
+def test_the_json_sent_is_the_body_built_when_its_rest_is_reused(monkeypatch):
+    """The part of the body besides the messages is encoded once per phase and reused: it
+    must still be what each request builds (sampling values equal as numbers but encoded
+    differently, n, the schema's name)."""
+    from draco_cli.llm.types import Sampling
+
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    p = make_provider("openai/m", base_url="http://127.0.0.1:9/v1")
+    cases = [Sampling(), Sampling(temperature=1), Sampling(temperature=1.0),
+             Sampling(temperature=0.0), Sampling(temperature=-0.0), Sampling(seed=3),
+             Sampling(thinking=True), Sampling(max_tokens=7)]
+    for round_ in range(2):
+        for k, sampling in enumerate(cases):
+            for n in (1, 3):
+                for name in ("answer", "other"):
+                    r = req(f"k{k}", sampling=sampling, schema_name=name)
+                    wire, text = p.wire(r, r.messages, n)  # type: ignore[attr-defined]
+                    assert json.loads(text) == wire
+                    assert text == wire_json(wire, r)   # as made without the reuse
+    asyncio.run(p.close())

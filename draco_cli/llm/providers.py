@@ -517,6 +517,7 @@ class OpenAIProvider(Provider):
         headers = _direct_headers(self.client, timeout) \
             if transport_setting() == "direct" and not _env_proxy(self._chat_url) else None
         self.direct = DirectPost(headers, concurrency, timeout) if headers is not None else None
+        self._rest_json: dict[Any, str] = {}   # see ``wire``
 
     def _response_format(self, req: LLMRequest) -> dict[str, Any]:
         schema = req.schema()
@@ -555,12 +556,21 @@ class OpenAIProvider(Provider):
             body.setdefault("extra_body", {}).update(extra["extra_body"])
         return body
 
-    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
-                       samples: list[int]) -> Reply:
-        body = self.body(req, messages, len(samples))
+    def wire(self, req: LLMRequest, messages: list[dict[str, str]],
+             n: int) -> tuple[dict[str, Any], str]:
+        """The body of one call and its JSON as sent. Everything but the messages is the same
+        for every request of a phase with the model's own schema: its JSON is made once."""
+        body = self.body(req, messages, n)
         wire = dict(body)
         wire.update(wire.pop("extra_body", {}))
-        text = wire_json(wire, req)
+        # repr(sampling) tells 1 from 1.0 and 0.0 from -0.0, which compare equal
+        key = (req.answer_model, req.schema_name, n, repr(req.sampling)) \
+            if req.json_schema is None else None
+        return wire, wire_json(wire, req, self._rest_json if key is not None else None, key)
+
+    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
+                       samples: list[int]) -> Reply:
+        wire, text = self.wire(req, messages, len(samples))
         label = f"openai/{self.model}"
         received = None
         if self.direct is not None:
@@ -629,13 +639,24 @@ class OpenAIProvider(Provider):
         return out
 
 
-def wire_json(wire: dict[str, Any], req: LLMRequest) -> str:
+# json.dumps with arguments builds an encoder per call; this one is built once (same output)
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def wire_json(wire: dict[str, Any], req: LLMRequest, cache: dict[Any, str] | None = None,
+              key: Any = None) -> str:
     """The request body as JSON, serialised once: the request's messages, when sent as they
-    are, are spliced in from the JSON its cache key already hashed."""
+    are, are spliced in from the JSON its cache key already hashed. ``cache[key]`` holds the
+    JSON of the rest when a caller knows what determines it."""
     if wire.get("messages") is not req.messages:
-        return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
-    rest = json.dumps({k: v for k, v in wire.items() if k != "messages"}, ensure_ascii=False,
-                      separators=(",", ":"))
+        return _compact(wire)
+    rest = cache.get(key) if cache is not None else None
+    if rest is None:
+        rest = _compact({k: v for k, v in wire.items() if k != "messages"})
+        if cache is not None:
+            if len(cache) > 1024:
+                cache.clear()
+            cache[key] = rest
     return (rest[:-1] + ("," if len(wire) > 1 else "") + '"messages":' + req.messages_json()
             + "}")
 
