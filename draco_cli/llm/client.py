@@ -477,7 +477,7 @@ class LLMClient:
                 reply: Reply, choice: Choice, value: BaseModel | None, share: float) -> None:
         """One row per sample per HTTP call; a call that answered n samples at once is split
         evenly over its n rows, so the rows sum to what was billed."""
-        u = reply.usage.scaled(share)
+        u = reply.usage if share == 1.0 else reply.usage.scaled(share)   # read only here
         cost = self._cost_of(reply) * share
         self.log.record(
             request_hash=req.hash(sample, self.model), content_hash=req.hash(sample, None),

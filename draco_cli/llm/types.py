@@ -92,12 +92,19 @@ class LLMRequest:
                 ',"sampling":' + _sampling_json(self.sampling) + ',"schema":' + schema +
                 ',"template":' + _dumps(self.template_version) + "}")
         h = head.copy()
-        h.update((',"model":' + _dumps(model) + ',"sample":' + _dumps(sample) + tail).encode())
+        # an int's JSON is its str (the encoder's general path costs more than the hash)
+        number = str(sample) if type(sample) is int else _dumps(sample)
+        h.update((',"model":' + _model_json(model) + ',"sample":' + number + tail).encode())
         return h.hexdigest()
 
 
 # json.dumps with arguments builds an encoder per call; this one is built once (same output)
 _dumps = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode
+
+@functools.lru_cache(maxsize=64)
+def _model_json(model: str | None) -> str:
+    return _dumps(model)
+
 
 # The same text for every request of a phase (keyed so that 1 and 1.0, 0.0 and -0.0, which
 # compare equal but encode differently, stay apart).
