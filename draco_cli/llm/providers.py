@@ -164,8 +164,9 @@ class DirectPost:
     converted to aiohttp and back) cost more CPU per call than everything else draco does, and
     bounds the calls per second one event loop can keep in flight. It sends the headers the
     SDK client would (taken from it once: key, organisation, version headers), with the same
-    timeouts, TLS context and proxy settings as the SDK's aiohttp transport, and maps every
-    failure to the same ``Retryable`` / ``RequestRejected`` as the SDK path (``_mapped``)."""
+    timeouts and TLS context as the SDK's aiohttp transport (a URL behind a proxy stays on the
+    SDK path: ``_env_proxy``), and maps every failure to the same ``Retryable`` /
+    ``RequestRejected`` as the SDK path (``_mapped``)."""
 
     def __init__(self, headers: dict[str, str], concurrency: int, timeout: float) -> None:
         self.headers = headers
