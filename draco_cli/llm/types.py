@@ -101,6 +101,7 @@ class LLMRequest:
 # json.dumps with arguments builds an encoder per call; this one is built once (same output)
 _dumps = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode
 
+
 @functools.lru_cache(maxsize=64)
 def _model_json(model: str | None) -> str:
     return _dumps(model)
