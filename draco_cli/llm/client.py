@@ -355,8 +355,11 @@ class LLMClient:
         missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
-            results = await asyncio.gather(*(self._ask_in_time(provider, req, g)
-                                             for g in groups))
+            if len(groups) == 1:   # the common case: no task of its own to gather
+                results = [await self._ask_in_time(provider, req, groups[0])]
+            else:
+                results = await asyncio.gather(*(self._ask_in_time(provider, req, g)
+                                                 for g in groups))
             for group in results:
                 for a in group:
                     answers[a.sample] = a
@@ -474,7 +477,7 @@ class LLMClient:
                 reply: Reply, choice: Choice, value: BaseModel | None, share: float) -> None:
         """One row per sample per HTTP call; a call that answered n samples at once is split
         evenly over its n rows, so the rows sum to what was billed."""
-        u = reply.usage.scaled(share)
+        u = reply.usage if share == 1.0 else reply.usage.scaled(share)   # read only here
         cost = self._cost_of(reply) * share
         self.log.record(
             request_hash=req.hash(sample, self.model), content_hash=req.hash(sample, None),
@@ -497,7 +500,7 @@ class LLMClient:
         answering n samples writes n rows; long prompts make this the costly part)."""
         cache: dict[str, str | None] = reply.__dict__.setdefault("_logged", {})
         if which not in cache:
-            text = reply.request_text if which == "request_body" else None
+            text = reply.request_text if which == "request_body" else reply.response_text
             if text is None:
                 text = json.dumps(getattr(reply, which), ensure_ascii=False)
             cache[which] = scrub(text)
@@ -506,12 +509,16 @@ class LLMClient:
     # -- one HTTP call, with retries ---------------------------------------------------------
 
     def _cost(self, usage: Usage, batch: bool = False) -> float:
-        if self.provider_name == "replay":
-            return 0.0
+        if self.provider_name == "replay" or not self.priced:
+            return 0.0   # (an unpriced model's lookup would scan the whole table each call)
         return self.prices.cost(self.model, usage, batch)
 
     def _cost_of(self, reply: Reply) -> float:
-        return self._cost(reply.usage, reply.batch_id is not None)
+        """A reply's cost, worked out once (its rows, stats and budget all ask)."""
+        cost: float | None = reply.__dict__.get("_cost")
+        if cost is None:
+            cost = reply.__dict__["_cost"] = self._cost(reply.usage, reply.batch_id is not None)
+        return cost
 
     def _estimate(self, req: LLMRequest, messages: list[dict[str, str]],
                   n: int) -> tuple[int, float]:
@@ -520,6 +527,8 @@ class LLMClient:
         token with every answer at max_tokens."""
         prompt = sum(len(m["content"]) for m in messages) // 4
         tokens = prompt + req.sampling.max_tokens
+        if self.max_cost is None:
+            return tokens, 0.0   # the dollar estimate only serves --max-cost
         st = self.stats[req.phase]
         billed = st.answered + st.unanswered
         if billed and st.cost_usd > 0:
@@ -557,7 +566,8 @@ class LLMClient:
                 # The call's estimated cost is reserved before it is sent, so the calls in
                 # flight cannot together overshoot the budget by more than one call.
                 # The first call goes out whatever its pessimistic estimate, to measure one.
-                _, usd = self._estimate(req, messages, len(samples))
+                if self.max_cost is not None:
+                    _, usd = self._estimate(req, messages, len(samples))
                 committed = self.spent + self.reserved
                 if self.max_cost is not None and (committed >= self.max_cost or (
                         committed > 0 and committed + usd > self.max_cost * (1 + 1e-9))):
@@ -607,7 +617,7 @@ class LLMClient:
             self._sem.completed()
             stats.calls += 1
             stats.usage = stats.usage + reply.usage
-            cost = self._cost(reply.usage)
+            cost = self._cost_of(reply)
             stats.cost_usd += cost
             self.spent += cost
             return reply

@@ -239,7 +239,8 @@ class FakeLLMServer:
 
     def push(self, kind: str, **kw: Any) -> None:
         """Apply a fault to the next chat/messages request: 429, 500, 529, drop, slow,
-        truncate, invalid_json, schema_violation, refusal, fewer_choices."""
+        truncate, invalid_json, schema_violation, refusal, fewer_choices, or raw (a reply of
+        the given ``status``, ``body``, ``headers`` and ``content_type``)."""
         self.faults.append((kind, kw))
 
     def push_batch(self, kind: str, **kw: Any) -> None:
@@ -329,6 +330,11 @@ class FakeLLMServer:
         if kind == "drop":
             _drop(request)
             return web.Response(status=500), None
+        if kind == "raw":  # any status, body and headers, as a server or a proxy may answer
+            body = kw.get("body", b"")
+            return web.Response(status=kw.get("status", 200), headers=kw.get("headers"),
+                                body=body.encode() if isinstance(body, str) else body,
+                                content_type=kw.get("content_type", "application/json")), None
         if kind == "slow":
             await asyncio.sleep(kw.get("seconds", 5))
             return None, None

@@ -8,6 +8,7 @@ which errors are worth retrying. SDK-level retries are off so every attempt is o
 from __future__ import annotations
 
 import abc
+import asyncio
 import json
 import os
 import time
@@ -89,9 +90,7 @@ def parse_model_id(model: str) -> tuple[str, str]:
     return provider, name
 
 
-def _retry_after(exc: Any) -> float | None:
-    response = getattr(exc, "response", None)
-    headers = getattr(response, "headers", None)
+def _retry_after(headers: Any) -> float | None:
     if not headers:
         return None
     value = headers.get("retry-after")
@@ -147,14 +146,151 @@ def _http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
         return sdk.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
 
 
+# How single calls reach an OpenAI-compatible server (``DRACO_LLM_TRANSPORT``): "direct" posts
+# on one aiohttp session of draco's own, "sdk" through the openai SDK's low-level ``post``.
+TRANSPORTS = ("direct", "sdk")
+
+
+def transport_setting() -> str:
+    value = os.environ.get("DRACO_LLM_TRANSPORT", "").strip().lower() or "direct"
+    if value not in TRANSPORTS:
+        raise ModelSpecError(f"DRACO_LLM_TRANSPORT={value!r}: use one of {', '.join(TRANSPORTS)}")
+    return value
+
+
+class DirectPost:
+    """Single calls posted on one long-lived aiohttp session, its pool sized to the
+    concurrency: the SDK's own request path (typed options copied, an httpx request built and
+    converted to aiohttp and back) cost more CPU per call than everything else draco does, and
+    bounds the calls per second one event loop can keep in flight. It sends the headers the
+    SDK client would (taken from it once: key, organisation, version headers), with the same
+    timeouts and TLS context as the SDK's aiohttp transport (a URL behind a proxy stays on the
+    SDK path: ``_env_proxy``), and maps every failure to the same ``Retryable`` /
+    ``RequestRejected`` as the SDK path (``_mapped``)."""
+
+    def __init__(self, headers: dict[str, str], concurrency: int, timeout: float) -> None:
+        self.headers = headers
+        self.concurrency = concurrency
+        self.timeout_s = timeout
+        self._session: Any = None
+
+    def _open(self) -> Any:
+        import aiohttp
+        import httpx2
+
+        # as the SDK's transport: httpx's TLS context (its CA bundle, SSL_CERT_FILE), its
+        # keep-alive expiry, a timeout per connect and per read rather than for the whole call
+        connector = aiohttp.TCPConnector(
+            limit=self.concurrency, keepalive_timeout=httpx2.Limits().keepalive_expiry,
+            ssl=httpx2.create_ssl_context(verify=True, trust_env=True))
+        self.timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s,
+                                             sock_read=self.timeout_s, connect=self.timeout_s)
+        # trust_env off, as the SDK's own aiohttp session: it would look up netrc and proxy
+        # settings in a worker thread on every request (a URL behind a proxy from the
+        # environment is never sent this way: ``_env_proxy``)
+        self._session = aiohttp.ClientSession(connector=connector)
+        return self._session
+
+    async def post(self, url: str, data: bytes,
+                   label: str) -> tuple[dict[str, Any], float, str | None]:
+        """POST ``data`` (JSON bytes); return (JSON reply, latency, the reply as text when it
+        is UTF-8: logged as received instead of encoded again)."""
+        import aiohttp
+
+        session = self._session or self._open()
+        start = time.perf_counter()
+        try:
+            async with session.post(url, data=data, headers=self.headers, timeout=self.timeout,
+                                    allow_redirects=False) as resp:
+                raw = await resp.read()
+                status, headers, charset = resp.status, resp.headers, resp.charset
+        except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
+            raise _transport_failure(exc) from None
+        except aiohttp.ClientPayloadError:
+            raise Retryable("connection error (ReadError)", kind="connection") from None
+        except aiohttp.ClientError as exc:
+            raise Retryable(f"connection error ({type(exc).__name__})",
+                            kind="connection") from None
+        latency = time.perf_counter() - start
+        if not 200 <= status < 300:
+            body, message = _sdk_error(status, raw, charset)
+            raise _status_failure(status, body, message, headers, label,
+                                  busy=status == 429 or status >= 500)
+        try:
+            text: str | None = raw.decode()
+        except UnicodeDecodeError:
+            text = None   # JSON in another encoding: json.loads finds it, the log re-encodes
+        try:
+            data_: dict[str, Any] = json.loads(text if text is not None else raw)
+        except ValueError:
+            raise Retryable("the server sent a body that is not JSON") from None
+        return data_, latency, text
+
+    async def close(self) -> None:
+        if self._session is not None:
+            await self._session.close()
+            self._session = None
+
+
+def _sdk_error(status: int, raw: bytes, charset: str | None) -> tuple[object, str]:
+    """An error reply's (body, message) as the openai SDK makes them: the parsed JSON's
+    ``error`` object (else the JSON, else the text) and "Error code: N[ - its message]"."""
+    text = raw.decode(charset or "utf-8", errors="replace").strip()
+    message = f"Error code: {status}"
+    try:
+        parsed = json.loads(text)
+    except ValueError:
+        return text, message
+    body = parsed.get("error", parsed) if isinstance(parsed, dict) else parsed
+    reason = body.get("message") if isinstance(body, dict) else None
+    if isinstance(reason, str) and reason:
+        message += f" - {reason}"
+    return body, message
+
+
+def _env_proxy(url: str) -> str | None:
+    """The proxy the environment (HTTPS_PROXY, NO_PROXY ...) names for ``url``, if any: the
+    SDK's httpx client routes through it, so such calls keep to the SDK path."""
+    from urllib.parse import urlsplit
+    from urllib.request import getproxies, proxy_bypass
+
+    parts = urlsplit(url)
+    proxy = getproxies().get(parts.scheme) or getproxies().get("all")
+    if not proxy or (parts.hostname and proxy_bypass(parts.hostname)):
+        return None
+    return proxy
+
+
+def _direct_headers(client: Any, timeout: float) -> dict[str, str] | None:
+    """The headers the SDK client sends with every request, or None when its authentication
+    is more than a static key (workload identity, a key provider, a token cache): those calls
+    stay on the SDK path, which knows how to refresh them."""
+    auth = dict(client.auth_headers)
+    if not auth or client.custom_auth is not None or getattr(client, "_api_key_provider", None):
+        return None
+    headers = {k: v for k, v in client.default_headers.items() if isinstance(v, str)}  # no Omit
+    headers.update(auth)
+    headers["x-stainless-retry-count"] = "0"
+    headers["x-stainless-read-timeout"] = str(float(timeout))
+    return headers
+
+
 # Status codes worth another attempt besides 429 and 5xx (529 = Anthropic "overloaded").
 RETRY_STATUS = (408, 409, 425, 529)
 
 
-def _body_text(exc: Any) -> str:
+def _body_text(body: object) -> str:
     """The server's error body as text (scrubbed, bounded), for the terminal and the log."""
     from draco_cli.llm.keys import scrub
 
+    if body is None:
+        return ""
+    text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
+    return scrub(text[:1000]) or ""
+
+
+def _sdk_body(exc: Any) -> object:
+    """An SDK status error's body: the JSON it parsed (its ``error`` object), else the text."""
     body = getattr(exc, "body", None)
     if body is None:
         response = getattr(exc, "response", None)
@@ -162,10 +298,35 @@ def _body_text(exc: Any) -> str:
             body = response.text if response is not None else None
         except Exception:  # noqa: BLE001 - a body we cannot read is simply not shown
             body = None
-    if body is None:
-        return ""
-    text = body if isinstance(body, str) else json.dumps(body, ensure_ascii=False)
-    return scrub(text[:1000]) or ""
+    return body
+
+
+def _status_failure(status: int, body: object, message: str, headers: Any, label: str,
+                    busy: bool) -> Exception:
+    """What an HTTP error status means to the client, whichever transport got it: ``busy``
+    (429, 5xx) and the other retry statuses are ``Retryable``; anything else is the server
+    rejecting the request itself (``RequestRejected``, its reason in the message). ``body``
+    and ``message`` are as the SDKs make them (the ``error`` object or the text; "Error code:
+    N - reason")."""
+    text = _body_text(body)
+    if busy:
+        return Retryable(f"HTTP {status}" + (f": {_brief(body, message)}" if text else ""),
+                         _retry_after(headers), body=text, status=status)
+    if status in RETRY_STATUS:
+        return Retryable(f"HTTP {status}", _retry_after(headers), body=text, status=status)
+    # A request the server rejects as malformed is not retried: its reason is the message.
+    return RequestRejected(f"{label}: HTTP {status}: {_brief(body, message)}", body=text,
+                           status=status)
+
+
+def _transport_failure(exc: BaseException) -> Retryable:
+    """A call that got no HTTP reply: refused, dropped, or timed out. The SDKs' aiohttp
+    transport reports all three as a connect "timeout", so they are told apart by the cause."""
+    if _refused(exc):
+        return Retryable("connection refused (is the server running?)", kind="refused")
+    if _dropped(exc):
+        return Retryable("connection dropped by the server", kind="connection")
+    return Retryable("timeout (no reply within --timeout)", kind="timeout")
 
 
 T = TypeVar("T")
@@ -178,17 +339,10 @@ async def _mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]])
     try:
         return await call()
     except (sdk.RateLimitError, sdk.InternalServerError) as exc:
-        text = _body_text(exc)
-        raise Retryable(f"HTTP {exc.status_code}" + (f": {_brief(exc)}" if text else ""),
-                        _retry_after(exc), body=text, status=exc.status_code) from None
+        raise _status_failure(exc.status_code, _sdk_body(exc), str(exc.message),
+                              exc.response.headers, label, busy=True) from None
     except sdk.APITimeoutError as exc:
-        # The SDKs' aiohttp transport reports a refused connection as a connect "timeout".
-        if _refused(exc):
-            raise Retryable("connection refused (is the server running?)",
-                            kind="refused") from None
-        if _dropped(exc):
-            raise Retryable("connection dropped by the server", kind="connection") from None
-        raise Retryable("timeout (no reply within --timeout)", kind="timeout") from None
+        raise _transport_failure(exc) from None
     except sdk.APIConnectionError as exc:
         if _refused(exc):
             raise Retryable("connection refused (is the server running?)",
@@ -196,12 +350,8 @@ async def _mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]])
         raise Retryable(f"connection error ({type(exc.__cause__).__name__})",
                         kind="connection") from None
     except sdk.APIStatusError as exc:
-        if exc.status_code in RETRY_STATUS:
-            raise Retryable(f"HTTP {exc.status_code}", _retry_after(exc),
-                            body=_body_text(exc), status=exc.status_code) from None
-        # A request the server rejects as malformed is not retried: its reason is the message.
-        raise RequestRejected(f"{label}: HTTP {exc.status_code}: {_brief(exc)}",
-                              body=_body_text(exc), status=exc.status_code) from None
+        raise _status_failure(exc.status_code, _sdk_body(exc), str(exc.message),
+                              exc.response.headers, label, busy=False) from None
 
 
 def _json_of(raw: Any) -> dict[str, Any]:
@@ -364,6 +514,11 @@ class OpenAIProvider(Provider):
                                          timeout=timeout, http_client=http)
         # absolute, so the SDK does not parse and merge the base URL again on every call
         self._chat_url = f"{self.client.base_url}chat/completions"
+        # single calls: draco's own session unless told otherwise or the key is not static
+        headers = _direct_headers(self.client, timeout) \
+            if transport_setting() == "direct" and not _env_proxy(self._chat_url) else None
+        self.direct = DirectPost(headers, concurrency, timeout) if headers is not None else None
+        self._rest_json: dict[Any, str] = {}   # see ``wire``
 
     def _response_format(self, req: LLMRequest) -> dict[str, Any]:
         schema = req.schema()
@@ -402,21 +557,40 @@ class OpenAIProvider(Provider):
             body.setdefault("extra_body", {}).update(extra["extra_body"])
         return body
 
-    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
-                       samples: list[int]) -> Reply:
-        body = self.body(req, messages, len(samples))
+    def wire(self, req: LLMRequest, messages: list[dict[str, str]],
+             n: int) -> tuple[dict[str, Any], str]:
+        """The body of one call and its JSON as sent. Everything but the messages is the same
+        for every request of a phase with the model's own schema: its JSON is made once."""
+        body = self.body(req, messages, n)
         wire = dict(body)
         wire.update(wire.pop("extra_body", {}))
-        text = wire_json(wire, req)
-        # sent as bytes: the SDK neither copies nor encodes the body again
-        data, latency = await _post_json(self._openai, self.client, self._chat_url,
-                                         text.encode(), f"openai/{self.model}")
+        # repr(sampling) tells 1 from 1.0 and 0.0 from -0.0, which compare equal
+        key = (req.answer_model, req.schema_name, n, repr(req.sampling)) \
+            if req.json_schema is None else None
+        return wire, wire_json(wire, req, self._rest_json if key is not None else None, key)
+
+    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
+                       samples: list[int]) -> Reply:
+        wire, text = self.wire(req, messages, len(samples))
+        label = f"openai/{self.model}"
+        received = None
+        if self.direct is not None:
+            data, latency, received = await self.direct.post(self._chat_url, text.encode(),
+                                                             label)
+        else:  # sent as bytes: the SDK neither copies nor encodes the body again
+            data, latency = await _post_json(self._openai, self.client, self._chat_url,
+                                             text.encode(), label)
+        if not isinstance(data, dict):
+            raise Retryable("the server sent JSON that is not a chat completion object")
         reply = openai_reply(data, wire)
         reply.latency_s = latency
         reply.request_text = text
+        reply.response_text = received
         return reply
 
     async def close(self) -> None:
+        if self.direct is not None:
+            await self.direct.close()
         await self.client.close()
 
     # -- OpenAI Batch: a JSONL file of /v1/chat/completions bodies, one output file ----------
@@ -466,13 +640,24 @@ class OpenAIProvider(Provider):
         return out
 
 
-def wire_json(wire: dict[str, Any], req: LLMRequest) -> str:
+# json.dumps with arguments builds an encoder per call; this one is built once (same output)
+_compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
+
+
+def wire_json(wire: dict[str, Any], req: LLMRequest, cache: dict[Any, str] | None = None,
+              key: Any = None) -> str:
     """The request body as JSON, serialised once: the request's messages, when sent as they
-    are, are spliced in from the JSON its cache key already hashed."""
+    are, are spliced in from the JSON its cache key already hashed. ``cache[key]`` holds the
+    JSON of the rest when a caller knows what determines it."""
     if wire.get("messages") is not req.messages:
-        return json.dumps(wire, ensure_ascii=False, separators=(",", ":"))
-    rest = json.dumps({k: v for k, v in wire.items() if k != "messages"}, ensure_ascii=False,
-                      separators=(",", ":"))
+        return _compact(wire)
+    rest = cache.get(key) if cache is not None else None
+    if rest is None:
+        rest = _compact({k: v for k, v in wire.items() if k != "messages"})
+        if cache is not None:
+            if len(cache) > 1024:
+                cache.clear()
+            cache[key] = rest
     return (rest[:-1] + ("," if len(wire) > 1 else "") + '"messages":' + req.messages_json()
             + "}")
 
@@ -688,12 +873,11 @@ def make_provider(model: str, *, base_url: str | None = None, concurrency: int =
                structured_output=structured_output, system_role=system_role, use_n=use_n)
 
 
-def _brief(exc: Any) -> str:
+def _brief(body: object, message: str) -> str:
     """The server's error message, without any key it may quote back."""
     from draco_cli.llm.keys import scrub
 
-    body = getattr(exc, "body", None)
-    text = str(getattr(exc, "message", exc))
+    text = message
     if isinstance(body, dict):
         err = body.get("error", body)
         if isinstance(err, dict) and err.get("message"):

@@ -86,21 +86,51 @@ class LLMRequest:
                 ('{"messages":' + self.messages_json()).encode())
         tail = self.__dict__.get("_tail")
         if tail is None:
+            schema = _model_schema_json(self.answer_model) if self.json_schema is None \
+                else _dumps(self.json_schema)
             tail = self.__dict__["_tail"] = (
-                ',"sampling":' + _dumps(asdict(self.sampling)) + ',"schema":' +
-                _dumps(self.schema()) + ',"template":' + _dumps(self.template_version) + "}")
+                ',"sampling":' + _sampling_json(self.sampling) + ',"schema":' + schema +
+                ',"template":' + _dumps(self.template_version) + "}")
         h = head.copy()
-        h.update((',"model":' + _dumps(model) + ',"sample":' + _dumps(sample) + tail).encode())
+        # an int's JSON is its str (the encoder's general path costs more than the hash)
+        number = str(sample) if type(sample) is int else _dumps(sample)
+        h.update((',"model":' + _model_json(model) + ',"sample":' + number + tail).encode())
         return h.hexdigest()
 
 
-def _dumps(value: Any) -> str:
-    return json.dumps(value, sort_keys=True, ensure_ascii=False, separators=(",", ":"))
+# json.dumps with arguments builds an encoder per call; this one is built once (same output)
+_dumps = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode
+
+
+@functools.lru_cache(maxsize=64)
+def _model_json(model: str | None) -> str:
+    return _dumps(model)
+
+
+# The same text for every request of a phase (keyed so that 1 and 1.0, 0.0 and -0.0, which
+# compare equal but encode differently, stay apart).
+_SAMPLING_JSON: dict[tuple[str, ...], str] = {}
+
+
+def _sampling_json(s: Sampling) -> str:
+    key = (repr(s.temperature), repr(s.top_p), repr(s.max_tokens), repr(s.thinking),
+           repr(s.seed))
+    text = _SAMPLING_JSON.get(key)
+    if text is None:
+        if len(_SAMPLING_JSON) > 4096:
+            _SAMPLING_JSON.clear()
+        text = _SAMPLING_JSON[key] = _dumps(asdict(s))
+    return text
 
 
 @functools.lru_cache(maxsize=256)
 def _model_schema(model: type[BaseModel]) -> dict[str, Any]:
     return strict_schema(model.model_json_schema())
+
+
+@functools.lru_cache(maxsize=256)
+def _model_schema_json(model: type[BaseModel]) -> str:
+    return _dumps(_model_schema(model))
 
 
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:
@@ -165,6 +195,7 @@ class Reply:
     batch_id: str | None = None  # answered through a batch API (billed at the batch price)
     endpoint: str | None = None  # the base URL that answered, when several serve the model
     request_text: str | None = None  # request_body as the JSON sent, when it was serialised
+    response_text: str | None = None  # response_body as the JSON received, when it was kept
 
 
 @dataclass
