@@ -166,8 +166,11 @@ class StepArrays:
     token_start: np.ndarray  # int32, -1 where null
     offsets: np.ndarray  # per rollout, length R + 1
     # the steps' own rollout_id column when they came already sorted (it is then the
-    # per-step id; reusing it spares gathering millions of strings)
-    step_rollout_ids: pl.Series | None = None
+    # per-step id; reusing it spares gathering millions of strings). A caller that kept the
+    # file's Arrow column may put that here instead: output tables then get a null
+    # placeholder for the caller to replace when writing (no conversion of the ids back and
+    # forth between polars and Arrow).
+    step_rollout_ids: pl.Series | pa.ChunkedArray | None = None
 
     @functools.cached_property
     def M(self) -> np.ndarray:
@@ -177,6 +180,8 @@ class StepArrays:
     def order(self) -> pl.DataFrame:
         """rollout_id and step of the sorted steps, for output tables."""
         ids = self.step_rollout_ids
+        if isinstance(ids, pa.ChunkedArray):
+            ids = pl.repeat(None, self.step.size, dtype=pl.String, eager=True)
         return pl.DataFrame({
             "rollout_id": ids if ids is not None else self.rollout_ids.gather(pl.Series(self.r)),
             "step": pl.Series(self.step, dtype=pl.Int32),

@@ -49,6 +49,18 @@ def _no_verdicts() -> pl.DataFrame:
                                 "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
 
 
+def _with_step_ids(step_credit: pl.DataFrame,
+                   ids: pl.Series | pa.ChunkedArray | None) -> pl.DataFrame | pa.Table:
+    """step_credit with the steps' Arrow rollout_id in place of its placeholder (see
+    ``StepArrays.step_rollout_ids``), as the large_string polars would write (the cast shares
+    the strings, only offsets are new)."""
+    if not isinstance(ids, pa.ChunkedArray):
+        return step_credit
+    table = step_credit.to_arrow()
+    at = table.column_names.index("rollout_id")
+    return table.set_column(at, "rollout_id", ids.cast(pa.large_string()))
+
+
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                    out: str | Path, *, tokens: str | None = None, force: bool = False,
                    options: CreditOptions | None = None, **kwargs: Any) -> CreditStats:
@@ -84,12 +96,23 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     del arrow
     flat_spans = _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
-    s = read_table(steps, Step, columns=CREDIT_STEP_COLUMNS, check_keys=False)
+    # (read_table's steps, keeping the file's Arrow rollout_id for step_credit's write)
+    step_columns = list(dict.fromkeys([*Step.keys, *CREDIT_STEP_COLUMNS]))
+    arrow = read_arrow(steps, step_columns)
+    step_ids = arrow.column("rollout_id") if "rollout_id" in arrow.column_names else None
+    s = conform(as_frame(arrow), Step, source_name(steps), step_columns, check_keys=False)
+    del arrow
     # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
     v = _no_verdicts() if verdicts is None else \
         read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
     sa = index_steps(s, r, source_name(steps))
     del s  # the steps' own columns are copied or kept by sa: freed before the computation
+    if (sa.step_rollout_ids is not None and step_ids is not None
+            and (pa.types.is_string(step_ids.type) or pa.types.is_large_string(step_ids.type))):
+        # Steps came in order: step_credit's rollout_id is the file's own column, written from
+        # Arrow (polars' copy is freed, and no 20M strings are converted back at the write).
+        sa.step_rollout_ids = step_ids
+    del step_ids
     # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
     # with them (arguments pass to the callee's frame).
     held = {"verdicts": v}
@@ -113,7 +136,8 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
         # step_credit is written, then freed, before token advantages are built: the two
         # largest tables never coexist (an error below still publishes nothing).
         output.write_table(rewards, targets[0].name, Reward)
-        output.write_table(step_credit, targets[1].name, StepCredit)
+        output.write_table(_with_step_ids(step_credit, sa.step_rollout_ids), targets[1].name,
+                           StepCredit)
         del step_credit
         sa.step_rollout_ids = None
         trim_heap()
