@@ -472,6 +472,13 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
     for r0, r1, s0, s1 in rollout_chunks(sa.offsets):
         rl = sa.r[s0:s1] - r0
         Rl = r1 - r0
+        Ml = sa.M[r0:r1]
+
+        def per_step(values: np.ndarray, counts: np.ndarray = Ml) -> np.ndarray:
+            # each rollout's value on each of its steps: the same values as indexing by
+            # ``rl`` (steps are sorted by rollout), at a fraction of a gather's cost
+            return np.repeat(values, counts)
+
         c = cited[s0:s1]
         pp, ff = p[s0:s1], f[s0:s1]
         n = sa.n[s0:s1].astype(np.float64)
@@ -479,18 +486,19 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             q = np.where(c, pp / np.maximum(pp + ff, 1), 0.0)
             n_cited = np.bincount(rl, weights=c, minlength=Rl)
             qbar = np.bincount(rl, weights=q, minlength=Rl) / n_cited
-            qual = np.where(c, q, qbar[rl])       # an uncited step takes the mean Q̄
-            A = adv_r[r0:r1][rl]
+            qual = np.where(c, q, per_step(qbar))       # an uncited step takes the mean Q̄
+            A = per_step(adv_r[r0:r1])
             w = np.where(A >= 0, qual, 1.0 - qual)
-            sumw = np.bincount(rl, weights=np.nan_to_num(w), minlength=Rl)[rl]
+            sumw = per_step(np.bincount(rl, weights=np.nan_to_num(w), minlength=Rl))
             equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
-            wt = np.where(equal, 1.0 / sa.M[r0:r1][rl], w)
-            N = np.bincount(rl, weights=n, minlength=Rl)[rl]
+            wt = np.where(equal, per_step(1.0 / Ml), w)
+            N = per_step(np.bincount(rl, weights=n, minlength=Rl))
             step_adv = A * N * wt / (n * np.where(equal, 1.0, sumw))
         cited_r = n_cited > 0
         any_cited_r[r0:r1] = cited_r
-        use_step = cited_r[rl] if credit == "step" else np.zeros(rl.size, dtype=bool)
-        quality[s0:s1] = np.where(cited_r[rl], qual, np.nan)
+        cited_s = per_step(cited_r)
+        use_step = cited_s if credit == "step" else np.zeros(rl.size, dtype=bool)
+        quality[s0:s1] = np.where(cited_s, qual, np.nan)
         weight[s0:s1] = np.where(use_step, wt, np.nan)
         adv[s0:s1] = np.where(use_step, step_adv, A) + 0.0  # + 0.0 turns -0.0 into 0.0
     if credit == "step":

@@ -129,11 +129,15 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
         rsp = resp[r0:r1]
         missing = np.bincount(rl, weights=ts < 0, minlength=Rl)
         pos = np.where(M > 0, missing == 0, rsp >= 0)
+        # per-rollout values on each step by np.repeat over the run lengths (steps are sorted
+        # by rollout): the same values as indexing by ``rl``, cheaper than a gather
+        pos_s, rsp_s = np.repeat(pos, M), np.repeat(rsp, M)
         excl = np.cumsum(n) - n
-        first = sa.offsets[r0:r1][rl] - s0
-        start = np.where(pos[rl], ts, excl - excl[first])
+        # each step's rollout's first step: an empty rollout's index may be the block's end
+        first_excl = np.append(excl, 0)[sa.offsets[r0:r1] - s0]
+        start = np.where(pos_s, ts, excl - np.repeat(first_excl, M))
         end = start + n
-        past = np.flatnonzero(pos[rl] & (rsp[rl] >= 0) & (end > rsp[rl]))
+        past = np.flatnonzero(pos_s & (rsp_s >= 0) & (end > rsp_s))
         if past.size:
             i = int(past[0])
             rid = sa.rollout_ids[r0 + int(rl[i])]
