@@ -237,16 +237,53 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
     return owner
 
 
-def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> StepArrays:
+def _arrow_run_lengths(ids: pa.ChunkedArray, rollout_ids: pl.Series) -> np.ndarray | None:
+    """``_run_lengths`` of an Arrow string column without converting it to polars (one
+    run-end encoding per chunk; runs cut by chunk bounds are joined)."""
+    if len(ids) == 0 or rollout_ids.len() == 0 or ids.null_count:
+        return None
+    lengths, values = [], []
+    for chunk in ids.chunks:
+        if len(chunk) == 0:
+            continue
+        ree = pc.run_end_encode(chunk)
+        ends = ree.run_ends.to_numpy().astype(np.int64)
+        lengths.append(np.diff(ends, prepend=0))
+        values.append(ree.values.cast(pa.large_string()))
+    length = np.concatenate(lengths)
+    value = pa.chunked_array(values).combine_chunks()
+    if len(value) > 1:  # a run cut by a chunk bound continues in the next chunk
+        same = pc.equal(value.slice(0, len(value) - 1), value.slice(1)).to_numpy(
+            zero_copy_only=False)
+        if same.any():
+            head = np.concatenate([[True], ~same])
+            length = np.add.reduceat(length, np.flatnonzero(head))
+            value = value.filter(pa.array(head))
+    if len(value) != rollout_ids.len():
+        return None
+    expected = rollout_ids.to_arrow()
+    if isinstance(expected, pa.ChunkedArray):
+        expected = expected.combine_chunks()
+    if expected.null_count or not pc.all(pc.equal(value, expected.cast(pa.large_string()))).as_py():
+        return None
+    return length
+
+
+def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
+                ids: pa.ChunkedArray | None = None) -> StepArrays:
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
-    rollouts and run 1..M without gaps or repeats."""
+    rollouts and run 1..M without gaps or repeats.
+
+    ``ids`` is the steps' rollout_id as read (Arrow, no nulls) when ``steps`` leaves it out:
+    steps in the rollouts' order never convert it to polars."""
     R = rollouts.height
     step = steps["step"].to_numpy().astype(np.int32)
     n = steps["n_tokens"].to_numpy().astype(np.int32)
     token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32)
                    if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
-    lengths = _run_lengths(steps["rollout_id"], rollouts["rollout_id"])
+    lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
+               else _run_lengths(steps["rollout_id"], rollouts["rollout_id"]))
     rows = None
     if lengths is not None:  # one run per rollout, in order: offsets are the run bounds
         np.cumsum(lengths, out=offsets[1:])
@@ -254,8 +291,12 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
         # numbered 1..M in place means sorted too: the check below is then done
         bad = _misnumbered(step, offsets)
     else:
-        r = _rollout_index(steps, rollouts, source)
         bad = -1
+    if bad is not None and ids is not None:  # off the fast path: the ids as polars
+        steps = steps.with_columns(cast(pl.Series, pl.from_arrow(ids)).alias("rollout_id"))
+        ids = None
+    if lengths is None:
+        r = _rollout_index(steps, rollouts, source)
     if bad is not None:
         if r.size > 1 and not bool(np.all((r[1:] > r[:-1])
                                           | ((r[1:] == r[:-1]) & (step[1:] > step[:-1])))):
@@ -268,10 +309,11 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> Ste
         row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
         raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
                          file=source, row=row, field="step")
+    step_ids: pl.Series | pa.ChunkedArray | None = None
+    if rows is None:
+        step_ids = ids if ids is not None else steps["rollout_id"].alias("rollout_id")
     return StepArrays(rollout_ids=rollouts["rollout_id"], r=r, step=step, n=n,
-                      token_start=token_start, offsets=offsets,
-                      step_rollout_ids=steps["rollout_id"].alias("rollout_id")
-                      if rows is None else None)
+                      token_start=token_start, offsets=offsets, step_rollout_ids=step_ids)
 
 
 def _misnumbered(step: np.ndarray, offsets: np.ndarray) -> int | None:

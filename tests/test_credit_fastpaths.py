@@ -171,3 +171,31 @@ def test_citation_counts_match_a_loop(seed):
     p, f, dropped = citation_arrays(sa, verdicts)
     rp, rf, rdropped = reference_citations(sa, verdicts)
     assert p.tolist() == rp.tolist() and f.tolist() == rf.tolist() and dropped == rdropped
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_arrow_run_lengths_match_the_polars_ones(seed):
+    """Run lengths read off an Arrow column in chunks (runs cut by chunk bounds, repeats,
+    rollouts out of order, missing or extra ones) agree with the polars path."""
+    from draco_cli.credit import _arrow_run_lengths, _run_lengths
+
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 8))
+    rollout_ids = pl.Series("rollout_id", [f"r{i}" for i in range(R)])
+    M = rng.integers(1, 5, R)
+    ids = np.repeat(np.array([f"r{i}" for i in range(R)], dtype=object), M)
+    shape = seed % 4
+    if shape == 1:  # a rollout's steps split in two runs
+        ids = np.concatenate([ids, ids[:1]])
+    elif shape == 2:  # a rollout without steps
+        ids = ids[ids != f"r{R - 1}"]
+    elif shape == 3:  # rollouts' runs in another order
+        ids = ids[::-1]
+    cuts = np.sort(rng.integers(0, ids.size + 1, int(rng.integers(0, 4))))
+    chunks = [pa.array(list(part), pa.string()) for part in np.split(ids, cuts)]
+    arrow_ids = pa.chunked_array(chunks, pa.string())
+    a = _arrow_run_lengths(arrow_ids, rollout_ids)
+    b = _run_lengths(pl.Series(list(ids), dtype=pl.String), rollout_ids)
+    assert (a is None) == (b is None)
+    if a is not None:
+        assert a.tolist() == b.tolist()

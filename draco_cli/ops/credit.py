@@ -96,23 +96,25 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     del arrow
     flat_spans = _check_spans_type(spans, source_name(rollouts), r["response_len"])
     # compute_credit checks steps run 1..M per rollout, which implies unique keys.
-    # (read_table's steps, keeping the file's Arrow rollout_id for step_credit's write)
+    # read_table's checks, but the steps' rollout_id stays Arrow when it is a clean string
+    # column (what the contract checks of it): steps in the rollouts' order are indexed on it
+    # and step_credit is written from it, without converting 20M ids to polars and back.
     step_columns = list(dict.fromkeys([*Step.keys, *CREDIT_STEP_COLUMNS]))
     arrow = read_arrow(steps, step_columns)
     step_ids = arrow.column("rollout_id") if "rollout_id" in arrow.column_names else None
+    if step_ids is not None and step_ids.null_count == 0 and (
+            pa.types.is_string(step_ids.type) or pa.types.is_large_string(step_ids.type)):
+        arrow = arrow.drop_columns(["rollout_id"])
+        step_columns.remove("rollout_id")
+    else:
+        step_ids = None
     s = conform(as_frame(arrow), Step, source_name(steps), step_columns, check_keys=False)
     del arrow
     # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
     v = _no_verdicts() if verdicts is None else \
         read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
-    sa = index_steps(s, r, source_name(steps))
-    del s  # the steps' own columns are copied or kept by sa: freed before the computation
-    if (sa.step_rollout_ids is not None and step_ids is not None
-            and (pa.types.is_string(step_ids.type) or pa.types.is_large_string(step_ids.type))):
-        # Steps came in order: step_credit's rollout_id is the file's own column, written from
-        # Arrow (polars' copy is freed, and no 20M strings are converted back at the write).
-        sa.step_rollout_ids = step_ids
-    del step_ids
+    sa = index_steps(s, r, source_name(steps), ids=step_ids)
+    del s, step_ids  # the steps' own columns are copied or kept by sa: freed before the computation
     # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
     # with them (arguments pass to the callee's frame).
     held = {"verdicts": v}
