@@ -170,7 +170,7 @@ class StepArrays:
     # file's Arrow column may put that here instead: output tables then get a null
     # placeholder for the caller to replace when writing (no conversion of the ids back and
     # forth between polars and Arrow).
-    step_rollout_ids: pl.Series | pa.ChunkedArray | None = None
+    step_rollout_ids: pl.Series | pa.ChunkedArray[Any] | None = None
 
     @functools.cached_property
     def M(self) -> np.ndarray:
@@ -237,7 +237,7 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
     return owner
 
 
-def _arrow_run_lengths(ids: pa.ChunkedArray, rollout_ids: pl.Series) -> np.ndarray | None:
+def _arrow_run_lengths(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.ndarray | None:
     """``_run_lengths`` of an Arrow string column without converting it to polars (one
     run-end encoding per chunk; runs cut by chunk bounds are joined)."""
     if len(ids) == 0 or rollout_ids.len() == 0 or ids.null_count:
@@ -246,7 +246,7 @@ def _arrow_run_lengths(ids: pa.ChunkedArray, rollout_ids: pl.Series) -> np.ndarr
     for chunk in ids.chunks:
         if len(chunk) == 0:
             continue
-        ree = pc.run_end_encode(chunk)
+        ree = pc.run_end_encode(chunk)  # type: ignore[attr-defined]  # not in the stubs
         ends = ree.run_ends.to_numpy().astype(np.int64)
         lengths.append(np.diff(ends, prepend=0))
         values.append(ree.values.cast(pa.large_string()))
@@ -270,7 +270,7 @@ def _arrow_run_lengths(ids: pa.ChunkedArray, rollout_ids: pl.Series) -> np.ndarr
 
 
 def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
-                ids: pa.ChunkedArray | None = None) -> StepArrays:
+                ids: pa.ChunkedArray[Any] | None = None) -> StepArrays:
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats.
 
@@ -309,7 +309,7 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
         row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
         raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
                          file=source, row=row, field="step")
-    step_ids: pl.Series | pa.ChunkedArray | None = None
+    step_ids: pl.Series | pa.ChunkedArray[Any] | None = None
     if rows is None:
         step_ids = ids if ids is not None else steps["rollout_id"].alias("rollout_id")
     return StepArrays(rollout_ids=rollouts["rollout_id"], r=r, step=step, n=n,

@@ -50,7 +50,7 @@ def _no_verdicts() -> pl.DataFrame:
 
 
 def _with_step_ids(step_credit: pl.DataFrame,
-                   ids: pl.Series | pa.ChunkedArray | None) -> pl.DataFrame | pa.Table:
+                   ids: pl.Series | pa.ChunkedArray[Any] | None) -> pl.DataFrame | pa.Table:
     """step_credit with the steps' Arrow rollout_id in place of its placeholder (see
     ``StepArrays.step_rollout_ids``), as the large_string polars would write (the cast shares
     the strings, only offsets are new)."""
