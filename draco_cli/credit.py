@@ -535,14 +535,23 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
             wt = np.where(equal, per_step(1.0 / Ml), w)
             N = per_step(np.bincount(rl, weights=n, minlength=Rl))
-            step_adv = A * N * wt / (n * np.where(equal, 1.0, sumw))
+            # A · N · w / (n · Σw), the same operations in the same order, in place
+            step_adv = A * N
+            step_adv *= wt
+            step_adv /= np.multiply(n, np.where(equal, 1.0, sumw), out=n)
         cited_r = n_cited > 0
         any_cited_r[r0:r1] = cited_r
         cited_s = per_step(cited_r)
         use_step = cited_s if credit == "step" else np.zeros(rl.size, dtype=bool)
-        quality[s0:s1] = np.where(cited_s, qual, np.nan)
-        weight[s0:s1] = np.where(use_step, wt, np.nan)
-        adv[s0:s1] = np.where(use_step, step_adv, A) + 0.0  # + 0.0 turns -0.0 into 0.0
+        # written straight into the outputs (no block-sized temporaries)
+        quality[s0:s1] = np.nan
+        np.copyto(quality[s0:s1], qual, where=cited_s)
+        weight[s0:s1] = np.nan
+        np.copyto(weight[s0:s1], wt, where=use_step)
+        out = adv[s0:s1]
+        np.copyto(out, A)
+        np.copyto(out, step_adv, where=use_step)
+        out += 0.0  # turns -0.0 into 0.0
     if credit == "step":
         mode_r = np.where(any_cited_r, "step", "grpo_fallback")
     else:
