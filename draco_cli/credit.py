@@ -167,9 +167,10 @@ class StepArrays:
     offsets: np.ndarray  # per rollout, length R + 1
     # the steps' own rollout_id column when they came already sorted (it is then the
     # per-step id; reusing it spares gathering millions of strings). A caller that kept the
-    # file's Arrow column may put that here instead: output tables then get a null
-    # placeholder for the caller to replace when writing (no conversion of the ids back and
-    # forth between polars and Arrow).
+    # file's Arrow column may put that here instead: output tables are then built without a
+    # rollout_id column and the caller adds the Arrow column when writing (no conversion of
+    # 20M ids to polars and back; a table used without it fails on the missing column
+    # rather than carrying wrong ids).
     step_rollout_ids: pl.Series | pa.ChunkedArray[Any] | None = None
 
     @functools.cached_property
@@ -178,14 +179,15 @@ class StepArrays:
         return np.diff(self.offsets)
 
     def order(self) -> pl.DataFrame:
-        """rollout_id and step of the sorted steps, for output tables."""
+        """rollout_id and step of the sorted steps, for output tables (step alone when the ids
+        are the caller's Arrow column, see ``step_rollout_ids``)."""
+        step = pl.Series("step", self.step, dtype=pl.Int32)
         ids = self.step_rollout_ids
         if isinstance(ids, pa.ChunkedArray):
-            ids = pl.repeat(None, self.step.size, dtype=pl.String, eager=True)
-        return pl.DataFrame({
-            "rollout_id": ids if ids is not None else self.rollout_ids.gather(pl.Series(self.r)),
-            "step": pl.Series(self.step, dtype=pl.Int32),
-        })
+            return pl.DataFrame([step])
+        if ids is None:
+            ids = self.rollout_ids.gather(pl.Series(self.r))
+        return pl.DataFrame({"rollout_id": ids, "step": step})
 
 
 def _run_lengths(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:

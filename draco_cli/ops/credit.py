@@ -51,14 +51,12 @@ def _no_verdicts() -> pl.DataFrame:
 
 def _with_step_ids(step_credit: pl.DataFrame,
                    ids: pl.Series | pa.ChunkedArray[Any] | None) -> pl.DataFrame | pa.Table:
-    """step_credit with the steps' Arrow rollout_id in place of its placeholder (see
-    ``StepArrays.step_rollout_ids``), as the large_string polars would write (the cast shares
-    the strings, only offsets are new)."""
+    """step_credit with the steps' Arrow rollout_id as its first column when it was built
+    without one (see ``StepArrays.step_rollout_ids``), as the large_string polars would write
+    (the cast shares the strings, only offsets are new)."""
     if not isinstance(ids, pa.ChunkedArray):
         return step_credit
-    table = step_credit.to_arrow()
-    at = table.column_names.index("rollout_id")
-    return table.set_column(at, "rollout_id", ids.cast(pa.large_string()))
+    return step_credit.to_arrow().add_column(0, "rollout_id", ids.cast(pa.large_string()))
 
 
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
