@@ -406,29 +406,20 @@ def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
             if "response" in df.columns else pl.lit(None, pl.Int64)
         return df.select([c for c in COST_COLUMNS if c in df.columns]
                          + [key.alias("call_key")])
-    import sqlite3
+    from draco_cli.llm.calllog import read_only
 
-    try:
-        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
-        try:
-            have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-            if not have:
-                raise sqlite3.DatabaseError("no calls table")
-            conn.create_function("call_key", 1, _call_key, deterministic=True)
-            cols = [c for c in COST_COLUMNS if c in have]
-            key_sql = "call_key(response)" if "response" in have else "NULL"
-            order = " ORDER BY id" if "id" in have else ""
-            cur = conn.execute(f"SELECT {', '.join(cols)}, {key_sql} AS call_key FROM calls"
-                               f"{order}")
-            names = [d[0] for d in cur.description]
-            parts = []
-            while rows := cur.fetchmany(10_000):
-                parts.append(pl.DataFrame(rows, schema=names, orient="row",
-                                          infer_schema_length=None))
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as exc:
-        raise InputError(f"not a draco call log ({exc})", file=str(p)) from None
+    with read_only(p) as (conn, have):
+        conn.create_function("call_key", 1, _call_key, deterministic=True)
+        cols = [c for c in COST_COLUMNS if c in have]
+        key_sql = "call_key(response)" if "response" in have else "NULL"
+        order = " ORDER BY id" if "id" in have else ""
+        cur = conn.execute(f"SELECT {', '.join(cols)}, {key_sql} AS call_key FROM calls"
+                           f"{order}")
+        names = [d[0] for d in cur.description]
+        parts = []
+        while rows := cur.fetchmany(10_000):
+            parts.append(pl.DataFrame(rows, schema=names, orient="row",
+                                      infer_schema_length=None))
     if not parts:
         return pl.DataFrame(schema={n: pl.Int64 if n == "call_key" else pl.String
                                     for n in names})
@@ -512,61 +503,49 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
     """``billed_vs_naive`` of SQLite call logs, summed inside SQLite: no row per call ever
     reaches Python, so memory does not grow with the log (the report's path). The same table,
     up to float rounding, except that a reply found in two logs counts as a call in each."""
-    import sqlite3
-    from pathlib import Path
-
+    from draco_cli.llm.calllog import read_only
     from draco_cli.llm.prices import PriceTable
 
     prices = prices or PriceTable.load()
     sums: list[tuple[Any, ...]] = []  # phase, model, rows, 4 tokens, prompt, batched, cost
     calls: dict[str, int] = {}  # distinct replies per phase, and over all phases ("")
     for log in logs:
-        p = Path(log)
-        try:
-            conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
-            try:
-                have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-                if not have:
-                    raise sqlite3.DatabaseError("no calls table")
-                if "status" not in have:
-                    continue
-                conn.create_function("call_key", 1, _call_key, deterministic=True)
-                conn.execute("PRAGMA temp_store = FILE")  # temp tables beyond the page cache
-                col = {c: (f"coalesce({c}, 0)" if c.endswith("tokens") else c) if c in have
-                       else "NULL" for c in ["phase", "model", "batch_id", "cost_usd",
-                                             "input_tokens", "cached_tokens",
-                                             "cache_write_tokens", "output_tokens"]}
-                where = "status IN ({})".format(", ".join(f"'{s}'" for s in BILLED_STATUS))
-                if "provider" in have:
-                    where += " AND coalesce(provider, '') <> 'replay'"
-                # one row per billed row, on disk (temp store): its reply's key, and the
-                # reply's whole prompt (a row without a response is a reply of its own)
-                conn.execute(f"""CREATE TEMP TABLE billed AS SELECT {col['phase']} AS phase,
-                    {col['model']} AS model, {col['batch_id']} IS NOT NULL AS batched,
-                    {col['cost_usd']} AS cost_usd, {col['input_tokens']} AS i,
-                    {col['cached_tokens']} AS c, {col['cache_write_tokens']} AS w,
-                    {col['output_tokens']} AS o,
-                    {'call_key(response)' if 'response' in have else 'NULL'} AS k
-                    FROM calls WHERE {where}""")
-                conn.execute("CREATE TEMP TABLE prompt (k INTEGER PRIMARY KEY, p INTEGER)")
-                conn.execute("""INSERT INTO prompt SELECT k, sum(i + c + w) FROM billed
-                                WHERE k IS NOT NULL GROUP BY k""")
-                sums += conn.execute("""
-                    SELECT b.phase, b.model, count(*), sum(b.i), sum(b.c), sum(b.w), sum(b.o),
-                           sum(coalesce(pr.p, b.i + b.c + b.w)), sum(b.batched),
-                           total(b.cost_usd)
-                    FROM billed b LEFT JOIN prompt pr ON pr.k = b.k
-                    GROUP BY 1, 2""").fetchall()
-                distinct = "count(DISTINCT k) + count(*) - count(k)"  # keyless: 1 each
-                for phase, n in conn.execute(
-                        f"SELECT phase, {distinct} FROM billed GROUP BY 1").fetchall() + \
-                        conn.execute(f"SELECT '', {distinct} FROM billed").fetchall():
-                    if phase is not None:
-                        calls[phase] = calls.get(phase, 0) + n
-            finally:
-                conn.close()
-        except sqlite3.DatabaseError as exc:
-            raise InputError(f"not a draco call log ({exc})", file=str(p)) from None
+        with read_only(log) as (conn, have):
+            if "status" not in have:
+                continue
+            conn.create_function("call_key", 1, _call_key, deterministic=True)
+            conn.execute("PRAGMA temp_store = FILE")  # temp tables beyond the page cache
+            col = {c: (f"coalesce({c}, 0)" if c.endswith("tokens") else c) if c in have
+                   else "NULL" for c in ["phase", "model", "batch_id", "cost_usd",
+                                         "input_tokens", "cached_tokens",
+                                         "cache_write_tokens", "output_tokens"]}
+            where = "status IN ({})".format(", ".join(f"'{s}'" for s in BILLED_STATUS))
+            if "provider" in have:
+                where += " AND coalesce(provider, '') <> 'replay'"
+            # one row per billed row, on disk (temp store): its reply's key, and the
+            # reply's whole prompt (a row without a response is a reply of its own)
+            conn.execute(f"""CREATE TEMP TABLE billed AS SELECT {col['phase']} AS phase,
+                {col['model']} AS model, {col['batch_id']} IS NOT NULL AS batched,
+                {col['cost_usd']} AS cost_usd, {col['input_tokens']} AS i,
+                {col['cached_tokens']} AS c, {col['cache_write_tokens']} AS w,
+                {col['output_tokens']} AS o,
+                {'call_key(response)' if 'response' in have else 'NULL'} AS k
+                FROM calls WHERE {where}""")
+            conn.execute("CREATE TEMP TABLE prompt (k INTEGER PRIMARY KEY, p INTEGER)")
+            conn.execute("""INSERT INTO prompt SELECT k, sum(i + c + w) FROM billed
+                            WHERE k IS NOT NULL GROUP BY k""")
+            sums += conn.execute("""
+                SELECT b.phase, b.model, count(*), sum(b.i), sum(b.c), sum(b.w), sum(b.o),
+                       sum(coalesce(pr.p, b.i + b.c + b.w)), sum(b.batched),
+                       total(b.cost_usd)
+                FROM billed b LEFT JOIN prompt pr ON pr.k = b.k
+                GROUP BY 1, 2""").fetchall()
+            distinct = "count(DISTINCT k) + count(*) - count(k)"  # keyless: 1 each
+            for phase, n in conn.execute(
+                    f"SELECT phase, {distinct} FROM billed GROUP BY 1").fetchall() + \
+                    conn.execute(f"SELECT '', {distinct} FROM billed").fetchall():
+                if phase is not None:
+                    calls[phase] = calls.get(phase, 0) + n
     cols = ["phase", "model", "naive_calls", "input_tokens", "cached_tokens",
             "cache_write_tokens", "output_tokens", "naive_input_tokens", "batched", "cost_usd"]
     t = pl.DataFrame(sums, schema=dict.fromkeys(cols[:2], pl.String) | dict.fromkeys(

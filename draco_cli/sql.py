@@ -116,25 +116,18 @@ def read_call_totals(path: Path) -> pa.Table:
     grouping, so a log of any size costs a few dozen rows of memory."""
     import polars as pl
 
-    try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-            if not have:
-                raise sqlite3.DatabaseError("no calls table")
-            keys = [c for c in ("phase", "status") if c in have]
-            sums = [f"sum(coalesce({c}, 0)) AS {c}" for c in TOKEN_COLUMNS if c in have]
-            if "cost_usd" in have:
-                sums.append("total(cost_usd) AS cost_usd")  # total(): a float, nulls as 0
-            group = f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
-            cur = conn.execute(f"SELECT {', '.join([*keys, 'count(*) AS n_rows', *sums])} "
-                               f"FROM calls{group}")
-            names = [d[0] for d in cur.description]
-            rows = cur.fetchall()
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as exc:
-        raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
+    from draco_cli.llm.calllog import read_only
+
+    with read_only(path) as (conn, have):
+        keys = [c for c in ("phase", "status") if c in have]
+        sums = [f"sum(coalesce({c}, 0)) AS {c}" for c in TOKEN_COLUMNS if c in have]
+        if "cost_usd" in have:
+            sums.append("total(cost_usd) AS cost_usd")  # total(): a float, nulls as 0
+        group = f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
+        cur = conn.execute(f"SELECT {', '.join([*keys, 'count(*) AS n_rows', *sums])} "
+                           f"FROM calls{group}")
+        names = [d[0] for d in cur.description]
+        rows = cur.fetchall()
     schema = {n: pl.String if n in ("phase", "status") else pl.Float64 if n == "cost_usd"
               else pl.Int64 for n in names}
     return pl.DataFrame(rows, schema=schema, orient="row").to_arrow()

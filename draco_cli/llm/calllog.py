@@ -11,7 +11,9 @@ For analysis, ``export_parquet`` writes the log as Parquet, queryable with DuckD
 
 from __future__ import annotations
 
+import contextlib
 import json
+import os
 import queue
 import sqlite3
 import threading
@@ -92,6 +94,25 @@ class Recorded:
 
 def _now() -> str:
     return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+
+
+@contextlib.contextmanager
+def read_only(path: str | os.PathLike[str]) -> Iterator[tuple[sqlite3.Connection, set[str]]]:
+    """A finished call log opened read-only, with the columns its ``calls`` table has; a file
+    that is not one (no such table, not SQLite) is a one-line error naming it."""
+    from draco_cli.errors import InputError
+
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
+            if not have:
+                raise sqlite3.DatabaseError("no calls table")
+            yield conn, have
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
 
 
 def _bad(path: Path, why: str) -> InputError:
