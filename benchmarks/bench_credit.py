@@ -25,7 +25,6 @@ in turn with the current one, on the same inputs, and prints the A/B ratios.
 from __future__ import annotations
 
 import argparse
-import os
 import shutil
 import sys
 import tempfile
@@ -36,7 +35,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-REPO = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_child  # noqa: E402
+
 GROUP = 8
 STEPS = 20
 CRITERIA = 6
@@ -125,24 +126,9 @@ print(time.perf_counter() - t, time.process_time() - c)
 def timed_child(code: str, *args: str, source: str | None = None) -> tuple[float, float, float]:
     """(wall and CPU seconds (user + system, all threads) of the timed part, as the child
     prints them; its peak RSS in MiB), run in a fresh interpreter; ``source`` puts another ``draco_cli`` first on its path."""
-    r, w = os.pipe()
-    pid = os.fork()
-    if pid == 0:  # pragma: no cover - child
-        os.close(r)
-        os.dup2(w, 1)
-        os.chdir(source or REPO)  # ``python -c`` puts the working folder first on the path
-        env = dict(os.environ)
-        if source is not None:
-            env["PYTHONPATH"] = os.pathsep.join(filter(None, [source, env.get("PYTHONPATH")]))
-        os.execve(sys.executable, [sys.executable, "-c", code, *args], env)
-    os.close(w)
-    with os.fdopen(r) as f:
-        out = f.read()
-    _, status, usage = os.wait4(pid, 0)
-    if status:
-        raise SystemExit(f"benchmark child failed (status {status})")
+    out, peak = run_child(code, *args, source=source)
     wall, cpu = (float(x) for x in out.split()[-2:])
-    return wall, cpu, usage.ru_maxrss / 1024
+    return wall, cpu, peak
 
 
 def same_outputs(a: Path, b: Path) -> bool:
