@@ -7,6 +7,7 @@ import math
 import os
 import re
 from collections.abc import Sequence
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
 import numpy as np
@@ -353,8 +354,6 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
 
 def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:
     """A call log: SQLite (llm_calls.sqlite) or its Parquet export."""
-    from pathlib import Path
-
     p = Path(path)
     if not p.exists():
         raise InputError("no such call log", file=str(p))
@@ -380,6 +379,9 @@ BILLED_STATUS = ["ok", "invalid", "truncated", "refused"]
 COST_COLUMNS = ["phase", "provider", "model", "status", "input_tokens", "cached_tokens",
                 "cache_write_tokens", "output_tokens", "reasoning_tokens", "cost_usd",
                 "batch_id"]
+# What `audit cost` needs: the cost columns and the key that attributes a call to a rollout
+# or group (a train step through the rollouts); never the prompt or response text.
+AUDIT_COST_COLUMNS = [*COST_COLUMNS, "key"]
 
 
 def _call_key(text: str | None) -> int | None:
@@ -391,39 +393,67 @@ def _call_key(text: str | None) -> int | None:
                           signed=True)
 
 
-def read_cost_rows(path: str | os.PathLike[str]) -> pl.DataFrame:
-    """The call log's cost columns and ``call_key`` (one value per HTTP reply: the rows a reply
-    with n choices was split into share it), without loading prompts or responses. SQLite or
-    its Parquet export."""
-    from pathlib import Path
+_COST_TYPES: dict[str, type[pl.DataType]] = {
+    **dict.fromkeys(["phase", "provider", "model", "status", "batch_id", "key"], pl.String),
+    **dict.fromkeys(["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens",
+                     "reasoning_tokens", "call_key"], pl.Int64),
+    "cost_usd": pl.Float64}
 
+
+def _typed_cost_rows(df: pl.DataFrame, path: Path) -> pl.DataFrame:
+    """The cost rows with the call log's types (an empty or all-null column has none of its
+    own); a value of another type is an error naming the file and column, not a wrong sum."""
+    for name in df.columns:
+        if name in _COST_TYPES and df[name].dtype != _COST_TYPES[name]:
+            try:
+                df = df.with_columns(pl.col(name).cast(_COST_TYPES[name]))
+            except pl.exceptions.PolarsError:
+                raise InputError(f"not a draco call log (column {name} holds values that "
+                                 f"are not {_COST_TYPES[name].__name__})", file=str(path)
+                                 ) from None
+    return df
+
+
+def read_cost_rows(path: str | os.PathLike[str],
+                   columns: Sequence[str] = COST_COLUMNS) -> pl.DataFrame:
+    """The call log's cost columns (those of ``columns`` it has) and ``call_key`` (one value
+    per HTTP reply: the rows a reply with n choices was split into share it), without loading
+    prompts or responses. SQLite or its Parquet export."""
     p = Path(path)
     if not p.exists():
         raise InputError("no such call log", file=str(p))
     if p.suffix == ".parquet":
-        df = pl.read_parquet(p)
-        key = pl.col("response").map_elements(_call_key, return_dtype=pl.Int64) \
-            if "response" in df.columns else pl.lit(None, pl.Int64)
-        return df.select([c for c in COST_COLUMNS if c in df.columns]
-                         + [key.alias("call_key")])
-    from draco_cli.llm.calllog import read_only
+        import pyarrow.parquet as pq
 
-    with read_only(p) as (conn, have):
-        conn.create_function("call_key", 1, _call_key, deterministic=True)
-        cols = [c for c in COST_COLUMNS if c in have]
-        key_sql = "call_key(response)" if "response" in have else "NULL"
-        order = " ORDER BY id" if "id" in have else ""
-        cur = conn.execute(f"SELECT {', '.join(cols)}, {key_sql} AS call_key FROM calls"
-                           f"{order}")
-        names = [d[0] for d in cur.description]
-        parts = []
-        while rows := cur.fetchmany(10_000):
-            parts.append(pl.DataFrame(rows, schema=names, orient="row",
-                                      infer_schema_length=None))
-    if not parts:
-        return pl.DataFrame(schema={n: pl.Int64 if n == "call_key" else pl.String
-                                    for n in names})
-    return pl.concat(parts, how="diagonal_relaxed")
+        pf = pq.ParquetFile(p, pre_buffer=False)  # pre-buffering reads whole columns ahead
+        have = set(pf.schema_arrow.names)
+        cols = [c for c in columns if c in have]
+        # in batches: all that is kept of a response is its reply's key
+        frames = [cast(pl.DataFrame, pl.from_arrow(b.select(cols))).with_columns(pl.Series(
+            "call_key", [_call_key(t) for t in b.column("response").to_pylist()]
+            if "response" in have else [None] * b.num_rows, pl.Int64))
+            for b in pf.iter_batches(batch_size=1024, columns=[*cols, "response"]
+                                     if "response" in have else cols)]
+        names = [*cols, "call_key"]
+    else:
+        from draco_cli.llm.calllog import read_only
+
+        with read_only(p) as (conn, have):
+            conn.create_function("call_key", 1, _call_key, deterministic=True)
+            cols = [c for c in columns if c in have]
+            key_sql = "call_key(response)" if "response" in have else "NULL"
+            order = " ORDER BY id" if "id" in have else ""
+            cur = conn.execute(f"SELECT {', '.join([*cols, key_sql])} AS call_key "
+                               f"FROM calls{order}")
+            names = [d[0] for d in cur.description]
+            frames = []
+            while rows := cur.fetchmany(10_000):
+                frames.append(_typed_cost_rows(pl.DataFrame(
+                    rows, schema=names, orient="row", infer_schema_length=None), p))
+    if not frames:
+        return pl.DataFrame(schema={n: _COST_TYPES.get(n, pl.String) for n in names})
+    return _typed_cost_rows(pl.concat([_typed_cost_rows(f, p) for f in frames],
+                                      how="vertical"), p)
 
 
 def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl.DataFrame:

@@ -243,9 +243,10 @@ class CostReport:
 
 
 def read_call_logs(calls: list[Path]) -> pl.DataFrame:
-    """The calls of each log (a call log, its Parquet export, a folder holding one, or a run
-    folder, whose train step labels its calls), stacked."""
-    from draco_cli.audit import read_calls
+    """The cost rows of each log (a call log, its Parquet export, a folder holding one, or a
+    run folder, whose train step labels its calls), stacked: the columns `audit cost` uses and
+    each reply's ``call_key``, not the prompts and responses, which are most of a log."""
+    from draco_cli.audit import AUDIT_COST_COLUMNS, read_cost_rows
 
     frames = []
     for path in calls:
@@ -257,7 +258,7 @@ def read_call_logs(calls: list[Path]) -> pl.DataFrame:
                 step, path = folder.train_step, folder.call_log
             else:
                 path = path / "llm_calls.sqlite"
-        frames.append(read_calls(path).with_columns(pl.lit(step, pl.Int32).alias("train_step")))
+        frames.append(read_cost_rows(path, AUDIT_COST_COLUMNS).with_columns(pl.lit(step, pl.Int32).alias("train_step")))
     return pl.concat(frames, how="diagonal_relaxed")
 
 
