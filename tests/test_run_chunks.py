@@ -141,36 +141,3 @@ def test_the_answer_cache_reads_the_log_as_the_dict_did(tmp_path):
     assert n == df.height == 5
     assert df["answer_text"].to_list() == ["first", "last", None, "plain", "later"]
     assert df.schema["error"] == pl.Null and df.schema["sample"] == pl.Int64
-
-
-def test_chunk_rows_come_from_a_map_of_the_inputs_not_the_frames(shuffled, monkeypatch):
-    """Each chunk holds the rows it names, in file order, with the inputs' values and types;
-    the frames given are not kept (their text is read back from a temporary Arrow file, which
-    is gone once the chunks are)."""
-    import gc
-    import tempfile
-    import weakref
-
-    from draco_cli.ops.llmstage import chunk_frames, read_inputs
-
-    r, s = read_inputs(shuffled / "rollouts.parquet", shuffled / "steps.parquet")
-    want_r, want_s = r.clone(), s.clone()
-    chunk = r["group_id"].rank("dense").cast(pl.Int64) % 3   # scattered rows, chunks 0..2
-    n = int(chunk.max()) + 1
-    base = tempfile.mkdtemp()
-    monkeypatch.setattr(tempfile, "tempdir", base)
-    frames = chunk_frames(r, s, chunk)
-    alive = weakref.ref(r)
-    del r, s
-    got = []
-    for k, (cr, cs) in enumerate(frames):
-        gc.collect()
-        assert alive() is None   # the caller's frame is freed once the chunks begin
-        rows = want_r.filter(chunk == k)
-        assert cr.equals(rows)
-        assert cs.equals(want_s.filter(pl.col("rollout_id").is_in(rows["rollout_id"].implode())))
-        got.append(k)
-    assert got == list(range(n))
-    import os
-
-    assert os.listdir(base) == []

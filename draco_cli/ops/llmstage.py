@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import asyncio
 import sqlite3
-import tempfile
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
 from dataclasses import dataclass, field
@@ -14,7 +13,6 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.ipc
 import pyarrow.parquet as pq
 
 from draco_cli.io import OutputSet, read_table
@@ -162,14 +160,8 @@ def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
                  ) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
     """(rollouts, steps) of each chunk, in chunk order; ``chunk`` numbers each rollout row's
     chunk (0, 1, ... with none left empty). Rows keep their order within a chunk; steps of
-    rollouts not listed are left out.
-
-    The inputs (their text: instructions, actions, observations) are not held through the
-    stage: they are written once to uncompressed Arrow IPC files in a temporary folder and
-    freed, and each chunk's rows are gathered from a memory map of those files when its turn
-    comes (the map is dropped with the chunk, so only the pages of rows in use stay resident).
-    Held whole, the text grew the stage's memory with the rollouts (+64 MiB at 100k rollouts of
-    the benchmark's sample)."""
+    rollouts not listed are left out. Each chunk's rows are gathered when its turn comes (by
+    positions found once), so the inputs are not copied whole."""
     n = int(chunk.max() or 0) + 1 if len(chunk) else 1   # type: ignore[arg-type]
     keyed = pl.DataFrame({"rollout_id": rollouts["rollout_id"], "__c": chunk})
     step_chunk = steps.select("rollout_id").join(keyed, on="rollout_id", how="left",
@@ -177,27 +169,15 @@ def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
     del keyed
     r_at, r_counts = _positions(chunk, n)
     s_at, s_counts = _positions(step_chunk, n)
-    del step_chunk, chunk
-    with tempfile.TemporaryDirectory(prefix="draco-chunks-") as tmp:
-        r_path, s_path = Path(tmp) / "rollouts.arrow", Path(tmp) / "steps.arrow"
-        rollouts.write_ipc(r_path, compression="uncompressed")
-        steps.write_ipc(s_path, compression="uncompressed")
-        del rollouts, steps
-        a = b = 0
-        for k in range(n):
-            yield (_gather(r_path, r_at.slice(a, r_counts[k])),
-                   _gather(s_path, s_at.slice(b, s_counts[k])))
-            a += r_counts[k]
-            b += s_counts[k]
-
-
-def _gather(path: Path, at: pl.Series) -> pl.DataFrame:
-    """Rows ``at`` of an Arrow IPC file, gathered from a memory map of it."""
-    with pa.memory_map(str(path)) as source:
-        table = pa.ipc.open_file(source).read_all()
-        frame = pl.from_arrow(table)   # zero-copy: the map's buffers
-        assert isinstance(frame, pl.DataFrame)
-        return frame[at]
+    del step_chunk
+    contiguous = chunk.is_sorted()
+    a = b = 0
+    for k in range(n):
+        r = rollouts.slice(a, r_counts[k]) if contiguous else \
+            rollouts[r_at.slice(a, r_counts[k])]
+        yield r, steps[s_at.slice(b, s_counts[k])]
+        a += r_counts[k]
+        b += s_counts[k]
 
 
 def _positions(chunk: pl.Series, n: int) -> tuple[pl.Series, list[int]]:
