@@ -17,6 +17,11 @@ Each size is a full run: 100,000 rollouts make well over 100,000 calls (minutes 
 alternates from size to size), and prints its peak and wall and the ratios this/other; the two runs' tables are compared (every Parquet table of the run
 folder equal row for row; the call logs equal as sets of answered requests) and a difference
 fails the benchmark.
+
+``DRACO_RSS_PROBE=1`` in the environment makes ``draco run`` print its RSS and its peak per
+stage (``draco_cli.ops.run``); they are printed under each run (the process's peak is then the
+largest of them, as the probe resets the kernel's figure at each stage boundary).
+``--keep DIR`` keeps the tiled inputs and run folders there, to measure a stage alone after.
 """
 
 from __future__ import annotations
@@ -100,7 +105,14 @@ def draco_run(src: Path, r: Path, s: Path, out: Path, latency: float) -> tuple[f
         wall = time.perf_counter() - t
     if status:
         raise SystemExit(f"draco run ({src}) failed: {err.decode()[-2000:]}")
-    return wall, usage.ru_maxrss / 1024
+    peak = usage.ru_maxrss / 1024
+    for line in err.decode(errors="replace").splitlines():   # DRACO_RSS_PROBE=1 (run.py)
+        if line.startswith("draco rss-probe"):
+            print("   ", line, flush=True)
+            # the probe resets the kernel's peak at each stage boundary: the process's peak
+            # is then the largest of the probe's figures and wait4's (the last segment's)
+            peak = max(peak, float(line.rsplit("peak since last ", 1)[1].split()[0]))
+    return wall, peak
 
 
 def same_outputs(a: Path, b: Path) -> list[str]:
@@ -134,11 +146,16 @@ def main() -> None:
                     help="sizes run with --against too (default: the smallest)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="A/B pairs per size with --against (order alternating; walls summed)")
+    ap.add_argument("--keep", type=Path, default=None,
+                    help="keep the tiled inputs and run folders in this folder (to measure a "
+                         "stage alone afterwards)")
     args = ap.parse_args()
     sizes = [int(s) for s in args.sizes.split(",")]
     against = [int(s) for s in args.against_sizes.split(",")] if args.against_sizes \
         else sizes[:1]
-    tmp = Path(tempfile.mkdtemp(prefix="draco-bench-run-"))
+    tmp = Path(tempfile.mkdtemp(prefix="draco-bench-run-")) if args.keep is None \
+        else args.keep.resolve()
+    tmp.mkdir(parents=True, exist_ok=True)
     got: dict[int, float] = {}
     failed = False
     try:
@@ -167,13 +184,14 @@ def main() -> None:
                 diffs = same_outputs(tmp / f"this{n}", tmp / f"other{n}")
                 print(f"outputs at {n}: " + ("identical" if not diffs else "; ".join(diffs)))
                 failed = failed or bool(diffs)
-            for name in seen:
+            for name in seen if args.keep is None else ():
                 shutil.rmtree(tmp / f"{name}{n}", ignore_errors=True)
         lo, hi = sizes[0], sizes[-1]
         print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
         print(f"run_peak_rss_ratio_{hi}_over_{lo}={got[hi] / got[lo]:.2f}")
     finally:
-        shutil.rmtree(tmp, ignore_errors=True)
+        if args.keep is None:
+            shutil.rmtree(tmp, ignore_errors=True)
     if failed:
         raise SystemExit("the two draco versions wrote different outputs")
 

@@ -591,3 +591,41 @@ def test_call_log_option_shares_one_log_across_steps(server, tmp_path):
     assert server.hits["chat"] == SAMPLE_CALLS
     res = draco("audit", "cost", "--calls", tmp_path / "runs" / "step-0", "-o", tmp_path / "c")
     assert res.returncode == 0, res.stderr  # found through the manifest
+
+
+def test_credit_stage_takes_arrow_buffers_from_the_c_heap_and_gives_the_pool_back(
+        tmp_path, monkeypatch):
+    """In ``draco run`` the credit stage runs with Arrow on the system allocator (the memory
+    the LLM stages freed is handed back first), and the caller's pool is restored after it,
+    also when the stage fails; the tables are the same as with Arrow's own pool."""
+    import pyarrow as pa
+
+    from draco_cli.ops import credit as credit_ops
+    from draco_cli.ops.run import run_step
+    from draco_cli.options import RunOptions
+
+    before = pa.default_memory_pool()
+    seen: list[str] = []
+    real = credit_ops.credit_compute
+
+    def spy(*args, **kwargs):
+        seen.append(pa.default_memory_pool().backend_name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(credit_ops, "credit_compute", spy)
+    opts = RunOptions.for_setting("outcome")
+    res = run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "runs", None, opts)
+    assert seen == ["system"] and pa.default_memory_pool().backend_name == before.backend_name
+    direct = tmp_path / "direct"
+    real(SAMPLE_RA, SAMPLE_SA, None, direct, options=opts.credit)   # Arrow's own pool
+    for name in ("rewards", "step_credit", "token_advantages"):
+        assert pl.read_parquet(res.run_dir / "credit" / f"{name}.parquet").equals(
+            pl.read_parquet(direct / f"{name}.parquet"))
+
+    def boom(*args, **kwargs):
+        raise RuntimeError("credit failed")
+
+    monkeypatch.setattr(credit_ops, "credit_compute", boom)
+    with pytest.raises(RuntimeError, match="credit failed"):
+        run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "runs2", None, opts)
+    assert pa.default_memory_pool().backend_name == before.backend_name
