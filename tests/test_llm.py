@@ -740,3 +740,25 @@ def test_anthropic_prompt_caching_marks_the_stable_prefix(server, tmp_path):
     # the k samples of one rollout are k calls with one prompt: all of it is cached
     assert first["messages"][-1]["content"][0]["cache_control"] == {"type": "ephemeral"}
     assert first["messages"] == second["messages"]
+
+
+def test_calls_run_with_the_older_heap_frozen_and_it_is_thawed_after(server, tmp_path):
+    """``calm_collector`` is what a run goes through: the server (a thread of this process)
+    sees the heap frozen while it answers; after the run it is not."""
+    import gc
+
+    from draco_cli.llm.mockserver import default_answer
+
+    gc.unfreeze()
+    seen: list[int] = []
+
+    def answer(body, index):
+        seen.append(gc.get_freeze_count())
+        return default_answer(body, index)
+
+    server.answer = answer
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        out = client(server, log, concurrency=4).run([req(f"r{i}") for i in range(6)])
+    assert all(a.status == "ok" for r in out for a in r)
+    assert len(seen) == 6 and min(seen) > 0
+    assert gc.get_freeze_count() == 0

@@ -75,3 +75,79 @@ def test_slots_go_to_waiters_in_arrival_order_and_a_cancelled_waiter_gives_its_t
 
     order, left = asyncio.run(scenario())
     assert order == [0, 1, 3, 4] and left == 0
+
+
+def test_tls_context_made_once_per_process_and_follows_ssl_cert_file(monkeypatch, tmp_path):
+    """Every client used to load the CA bundle twice (~30 ms each) before its first call; the
+    context is now shared, and a changed SSL_CERT_FILE still gets a context of its own."""
+    import ssl
+
+    import httpx2
+
+    from draco_cli.llm.providers import make_provider, tls_context
+
+    monkeypatch.delenv("SSL_CERT_FILE", raising=False)
+    monkeypatch.delenv("SSL_CERT_DIR", raising=False)
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-tls-only")
+    first = tls_context()
+    assert isinstance(first, ssl.SSLContext) and first.verify_mode == ssl.CERT_REQUIRED
+    assert tls_context() is first
+    provider = make_provider("openai/m", base_url="https://127.0.0.1:1/v1")
+    assert provider.client._client._transport.ssl_context is first   # the SDK's transport
+
+    async def direct_connector_ssl() -> object:
+        assert provider.direct is not None
+        session = provider.direct._open()
+        try:
+            return session.connector._ssl
+        finally:
+            await provider.close()
+
+    assert asyncio.run(direct_connector_ssl()) is first
+    # a CA bundle of the user's own: its context is made from it, not served from the cache
+    import os
+
+    system = next(f for f in (ssl.get_default_verify_paths().openssl_cafile,
+                              "/etc/ssl/certs/ca-certificates.crt") if f and os.path.isfile(f))
+    bundle = tmp_path / "ca.pem"
+    bundle.write_bytes(open(system, "rb").read())
+    monkeypatch.setenv("SSL_CERT_FILE", str(bundle))
+    own = tls_context()
+    assert own is not first and own is tls_context()
+    assert own.cert_store_stats() == httpx2.create_ssl_context(verify=True).cert_store_stats()
+
+
+def test_collector_calmed_during_a_run_and_restored_after():
+    """During calls the heap from before is frozen and young collections are rarer; after the
+    last (nested) run both are as they were, and a process that froze its own heap is left
+    alone."""
+    import gc
+
+    from draco_cli.llm.client import YOUNG_THRESHOLD, calm_collector
+
+    gc.unfreeze()
+    before = gc.get_threshold()
+    with calm_collector():
+        assert gc.get_freeze_count() > 0
+        assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
+        with calm_collector():   # a nested session's run
+            pass
+        assert gc.get_freeze_count() > 0   # still frozen: the outer run goes on
+
+        class Node:
+            other: object = None
+
+        a, b = Node(), Node()
+        a.other, b.other = b, a   # a cycle made during the run is still collected
+        del a, b
+        assert gc.collect() >= 2
+    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
+    gc.freeze()   # the process froze its own heap: the run leaves it (and thresholds) alone
+    try:
+        frozen = gc.get_freeze_count()
+        with calm_collector():
+            assert gc.get_threshold() == before
+        # not thawed (objects of the frozen heap may still be freed meanwhile)
+        assert gc.get_freeze_count() > frozen // 2
+    finally:
+        gc.unfreeze()

@@ -18,8 +18,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import AsyncIterator
-from contextlib import asynccontextmanager
 
 GAIN = 1.2      # a doubling must raise throughput by 20% to count
 REPROBE = 20    # rounds at a held level before trying one level up again
@@ -43,6 +41,7 @@ class AdaptiveLimit:
         self._held = 0
         self._growing = True
         self.history: list[tuple[int, float]] = []    # (limit, calls/s) per round
+        self._slot = _Slot(self)
 
     def _free(self) -> bool:
         return self.in_flight + self.ghosts < self.limit
@@ -55,30 +54,32 @@ class AdaptiveLimit:
                 self.in_flight += 1   # taken on the waiter's behalf
                 fut.set_result(None)
 
-    @asynccontextmanager
-    async def slot(self) -> AsyncIterator[None]:
-        if self._waiters or not self._free():
-            fut = asyncio.get_running_loop().create_future()
-            self._waiters.append(fut)
-            try:
-                await fut
-            except asyncio.CancelledError:
-                if fut.done() and not fut.cancelled():
-                    self.in_flight -= 1   # granted, then cancelled before use: give it back
-                    self._wake()
-                else:
-                    try:
-                        self._waiters.remove(fut)
-                    except ValueError:
-                        pass
-                raise
-        else:
+    def slot(self) -> _Slot:
+        """``async with limit.slot():`` holds one of the limit's slots for the call inside."""
+        return self._slot
+
+    async def _acquire(self) -> None:
+        if not self._waiters and self._free():
             self.in_flight += 1
+            return
+        fut = asyncio.get_running_loop().create_future()
+        self._waiters.append(fut)
         try:
-            yield
-        finally:
-            self.in_flight -= 1
-            self._wake()
+            await fut
+        except asyncio.CancelledError:
+            if fut.done() and not fut.cancelled():
+                self.in_flight -= 1   # granted, then cancelled before use: give it back
+                self._wake()
+            else:
+                try:
+                    self._waiters.remove(fut)
+                except ValueError:
+                    pass
+            raise
+
+    def _release(self) -> None:
+        self.in_flight -= 1
+        self._wake()
 
     def completed(self) -> None:
         """One call answered: count it toward the round, adapt at the end of a round."""
@@ -123,3 +124,19 @@ class AdaptiveLimit:
             self._wake()
 
         asyncio.get_running_loop().create_task(release())
+
+
+class _Slot:
+    """The context manager of ``AdaptiveLimit.slot`` (a class: every call enters one, and a
+    generator-based one cost a generator and a wrapper per call)."""
+
+    __slots__ = ("_limit",)
+
+    def __init__(self, limit: AdaptiveLimit) -> None:
+        self._limit = limit
+
+    async def __aenter__(self) -> None:
+        await self._limit._acquire()
+
+    async def __aexit__(self, *exc: object) -> None:
+        self._limit._release()

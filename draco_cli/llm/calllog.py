@@ -11,10 +11,10 @@ For analysis, ``export_parquet`` writes the log as Parquet, queryable with DuckD
 
 from __future__ import annotations
 
+import collections
 import contextlib
 import json
 import os
-import queue
 import sqlite3
 import threading
 import time
@@ -92,8 +92,16 @@ class Recorded:
     phase: str
 
 
+_stamp: tuple[int, str] = (-1, "")   # (a second, its text): a burst of rows shares one strftime
+
+
 def _now() -> str:
-    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
+    global _stamp
+    second = int(time.time())
+    stamp = _stamp   # one read: another thread may swap in a newer pair meanwhile
+    if stamp[0] != second:
+        stamp = _stamp = (second, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)))
+    return stamp[1]
 
 
 @contextlib.contextmanager
@@ -227,7 +235,14 @@ class CallLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = _connect(self.path)
-        self._queue: queue.Queue[tuple[Any, ...] | threading.Event | str] = queue.Queue()
+        # Rows wait in a deque the writer drains every FLUSH_SECONDS (an append is atomic and
+        # wakes nobody: a queue woke the writer thread for every row, and each wake-up took
+        # the GIL from the event loop answering replies). ``_wake`` is set only to hurry it:
+        # a flush, a close, or FLUSH_ROWS rows waiting.
+        self._rows: collections.deque[tuple[Any, ...]] = collections.deque()
+        self._flushes: collections.deque[threading.Event] = collections.deque()
+        self._wake = threading.Event()
+        self._stop = False
         self._error: BaseException | None = None
         self._views: list[AnsweredCalls] = []
         self._thread = threading.Thread(target=self._writer, name="draco-calllog", daemon=True)
@@ -240,7 +255,9 @@ class CallLog:
         if self._error:
             raise self._error
         row.setdefault("created_at", _now())
-        self._queue.put(tuple(row.get(c) for c in COLUMNS))
+        self._rows.append(tuple([row.get(c) for c in COLUMNS]))
+        if len(self._rows) >= FLUSH_ROWS:
+            self._wake.set()
 
     def record_batch(self, batch_id: str, provider: str, model: str, phase: str,
                      request_map: dict[str, Any]) -> None:
@@ -270,40 +287,32 @@ class CallLog:
         return [(b, json.loads(m)) for b, m in rows]
 
     def _writer(self) -> None:
-        pending: list[tuple[Any, ...]] = []
-        waiters: list[threading.Event] = []
-        last = time.monotonic()
         sql = f"INSERT INTO calls ({', '.join(COLUMNS)}) VALUES ({', '.join('?' * len(COLUMNS))})"
         while True:
-            try:
-                item = self._queue.get(timeout=FLUSH_SECONDS)
-            except queue.Empty:
-                item = None
-            stop = item == "stop"
-            if isinstance(item, threading.Event):
-                waiters.append(item)
-            elif isinstance(item, tuple):
-                pending.append(item)
-            due = time.monotonic() - last >= FLUSH_SECONDS
-            if pending and (due or len(pending) >= FLUSH_ROWS or waiters or stop):
+            self._wake.wait(FLUSH_SECONDS)
+            self._wake.clear()
+            stop = self._stop
+            # flushes asked before the rows are taken: every row they wait for is committed
+            waiters = [self._flushes.popleft() for _ in range(len(self._flushes))]
+            pending = [self._rows.popleft() for _ in range(len(self._rows))]
+            if pending:
                 try:
                     with self._conn:
                         self._conn.executemany(sql, pending)
                 except BaseException as exc:  # surfaced to the next record()/flush()
                     self._error = _write_failed(self.path, exc)
-                pending = []
-                last = time.monotonic()
             for w in waiters:
                 w.set()
-            waiters = []
             if stop:
                 return
 
     def flush(self) -> None:
         """Block until every queued row is committed."""
-        done = threading.Event()
-        self._queue.put(done)
-        done.wait()
+        if self._thread.is_alive():
+            done = threading.Event()
+            self._flushes.append(done)
+            self._wake.set()
+            done.wait()
         if self._error:
             raise self._error
 
@@ -311,7 +320,8 @@ class CallLog:
         for view in self._views:
             view.close()
         if self._thread.is_alive():
-            self._queue.put("stop")
+            self._stop = True
+            self._wake.set()
             self._thread.join()
         self._conn.close()
         if self._error:
@@ -368,10 +378,12 @@ class AnsweredCalls(Mapping[tuple[str, int], Recorded]):
                      "sample = ? AND status = 'ok' AND id <= ? ORDER BY id DESC LIMIT 1")
 
     def _maybe(self, h: str) -> bool:
+        if not len(self._prefixes):
+            return False   # a new log: no lookup at all (numpy's per-call cost is the miss's)
         import numpy as np
 
-        p = np.uint64(_prefix(h))
-        i = int(np.searchsorted(self._prefixes, p))
+        p = np.uint64(_prefix(h))   # as uint64: a Python int would cast the whole array
+        i = int(self._prefixes.searchsorted(p))
         return i < len(self._prefixes) and self._prefixes[i] == p
 
     def get(self, key: tuple[str, int], default: Any = None) -> Any:

@@ -134,6 +134,24 @@ def _with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[st
     return out + [{"role": "user", "content": text}]
 
 
+_TLS: dict[tuple[str | None, str | None], Any] = {}
+
+
+def tls_context() -> Any:
+    """The SDKs' default TLS context (httpx's: its CA bundle, or ``SSL_CERT_FILE`` /
+    ``SSL_CERT_DIR``), made once per process for each value of those two variables. Loading
+    the CA bundle takes ~30 ms: every client (every stage, every ``run``) paid it twice, for
+    the SDK's transport and for the direct session, before its first call went out. A context
+    is only read by connections, so one is shared by every client, loop and thread."""
+    key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
+    ctx = _TLS.get(key)
+    if ctx is None:
+        import httpx2
+
+        ctx = _TLS[key] = httpx2.create_ssl_context(verify=True, trust_env=True)
+    return ctx
+
+
 def _http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
     concurrency (the SDK's own transport if the aiohttp extra is missing)."""
@@ -141,9 +159,9 @@ def _http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
 
     limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     try:
-        return sdk.DefaultAioHttpClient(limits=limits, timeout=timeout)
+        return sdk.DefaultAioHttpClient(limits=limits, timeout=timeout, verify=tls_context())
     except RuntimeError:
-        return sdk.DefaultAsyncHttpxClient(limits=limits, timeout=timeout)
+        return sdk.DefaultAsyncHttpxClient(limits=limits, timeout=timeout, verify=tls_context())
 
 
 # How single calls reach an OpenAI-compatible server (``DRACO_LLM_TRANSPORT``): "direct" posts
@@ -182,7 +200,7 @@ class DirectPost:
         # keep-alive expiry, a timeout per connect and per read rather than for the whole call
         connector = aiohttp.TCPConnector(
             limit=self.concurrency, keepalive_timeout=httpx2.Limits().keepalive_expiry,
-            ssl=httpx2.create_ssl_context(verify=True, trust_env=True))
+            ssl=tls_context())
         self.timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s,
                                              sock_read=self.timeout_s, connect=self.timeout_s)
         # trust_env off, as the SDK's own aiohttp session: it would look up netrc and proxy
