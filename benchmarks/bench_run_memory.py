@@ -40,6 +40,9 @@ from pathlib import Path
 
 import polars as pl
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _child import run_measured  # noqa: E402
+
 REPO = Path(__file__).resolve().parent.parent
 SAMPLE = REPO / "sample_data" / "appworld_mini"
 
@@ -94,18 +97,16 @@ def draco_run(src: Path, r: Path, s: Path, out: Path, latency: float) -> tuple[f
                PYTHONPATH=str(src) + os.pathsep + os.environ.get("PYTHONPATH", ""))
     with mock_server(latency) as port:
         t = time.perf_counter()
-        proc = subprocess.Popen(
+        # through _child's launcher: a child forked from this process would report our own
+        # peak (the tiling's) as its floor
+        status, peak, _, err = run_measured(
             [sys.executable, "-m", "draco_cli", "run", "--rollouts", str(r), "--steps",
              str(s), "--model", "openai/mock", "--base-url", f"http://127.0.0.1:{port}/v1",
              "--concurrency", "64", "-o", str(out)],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=src, env=env)
-        assert proc.stderr is not None
-        err = proc.stderr.read()     # read while it runs: a full pipe would stall the child
-        _, status, usage = os.wait4(proc.pid, 0)
         wall = time.perf_counter() - t
     if status:
         raise SystemExit(f"draco run ({src}) failed: {err.decode()[-2000:]}")
-    peak = usage.ru_maxrss / 1024
     for line in err.decode(errors="replace").splitlines():   # DRACO_RSS_PROBE=1 (run.py)
         if line.startswith("draco rss-probe"):
             print("   ", line, flush=True)
