@@ -97,11 +97,53 @@ def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
     are; None when it holds nulls."""
     if values.null_count():
         return None
-    arr = values.to_arrow()
+    return _arrow_codes(values.to_arrow())
+
+
+def _arrow_codes(arr: pa.Array[Any] | pa.ChunkedArray[Any]) -> tuple[np.ndarray, int]:
+    """``_codes`` of an Arrow column without nulls (codes in order of first appearance)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(arr))
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
+
+
+VERDICT_ID_COLUMNS = ("rollout_id", "criterion_id", "judge")
+
+
+def clean_strings(col: pa.ChunkedArray[Any] | None) -> bool:
+    """A string column without nulls: all the contract asks of an id column."""
+    return col is not None and col.null_count == 0 and (
+        pa.types.is_string(col.type) or pa.types.is_large_string(col.type))
+
+
+def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
+                         ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
+    """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
+    columns when they hold one judge (the one asked for, if any) and come grouped by rollout
+    in the rollouts' order; None otherwise (the general path then decides, and names what is
+    wrong). No id string is converted to polars on this path."""
+    if ids.num_rows == 0:
+        return None
+    judges = ids.column("judge")
+    first = judges[0].as_py()
+    if judge is not None and judge != first:
+        return None
+    if not pc.all(pc.equal(judges, pa.scalar(first, judges.type))).as_py():
+        return None
+    lengths = _arrow_run_lengths(ids.column("rollout_id"), rollouts["rollout_id"])
+    if lengths is None:
+        return None
+    rows = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    return rows, _arrow_codes(ids.column("criterion_id"))
+
+
+def _with_verdict_ids(verdicts: pl.DataFrame, ids: pa.Table | None) -> pl.DataFrame:
+    """The verdicts with their Arrow id columns as polars ones (for the general paths)."""
+    if ids is None:
+        return verdicts
+    return verdicts.with_columns(
+        [cast(pl.Series, pl.from_arrow(ids.column(c))).alias(c) for c in ids.column_names])
 
 
 def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
@@ -136,11 +178,12 @@ def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
 
 
 def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
-                        crits: tuple[np.ndarray, int] | None = None) -> None:
+                        crits: tuple[np.ndarray, int] | None = None,
+                        ids: pa.Table | None = None) -> None:
     """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
     rollout rows) and ``crits`` (criterion codes) of one judge's verdicts, integer (rollout row,
     criterion) pairs are checked first; the exact string check runs otherwise, and names the
-    repeat."""
+    repeat. ``ids`` are the id columns in Arrow when ``verdicts`` leaves them out."""
     from draco_cli.io import conform
     from draco_cli.schemas import VerdictAggregated
 
@@ -148,7 +191,8 @@ def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source:
         c, n_c = crits
         if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
             return
-    conform(verdicts, VerdictAggregated, source, only=[], check_keys=True)
+    conform(_with_verdict_ids(verdicts, ids), VerdictAggregated, source, only=[],
+            check_keys=True)
 
 
 @dataclass
@@ -279,9 +323,11 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
     ``ids`` is the steps' rollout_id as read (Arrow, no nulls) when ``steps`` leaves it out:
     steps in the rollouts' order never convert it to polars."""
     R = rollouts.height
-    step = steps["step"].to_numpy().astype(np.int32)
-    n = steps["n_tokens"].to_numpy().astype(np.int32)
-    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32)
+    # the columns' own buffers when they are int32 already (read-only views: nothing below
+    # writes into them)
+    step = steps["step"].to_numpy().astype(np.int32, copy=False)
+    n = steps["n_tokens"].to_numpy().astype(np.int32, copy=False)
+    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32, copy=False)
                    if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
     lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
@@ -624,6 +670,7 @@ def compute_credit(
     verdicts_source: str = "verdicts",
     steps_source: str = "steps",
     check_verdict_keys: bool = False,
+    verdict_ids: pa.Table | None = None,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
@@ -631,21 +678,37 @@ def compute_credit(
     may be given as ``index_steps`` of them (a caller can then free the steps frame first).
     ``check_verdict_keys`` checks the verdicts' keys are unique (for callers that read them
     without that check: on integer codes it costs a fraction of the string check).
+    ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
+    string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
+    the rollouts' order are then indexed and coded without converting their ids to polars.
     """
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    one_judge = verdicts.height == 0 or bool((verdicts["judge"] == verdicts["judge"][0]).all())
-    if check_verdict_keys and not one_judge:
-        _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
-        check_verdict_keys = False
-    verdicts = narrow_judge(verdicts, judge, verdicts_source)
-    rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
-        else np.zeros(0, dtype=np.int64)
-    crits = _codes(verdicts["criterion_id"])
-    if check_verdict_keys:
-        _check_verdict_keys(verdicts, rows, verdicts_source, crits)
+    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
+    if fast is not None:
+        rows, crits_known = fast
+        crits: tuple[np.ndarray, int] | None = crits_known
+        if check_verdict_keys:
+            _check_verdict_keys(verdicts, rows, verdicts_source, crits, verdict_ids)
+    else:  # the general path, on polars strings (it names whatever is wrong)
+        verdicts = _with_verdict_ids(verdicts, verdict_ids)
+        one_judge = verdicts.height == 0 or bool(
+            (verdicts["judge"] == verdicts["judge"][0]).all())
+        if check_verdict_keys and not one_judge:
+            _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
+            check_verdict_keys = False
+        verdicts = narrow_judge(verdicts, judge, verdicts_source)
+        rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
+            else np.zeros(0, dtype=np.int64)
+        crits = _codes(verdicts["criterion_id"])
+        if check_verdict_keys:
+            _check_verdict_keys(verdicts, rows, verdicts_source, crits)
     verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
         pl.Series("__r", rows, dtype=pl.UInt32))
     keys = criterion_keys(verdicts, rows, rollouts, crits)
+    if keys is None and fast is not None:  # a null group id: the string-keyed paths below
+        verdicts = _with_verdict_ids(verdicts, verdict_ids)
+    # the ids are coded: their strings are freed here (the caller keeps no reference)
+    verdict_ids = None
     unfiltered = "retained" not in verdicts.columns or (
         verdicts.height > 0 and verdicts["retained"].null_count() == verdicts.height
     )
