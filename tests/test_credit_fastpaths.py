@@ -199,3 +199,61 @@ def test_arrow_run_lengths_match_the_polars_ones(seed):
     assert (a is None) == (b is None)
     if a is not None:
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_arrow_verdict_ids_match_the_polars_path(seed):
+    """compute_credit with the verdicts' ids kept in Arrow (chunked, as read) gives the same
+    tables and stats as with polars ids, or the same error: several judges, --judge, verdicts
+    out of the rollouts' order, a repeated key, a verdict of an unknown rollout."""
+    from draco_cli.credit import VERDICT_ID_COLUMNS, compute_credit
+    from draco_cli.errors import DracoError
+
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 15))
+    rollouts, verdicts = random_verdicts(rng, R)
+    if (seed // 6) % 2 == 0:  # every rollout judged (the fast path needs a run per rollout)
+        rollouts = rollouts.filter(pl.col("rollout_id").is_in(verdicts["rollout_id"].implode()))
+        if rollouts.height == 0:
+            return
+        R = rollouts.height
+        rollouts = rollouts.with_columns(pl.Series("rollout_id", [f"r{i}" for i in range(R)]))
+        rename = dict(zip(verdicts["rollout_id"].unique(maintain_order=True),
+                          rollouts["rollout_id"]))
+        verdicts = verdicts.with_columns(pl.col("rollout_id").replace_strict(rename))
+    rollouts = rollouts.with_columns(pl.Series("outcome", rng.random(R)))
+    M = rng.integers(0, 6, size=R)
+    steps = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R) for _ in range(M[i])],
+                          "step": [s + 1 for i in range(R) for s in range(M[i])],
+                          "n_tokens": [int(x) for x in rng.integers(1, 9, int(M.sum()))]},
+                         schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32})
+    shape = seed % 6
+    if shape == 1 and verdicts.height:  # a second judge's verdicts
+        verdicts = pl.concat([verdicts, verdicts.with_columns(pl.lit("small").alias("judge"))])
+    elif shape == 2 and verdicts.height > 1:  # out of the rollouts' order
+        verdicts = verdicts.reverse()
+    elif shape == 3 and verdicts.height:  # a repeated key
+        i = int(rng.integers(0, verdicts.height))
+        verdicts = pl.concat([verdicts[:i + 1], verdicts[i:]])
+    elif shape == 4 and verdicts.height:  # a verdict of an unknown rollout
+        verdicts = pl.concat([verdicts, verdicts[-1:].with_columns(pl.lit("zz").alias(
+            "rollout_id"))])
+    judge = ["frontier", "small", None][int(rng.integers(0, 3))] if shape == 1 else None
+    cut = int(rng.integers(0, verdicts.height + 1))
+    ids = pa.table({c: pa.chunked_array([verdicts[c][:cut].to_arrow(),
+                                         verdicts[c][cut:].to_arrow()]) for c in VERDICT_ID_COLUMNS})
+
+    def outcome(**kw):
+        try:
+            res = compute_credit(rollouts, steps, kw.pop("v"), check_verdict_keys=True,
+                                 judge=judge, verdicts_source="v.parquet", **kw)
+        except DracoError as exc:
+            return type(exc).__name__, str(exc)
+        return res.rewards, res.step_credit, res.stats
+
+    ours = outcome(v=verdicts.drop(*VERDICT_ID_COLUMNS), verdict_ids=ids)
+    theirs = outcome(v=verdicts)
+    if isinstance(theirs[0], str):
+        assert ours == theirs
+    else:
+        assert ours[0].equals(theirs[0]) and ours[1].equals(theirs[1]) and ours[2] == theirs[2]
