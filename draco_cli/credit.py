@@ -495,18 +495,24 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     """p_j, f_j for every step of ``sa`` from retained pass/fail verdicts (which carry ``__r``,
     the rollout index), and the number of citations dropped as outside 1..M. A criterion citing
     a step twice counts once."""
-    # only the columns used here survive the filter's copy (not ids, reasons, judge)
-    v = verdicts.select("__r", "verdict", "cited_steps", "retained").filter(
-        pl.col("retained") & pl.col("verdict").is_in(["pass", "fail"]))
+    # The citations of retained pass/fail verdicts are picked from all citations by their
+    # verdict's flag (no filtered copy of the verdicts' list column).
     total = sa.r.size
-    cites = v["cited_steps"].to_arrow()
+    verdict = verdicts["verdict"]
+    counted = (verdicts["retained"].fill_null(False)
+               & verdict.is_in(["pass", "fail"]).fill_null(False)).to_numpy()
+    cites = verdicts["cited_steps"].to_arrow()
     if isinstance(cites, pa.ChunkedArray):
         cites = cites.combine_chunks()
-    if len(cites) == 0:
+    if not counted.any():
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
     step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
     parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
-    vr = v["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
+    pick = counted[parent]
+    if not pick.all():
+        parent, step = parent[pick], step[pick]
+    del pick
+    vr = verdicts["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
     valid = (step >= 1) & (step <= sa.M[vr])
     dropped = int(valid.size - np.count_nonzero(valid))
     if dropped:
@@ -524,7 +530,7 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     first = np.ones(key.size, dtype=bool)
     np.not_equal(key[1:], key[:-1], out=first[1:])
     gidx = key[first] - parent[first] * max(total, 1)
-    is_pass = (v["verdict"] == "pass").to_numpy()[parent[first]]
+    is_pass = (verdict == "pass").fill_null(False).to_numpy()[parent[first]]
     del key, parent, first
     p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)
     f = np.bincount(gidx[~is_pass], minlength=total).astype(np.int32)

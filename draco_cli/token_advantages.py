@@ -207,15 +207,22 @@ def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, 
     policy = policy if policy is not None else _flat_policy(ps)
     # Per-rollout sums as differences of one running integer sum over the spans' offsets,
     # not a float-weighted bincount over tens of millions of spans.
-    spans_n = _sum_by_offsets(policy.end.astype(np.int64) - policy.start, policy.offsets)
+    # (Σ end − Σ start per rollout: integer sums, exact, without a per-span temporary)
+    spans_n = (_sum_by_offsets(policy.end, policy.offsets)
+               - _sum_by_offsets(policy.start, policy.offsets))
     return np.where(has_ps, spans_n, steps_n)
 
 
 def _sum_by_offsets(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly."""
-    running = np.zeros(values.size + 1, dtype=np.int64)
-    np.cumsum(values, dtype=np.int64, out=running[1:])
-    sums: np.ndarray = running[offsets[1:]] - running[offsets[:-1]]
+    """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly (in int64,
+    one pass over the values, empty ranges 0)."""
+    sums = np.zeros(offsets.size - 1, dtype=np.int64)
+    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
+    if nonempty.size:
+        # a non-empty range runs to the next non-empty one's start (empty ones between
+        # start where it ends), the last one to offsets[-1]
+        sums[nonempty] = np.add.reduceat(values[:int(offsets[-1])], offsets[nonempty],
+                                         dtype=np.int64)
     return sums
 
 

@@ -257,3 +257,20 @@ def test_arrow_verdict_ids_match_the_polars_path(seed):
         assert ours == theirs
     else:
         assert ours[0].equals(theirs[0]) and ours[1].equals(theirs[1]) and ours[2] == theirs[2]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sums_by_offsets_match_a_running_sum(seed):
+    """Per-rollout integer sums (empty rollouts, extreme int32 values, values past the last
+    offset) equal differences of a running int64 sum."""
+    from draco_cli.token_advantages import _sum_by_offsets
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        M = rng.integers(0, 4, int(rng.integers(0, 10)))
+        offsets = np.concatenate([[0], np.cumsum(M)]).astype(np.int64)
+        values = rng.integers(-2**31, 2**31 - 1, int(offsets[-1]) + int(rng.integers(0, 3)),
+                              dtype=np.int64).astype(np.int32)
+        running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+        expected = running[offsets[1:]] - running[offsets[:-1]]
+        assert _sum_by_offsets(values, offsets).tolist() == expected.tolist()
