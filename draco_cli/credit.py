@@ -162,6 +162,22 @@ def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFr
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 
+def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
+    """Position of each code's first occurrence when the codes are numbered in order of first
+    appearance (as ``dictionary_encode`` numbers them): a new code is then one more than the
+    largest before it. None when they are not so numbered (the caller groups instead)."""
+    if codes.size == 0:
+        return np.zeros(0, dtype=np.int64) if n_codes == 0 else None
+    top = np.maximum.accumulate(codes)
+    new = np.empty(codes.size, dtype=bool)
+    new[0] = True
+    np.greater(top[1:], top[:-1], out=new[1:])
+    firsts = np.flatnonzero(new)
+    if firsts.size != n_codes or codes[0] != 0 or not bool(np.all(codes[firsts] == np.arange(n_codes))):
+        return None
+    return firsts
+
+
 def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
                     drop: Drop = "all-pass") -> np.ndarray:
     """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids."""
@@ -370,6 +386,14 @@ def _misnumbered(step: np.ndarray, offsets: np.ndarray) -> int | None:
     must be 1 and each next step one more than the one before."""
     if step.size == 0:
         return None
+    # The common case in a few whole-array passes: each step one more than the one before,
+    # but where a rollout begins (then it must be 1). The search below runs only on failure.
+    d = np.diff(step)
+    begins = offsets[1:-1]
+    d[begins[(begins > 0) & (begins < step.size)] - 1] = 1
+    if step[0] == 1 and bool(np.all(d == 1)) and bool(np.all(step[begins[begins < step.size]] == 1)):
+        return None
+    del d
     firsts = offsets[:-1][np.diff(offsets) > 0]
     bad_first = firsts[step[firsts] != 1]
     jumps = np.flatnonzero(np.diff(step) != 1) + 1  # a rollout's first step aside
@@ -727,17 +751,24 @@ def compute_credit(
         ).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
-    if keys is not None:  # the first verdict's retained flag per (group, criterion) id
-        crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
-            "k").agg(pl.col("retained").first())
+    # the first verdict's retained flag per (group, criterion)
+    firsts = None if keys is None else _first_of_each_code(*keys)
+    if firsts is not None:
+        criteria_kept = int(np.count_nonzero(verdicts["retained"].to_numpy()[firsts]))
+        criteria = firsts.size
     else:
-        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
-            "group_id", "criterion_id").agg(pl.col("retained").first())
-    criteria_kept = int(crit["retained"].sum())
-    criteria = crit.height
+        if keys is not None:
+            crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
+                "k").agg(pl.col("retained").first())
+        else:
+            crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+                "group_id", "criterion_id").agg(pl.col("retained").first())
+        criteria_kept = int(crit["retained"].sum())
+        criteria = crit.height
+        del crit
     # Only the columns still needed stay referenced (the ids and judge labels are freed when
     # the caller holds no other reference); the verdicts go once citations are counted.
-    del crit, keys, crits
+    del firsts, keys, crits
     verdicts = verdicts.select("__r", "verdict", "cited_steps", "retained")
     rw = rewards_table(rollouts, verdicts, reward)
     rw = rw.with_columns(group_advantage(rw, estimator, std))

@@ -55,9 +55,10 @@ def _canonical(row: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.nd
     if row.size:
         new = np.ones(row.size, dtype=bool)
         new[1:] = (row[1:] != row[:-1]) | (start[1:] != end[:-1]) | (value[1:] != value[:-1])
-        first = np.flatnonzero(new)
-        last = np.append(first[1:], row.size) - 1
-        row, start, end, value = row[first], start[first], end[last], value[first]
+        if not new.all():  # some spans merge (steps without gaps between them often do not)
+            first = np.flatnonzero(new)
+            last = np.append(first[1:], row.size) - 1
+            row, start, end, value = row[first], start[first], end[last], value[first]
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row, minlength=n_rows), out=offsets[1:])
     return offsets, start, end, value

@@ -274,3 +274,22 @@ def test_sums_by_offsets_match_a_running_sum(seed):
         running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
         expected = running[offsets[1:]] - running[offsets[:-1]]
         assert _sum_by_offsets(values, offsets).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_of_each_code_matches_a_group_by(seed):
+    """The criteria count's first verdict per (group, criterion) code: positions agree with a
+    group-by when codes come numbered by first appearance (dictionary codes), None otherwise."""
+    from draco_cli.credit import _first_of_each_code
+
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        values = rng.integers(0, 6, int(rng.integers(0, 30)))
+        codes, n = _codes(pl.Series([f"k{x}" for x in values], dtype=pl.String))
+        firsts = _first_of_each_code(codes, n)
+        expected = (pl.DataFrame({"k": codes}).with_row_index("i").group_by("k")
+                    .agg(pl.col("i").first()).sort("i")["i"].to_list())
+        assert firsts is not None and firsts.tolist() == expected
+        if n > 1:  # numbered otherwise: refused
+            shuffled = rng.permutation(n)[codes]
+            assert (_first_of_each_code(shuffled, n) is None) == (shuffled[firsts].tolist() != list(range(n)))

@@ -167,7 +167,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
             dense = spans_to_dense(ta)
             ta = dense if tokens == "dense" else dense.with_columns(ta.select(
                 "span_start", "span_end", "span_value"))
-        layouts = sorted(set(ta["layout"].to_list()))
+        layouts = sorted(ta["layout"].unique().to_list())
         meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
                 "draco.token_form": tokens}
         output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
