@@ -128,30 +128,40 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
         ts = sa.token_start[s0:s1]
         M = sa.M[r0:r1]
         rsp = resp[r0:r1]
-        missing = np.bincount(rl, weights=ts < 0, minlength=Rl)
+        no_start = ts < 0
+        missing = (np.bincount(rl, weights=no_start, minlength=Rl) if no_start.any()
+                   else np.zeros(Rl))
+        del no_start
         pos = np.where(M > 0, missing == 0, rsp >= 0)
-        # per-rollout values on each step by np.repeat over the run lengths (steps are sorted
-        # by rollout): the same values as indexing by ``rl``, cheaper than a gather
-        pos_s, rsp_s = np.repeat(pos, M), np.repeat(rsp, M)
-        excl = np.cumsum(n) - n
-        # each step's rollout's first step: an empty rollout's index may be the block's end
-        first_excl = np.append(excl, 0)[sa.offsets[r0:r1] - s0]
-        start = np.where(pos_s, ts, excl - np.repeat(first_excl, M))
+        every_pos = bool(pos.all())  # the usual case: no end-to-end layout in this block
+        if every_pos:
+            start = ts.astype(np.int64)
+        else:
+            # per-rollout values on each step by np.repeat over the run lengths (steps are
+            # sorted by rollout): the same values as indexing by ``rl``, cheaper than a gather
+            pos_s = np.repeat(pos, M)
+            excl = np.cumsum(n) - n
+            # each step's rollout's first step: an empty rollout's index may be the block's end
+            first_excl = np.append(excl, 0)[sa.offsets[r0:r1] - s0]
+            start = np.where(pos_s, ts, excl - np.repeat(first_excl, M))
+            del pos_s, excl, first_excl
         end = start + n
-        past = np.flatnonzero(pos_s & (rsp_s >= 0) & (end > rsp_s))
-        if past.size:
-            i = int(past[0])
-            rid = sa.rollout_ids[r0 + int(rl[i])]
-            raise InputError(
-                f"step {int(sa.step[s0 + i])} of rollout {rid!r} ends at token {int(end[i])}, "
-                f"past its response_len {int(rsp[rl[i]])}", file=source, field="token_start")
         last_end = np.zeros(Rl, dtype=np.int64)
         nonempty = np.flatnonzero(M > 0)
         if nonempty.size:
             last_end[nonempty] = np.maximum.reduceat(end, (sa.offsets[r0:r1] - s0)[nonempty])
-        sum_n = np.bincount(rl, weights=n, minlength=Rl).astype(np.int64)
-        length[r0:r1] = np.where(pos, np.where(rsp >= 0, rsp, np.maximum(last_end,
-                                                                          ps_end[r0:r1])), sum_n)
+        # a step past response_len is one whose rollout's last end is past it; the first such
+        # step is looked for only then
+        if np.any(pos & (rsp >= 0) & (last_end > rsp)):
+            pos_s, rsp_s = np.repeat(pos, M), np.repeat(rsp, M)
+            i = int(np.flatnonzero(pos_s & (rsp_s >= 0) & (end > rsp_s))[0])
+            rid = sa.rollout_ids[r0 + int(rl[i])]
+            raise InputError(
+                f"step {int(sa.step[s0 + i])} of rollout {rid!r} ends at token {int(end[i])}, "
+                f"past its response_len {int(rsp[rl[i]])}", file=source, field="token_start")
+        known = np.where(rsp >= 0, rsp, np.maximum(last_end, ps_end[r0:r1]))
+        length[r0:r1] = known if every_pos else np.where(
+            pos, known, np.bincount(rl, weights=n, minlength=Rl).astype(np.int64))
         pos_r[r0:r1] = pos
 
         # Uniform / fallback with known policy spans: every policy token (gap included) gets

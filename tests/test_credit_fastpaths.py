@@ -293,3 +293,77 @@ def test_first_of_each_code_matches_a_group_by(seed):
         if n > 1:  # numbered otherwise: refused
             shuffled = rng.permutation(n)[codes]
             assert (_first_of_each_code(shuffled, n) is None) == (shuffled[firsts].tolist() != list(range(n)))
+
+
+def reference_token_spans(R, M, n, ts, rsp, adv, rids, steps):
+    """token_spans under step credit, rollout by rollout: (length, layout, spans) or the
+    error for a step past response_len."""
+    out, k = [], 0
+    for i in range(R):
+        idx = list(range(k, k + M[i]))
+        k += M[i]
+        pos = all(ts[j] >= 0 for j in idx) if idx else rsp[i] >= 0
+        spans, at = [], 0
+        for j in idx:
+            s = ts[j] if pos else at
+            at += n[j]
+            if pos and rsp[i] >= 0 and s + n[j] > rsp[i]:
+                return (f"step {steps[j]} of rollout {rids[i]!r} ends at token {s + n[j]}, "
+                        f"past its response_len {rsp[i]}")
+            spans.append([s, s + n[j], np.float32(adv[j])])
+        length = (rsp[i] if rsp[i] >= 0 else max([e for _, e, _ in spans], default=0)) \
+            if pos else sum(n[j] for j in idx)
+        merged = []
+        for s, e, v in spans:
+            if v == 0:
+                continue
+            if merged and merged[-1][1] == s and merged[-1][2] == v:
+                merged[-1][1] = e
+            else:
+                merged.append([s, e, v])
+        out.append((length, "positions" if pos else "end_to_end", merged))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_token_spans_match_a_loop(seed):
+    """Spans by blocks (positions and end-to-end layouts mixed, null response_len, steps that
+    touch, zero values, a step past response_len) equal a rollout-by-rollout loop."""
+    from draco_cli.token_advantages import token_spans
+
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 12))
+    M = [int(x) for x in rng.integers(0, 4, R)]
+    total = sum(M)
+    n = [int(x) for x in rng.integers(1, 5, total)]
+    ts, k = [], 0
+    for i in range(R):
+        at = int(rng.integers(0, 3))
+        for _ in range(M[i]):
+            ts.append(at if rng.random() > 0.08 else -1)
+            at += n[k] + int(rng.integers(0, 2))  # steps that touch or leave a gap
+            k += 1
+    rsp = [int(rng.integers(0, 30)) if rng.random() < 0.6 else -1 for _ in range(R)]
+    adv = [float(rng.choice([0.0, 0.5, -1.25])) for _ in range(total)]
+    rids = [f"r{i}" for i in range(R)]
+    steps = [s + 1 for i in range(R) for s in range(M[i])]
+    rollouts = pl.DataFrame({"rollout_id": rids,
+                             "response_len": pl.Series([x if x >= 0 else None for x in rsp],
+                                                       dtype=pl.Int32)})
+    step_frame = pl.DataFrame({"rollout_id": [rids[i] for i in range(R) for _ in range(M[i])],
+                               "step": steps, "n_tokens": n,
+                               "token_start": [x if x >= 0 else None for x in ts]},
+                              schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32,
+                                                "token_start": pl.Int32})
+    sa = index_steps(step_frame, rollouts, "steps")
+    expected = reference_token_spans(R, M, n, ts, rsp, adv, rids, steps)
+    try:
+        ta = token_spans(rollouts, sa, np.array(adv), np.zeros(R), np.full(R, "step"))
+    except InputError as exc:
+        assert isinstance(expected, str) and expected in str(exc)
+        return
+    assert not isinstance(expected, str), expected
+    got = [(length, layout, [[s, e, np.float32(v)] for s, e, v in zip(a, b, c)])
+           for length, layout, a, b, c in ta.select(
+               "length", "layout", "span_start", "span_end", "span_value").iter_rows()]
+    assert got == expected
