@@ -580,6 +580,8 @@ def rollout_chunks(offsets: np.ndarray, target: int | None = None,
 def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.ndarray,
                        credit: CreditKind = "step") -> dict[str, np.ndarray]:
     """SPEC §3.6 over whole columns, block by block. ``adv_r`` is A_i per rollout."""
+    from draco_cli.token_advantages import _sum_by_offsets
+
     if credit not in ("step", "uniform"):
         raise UsageError(f"--credit {credit!r}: choose step or uniform")
     R = sa.offsets.size - 1
@@ -602,9 +604,13 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
         c = cited[s0:s1]
         pp, ff = p[s0:s1], f[s0:s1]
         n = sa.n[s0:s1].astype(np.float64)
+        local = sa.offsets[r0:r1 + 1] - s0
         with np.errstate(invalid="ignore", divide="ignore"):
             q = np.where(c, pp / np.maximum(pp + ff, 1), 0.0)
-            n_cited = np.bincount(rl, weights=c, minlength=Rl)
+            # Sums of integers (cited flags, token counts) are exact in any order: integer
+            # sums, as floats, equal the float bincounts bit for bit. The sums of q and w
+            # below keep their bincounts (their order of addition is part of the result).
+            n_cited = _sum_by_offsets(c, local).astype(np.float64)
             qbar = np.bincount(rl, weights=q, minlength=Rl) / n_cited
             qual = np.where(c, q, per_step(qbar))       # an uncited step takes the mean Q̄
             A = per_step(adv_r[r0:r1])
@@ -612,7 +618,7 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             sumw = per_step(np.bincount(rl, weights=np.nan_to_num(w), minlength=Rl))
             equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
             wt = np.where(equal, per_step(1.0 / Ml), w)
-            N = per_step(np.bincount(rl, weights=n, minlength=Rl))
+            N = per_step(_sum_by_offsets(sa.n[s0:s1], local).astype(np.float64))
             # A · N · w / (n · Σw), the same operations in the same order, in place
             step_adv = A * N
             step_adv *= wt
