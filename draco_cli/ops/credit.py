@@ -133,7 +133,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     del s, step_ids  # the steps' own columns are copied or kept by sa: freed before the computation
     # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
     # with them (arguments pass to the callee's frame).
-    held = {"verdicts": v, "ids": v_ids}
+    held: dict[str, Any] = {"verdicts": v, "ids": v_ids}
     del v, v_ids
     result = compute_credit(r, sa, held.pop("verdicts"), verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
