@@ -606,7 +606,8 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
         n = sa.n[s0:s1].astype(np.float64)
         local = sa.offsets[r0:r1 + 1] - s0
         with np.errstate(invalid="ignore", divide="ignore"):
-            q = np.where(c, pp / np.maximum(pp + ff, 1), 0.0)
+            # an uncited step has p = f = 0: 0 / 1 is the +0.0 it takes (no select needed)
+            q = pp / np.maximum(pp + ff, 1)
             # Sums of integers (cited flags, token counts) are exact in any order: integer
             # sums, as floats, equal the float bincounts bit for bit. The sums of q and w
             # below keep their bincounts (their order of addition is part of the result).
@@ -615,7 +616,11 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             qual = np.where(c, q, per_step(qbar))       # an uncited step takes the mean Q̄
             A = per_step(adv_r[r0:r1])
             w = np.where(A >= 0, qual, 1.0 - qual)
-            sumw = per_step(np.bincount(rl, weights=np.nan_to_num(w), minlength=Rl))
+            # w is NaN exactly on the steps of rollouts without a cited step (Q̄ = 0 / 0); their
+            # sum is 0, as over NaN set to 0, and the other rollouts' sums are unchanged
+            sumw_r = np.bincount(rl, weights=w, minlength=Rl)
+            sumw_r[n_cited == 0] = 0.0
+            sumw = per_step(sumw_r)
             equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
             wt = np.where(equal, per_step(1.0 / Ml), w)
             N = per_step(_sum_by_offsets(sa.n[s0:s1], local).astype(np.float64))

@@ -383,3 +383,32 @@ def test_integer_sums_equal_the_float_bincounts_bit_for_bit(seed):
         ours = _sum_by_offsets(values, offsets).astype(np.float64)
         theirs = np.bincount(r, weights=values.astype(np.float64), minlength=M.size)
         assert ours.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_step_credit_shortcuts_are_bit_equal(seed):
+    """step_credit_arrays drops two selects: Q = p / max(p + f, 1) needs no select for uncited
+    steps, and Σw over rollouts without a cited step is set to 0 instead of summing NaN set
+    to 0. Both give the same bits as the selects, rollouts without steps or citations
+    included."""
+    rng = np.random.default_rng(seed)
+    M = rng.integers(0, 12, int(rng.integers(1, 300)))
+    r = np.repeat(np.arange(M.size), M)
+    p = rng.integers(0, 3, r.size).astype(np.int32)
+    f = rng.integers(0, 3, r.size).astype(np.int32)
+    uncited = np.repeat(rng.random(M.size) < 0.3, M)
+    p[uncited], f[uncited] = 0, 0
+    c = (p + f) > 0
+    assert (p / np.maximum(p + f, 1)).tobytes() == np.where(c, p / np.maximum(p + f, 1),
+                                                             0.0).tobytes()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = p / np.maximum(p + f, 1)
+        n_cited = np.bincount(r, weights=c, minlength=M.size)
+        qbar = np.bincount(r, weights=q, minlength=M.size) / n_cited
+        qual = np.where(c, q, qbar[r])
+        A = rng.standard_normal(M.size)[r]
+        w = np.where(A >= 0, qual, 1.0 - qual)
+        ours = np.bincount(r, weights=w, minlength=M.size)
+        ours[n_cited == 0] = 0.0
+        theirs = np.bincount(r, weights=np.nan_to_num(w), minlength=M.size)
+    assert ours.tobytes() == theirs.tobytes()
