@@ -412,3 +412,31 @@ def test_step_credit_shortcuts_are_bit_equal(seed):
         ours[n_cited == 0] = 0.0
         theirs = np.bincount(r, weights=np.nan_to_num(w), minlength=M.size)
     assert ours.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_citation_counts_match_a_loop_with_long_lists(seed):
+    """Citation counts with long lists (many repeats, steps out of range) equal a loop's."""
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 10))
+    rollouts = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R)],
+                             "group_id": [f"g{i // 3}" for i in range(R)]})
+    rows = [(f"r{i}", f"c{c}", str(rng.choice(["pass", "fail", "na"])),
+             [int(x) for x in rng.integers(0, 7, size=int(rng.integers(0, 20)))])
+            for i in range(R) for c in range(int(rng.integers(0, 4)))]
+    verdicts = pl.DataFrame(rows, schema={"rollout_id": pl.String, "criterion_id": pl.String,
+                                          "verdict": pl.String, "cited_steps": pl.List(pl.Int32)},
+                            orient="row")
+    M = rng.integers(0, 8, size=R)
+    steps = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R) for _ in range(M[i])],
+                          "step": [s + 1 for i in range(R) for s in range(M[i])],
+                          "n_tokens": [3] * int(M.sum())},
+                         schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32})
+    sa = index_steps(steps, rollouts, "steps")
+    r = pl.DataFrame({"rollout_id": rollouts["rollout_id"]}).with_row_index("r").join(
+        verdicts.select("rollout_id"), on="rollout_id", maintain_order="right")["r"]
+    verdicts = verdicts.with_columns(r.alias("__r"),
+                                     pl.Series("retained", rng.random(verdicts.height) < 0.8))
+    p, f, dropped = citation_arrays(sa, verdicts)
+    rp, rf, rdropped = reference_citations(sa, verdicts)
+    assert p.tolist() == rp.tolist() and f.tolist() == rf.tolist() and dropped == rdropped
