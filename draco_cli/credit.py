@@ -97,11 +97,53 @@ def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
     are; None when it holds nulls."""
     if values.null_count():
         return None
-    arr = values.to_arrow()
+    return _arrow_codes(values.to_arrow())
+
+
+def _arrow_codes(arr: pa.Array[Any] | pa.ChunkedArray[Any]) -> tuple[np.ndarray, int]:
+    """``_codes`` of an Arrow column without nulls (codes in order of first appearance)."""
     if isinstance(arr, pa.ChunkedArray):
         arr = arr.combine_chunks()
     encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(arr))
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
+
+
+VERDICT_ID_COLUMNS = ("rollout_id", "criterion_id", "judge")
+
+
+def clean_strings(col: pa.ChunkedArray[Any] | None) -> bool:
+    """A string column without nulls: all the contract asks of an id column."""
+    return col is not None and col.null_count == 0 and (
+        pa.types.is_string(col.type) or pa.types.is_large_string(col.type))
+
+
+def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
+                         ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
+    """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
+    columns when they hold one judge (the one asked for, if any) and come grouped by rollout
+    in the rollouts' order; None otherwise (the general path then decides, and names what is
+    wrong). No id string is converted to polars on this path."""
+    if ids.num_rows == 0:
+        return None
+    judges = ids.column("judge")
+    first = judges[0].as_py()
+    if judge is not None and judge != first:
+        return None
+    if not pc.all(pc.equal(judges, pa.scalar(first, judges.type))).as_py():
+        return None
+    lengths = _arrow_run_lengths(ids.column("rollout_id"), rollouts["rollout_id"])
+    if lengths is None:
+        return None
+    rows = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
+    return rows, _arrow_codes(ids.column("criterion_id"))
+
+
+def _with_verdict_ids(verdicts: pl.DataFrame, ids: pa.Table | None) -> pl.DataFrame:
+    """The verdicts with their Arrow id columns as polars ones (for the general paths)."""
+    if ids is None:
+        return verdicts
+    return verdicts.with_columns(
+        [cast(pl.Series, pl.from_arrow(ids.column(c))).alias(c) for c in ids.column_names])
 
 
 def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
@@ -120,6 +162,22 @@ def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFr
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 
+def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
+    """Position of each code's first occurrence when the codes are numbered in order of first
+    appearance (as ``dictionary_encode`` numbers them): a new code is then one more than the
+    largest before it. None when they are not so numbered (the caller groups instead)."""
+    if codes.size == 0:
+        return np.zeros(0, dtype=np.int64) if n_codes == 0 else None
+    top = np.maximum.accumulate(codes)
+    new = np.empty(codes.size, dtype=bool)
+    new[0] = True
+    np.greater(top[1:], top[:-1], out=new[1:])
+    firsts = np.flatnonzero(new)
+    if firsts.size != n_codes or codes[0] != 0 or not bool(np.all(codes[firsts] == np.arange(n_codes))):
+        return None
+    return firsts
+
+
 def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
                     drop: Drop = "all-pass") -> np.ndarray:
     """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids."""
@@ -136,11 +194,12 @@ def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
 
 
 def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
-                        crits: tuple[np.ndarray, int] | None = None) -> None:
+                        crits: tuple[np.ndarray, int] | None = None,
+                        ids: pa.Table | None = None) -> None:
     """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
     rollout rows) and ``crits`` (criterion codes) of one judge's verdicts, integer (rollout row,
     criterion) pairs are checked first; the exact string check runs otherwise, and names the
-    repeat."""
+    repeat. ``ids`` are the id columns in Arrow when ``verdicts`` leaves them out."""
     from draco_cli.io import conform
     from draco_cli.schemas import VerdictAggregated
 
@@ -148,7 +207,8 @@ def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source:
         c, n_c = crits
         if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
             return
-    conform(verdicts, VerdictAggregated, source, only=[], check_keys=True)
+    conform(_with_verdict_ids(verdicts, ids), VerdictAggregated, source, only=[],
+            check_keys=True)
 
 
 @dataclass
@@ -279,9 +339,11 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
     ``ids`` is the steps' rollout_id as read (Arrow, no nulls) when ``steps`` leaves it out:
     steps in the rollouts' order never convert it to polars."""
     R = rollouts.height
-    step = steps["step"].to_numpy().astype(np.int32)
-    n = steps["n_tokens"].to_numpy().astype(np.int32)
-    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32)
+    # the columns' own buffers when they are int32 already (read-only views: nothing below
+    # writes into them)
+    step = steps["step"].to_numpy().astype(np.int32, copy=False)
+    n = steps["n_tokens"].to_numpy().astype(np.int32, copy=False)
+    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32, copy=False)
                    if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
     lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
@@ -324,6 +386,14 @@ def _misnumbered(step: np.ndarray, offsets: np.ndarray) -> int | None:
     must be 1 and each next step one more than the one before."""
     if step.size == 0:
         return None
+    # The common case in a few whole-array passes: each step one more than the one before,
+    # but where a rollout begins (then it must be 1). The search below runs only on failure.
+    d = np.diff(step)
+    begins = offsets[1:-1]
+    d[begins[(begins > 0) & (begins < step.size)] - 1] = 1
+    if step[0] == 1 and bool(np.all(d == 1)) and bool(np.all(step[begins[begins < step.size]] == 1)):
+        return None
+    del d
     firsts = offsets[:-1][np.diff(offsets) > 0]
     bad_first = firsts[step[firsts] != 1]
     jumps = np.flatnonzero(np.diff(step) != 1) + 1  # a rollout's first step aside
@@ -449,18 +519,24 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     """p_j, f_j for every step of ``sa`` from retained pass/fail verdicts (which carry ``__r``,
     the rollout index), and the number of citations dropped as outside 1..M. A criterion citing
     a step twice counts once."""
-    # only the columns used here survive the filter's copy (not ids, reasons, judge)
-    v = verdicts.select("__r", "verdict", "cited_steps", "retained").filter(
-        pl.col("retained") & pl.col("verdict").is_in(["pass", "fail"]))
+    # The citations of retained pass/fail verdicts are picked from all citations by their
+    # verdict's flag (no filtered copy of the verdicts' list column).
     total = sa.r.size
-    cites = v["cited_steps"].to_arrow()
+    verdict = verdicts["verdict"]
+    counted = (verdicts["retained"].fill_null(False)
+               & verdict.is_in(["pass", "fail"]).fill_null(False)).to_numpy()
+    cites = verdicts["cited_steps"].to_arrow()
     if isinstance(cites, pa.ChunkedArray):
         cites = cites.combine_chunks()
-    if len(cites) == 0:
+    if not counted.any():
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
     step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
     parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
-    vr = v["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
+    pick = counted[parent]
+    if not pick.all():
+        parent, step = parent[pick], step[pick]
+    del pick
+    vr = verdicts["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
     valid = (step >= 1) & (step <= sa.M[vr])
     dropped = int(valid.size - np.count_nonzero(valid))
     if dropped:
@@ -478,7 +554,7 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     first = np.ones(key.size, dtype=bool)
     np.not_equal(key[1:], key[:-1], out=first[1:])
     gidx = key[first] - parent[first] * max(total, 1)
-    is_pass = (v["verdict"] == "pass").to_numpy()[parent[first]]
+    is_pass = (verdict == "pass").fill_null(False).to_numpy()[parent[first]]
     del key, parent, first
     p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)
     f = np.bincount(gidx[~is_pass], minlength=total).astype(np.int32)
@@ -504,6 +580,8 @@ def rollout_chunks(offsets: np.ndarray, target: int | None = None,
 def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.ndarray,
                        credit: CreditKind = "step") -> dict[str, np.ndarray]:
     """SPEC §3.6 over whole columns, block by block. ``adv_r`` is A_i per rollout."""
+    from draco_cli.token_advantages import _sum_by_offsets
+
     if credit not in ("step", "uniform"):
         raise UsageError(f"--credit {credit!r}: choose step or uniform")
     R = sa.offsets.size - 1
@@ -526,17 +604,26 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
         c = cited[s0:s1]
         pp, ff = p[s0:s1], f[s0:s1]
         n = sa.n[s0:s1].astype(np.float64)
+        local = sa.offsets[r0:r1 + 1] - s0
         with np.errstate(invalid="ignore", divide="ignore"):
-            q = np.where(c, pp / np.maximum(pp + ff, 1), 0.0)
-            n_cited = np.bincount(rl, weights=c, minlength=Rl)
+            # an uncited step has p = f = 0: 0 / 1 is the +0.0 it takes (no select needed)
+            q = pp / np.maximum(pp + ff, 1)
+            # Sums of integers (cited flags, token counts) are exact in any order: integer
+            # sums, as floats, equal the float bincounts bit for bit. The sums of q and w
+            # below keep their bincounts (their order of addition is part of the result).
+            n_cited = _sum_by_offsets(c, local).astype(np.float64)
             qbar = np.bincount(rl, weights=q, minlength=Rl) / n_cited
             qual = np.where(c, q, per_step(qbar))       # an uncited step takes the mean Q̄
             A = per_step(adv_r[r0:r1])
             w = np.where(A >= 0, qual, 1.0 - qual)
-            sumw = per_step(np.bincount(rl, weights=np.nan_to_num(w), minlength=Rl))
+            # w is NaN exactly on the steps of rollouts without a cited step (Q̄ = 0 / 0); their
+            # sum is 0, as over NaN set to 0, and the other rollouts' sums are unchanged
+            sumw_r = np.bincount(rl, weights=w, minlength=Rl)
+            sumw_r[n_cited == 0] = 0.0
+            sumw = per_step(sumw_r)
             equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
             wt = np.where(equal, per_step(1.0 / Ml), w)
-            N = per_step(np.bincount(rl, weights=n, minlength=Rl))
+            N = per_step(_sum_by_offsets(sa.n[s0:s1], local).astype(np.float64))
             # A · N · w / (n · Σw), the same operations in the same order, in place
             step_adv = A * N
             step_adv *= wt
@@ -624,6 +711,7 @@ def compute_credit(
     verdicts_source: str = "verdicts",
     steps_source: str = "steps",
     check_verdict_keys: bool = False,
+    verdict_ids: pa.Table | None = None,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
@@ -631,21 +719,37 @@ def compute_credit(
     may be given as ``index_steps`` of them (a caller can then free the steps frame first).
     ``check_verdict_keys`` checks the verdicts' keys are unique (for callers that read them
     without that check: on integer codes it costs a fraction of the string check).
+    ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
+    string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
+    the rollouts' order are then indexed and coded without converting their ids to polars.
     """
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    one_judge = verdicts.height == 0 or bool((verdicts["judge"] == verdicts["judge"][0]).all())
-    if check_verdict_keys and not one_judge:
-        _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
-        check_verdict_keys = False
-    verdicts = narrow_judge(verdicts, judge, verdicts_source)
-    rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
-        else np.zeros(0, dtype=np.int64)
-    crits = _codes(verdicts["criterion_id"])
-    if check_verdict_keys:
-        _check_verdict_keys(verdicts, rows, verdicts_source, crits)
+    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
+    if fast is not None:
+        rows, crits_known = fast
+        crits: tuple[np.ndarray, int] | None = crits_known
+        if check_verdict_keys:
+            _check_verdict_keys(verdicts, rows, verdicts_source, crits, verdict_ids)
+    else:  # the general path, on polars strings (it names whatever is wrong)
+        verdicts = _with_verdict_ids(verdicts, verdict_ids)
+        one_judge = verdicts.height == 0 or bool(
+            (verdicts["judge"] == verdicts["judge"][0]).all())
+        if check_verdict_keys and not one_judge:
+            _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
+            check_verdict_keys = False
+        verdicts = narrow_judge(verdicts, judge, verdicts_source)
+        rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
+            else np.zeros(0, dtype=np.int64)
+        crits = _codes(verdicts["criterion_id"])
+        if check_verdict_keys:
+            _check_verdict_keys(verdicts, rows, verdicts_source, crits)
     verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
         pl.Series("__r", rows, dtype=pl.UInt32))
     keys = criterion_keys(verdicts, rows, rollouts, crits)
+    if keys is None and fast is not None:  # a null group id: the string-keyed paths below
+        verdicts = _with_verdict_ids(verdicts, verdict_ids)
+    # the ids are coded: their strings are freed here (the caller keeps no reference)
+    verdict_ids = None
     unfiltered = "retained" not in verdicts.columns or (
         verdicts.height > 0 and verdicts["retained"].null_count() == verdicts.height
     )
@@ -658,17 +762,24 @@ def compute_credit(
         ).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
-    if keys is not None:  # the first verdict's retained flag per (group, criterion) id
-        crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
-            "k").agg(pl.col("retained").first())
+    # the first verdict's retained flag per (group, criterion)
+    firsts = None if keys is None else _first_of_each_code(*keys)
+    if firsts is not None:
+        criteria_kept = int(np.count_nonzero(verdicts["retained"].to_numpy()[firsts]))
+        criteria = firsts.size
     else:
-        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
-            "group_id", "criterion_id").agg(pl.col("retained").first())
-    criteria_kept = int(crit["retained"].sum())
-    criteria = crit.height
+        if keys is not None:
+            crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
+                "k").agg(pl.col("retained").first())
+        else:
+            crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+                "group_id", "criterion_id").agg(pl.col("retained").first())
+        criteria_kept = int(crit["retained"].sum())
+        criteria = crit.height
+        del crit
     # Only the columns still needed stay referenced (the ids and judge labels are freed when
     # the caller holds no other reference); the verdicts go once citations are counted.
-    del crit, keys, crits
+    del firsts, keys, crits
     verdicts = verdicts.select("__r", "verdict", "cited_steps", "retained")
     rw = rewards_table(rollouts, verdicts, reward)
     rw = rw.with_columns(group_advantage(rw, estimator, std))

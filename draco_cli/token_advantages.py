@@ -55,9 +55,10 @@ def _canonical(row: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.nd
     if row.size:
         new = np.ones(row.size, dtype=bool)
         new[1:] = (row[1:] != row[:-1]) | (start[1:] != end[:-1]) | (value[1:] != value[:-1])
-        first = np.flatnonzero(new)
-        last = np.append(first[1:], row.size) - 1
-        row, start, end, value = row[first], start[first], end[last], value[first]
+        if not new.all():  # some spans merge (steps without gaps between them often do not)
+            first = np.flatnonzero(new)
+            last = np.append(first[1:], row.size) - 1
+            row, start, end, value = row[first], start[first], end[last], value[first]
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row, minlength=n_rows), out=offsets[1:])
     return offsets, start, end, value
@@ -127,30 +128,40 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
         ts = sa.token_start[s0:s1]
         M = sa.M[r0:r1]
         rsp = resp[r0:r1]
-        missing = np.bincount(rl, weights=ts < 0, minlength=Rl)
+        no_start = ts < 0
+        missing = (np.bincount(rl, weights=no_start, minlength=Rl) if no_start.any()
+                   else np.zeros(Rl))
+        del no_start
         pos = np.where(M > 0, missing == 0, rsp >= 0)
-        # per-rollout values on each step by np.repeat over the run lengths (steps are sorted
-        # by rollout): the same values as indexing by ``rl``, cheaper than a gather
-        pos_s, rsp_s = np.repeat(pos, M), np.repeat(rsp, M)
-        excl = np.cumsum(n) - n
-        # each step's rollout's first step: an empty rollout's index may be the block's end
-        first_excl = np.append(excl, 0)[sa.offsets[r0:r1] - s0]
-        start = np.where(pos_s, ts, excl - np.repeat(first_excl, M))
+        every_pos = bool(pos.all())  # the usual case: no end-to-end layout in this block
+        if every_pos:
+            start = ts.astype(np.int64)
+        else:
+            # per-rollout values on each step by np.repeat over the run lengths (steps are
+            # sorted by rollout): the same values as indexing by ``rl``, cheaper than a gather
+            pos_s = np.repeat(pos, M)
+            excl = np.cumsum(n) - n
+            # each step's rollout's first step: an empty rollout's index may be the block's end
+            first_excl = np.append(excl, 0)[sa.offsets[r0:r1] - s0]
+            start = np.where(pos_s, ts, excl - np.repeat(first_excl, M))
+            del pos_s, excl, first_excl
         end = start + n
-        past = np.flatnonzero(pos_s & (rsp_s >= 0) & (end > rsp_s))
-        if past.size:
-            i = int(past[0])
-            rid = sa.rollout_ids[r0 + int(rl[i])]
-            raise InputError(
-                f"step {int(sa.step[s0 + i])} of rollout {rid!r} ends at token {int(end[i])}, "
-                f"past its response_len {int(rsp[rl[i]])}", file=source, field="token_start")
         last_end = np.zeros(Rl, dtype=np.int64)
         nonempty = np.flatnonzero(M > 0)
         if nonempty.size:
             last_end[nonempty] = np.maximum.reduceat(end, (sa.offsets[r0:r1] - s0)[nonempty])
-        sum_n = np.bincount(rl, weights=n, minlength=Rl).astype(np.int64)
-        length[r0:r1] = np.where(pos, np.where(rsp >= 0, rsp, np.maximum(last_end,
-                                                                          ps_end[r0:r1])), sum_n)
+        # a step past response_len is one whose rollout's last end is past it; the first such
+        # step is looked for only then
+        if np.any(pos & (rsp >= 0) & (last_end > rsp)):
+            pos_s, rsp_s = np.repeat(pos, M), np.repeat(rsp, M)
+            i = int(np.flatnonzero(pos_s & (rsp_s >= 0) & (end > rsp_s))[0])
+            rid = sa.rollout_ids[r0 + int(rl[i])]
+            raise InputError(
+                f"step {int(sa.step[s0 + i])} of rollout {rid!r} ends at token {int(end[i])}, "
+                f"past its response_len {int(rsp[rl[i]])}", file=source, field="token_start")
+        known = np.where(rsp >= 0, rsp, np.maximum(last_end, ps_end[r0:r1]))
+        length[r0:r1] = known if every_pos else np.where(
+            pos, known, np.bincount(rl, weights=n, minlength=Rl).astype(np.int64))
         pos_r[r0:r1] = pos
 
         # Uniform / fallback with known policy spans: every policy token (gap included) gets
@@ -207,15 +218,22 @@ def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, 
     policy = policy if policy is not None else _flat_policy(ps)
     # Per-rollout sums as differences of one running integer sum over the spans' offsets,
     # not a float-weighted bincount over tens of millions of spans.
-    spans_n = _sum_by_offsets(policy.end.astype(np.int64) - policy.start, policy.offsets)
+    # (Σ end − Σ start per rollout: integer sums, exact, without a per-span temporary)
+    spans_n = (_sum_by_offsets(policy.end, policy.offsets)
+               - _sum_by_offsets(policy.start, policy.offsets))
     return np.where(has_ps, spans_n, steps_n)
 
 
 def _sum_by_offsets(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly."""
-    running = np.zeros(values.size + 1, dtype=np.int64)
-    np.cumsum(values, dtype=np.int64, out=running[1:])
-    sums: np.ndarray = running[offsets[1:]] - running[offsets[:-1]]
+    """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly (in int64,
+    one pass over the values, empty ranges 0)."""
+    sums = np.zeros(offsets.size - 1, dtype=np.int64)
+    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
+    if nonempty.size:
+        # a non-empty range runs to the next non-empty one's start (empty ones between
+        # start where it ends), the last one to offsets[-1]
+        sums[nonempty] = np.add.reduceat(values[:int(offsets[-1])], offsets[nonempty],
+                                         dtype=np.int64)
     return sums
 
 

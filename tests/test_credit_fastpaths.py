@@ -199,3 +199,244 @@ def test_arrow_run_lengths_match_the_polars_ones(seed):
     assert (a is None) == (b is None)
     if a is not None:
         assert a.tolist() == b.tolist()
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_arrow_verdict_ids_match_the_polars_path(seed):
+    """compute_credit with the verdicts' ids kept in Arrow (chunked, as read) gives the same
+    tables and stats as with polars ids, or the same error: several judges, --judge, verdicts
+    out of the rollouts' order, a repeated key, a verdict of an unknown rollout."""
+    from draco_cli.credit import VERDICT_ID_COLUMNS, compute_credit
+    from draco_cli.errors import DracoError
+
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 15))
+    rollouts, verdicts = random_verdicts(rng, R)
+    if (seed // 6) % 2 == 0:  # every rollout judged (the fast path needs a run per rollout)
+        rollouts = rollouts.filter(pl.col("rollout_id").is_in(verdicts["rollout_id"].implode()))
+        if rollouts.height == 0:
+            return
+        R = rollouts.height
+        rollouts = rollouts.with_columns(pl.Series("rollout_id", [f"r{i}" for i in range(R)]))
+        rename = dict(zip(verdicts["rollout_id"].unique(maintain_order=True),
+                          rollouts["rollout_id"]))
+        verdicts = verdicts.with_columns(pl.col("rollout_id").replace_strict(rename))
+    rollouts = rollouts.with_columns(pl.Series("outcome", rng.random(R)))
+    M = rng.integers(0, 6, size=R)
+    steps = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R) for _ in range(M[i])],
+                          "step": [s + 1 for i in range(R) for s in range(M[i])],
+                          "n_tokens": [int(x) for x in rng.integers(1, 9, int(M.sum()))]},
+                         schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32})
+    shape = seed % 6
+    if shape == 1 and verdicts.height:  # a second judge's verdicts
+        verdicts = pl.concat([verdicts, verdicts.with_columns(pl.lit("small").alias("judge"))])
+    elif shape == 2 and verdicts.height > 1:  # out of the rollouts' order
+        verdicts = verdicts.reverse()
+    elif shape == 3 and verdicts.height:  # a repeated key
+        i = int(rng.integers(0, verdicts.height))
+        verdicts = pl.concat([verdicts[:i + 1], verdicts[i:]])
+    elif shape == 4 and verdicts.height:  # a verdict of an unknown rollout
+        verdicts = pl.concat([verdicts, verdicts[-1:].with_columns(pl.lit("zz").alias(
+            "rollout_id"))])
+    judge = ["frontier", "small", None][int(rng.integers(0, 3))] if shape == 1 else None
+    cut = int(rng.integers(0, verdicts.height + 1))
+    ids = pa.table({c: pa.chunked_array([verdicts[c][:cut].to_arrow(),
+                                         verdicts[c][cut:].to_arrow()]) for c in VERDICT_ID_COLUMNS})
+
+    def outcome(**kw):
+        try:
+            res = compute_credit(rollouts, steps, kw.pop("v"), check_verdict_keys=True,
+                                 judge=judge, verdicts_source="v.parquet", **kw)
+        except DracoError as exc:
+            return type(exc).__name__, str(exc)
+        return res.rewards, res.step_credit, res.stats
+
+    ours = outcome(v=verdicts.drop(*VERDICT_ID_COLUMNS), verdict_ids=ids)
+    theirs = outcome(v=verdicts)
+    if isinstance(theirs[0], str):
+        assert ours == theirs
+    else:
+        assert ours[0].equals(theirs[0]) and ours[1].equals(theirs[1]) and ours[2] == theirs[2]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_sums_by_offsets_match_a_running_sum(seed):
+    """Per-rollout integer sums (empty rollouts, extreme int32 values, values past the last
+    offset) equal differences of a running int64 sum."""
+    from draco_cli.token_advantages import _sum_by_offsets
+
+    rng = np.random.default_rng(seed)
+    for _ in range(50):
+        M = rng.integers(0, 4, int(rng.integers(0, 10)))
+        offsets = np.concatenate([[0], np.cumsum(M)]).astype(np.int64)
+        values = rng.integers(-2**31, 2**31 - 1, int(offsets[-1]) + int(rng.integers(0, 3)),
+                              dtype=np.int64).astype(np.int32)
+        running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
+        expected = running[offsets[1:]] - running[offsets[:-1]]
+        assert _sum_by_offsets(values, offsets).tolist() == expected.tolist()
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_first_of_each_code_matches_a_group_by(seed):
+    """The criteria count's first verdict per (group, criterion) code: positions agree with a
+    group-by when codes come numbered by first appearance (dictionary codes), None otherwise."""
+    from draco_cli.credit import _first_of_each_code
+
+    rng = np.random.default_rng(seed)
+    for _ in range(20):
+        values = rng.integers(0, 6, int(rng.integers(0, 30)))
+        codes, n = _codes(pl.Series([f"k{x}" for x in values], dtype=pl.String))
+        firsts = _first_of_each_code(codes, n)
+        expected = (pl.DataFrame({"k": codes}).with_row_index("i").group_by("k")
+                    .agg(pl.col("i").first()).sort("i")["i"].to_list())
+        assert firsts is not None and firsts.tolist() == expected
+        if n > 1:  # numbered otherwise: refused
+            shuffled = rng.permutation(n)[codes]
+            assert (_first_of_each_code(shuffled, n) is None) == (shuffled[firsts].tolist() != list(range(n)))
+
+
+def reference_token_spans(R, M, n, ts, rsp, adv, rids, steps):
+    """token_spans under step credit, rollout by rollout: (length, layout, spans) or the
+    error for a step past response_len."""
+    out, k = [], 0
+    for i in range(R):
+        idx = list(range(k, k + M[i]))
+        k += M[i]
+        pos = all(ts[j] >= 0 for j in idx) if idx else rsp[i] >= 0
+        spans, at = [], 0
+        for j in idx:
+            s = ts[j] if pos else at
+            at += n[j]
+            if pos and rsp[i] >= 0 and s + n[j] > rsp[i]:
+                return (f"step {steps[j]} of rollout {rids[i]!r} ends at token {s + n[j]}, "
+                        f"past its response_len {rsp[i]}")
+            spans.append([s, s + n[j], np.float32(adv[j])])
+        length = (rsp[i] if rsp[i] >= 0 else max([e for _, e, _ in spans], default=0)) \
+            if pos else sum(n[j] for j in idx)
+        merged = []
+        for s, e, v in spans:
+            if v == 0:
+                continue
+            if merged and merged[-1][1] == s and merged[-1][2] == v:
+                merged[-1][1] = e
+            else:
+                merged.append([s, e, v])
+        out.append((length, "positions" if pos else "end_to_end", merged))
+    return out
+
+
+@pytest.mark.parametrize("seed", range(40))
+def test_token_spans_match_a_loop(seed):
+    """Spans by blocks (positions and end-to-end layouts mixed, null response_len, steps that
+    touch, zero values, a step past response_len) equal a rollout-by-rollout loop."""
+    from draco_cli.token_advantages import token_spans
+
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 12))
+    M = [int(x) for x in rng.integers(0, 4, R)]
+    total = sum(M)
+    n = [int(x) for x in rng.integers(1, 5, total)]
+    ts, k = [], 0
+    for i in range(R):
+        at = int(rng.integers(0, 3))
+        for _ in range(M[i]):
+            ts.append(at if rng.random() > 0.08 else -1)
+            at += n[k] + int(rng.integers(0, 2))  # steps that touch or leave a gap
+            k += 1
+    rsp = [int(rng.integers(0, 30)) if rng.random() < 0.6 else -1 for _ in range(R)]
+    adv = [float(rng.choice([0.0, 0.5, -1.25])) for _ in range(total)]
+    rids = [f"r{i}" for i in range(R)]
+    steps = [s + 1 for i in range(R) for s in range(M[i])]
+    rollouts = pl.DataFrame({"rollout_id": rids,
+                             "response_len": pl.Series([x if x >= 0 else None for x in rsp],
+                                                       dtype=pl.Int32)})
+    step_frame = pl.DataFrame({"rollout_id": [rids[i] for i in range(R) for _ in range(M[i])],
+                               "step": steps, "n_tokens": n,
+                               "token_start": [x if x >= 0 else None for x in ts]},
+                              schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32,
+                                                "token_start": pl.Int32})
+    sa = index_steps(step_frame, rollouts, "steps")
+    expected = reference_token_spans(R, M, n, ts, rsp, adv, rids, steps)
+    try:
+        ta = token_spans(rollouts, sa, np.array(adv), np.zeros(R), np.full(R, "step"))
+    except InputError as exc:
+        assert isinstance(expected, str) and expected in str(exc)
+        return
+    assert not isinstance(expected, str), expected
+    got = [(length, layout, [[s, e, np.float32(v)] for s, e, v in zip(a, b, c)])
+           for length, layout, a, b, c in ta.select(
+               "length", "layout", "span_start", "span_end", "span_value").iter_rows()]
+    assert got == expected
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_integer_sums_equal_the_float_bincounts_bit_for_bit(seed):
+    """step_credit_arrays sums cited flags and token counts as integers: as floats they must
+    equal the float-weighted bincounts they replace, bit for bit (empty rollouts included)."""
+    from draco_cli.token_advantages import _sum_by_offsets
+
+    rng = np.random.default_rng(seed)
+    M = rng.integers(0, 30, int(rng.integers(1, 200)))
+    offsets = np.concatenate([[0], np.cumsum(M)]).astype(np.int64)
+    r = np.repeat(np.arange(M.size), M)
+    for values in (rng.random(r.size) < 0.4, rng.integers(0, 2**31 - 1, r.size, dtype=np.int64).astype(np.int32)):
+        ours = _sum_by_offsets(values, offsets).astype(np.float64)
+        theirs = np.bincount(r, weights=values.astype(np.float64), minlength=M.size)
+        assert ours.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_step_credit_shortcuts_are_bit_equal(seed):
+    """step_credit_arrays drops two selects: Q = p / max(p + f, 1) needs no select for uncited
+    steps, and Σw over rollouts without a cited step is set to 0 instead of summing NaN set
+    to 0. Both give the same bits as the selects, rollouts without steps or citations
+    included."""
+    rng = np.random.default_rng(seed)
+    M = rng.integers(0, 12, int(rng.integers(1, 300)))
+    r = np.repeat(np.arange(M.size), M)
+    p = rng.integers(0, 3, r.size).astype(np.int32)
+    f = rng.integers(0, 3, r.size).astype(np.int32)
+    uncited = np.repeat(rng.random(M.size) < 0.3, M)
+    p[uncited], f[uncited] = 0, 0
+    c = (p + f) > 0
+    assert (p / np.maximum(p + f, 1)).tobytes() == np.where(c, p / np.maximum(p + f, 1),
+                                                             0.0).tobytes()
+    with np.errstate(invalid="ignore", divide="ignore"):
+        q = p / np.maximum(p + f, 1)
+        n_cited = np.bincount(r, weights=c, minlength=M.size)
+        qbar = np.bincount(r, weights=q, minlength=M.size) / n_cited
+        qual = np.where(c, q, qbar[r])
+        A = rng.standard_normal(M.size)[r]
+        w = np.where(A >= 0, qual, 1.0 - qual)
+        ours = np.bincount(r, weights=w, minlength=M.size)
+        ours[n_cited == 0] = 0.0
+        theirs = np.bincount(r, weights=np.nan_to_num(w), minlength=M.size)
+    assert ours.tobytes() == theirs.tobytes()
+
+
+@pytest.mark.parametrize("seed", range(10))
+def test_citation_counts_match_a_loop_with_long_lists(seed):
+    """Citation counts with long lists (many repeats, steps out of range) equal a loop's."""
+    rng = np.random.default_rng(seed)
+    R = int(rng.integers(1, 10))
+    rollouts = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R)],
+                             "group_id": [f"g{i // 3}" for i in range(R)]})
+    rows = [(f"r{i}", f"c{c}", str(rng.choice(["pass", "fail", "na"])),
+             [int(x) for x in rng.integers(0, 7, size=int(rng.integers(0, 20)))])
+            for i in range(R) for c in range(int(rng.integers(0, 4)))]
+    verdicts = pl.DataFrame(rows, schema={"rollout_id": pl.String, "criterion_id": pl.String,
+                                          "verdict": pl.String, "cited_steps": pl.List(pl.Int32)},
+                            orient="row")
+    M = rng.integers(0, 8, size=R)
+    steps = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(R) for _ in range(M[i])],
+                          "step": [s + 1 for i in range(R) for s in range(M[i])],
+                          "n_tokens": [3] * int(M.sum())},
+                         schema_overrides={"step": pl.Int32, "n_tokens": pl.Int32})
+    sa = index_steps(steps, rollouts, "steps")
+    r = pl.DataFrame({"rollout_id": rollouts["rollout_id"]}).with_row_index("r").join(
+        verdicts.select("rollout_id"), on="rollout_id", maintain_order="right")["r"]
+    verdicts = verdicts.with_columns(r.alias("__r"),
+                                     pl.Series("retained", rng.random(verdicts.height) < 0.8))
+    p, f, dropped = citation_arrays(sa, verdicts)
+    rp, rf, rdropped = reference_citations(sa, verdicts)
+    assert p.tolist() == rp.tolist() and f.tolist() == rf.tolist() and dropped == rdropped

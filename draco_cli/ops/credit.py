@@ -12,7 +12,8 @@ import polars as pl
 import pyarrow as pa
 
 from draco_cli._allocator import trim_heap
-from draco_cli.credit import CreditStats, compute_credit, index_steps
+from draco_cli.credit import (VERDICT_ID_COLUMNS, CreditStats, clean_strings, compute_credit,
+                              index_steps)
 from draco_cli.errors import InputError, UsageError
 from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
 from draco_cli.ops import publish_file, source_name
@@ -47,6 +48,24 @@ def _no_verdicts() -> pl.DataFrame:
     return pl.DataFrame(schema={"rollout_id": pl.String, "criterion_id": pl.String,
                                 "judge": pl.String, "verdict": pl.String,
                                 "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
+
+
+def _read_verdicts(path: str | Path) -> tuple[pl.DataFrame, pa.Table | None]:
+    """The verdicts ``credit compute`` needs, checked against their contract (but for the
+    keys, which ``compute_credit`` checks on integer codes). Their rollout_id, criterion_id
+    and judge stay Arrow when all three are clean string columns (what the contract checks of
+    them): returned apart, for ``compute_credit(verdict_ids=...)``, so millions of id strings
+    are never converted to polars; otherwise they are checked and converted as before."""
+    columns = list(dict.fromkeys([*VerdictAggregated.keys, *CREDIT_VERDICT_COLUMNS]))
+    arrow = read_arrow(path, columns)
+    ids = None
+    if all(c in arrow.column_names and clean_strings(arrow.column(c))
+           for c in VERDICT_ID_COLUMNS):
+        ids = arrow.select(list(VERDICT_ID_COLUMNS))
+        arrow = arrow.drop_columns(list(VERDICT_ID_COLUMNS))
+        columns = [c for c in columns if c not in VERDICT_ID_COLUMNS]
+    return conform(as_frame(arrow), VerdictAggregated, source_name(path), columns,
+                   check_keys=False), ids
 
 
 def _with_step_ids(step_credit: pl.DataFrame,
@@ -109,16 +128,16 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     s = conform(as_frame(arrow), Step, source_name(steps), step_columns, check_keys=False)
     del arrow
     # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
-    v = _no_verdicts() if verdicts is None else \
-        read_table(verdicts, VerdictAggregated, columns=CREDIT_VERDICT_COLUMNS, check_keys=False)
+    v, v_ids = (_no_verdicts(), None) if verdicts is None else _read_verdicts(verdicts)
     sa = index_steps(s, r, source_name(steps), ids=step_ids)
     del s, step_ids  # the steps' own columns are copied or kept by sa: freed before the computation
     # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
     # with them (arguments pass to the callee's frame).
-    held = {"verdicts": v}
-    del v
+    held: dict[str, Any] = {"verdicts": v, "ids": v_ids}
+    del v, v_ids
     result = compute_credit(r, sa, held.pop("verdicts"), verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
+                            verdict_ids=held.pop("ids"),
                             **options.model_dump(exclude={"tokens"}))
     from draco_cli.token_advantages import token_spans
 
@@ -148,7 +167,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
             dense = spans_to_dense(ta)
             ta = dense if tokens == "dense" else dense.with_columns(ta.select(
                 "span_start", "span_end", "span_value"))
-        layouts = sorted(set(ta["layout"].to_list()))
+        layouts = sorted(ta["layout"].unique().to_list())
         meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
                 "draco.token_form": tokens}
         output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
