@@ -7,11 +7,13 @@ and trim thresholds keeps freed blocks for reuse. The ``draco`` command applies 
 start-up; library users decide for their own process (``tune_allocator()``).
 
 polars allocates through its own jemalloc, which keeps freed pages for ~10 s before handing
-them back: within one command every phase's polars temporaries stayed resident, and a later
-phase (numpy, Arrow) stacked its peak on top of them. ``tune_allocator`` tells it to hand
-them back at once, when it runs before polars is first imported (the ``draco`` command's
-case; an explicit ``_RJEM_MALLOC_CONF`` wins). At 100k rollouts this took ~25 MiB off the
-credit stage's peak, at no measured cost in time (docs/run.md, Memory).
+them back: within one command every phase's polars temporaries stay resident, and a later
+phase (numpy, Arrow) stacks its peak on top of them. ``tune_allocator(release_polars_pages=
+True)`` tells it to hand them back at once, when it runs before polars is first imported (an
+explicit ``_RJEM_MALLOC_CONF`` wins). Only ``draco run`` asks for it: its wall is the LLM
+calls', its peak the credit stage's on top of the LLM stages' (~40 MiB less at 100k
+rollouts); a compute command pays for it in page faults (credit at 1M rollouts: +8-12% CPU,
+median of 3, docs/credit.md §6).
 """
 
 from __future__ import annotations
@@ -27,12 +29,12 @@ _done = False
 POLARS_MALLOC_CONF = "dirty_decay_ms:0,muzzy_decay_ms:0"
 
 
-def tune_allocator() -> bool:
+def tune_allocator(release_polars_pages: bool = False) -> bool:
     """Apply once; True if glibc accepted the settings (False elsewhere, harmlessly)."""
     global _done
     if _done or not sys.platform.startswith("linux"):
         return _done
-    if "polars" not in sys.modules:   # read once, when polars' allocator starts
+    if release_polars_pages and "polars" not in sys.modules:  # read when polars' jemalloc starts
         os.environ.setdefault("_RJEM_MALLOC_CONF", POLARS_MALLOC_CONF)
     try:
         libc = ctypes.CDLL("libc.so.6")

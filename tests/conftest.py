@@ -84,7 +84,7 @@ def _run_in_process(args: list[str], input: bytes | None, cwd: Path):
     sys.stdout = io.TextIOWrapper(out, encoding="utf-8", write_through=True)
     sys.stderr = io.TextIOWrapper(err, encoding="utf-8", write_through=True)
     # glibc tuning is per process and for a command's own lifetime; not for pytest's
-    _allocator.tune_allocator = lambda: False
+    _allocator.tune_allocator = lambda *a, **k: False
     os.chdir(cwd)
     try:
         main()

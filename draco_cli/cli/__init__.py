@@ -100,7 +100,8 @@ def main() -> None:
         from click import exceptions as cx  # type: ignore[no-redef]
 
     global _staged
-    tune_allocator()
+    # the only option before a command is --version/--help: argv[1] names the command
+    tune_allocator(release_polars_pages=sys.argv[1:2] == ["run"])
     try:
         from draco_cli.storage import stage_argv
 
