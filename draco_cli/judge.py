@@ -166,6 +166,24 @@ RAW_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
     "reason": pl.String}
 
 
+def raw_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
+    """Raw verdict rows (``verdict_rows``) as a table, built column by column. Given rows,
+    polars converts the ``cited_steps`` lists one Python list at a time (~80 ms for 12,000
+    rows, serial work after the stage's last call); here they go in as one Arrow list array
+    (~7 ms). The same table as ``pl.DataFrame(rows, schema=RAW_SCHEMA)``."""
+    import numpy as np
+    import pyarrow as pa
+
+    lists = [r["cited_steps"] for r in rows]
+    offsets = np.zeros(len(lists) + 1, dtype=np.int32)
+    np.cumsum([len(x) for x in lists], out=offsets[1:])
+    cited = pl.Series("cited_steps", pa.ListArray.from_arrays(
+        pa.array(offsets, pa.int32()), pa.array([v for x in lists for v in x], pa.int32())))
+    return pl.DataFrame([cited if name == "cited_steps" else
+                         pl.Series(name, [r[name] for r in rows], dtype=dtype)
+                         for name, dtype in RAW_SCHEMA.items()])
+
+
 def aggregate_verdicts(raw: pl.DataFrame, how: Aggregate = "all") -> pl.DataFrame:
     """One verdict per (rollout, criterion, judge) from k samples (SPEC §3.2).
 
@@ -280,5 +298,5 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
     for (rid, ids, m), per_sample in zip(jobs, answers):
         for a in per_sample:
             rows += verdict_rows(rid, ids, m, judge, a.sample, a, stats)
-    raw = pl.DataFrame(rows, schema=RAW_SCHEMA)
+    raw = raw_frame(rows)
     return ScoreResult(raw, aggregate_verdicts(raw, aggregate), stats, skipped)
