@@ -359,17 +359,13 @@ def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:
         raise InputError("no such call log", file=str(p))
     if p.suffix == ".parquet":
         return pl.read_parquet(p)
-    import sqlite3
+    from draco_cli.llm.calllog import read_only
 
-    try:
-        conn = sqlite3.connect(f"file:{p}?mode=ro", uri=True)
+    with read_only(p) as (conn, _):
         cur = conn.execute("SELECT * FROM calls")
-    except sqlite3.DatabaseError as exc:
-        raise InputError(f"not a draco call log ({exc})", file=str(p)) from None
-    names = [d[0] for d in cur.description]
-    df = pl.DataFrame(cur.fetchall(), schema=names, orient="row", infer_schema_length=None)
-    conn.close()
-    return df
+        names = [d[0] for d in cur.description]
+        return pl.DataFrame(cur.fetchall(), schema=names, orient="row",
+                            infer_schema_length=None)
 
 
 # --- billed vs naive ----------------------------------------------------------------------
@@ -448,12 +444,12 @@ def read_cost_rows(path: str | os.PathLike[str],
             names = [d[0] for d in cur.description]
             frames = []
             while rows := cur.fetchmany(10_000):
-                frames.append(_typed_cost_rows(pl.DataFrame(
-                    rows, schema=names, orient="row", infer_schema_length=None), p))
+                frames.append(pl.DataFrame(rows, schema=names, orient="row",
+                                           infer_schema_length=None))
     if not frames:
         return pl.DataFrame(schema={n: _COST_TYPES.get(n, pl.String) for n in names})
-    return _typed_cost_rows(pl.concat([_typed_cost_rows(f, p) for f in frames],
-                                      how="vertical"), p)
+    # each batch typed on its own: one whose column is all null has no type to stack on
+    return pl.concat([_typed_cost_rows(f, p) for f in frames], how="vertical")
 
 
 def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl.DataFrame:
