@@ -396,14 +396,14 @@ class _Run:
                                   "unanswered": unanswered + skipped}, **extra)
 
     def _credit(self) -> StageRecord:
-        from draco_cli.ops.credit import credit_compute
+        from draco_cli.ops.credit_chunks import credit_by_groups
 
         verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
         with _fresh_heap():
             _rss_probe("credit after release")
-            stats = credit_compute(self.rollouts, self.steps, verdicts,
-                                   self.folder.path / "credit", options=self.opts.credit,
-                                   force=True)
+            # by chunks of whole groups: memory set by the chunk, the same tables
+            stats, _ = credit_by_groups(self.rollouts, self.steps, verdicts,
+                                        self.folder.path / "credit", options=self.opts.credit)
         return StageRecord(key="", status="done", stats=asdict(stats), rows=stats.rollouts,
                            reward=self.opts.credit.reward)
 
