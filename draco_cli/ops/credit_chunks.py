@@ -33,6 +33,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
+from draco_cli._allocator import trim_heap
 from draco_cli.credit import CreditStats
 from draco_cli.errors import DracoError
 from draco_cli.io import OutputSet
@@ -44,11 +45,15 @@ from draco_cli.schemas import Step, VerdictAggregated
 __all__ = ["CHUNK_ROLLOUTS", "credit_by_groups"]
 
 # Rollouts per chunk (whole groups, so a chunk may hold one group more). Credit's working set
-# is ~1.6 KB a rollout: a chunk's is a few MiB over the libraries' own.
-CHUNK_ROLLOUTS = 8192
+# is ~1.6 KB a rollout: a chunk's is a few MiB over the libraries' own. Measured on synthetic
+# inputs of 20 steps a rollout (docs/run.md, Memory): credit's peak 274 -> 288 MiB from 10k to
+# 100k rollouts at 4,096, 310 -> 342 at 8,192, 380 at 16,384 (100k); 2,048 saves no more and
+# costs a quarter more time.
+CHUNK_ROLLOUTS = 4096
 OUTPUTS = ("rewards.parquet", "step_credit.parquet", "token_advantages.parquet")
 WORK_PREFIX = ".draco-credit-chunks-"
-_READ_ROWS = 1 << 16  # rows per batch read from an input or a chunk's output
+_READ_ROWS = 1 << 14  # rows per batch read from an input
+_MERGE_ROWS = 1 << 13
 _LAYOUT_KEY = "draco.token_layout"
 
 
@@ -58,11 +63,13 @@ class _Whole(Exception):
 
 def credit_by_groups(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                      out: str | Path, *, options: CreditOptions,
-                     chunk_rollouts: int = CHUNK_ROLLOUTS) -> tuple[CreditStats, int]:
-    """``credit_compute(..., force=True)`` into ``out`` by chunks of whole groups: the same
-    tables, row for row, and the same stats. Returns (stats, chunks): 1 chunk means the
-    whole-table computation ran (few rollouts, or inputs only it can judge)."""
+                     chunk_rollouts: int | None = None) -> tuple[CreditStats, int]:
+    """``credit_compute(..., force=True)`` into ``out`` by chunks of whole groups of about
+    ``chunk_rollouts`` (default ``CHUNK_ROLLOUTS``) rollouts: the same tables, row for row,
+    and the same stats. Returns (stats, chunks): 1 chunk means the whole-table computation
+    ran (few rollouts, or inputs only it can judge)."""
     out = Path(out)
+    chunk_rollouts = chunk_rollouts or CHUNK_ROLLOUTS
     work_root = out.parent
     for stale in work_root.glob(WORK_PREFIX + "*"):  # left by a killed run
         shutil.rmtree(stale, ignore_errors=True)
@@ -97,6 +104,7 @@ class _Plan:
         self.chunks = chunks
         self.steps_per_rollout = np.zeros(chunk_of_row.size, dtype=np.int64)
         self.has_verdicts = False
+        self.schemas: dict[str, pa.Schema] = {}
 
     def dir(self, k: int) -> Path:
         return self.work / f"chunk-{k:05d}"
@@ -192,45 +200,76 @@ def _split(rollouts: Path, steps: Path, verdicts: Path | None, work: Path,
 
 def _scatter(source: pq.ParquetFile, name: str, wanted: list[str], plan: _Plan,
              rows_of: Any) -> np.ndarray:
-    """Append each row of ``source`` (the ``wanted`` columns it has) to its chunk's ``name``,
-    in file order; returns the number of rows per rollout."""
+    """Append each row of ``source`` (the ``wanted`` columns it has) to its chunk's ``name``
+    (an Arrow IPC stream, made Parquet when the chunk's turn comes), in file order; returns
+    the number of rows per rollout.
+
+    IPC, not Parquet: an open Parquet writer holds its encoders (~8 MiB for policy_spans), so
+    one per chunk would grow with the chunks; an IPC writer holds a file handle."""
     names = source.schema_arrow.names
     columns = [c for c in dict.fromkeys(wanted) if c in names]
     schema = source.schema_arrow
     schema = pa.schema([schema.field(c) for c in columns],
                        metadata=schema.metadata)  # type: ignore[arg-type]  # as io._to_arrow
+    plan.schemas[name] = schema
     per_rollout = np.zeros(plan.chunk_of_row.size, dtype=np.int64)
-    writers = [pq.ParquetWriter(plan.dir(k) / name, schema) for k in range(plan.chunks)]
+    writers: dict[int, Any] = {}
+
+    def write(k: int, table: pa.Table) -> None:
+        if k not in writers:
+            writers[k] = pa.ipc.new_stream(str(plan.dir(k) / (name + ".arrows")), schema)
+        writers[k].write_table(table)
+
     try:
         start = 0
         try:
-            batches = source.iter_batches(batch_size=_READ_ROWS, columns=columns)
-            for batch in batches:
+            for batch in source.iter_batches(batch_size=_READ_ROWS, columns=columns):
                 rows = rows_of(batch, start)
                 start += batch.num_rows
-                per_rollout += np.bincount(rows, minlength=per_rollout.size)
+                if rows.size:  # counted over the rows' span, not over every rollout
+                    low = int(rows.min())
+                    counts = np.bincount(rows - low)
+                    per_rollout[low:low + counts.size] += counts
                 chunk = plan.chunk_of_row[rows]
-                table = pa.Table.from_batches([batch])
+                table = pa.Table.from_batches([batch]).replace_schema_metadata(schema.metadata)
                 if chunk.size and bool(np.all(chunk == chunk[0])):
-                    writers[int(chunk[0])].write_table(table)
+                    write(int(chunk[0]), table)
                     continue
                 for k in np.unique(chunk):
-                    writers[int(k)].write_table(table.filter(pa.array(chunk == k)))
+                    write(int(k), table.filter(pa.array(chunk == k)))
         except (pa.ArrowInvalid, OSError):
             raise _Whole from None
     finally:
-        for w in writers:
+        for w in writers.values():
             w.close()
     return per_rollout
+
+
+def _chunk_input(plan: _Plan, k: int, name: str) -> Path:
+    """Chunk ``k``'s ``name`` as the Parquet file ``credit_compute`` reads."""
+    stream = plan.dir(k) / (name + ".arrows")
+    if stream.exists():
+        with pa.ipc.open_stream(pa.OSFile(str(stream), "rb")) as reader:
+            table = reader.read_all()
+        stream.unlink()
+    else:  # no row of this input in this chunk
+        table = plan.schemas[name].empty_table()
+    pq.write_table(table, plan.dir(k) / name)
+    return plan.dir(k) / name
 
 
 def _compute(plan: _Plan, out: Path, options: CreditOptions) -> CreditStats:
     """Each chunk's credit, then the chunks' rows merged into one output set."""
     parts: list[CreditStats] = []
     for k in range(plan.chunks):
+        # what the split or the last chunk freed goes back to the system first (the draco
+        # command tells glibc to keep freed blocks): each chunk starts from the same floor
+        trim_heap()
         d = plan.dir(k)
-        parts.append(credit_compute(d / "rollouts.parquet", d / "steps.parquet",
-                                    d / "verdicts.parquet" if plan.has_verdicts else None,
+        parts.append(credit_compute(_chunk_input(plan, k, "rollouts.parquet"),
+                                    _chunk_input(plan, k, "steps.parquet"),
+                                    _chunk_input(plan, k, "verdicts.parquet")
+                                    if plan.has_verdicts else None,
                                     d / "out", options=options, force=True))
         for name in ("rollouts.parquet", "steps.parquet", "verdicts.parquet"):
             (d / name).unlink(missing_ok=True)
@@ -247,6 +286,7 @@ def _compute(plan: _Plan, out: Path, options: CreditOptions) -> CreditStats:
                 layouts = {_layout(plan.dir(k) / "out" / name) for k in range(plan.chunks)}
                 meta[_LAYOUT_KEY.encode()] = (layouts.pop() if len(layouts) == 1
                                               else b"mixed")
+            trim_heap()
             _merge(plan, name, schemas[name].with_metadata(meta), per_rollout[name],
                    output.path(name))
         stats = _sum_stats(parts, output.path("rewards.parquet"))
@@ -268,15 +308,23 @@ def _layout(path: Path) -> bytes:
 
 
 class _Cursor:
-    """A chunk's output file read in order, a given number of rows at a time."""
+    """A chunk's output file read in order, a given number of rows at a time. Opened at its
+    first rows and closed after its last (``total``), and read through a small buffer: with
+    inputs in group order one or two are open at a time, and none holds its file decoded."""
 
-    def __init__(self, path: Path) -> None:
-        self.file = pq.ParquetFile(path)
-        self.batches = self.file.iter_batches(batch_size=_READ_ROWS)
+    def __init__(self, path: Path, total: int) -> None:
+        self.path, self.left = path, total
+        self.file: pq.ParquetFile | None = None
+        self.batches: Iterator[pa.RecordBatch] = iter(())
         self.buffer: list[pa.RecordBatch] = []
         self.buffered = 0
 
     def take(self, n: int) -> list[pa.RecordBatch]:
+        if n == 0:  # e.g. rollouts without steps: nothing to open (or to reopen)
+            return []
+        if self.file is None:
+            self.file = pq.ParquetFile(self.path, pre_buffer=False, buffer_size=1 << 16)
+            self.batches = self.file.iter_batches(batch_size=_MERGE_ROWS)
         while self.buffered < n:
             batch = next(self.batches, None)
             if batch is None:
@@ -285,6 +333,7 @@ class _Cursor:
             self.buffer.append(batch)
             self.buffered += batch.num_rows
         got: list[pa.RecordBatch] = []
+        self.left -= n
         while n:
             head = self.buffer[0]
             if head.num_rows <= n:
@@ -296,10 +345,13 @@ class _Cursor:
                 self.buffer[0] = head.slice(n)
                 self.buffered -= n
                 n = 0
+        if self.left == 0:
+            if self.buffered or next(self.batches, None) is not None:
+                raise DracoError("internal error: a credit chunk wrote more rows than its "
+                                 "inputs hold; nothing was written (please report this)")
+            self.file.close()
+            self.file, self.batches = None, iter(())
         return got
-
-    def exhausted(self) -> bool:
-        return self.buffered == 0 and next(self.batches, None) is None
 
 
 def _merge(plan: _Plan, name: str, schema: pa.Schema, per_rollout: np.ndarray,
@@ -307,7 +359,8 @@ def _merge(plan: _Plan, name: str, schema: pa.Schema, per_rollout: np.ndarray,
     """The chunks' ``name`` tables as one file with its rows in the original rollouts' order:
     block by block of original rollouts, each chunk gives its next rows (its own rollouts are
     in their original order), and a stable sort by original rollout interleaves them."""
-    cursors = [_Cursor(plan.dir(k) / "out" / name) for k in range(plan.chunks)]
+    totals = np.bincount(plan.chunk_of_row, weights=per_rollout, minlength=plan.chunks)
+    cursors = [_Cursor(plan.dir(k) / "out" / name, int(totals[k])) for k in range(plan.chunks)]
     block = max(plan.chunk_rollouts, 1)
     R = plan.chunk_of_row.size
     with pq.ParquetWriter(target, schema, compression="zstd") as writer:
@@ -326,9 +379,6 @@ def _merge(plan: _Plan, name: str, schema: pa.Schema, per_rollout: np.ndarray,
                 table = table.take(np.argsort(np.concatenate(keys), kind="stable"))
             if table.num_rows:
                 writer.write_table(table)
-    if not all(c.exhausted() for c in cursors):
-        raise DracoError("internal error: a credit chunk wrote more rows than its inputs "
-                         "hold; nothing was written (please report this)")
 
 
 def _sum_stats(parts: list[CreditStats], rewards: Path) -> CreditStats:
