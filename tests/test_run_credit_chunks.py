@@ -225,25 +225,32 @@ BROKEN = {
     "a step with no tokens": ("steps", lambda df: df.with_columns(
         pl.when(pl.int_range(pl.len()) == pl.len() - 4).then(0)
         .otherwise(pl.col("n_tokens")).cast(pl.Int32).alias("n_tokens"))),
+    "steps without rollout_id": ("steps", lambda df: df.drop("rollout_id")),
+    "steps without n_tokens": ("steps", lambda df: df.drop("n_tokens")),
     "a repeated verdict": ("verdicts", lambda df: pl.concat([df, df.tail(1)])),
-    # each chunk would see one judge: only the whole file shows two
+    # the first group's verdicts by another judge: with a chunk per group, each chunk sees one
+    # judge and only the whole file shows two
     "two judges": ("verdicts", lambda df: df.with_columns(
-        pl.when(pl.int_range(pl.len()) >= pl.len() // 2).then(pl.lit("self"))
+        pl.when(pl.col("rollout_id").is_in(FIRST_GROUP)).then(pl.lit("self"))
         .otherwise(pl.col("judge")).alias("judge"))),
 }
+FIRST_GROUP: list[str] = []
 
 
 @pytest.mark.parametrize("case", sorted(BROKEN))
 @pytest.mark.parametrize("shuffle", [False, True])
 def test_errors_name_the_original_rows(inputs, tmp_path, case, shuffle):
     name, edit = BROKEN[case]
+    r = pl.read_parquet(inputs[shuffle] / "rollouts.parquet")
+    FIRST_GROUP[:] = r.filter(pl.col("group_id") == "g0")["rollout_id"].to_list()
     d = _broken(inputs[shuffle], tmp_path / "in", name, edit)
     with pytest.raises(DracoError) as whole:
         credit_compute(d / "rollouts.parquet", d / "steps.parquet", d / "verdicts.parquet",
                        tmp_path / "whole", options=CreditOptions(), force=True)
     with pytest.raises(DracoError) as chunked:
         credit_by_groups(d / "rollouts.parquet", d / "steps.parquet", d / "verdicts.parquet",
-                         tmp_path / "chunked", options=CreditOptions(), chunk_rollouts=4)
+                         tmp_path / "chunked", options=CreditOptions(),
+                         chunk_rollouts=1 if case == "two judges" else 4)
     assert type(chunked.value) is type(whole.value)
     assert str(chunked.value) == str(whole.value)
     if isinstance(whole.value, InputError):

@@ -67,7 +67,10 @@ def credit_by_groups(rollouts: str | Path, steps: str | Path, verdicts: str | Pa
     """``credit_compute(..., force=True)`` into ``out`` by chunks of whole groups of about
     ``chunk_rollouts`` (default ``CHUNK_ROLLOUTS``) rollouts: the same tables, row for row,
     and the same stats. Returns (stats, chunks): 1 chunk means the whole-table computation
-    ran (few rollouts, or inputs only it can judge)."""
+    ran (few rollouts, or inputs only it can judge).
+
+    The chunks' files go to a temporary folder beside ``out`` (removed at the end; one a
+    killed run left is removed by the next): ``draco run`` holds its run folder's lock."""
     out = Path(out)
     chunk_rollouts = chunk_rollouts or CHUNK_ROLLOUTS
     work_root = out.parent
@@ -113,7 +116,7 @@ class _Plan:
 def _parquet(path: Path) -> pq.ParquetFile:
     try:
         return pq.ParquetFile(path)
-    except (pa.ArrowInvalid, OSError):
+    except (pa.ArrowException, OSError):
         raise _Whole from None
 
 
@@ -160,6 +163,8 @@ def _split(rollouts: Path, steps: Path, verdicts: Path | None, work: Path,
         return np.arange(start, start + batch.num_rows, dtype=np.int64)
 
     def rows_by_id(batch: pa.RecordBatch, start: int) -> np.ndarray:
+        if "rollout_id" not in batch.schema.names:  # the whole-table check names it
+            raise _Whole
         col = batch.column("rollout_id")
         if not _clean_ids(col):
             raise _Whole
@@ -237,7 +242,7 @@ def _scatter(source: pq.ParquetFile, name: str, wanted: list[str], plan: _Plan,
                     continue
                 for k in np.unique(chunk):
                     write(int(k), table.filter(pa.array(chunk == k)))
-        except (pa.ArrowInvalid, OSError):
+        except (pa.ArrowException, OSError):  # unreadable: the whole-table read says so
             raise _Whole from None
     finally:
         for w in writers.values():
