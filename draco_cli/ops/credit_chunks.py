@@ -156,6 +156,10 @@ def _split(rollouts: Path, steps: Path, verdicts: Path | None, work: Path,
         raise _Whole
     plan = _Plan(work, chunk_of_group[codes].astype(np.int64), chunks, chunk_rollouts)
     del codes
+    # the hash tables and read buffers of the id columns (tens of MiB at 100k rollouts) go
+    # back to the system before the inputs are split (the draco command tells glibc to keep
+    # freed blocks); so after each input
+    trim_heap()
     for k in range(chunks):
         plan.dir(k).mkdir()
 
@@ -247,6 +251,7 @@ def _scatter(source: pq.ParquetFile, name: str, wanted: list[str], plan: _Plan,
     finally:
         for w in writers.values():
             w.close()
+    trim_heap()
     return per_rollout
 
 
