@@ -20,6 +20,7 @@ import pytest
 
 from draco_cli.errors import DracoError, InputError
 from draco_cli.io import SET_ID_KEY
+from draco_cli.ops import credit as credit_ops
 from draco_cli.ops import credit_chunks
 from draco_cli.ops.credit import credit_compute
 from draco_cli.ops.credit_chunks import WORK_PREFIX, credit_by_groups
@@ -301,7 +302,7 @@ def test_a_chunk_that_fails_on_its_own_falls_back_to_the_whole(inputs, tmp_path,
     """Any error a chunk raises sends the computation to the whole tables (which, here,
     succeed): the tables are still the whole ones."""
     calls = []
-    real = credit_chunks.credit_compute
+    real = credit_ops.credit_compute
 
     def flaky(*args, **kwargs):
         calls.append(args[0])
@@ -309,6 +310,6 @@ def test_a_chunk_that_fails_on_its_own_falls_back_to_the_whole(inputs, tmp_path,
             raise InputError("chunk trouble", file=str(args[0]))
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(credit_chunks, "credit_compute", flaky)
+    monkeypatch.setattr(credit_ops, "credit_compute", flaky)
     assert whole_and_chunked(inputs[False], tmp_path, 16, CreditOptions()) == 1
     assert calls[-1] == inputs[False] / "rollouts.parquet"

@@ -37,8 +37,9 @@ from draco_cli._allocator import trim_heap
 from draco_cli.credit import CreditStats
 from draco_cli.errors import DracoError
 from draco_cli.io import OutputSet
+from draco_cli.ops import credit as credit_ops
 from draco_cli.ops.credit import (CREDIT_ROLLOUT_COLUMNS, CREDIT_STEP_COLUMNS,
-                                  CREDIT_VERDICT_COLUMNS, credit_compute)
+                                  CREDIT_VERDICT_COLUMNS)
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Step, VerdictAggregated
 
@@ -83,7 +84,8 @@ def credit_by_groups(rollouts: str | Path, steps: str | Path, verdicts: str | Pa
             return _compute(plan, out, options), plan.chunks
     except (_Whole, DracoError):
         pass
-    return credit_compute(rollouts, steps, verdicts, out, options=options, force=True), 1
+    return credit_ops.credit_compute(rollouts, steps, verdicts, out, options=options,
+                                     force=True), 1
 
 
 @contextlib.contextmanager
@@ -276,7 +278,7 @@ def _compute(plan: _Plan, out: Path, options: CreditOptions) -> CreditStats:
         # command tells glibc to keep freed blocks): each chunk starts from the same floor
         trim_heap()
         d = plan.dir(k)
-        parts.append(credit_compute(_chunk_input(plan, k, "rollouts.parquet"),
+        parts.append(credit_ops.credit_compute(_chunk_input(plan, k, "rollouts.parquet"),
                                     _chunk_input(plan, k, "steps.parquet"),
                                     _chunk_input(plan, k, "verdicts.parquet")
                                     if plan.has_verdicts else None,
