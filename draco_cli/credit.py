@@ -566,13 +566,17 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame,
         cites = cites.combine_chunks()
     if not counted.any():
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
-    step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
+    # Step numbers and rollout rows stay in their narrow integer types (int32, uint32) until
+    # the step's row is computed in int64: the same values in half the fresh memory.
+    step = pc.list_flatten(cites).to_numpy(zero_copy_only=False)
+    if step.dtype.kind not in "iu":  # null items come as floats: as before
+        step = step.astype(np.int64)
     parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
     pick = counted[parent]
     if not pick.all():
         parent, step = parent[pick], step[pick]
     del pick
-    vr = verdicts["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
+    vr = verdicts["__r"].to_numpy()[parent]  # each citation's rollout row
     valid = (step >= 1) & (step <= sa.M[vr])
     dropped = int(valid.size - np.count_nonzero(valid))
     if dropped:
