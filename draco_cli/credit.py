@@ -117,6 +117,30 @@ def clean_strings(col: pa.ChunkedArray[Any] | None) -> bool:
         pa.types.is_string(col.type) or pa.types.is_large_string(col.type))
 
 
+VERDICT_FLAGS = ("pass", "fail", "na")
+
+
+def verdict_flags(verdict: pl.Series | pa.ChunkedArray[Any] | pa.Array[Any],
+                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(is pass, is fail, is na) of each verdict as numpy bools, null = all False: the filter,
+    the rewards and the citations share them instead of comparing 6M strings each. An Arrow
+    column is dictionary-encoded once (its few distinct values are then compared, not each
+    string)."""
+    if isinstance(verdict, pl.Series):
+        return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", tuple(
+            (verdict == x).fill_null(False).to_numpy() for x in VERDICT_FLAGS))
+    if isinstance(verdict, pa.ChunkedArray):
+        verdict = verdict.combine_chunks()
+    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(verdict))
+    n_values = len(encoded.dictionary)
+    # a null verdict gets the code past the dictionary's end, whose flags are all False
+    indices = cast("pa.Array[Any]", encoded.indices)
+    codes = indices.fill_null(n_values).to_numpy().astype(np.intp, copy=False)
+    values = encoded.dictionary.to_pylist()
+    return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", tuple(
+        np.array([v == x for v in values] + [False])[codes] for x in VERDICT_FLAGS))
+
+
 def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
                          ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
     """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
@@ -178,16 +202,22 @@ def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
     return firsts
 
 
-def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series,
-                    drop: Drop = "all-pass") -> np.ndarray:
-    """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids."""
+def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series | None,
+                    drop: Drop = "all-pass",
+                    flags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
+    """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids; ``flags``
+    are ``verdict_flags`` of ``verdict`` when the caller has them."""
     if drop not in ("all-pass", "constant"):
         raise UsageError(f"--drop {drop!r}: choose all-pass or constant")
+    if flags is None:
+        assert verdict is not None
+        flags = verdict_flags(verdict)
+    is_pass, is_fail, is_na = flags
     keep = np.zeros(n_keys, dtype=bool)
-    keep[key[(verdict == "fail").fill_null(False).to_numpy()]] = True
+    keep[key[is_fail]] = True
     if drop == "constant":
         other = np.zeros(n_keys, dtype=bool)
-        other[key[verdict.is_in(["pass", "na"]).fill_null(False).to_numpy()]] = True
+        other[key[is_pass | is_na]] = True
         keep &= other
     kept: np.ndarray = keep[key]
     return kept
@@ -430,11 +460,14 @@ def discriminative_filter(verdicts: pl.DataFrame, drop: Drop = "all-pass") -> pl
 
 
 def rewards_table(
-    rollouts: pl.DataFrame, verdicts: pl.DataFrame, reward: RewardSource = "rubric"
+    rollouts: pl.DataFrame, verdicts: pl.DataFrame, reward: RewardSource = "rubric",
+    flags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
 ) -> pl.DataFrame:
-    """Per rollout: n_pass / n_fail / n_na over retained criteria, reward, pass_rate_all."""
+    """Per rollout: n_pass / n_fail / n_na over retained criteria, reward, pass_rate_all.
+    ``flags`` (``verdict_flags``, for verdicts carrying ``__r``) stand for their verdict
+    column."""
     if "__r" in verdicts.columns:
-        return _rewards_by_index(rollouts, verdicts, reward)
+        return _rewards_by_index(rollouts, verdicts, reward, flags)
     v = pl.col("verdict")
     counts = verdicts.group_by("rollout_id").agg(
         ((v == "pass") & pl.col("retained")).sum().cast(pl.Int32).alias("n_pass"),
@@ -449,13 +482,13 @@ def rewards_table(
     return _reward_columns(out, reward)
 
 
-def _rewards_by_index(rollouts: pl.DataFrame, verdicts: pl.DataFrame,
-                      reward: RewardSource) -> pl.DataFrame:
+def _rewards_by_index(rollouts: pl.DataFrame, verdicts: pl.DataFrame, reward: RewardSource,
+                      flags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                      ) -> pl.DataFrame:
     """rewards_table's counts as bincounts over ``__r`` (the rollout's row): no string keys."""
     R = rollouts.height
     r = verdicts["__r"].to_numpy().astype(np.int64)
-    v = verdicts["verdict"]
-    is_pass, is_fail, is_na = ((v == x).fill_null(False).to_numpy() for x in ("pass", "fail", "na"))
+    is_pass, is_fail, is_na = flags if flags is not None else verdict_flags(verdicts["verdict"])
     kept = verdicts["retained"].fill_null(False).to_numpy()
 
     def count(flag: np.ndarray) -> np.ndarray:
@@ -515,28 +548,35 @@ def group_advantage(
 # --- §3.6 step credit ---------------------------------------------------------------------
 
 
-def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray, np.ndarray, int]:
+def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame,
+                    flags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
+                    cited_steps: pa.ChunkedArray[Any] | pa.Array[Any] | None = None,
+                    ) -> tuple[np.ndarray, np.ndarray, int]:
     """p_j, f_j for every step of ``sa`` from retained pass/fail verdicts (which carry ``__r``,
     the rollout index), and the number of citations dropped as outside 1..M. A criterion citing
-    a step twice counts once."""
+    a step twice counts once. ``flags`` (``verdict_flags``) and ``cited_steps`` (Arrow) stand
+    for the frame's verdict and cited_steps columns when given."""
     # The citations of retained pass/fail verdicts are picked from all citations by their
     # verdict's flag (no filtered copy of the verdicts' list column).
     total = sa.r.size
-    verdict = verdicts["verdict"]
-    counted = (verdicts["retained"].fill_null(False)
-               & verdict.is_in(["pass", "fail"]).fill_null(False)).to_numpy()
-    cites = verdicts["cited_steps"].to_arrow()
+    is_pass, is_fail, _ = flags if flags is not None else verdict_flags(verdicts["verdict"])
+    counted = verdicts["retained"].fill_null(False).to_numpy() & (is_pass | is_fail)
+    cites = verdicts["cited_steps"].to_arrow() if cited_steps is None else cited_steps
     if isinstance(cites, pa.ChunkedArray):
         cites = cites.combine_chunks()
     if not counted.any():
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
-    step = pc.list_flatten(cites).to_numpy(zero_copy_only=False).astype(np.int64)
+    # Step numbers and rollout rows stay in their narrow integer types (int32, uint32) until
+    # the step's row is computed in int64: the same values in half the fresh memory.
+    step = pc.list_flatten(cites).to_numpy(zero_copy_only=False)
+    if step.dtype.kind not in "iu":  # null items come as floats: as before
+        step = step.astype(np.int64)
     parent = pc.list_parent_indices(cites).to_numpy().astype(np.int64, copy=False)
     pick = counted[parent]
     if not pick.all():
         parent, step = parent[pick], step[pick]
     del pick
-    vr = verdicts["__r"].to_numpy().astype(np.int64)[parent]  # each citation's rollout row
+    vr = verdicts["__r"].to_numpy()[parent]  # each citation's rollout row
     valid = (step >= 1) & (step <= sa.M[vr])
     dropped = int(valid.size - np.count_nonzero(valid))
     if dropped:
@@ -554,10 +594,10 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame) -> tuple[np.ndarray,
     first = np.ones(key.size, dtype=bool)
     np.not_equal(key[1:], key[:-1], out=first[1:])
     gidx = key[first] - parent[first] * max(total, 1)
-    is_pass = (verdict == "pass").fill_null(False).to_numpy()[parent[first]]
+    cite_pass = is_pass[parent[first]]
     del key, parent, first
-    p = np.bincount(gidx[is_pass], minlength=total).astype(np.int32)
-    f = np.bincount(gidx[~is_pass], minlength=total).astype(np.int32)
+    p = np.bincount(gidx[cite_pass], minlength=total).astype(np.int32)
+    f = np.bincount(gidx[~cite_pass], minlength=total).astype(np.int32)
     return p, f, dropped
 
 
@@ -746,8 +786,15 @@ def compute_credit(
     verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
         pl.Series("__r", rows, dtype=pl.UInt32))
     keys = criterion_keys(verdicts, rows, rollouts, crits)
+    flags = cited_steps = None
     if keys is None and fast is not None:  # a null group id: the string-keyed paths below
         verdicts = _with_verdict_ids(verdicts, verdict_ids)
+    elif fast is not None and verdict_ids is not None and "verdict" in verdict_ids.column_names:
+        # the caller checked verdict and cited_steps in Arrow too: they stay Arrow
+        flags = verdict_flags(verdict_ids.column("verdict"))
+        cited_steps = verdict_ids.column("cited_steps")
+    if flags is None:
+        flags = verdict_flags(verdicts["verdict"])
     # the ids are coded: their strings are freed here (the caller keeps no reference)
     verdict_ids = None
     unfiltered = "retained" not in verdicts.columns or (
@@ -755,7 +802,7 @@ def compute_credit(
     )
     if unfiltered and keys is not None:
         verdicts = verdicts.with_columns(pl.Series(
-            "retained", retained_by_key(*keys, verdicts["verdict"], drop)))
+            "retained", retained_by_key(*keys, None, drop, flags)))
     elif unfiltered:  # a null group or criterion id: the string-keyed filter
         verdicts = discriminative_filter(
             verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])), drop
@@ -780,11 +827,12 @@ def compute_credit(
     # Only the columns still needed stay referenced (the ids and judge labels are freed when
     # the caller holds no other reference); the verdicts go once citations are counted.
     del firsts, keys, crits
-    verdicts = verdicts.select("__r", "verdict", "cited_steps", "retained")
-    rw = rewards_table(rollouts, verdicts, reward)
+    verdicts = verdicts.select(c for c in ("__r", "verdict", "cited_steps", "retained")
+                               if c in verdicts.columns)
+    rw = rewards_table(rollouts, verdicts, reward, flags)
     rw = rw.with_columns(group_advantage(rw, estimator, std))
-    p, f, dropped = citation_arrays(sa, verdicts)
-    del verdicts
+    p, f, dropped = citation_arrays(sa, verdicts, flags, cited_steps)
+    del verdicts, flags, cited_steps
     arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
     rw = rw.with_columns(pl.Series("credit_mode", arrays["mode_r"]))
     # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer

@@ -251,12 +251,108 @@ def test_arrow_verdict_ids_match_the_polars_path(seed):
             return type(exc).__name__, str(exc)
         return res.rewards, res.step_credit, res.stats
 
-    ours = outcome(v=verdicts.drop(*VERDICT_ID_COLUMNS), verdict_ids=ids)
+    # verdict and cited_steps apart too (as credit compute reads them when they pass the
+    # contract's checks): the frame keeps only a null retained column, which holds the height
+    apart = [*VERDICT_ID_COLUMNS, "verdict", "cited_steps"]
+    ids_all = pa.table({c: pa.chunked_array([verdicts[c][:cut].to_arrow(),
+                                             verdicts[c][cut:].to_arrow()]) for c in apart})
+    only_retained = pl.DataFrame({"retained": pl.Series([None] * verdicts.height,
+                                                        dtype=pl.Boolean)})
     theirs = outcome(v=verdicts)
-    if isinstance(theirs[0], str):
-        assert ours == theirs
-    else:
-        assert ours[0].equals(theirs[0]) and ours[1].equals(theirs[1]) and ours[2] == theirs[2]
+    for ours in (outcome(v=verdicts.drop(*VERDICT_ID_COLUMNS), verdict_ids=ids),
+                 outcome(v=only_retained, verdict_ids=ids_all)):
+        if isinstance(theirs[0], str):
+            assert ours == theirs
+        else:
+            assert ours[0].equals(theirs[0]) and ours[1].equals(theirs[1]) and ours[2] == theirs[2]
+
+
+@pytest.mark.parametrize("seed", range(20))
+def test_verdict_flags_of_arrow_match_the_polars_ones(seed):
+    from draco_cli.credit import verdict_flags
+
+    rng = np.random.default_rng(seed)
+    n = int(rng.integers(0, 40))
+    values = [rng.choice(["pass", "fail", "na", None, "maybe"]) for _ in range(n)]
+    cut = int(rng.integers(0, n + 1))
+    typ = pa.large_string() if seed % 2 else pa.string()
+    arrow = pa.chunked_array([pa.array(values[:cut], type=typ), pa.array(values[cut:], type=typ)])
+    expected = [np.array([v == x for v in values], dtype=bool) for x in ("pass", "fail", "na")]
+    for flags in (verdict_flags(arrow), verdict_flags(pl.Series(values, dtype=pl.String))):
+        assert [f.tolist() for f in flags] == [e.tolist() for e in expected]
+
+
+def _valid_verdicts(rng: np.random.Generator, n: int) -> pa.Table:
+    cites = [[int(x) for x in rng.integers(1, 6, size=int(rng.integers(0, 4)))] for _ in range(n)]
+    return pa.table({"verdict": pa.array([rng.choice(["pass", "fail", "na", None])
+                                          for _ in range(n)], type=pa.string()),
+                     "cited_steps": pa.array(cites, type=pa.list_(pa.int32()))})
+
+
+@pytest.mark.parametrize("seed", range(10))
+@pytest.mark.parametrize("broken", [None, "verdict", "step0", "null_list", "null_item", "int64",
+                                    "no_verdict", "binary"])
+def test_arrow_verdict_checks_never_pass_what_the_contract_refuses(seed, broken):
+    """credit compute keeps verdict and cited_steps in Arrow only when ``_verdicts_as_contract``
+    says they pass the contract: it must never say so of a table ``conform`` refuses (that
+    table then goes through conform, which names the row and field), and must say so of
+    valid ones (else the fast path is never taken)."""
+    from draco_cli.ops.credit import _verdicts_as_contract
+
+    rng = np.random.default_rng(seed)
+    t = _valid_verdicts(rng, int(rng.integers(1, 30)))
+    i = int(rng.integers(0, t.num_rows))
+    verdict, cites = t.column("verdict").to_pylist(), t.column("cited_steps").to_pylist()
+    if broken == "verdict":
+        verdict[i] = "maybe"
+    elif broken == "step0":
+        cites[i] = [*cites[i], 0]
+    elif broken == "null_list":
+        cites[i] = None
+    elif broken == "null_item":
+        cites[i] = [*cites[i], None]
+    t = pa.table({"verdict": pa.array(verdict, type=pa.string()),
+                  "cited_steps": pa.array(cites, type=pa.list_(
+                      pa.int64() if broken == "int64" else pa.int32()))})
+    if broken == "no_verdict":
+        t = t.drop_columns(["verdict"])
+    if broken == "binary":
+        t = t.set_column(0, "verdict", t.column("verdict").cast(pa.binary()))
+    if seed % 2 and t.num_rows > 1:  # chunked, as read from several row groups
+        t = pa.concat_tables([t.slice(0, t.num_rows // 2), t.slice(t.num_rows // 2)])
+    fast = _verdicts_as_contract(t)
+    try:
+        conform(pl.from_arrow(t), VerdictAggregated, "v.parquet",
+                ["verdict", "cited_steps"], check_keys=False)
+        refused = False
+    except InputError:
+        refused = True
+    assert not (fast and refused)
+    assert fast == (broken is None)
+
+
+def test_arrow_pool_is_scoped_and_keeps_a_callers_pool():
+    from draco_cli.ops.credit import _arrow_pool
+
+    before = pa.default_memory_pool()
+    inside = []
+    with _arrow_pool():
+        inside.append(pa.default_memory_pool().backend_name)
+    assert pa.default_memory_pool().backend_name == before.backend_name
+    if before.backend_name == "mimalloc":
+        try:
+            pa.jemalloc_memory_pool()
+            assert inside == ["jemalloc"]
+        except NotImplementedError:
+            assert inside == ["mimalloc"]
+    pa.set_memory_pool(pa.system_memory_pool())
+    try:
+        with pytest.raises(RuntimeError), _arrow_pool():
+            assert pa.default_memory_pool().backend_name == "system"  # the caller's choice
+            raise RuntimeError
+        assert pa.default_memory_pool().backend_name == "system"
+    finally:
+        pa.set_memory_pool(before)
 
 
 @pytest.mark.parametrize("seed", range(20))

@@ -4,12 +4,16 @@ token advantages between their spans and dense forms."""
 
 from __future__ import annotations
 
+import contextlib
+import os
+from collections.abc import Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 import pyarrow as pa
+import pyarrow.compute as pc
 
 from draco_cli._allocator import trim_heap
 from draco_cli.credit import (VERDICT_ID_COLUMNS, CreditStats, clean_strings, compute_credit,
@@ -18,7 +22,8 @@ from draco_cli.errors import InputError, UsageError
 from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
 from draco_cli.ops import publish_file, source_name
 from draco_cli.options import CreditOptions
-from draco_cli.schemas import Reward, Rollout, Step, StepCredit, TokenAdvantages, VerdictAggregated
+from draco_cli.schemas import (Reward, Rollout, Step, StepCredit, TokenAdvantages,
+                               VerdictAggregated, columns)
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
 if TYPE_CHECKING:
@@ -61,11 +66,40 @@ def _read_verdicts(path: str | Path) -> tuple[pl.DataFrame, pa.Table | None]:
     ids = None
     if all(c in arrow.column_names and clean_strings(arrow.column(c))
            for c in VERDICT_ID_COLUMNS):
-        ids = arrow.select(list(VERDICT_ID_COLUMNS))
-        arrow = arrow.drop_columns(list(VERDICT_ID_COLUMNS))
-        columns = [c for c in columns if c not in VERDICT_ID_COLUMNS]
+        apart = list(VERDICT_ID_COLUMNS)
+        if _verdicts_as_contract(arrow):  # verdict and cited_steps stay Arrow too
+            apart += ["verdict", "cited_steps"]
+            if "retained" not in arrow.column_names:  # as conform would add it (keeps the height)
+                arrow = arrow.append_column("retained", pa.nulls(arrow.num_rows, pa.bool_()))
+        ids = arrow.select(apart)
+        arrow = arrow.drop_columns(apart)
+        columns = [c for c in columns if c not in apart]
     return conform(as_frame(arrow), VerdictAggregated, source_name(path), columns,
                    check_keys=False), ids
+
+
+def _verdicts_as_contract(arrow: pa.Table) -> bool:
+    """The verdicts' verdict and cited_steps pass the contract's checks as read, checked on
+    the Arrow columns (no conversion to polars): verdict a string column of pass / fail / na
+    or null, cited_steps a list of int32 without null lists or items, every item >= 1. False
+    sends them through ``conform``, which names what is wrong."""
+    if not {"verdict", "cited_steps"} <= set(arrow.column_names):
+        return False
+    verdict, cited = arrow.column("verdict"), arrow.column("cited_steps")
+    if not (pa.types.is_string(verdict.type) or pa.types.is_large_string(verdict.type)):
+        return False
+    if not ((pa.types.is_list(cited.type) or pa.types.is_large_list(cited.type))
+            and pa.types.is_int32(cited.type.value_type) and cited.null_count == 0):
+        return False
+    contract = {c.name: c for c in columns(VerdictAggregated)}
+    item_ge, choices = contract["cited_steps"].item_ge, contract["verdict"].choices
+    assert item_ge is not None and choices is not None  # what the checks below stand for
+    values = pa.chunked_array([pc.list_flatten(chunk) for chunk in cited.chunks],
+                              type=pa.int32())
+    if values.null_count or (len(values) and pc.min(values).as_py() < item_ge):
+        return False
+    allowed = pa.array(choices, type=verdict.type)
+    return bool(pc.all(pc.is_in(pc.drop_null(verdict), value_set=allowed)).as_py() is not False)
 
 
 def _with_step_ids(step_credit: pl.DataFrame,
@@ -78,6 +112,29 @@ def _with_step_ids(step_credit: pl.DataFrame,
     return step_credit.to_arrow().add_column(0, "rollout_id", ids.cast(pa.large_string()))
 
 
+@contextlib.contextmanager
+def _arrow_pool() -> Iterator[None]:
+    """Arrow's jemalloc pool for the call, when the process runs on pyarrow's own default
+    (mimalloc): at 1M rollouts credit peaked ~120 MiB lower on it, at no higher CPU (paired
+    runs, docs/credit.md §6). A pool the caller chose (``draco run``'s system pool for its
+    credit stage, ``ARROW_DEFAULT_MEMORY_POOL``) is kept; the previous pool is restored after,
+    also on error. Buffers remember their pool, so tables made here are freed correctly
+    later."""
+    previous = pa.default_memory_pool()
+    pool = None
+    if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ and previous.backend_name == "mimalloc":
+        with contextlib.suppress(NotImplementedError):  # a pyarrow built without jemalloc
+            pool = pa.jemalloc_memory_pool()
+    if pool is None:
+        yield
+        return
+    pa.set_memory_pool(pool)
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(previous)
+
+
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                    out: str | Path, *, tokens: str | None = None, force: bool = False,
                    options: CreditOptions | None = None, **kwargs: Any) -> CreditStats:
@@ -86,6 +143,14 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     ``options`` (or the same fields as keywords) says how; ``verdicts`` may be None only with
     ``reward="outcome"`` and uniform credit: the environment's outcome, no criteria filter.
     """
+    with _arrow_pool():
+        return _credit_compute(rollouts, steps, verdicts, out, tokens=tokens, force=force,
+                               options=options, **kwargs)
+
+
+def _credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
+                    out: str | Path, *, tokens: str | None = None, force: bool = False,
+                    options: CreditOptions | None = None, **kwargs: Any) -> CreditStats:
     if options is None:
         options = CreditOptions.build(**kwargs, **({"tokens": tokens} if tokens else {}))
     elif kwargs or tokens:
