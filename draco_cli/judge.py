@@ -9,6 +9,7 @@ left out are unanswered, citations outside 1..M are dropped and counted.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
@@ -125,9 +126,15 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
         check=verdict_check(ids),
         messages=[{"role": "system", "content": template},
                   {"role": "user", "content": "Criteria (one JSON object per line):\n"
-                   f"{fenced('criteria', listing)}\n\n"
+                   f"{_fenced_criteria(listing)}\n\n"
                    f"Task:\n{task_block(task)}\n\nRollout ({m} steps):\n"
                    f"{fenced('rollout', traj)}"}])
+
+
+@functools.lru_cache(maxsize=64)
+def _fenced_criteria(listing: str) -> str:
+    """A group's fenced criteria, made once for the group's rollouts (its fence hashes it)."""
+    return fenced("criteria", listing)
 
 
 @dataclass
@@ -163,8 +170,11 @@ def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: 
                          "sample": sample, "verdict": None, "cited_steps": [],
                          "reason": "criterion missing from the judge's answer"})
             continue
-        cites = sorted({s for s in item.cited_steps if 1 <= s <= n_steps})
-        stats.citations_dropped += len(set(item.cited_steps)) - len(cites)
+        given_steps = set(item.cited_steps)
+        cites = sorted(given_steps)
+        if cites and (cites[0] < 1 or cites[-1] > n_steps):   # rare: steps out of 1..M
+            cites = [s for s in cites if 1 <= s <= n_steps]
+            stats.citations_dropped += len(given_steps) - len(cites)
         rows.append({"rollout_id": rollout_id, "criterion_id": c, "judge": judge,
                      "sample": sample, "verdict": item.verdict, "cited_steps": cites,
                      "reason": item.reason})

@@ -146,7 +146,8 @@ def may_hold_secret(texts: list[str]) -> bool:
     # low 3 bytes are the 3-byte piece starting there
     windows = np.ndarray(shape=(len(raw) - 3,), dtype="<u4", buffer=folded, strides=(1,))
     table: Any = _pieces()
-    return bool(table[windows & 0xFFFFFF].any())
+    # (``take`` gathers in C at about half the time of fancy indexing)
+    return bool(np.take(table, windows & 0xFFFFFF).any())
 
 
 class Redactor:
