@@ -221,7 +221,10 @@ class DirectPost:
             async with session.post(url, data=data, headers=self.headers, timeout=self.timeout,
                                     allow_redirects=False) as resp:
                 raw = await resp.read()
-                status, headers, charset = resp.status, resp.headers, resp.charset
+                status, headers = resp.status, resp.headers
+                # only an error body is decoded by its charset: Content-Type is parsed (a
+                # few µs in aiohttp) only then
+                charset = None if 200 <= status < 300 else resp.charset
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _transport_failure(exc) from None
         except aiohttp.ClientPayloadError:
