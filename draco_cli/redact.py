@@ -3,10 +3,13 @@ shown (``draco report``).
 
 The default patterns are combined into one regular expression, so a text is scanned once
 whatever the number of patterns, and only when a prefilter of literal substrings says it may
-hold a secret (then by the combination of just the patterns it may match) (the judge stage redacts every action and observation of every rollout: this is
-on its hot path; see benchmarks/bench_redact.py). Where a secret follows a key (``password = "x"``), the key is
-kept and only the value masked: each such pattern captures its key in a named group, and the
-replacement template puts back whichever of those groups matched (unmatched groups are empty).
+hold a secret (then by the combination of just the patterns it may match). The judge stage
+redacts every action and observation of every rollout, on its hot path: it hands a rollout's
+texts over as one batch (``Redactor.many``), screened at once for pieces of those literals
+(see benchmarks/bench_redact.py). Where a secret follows a key (``password = "x"``), the key
+is kept and only the value masked: each such pattern captures its key in a named group, and
+the replacement template puts back whichever of those groups matched (unmatched groups are
+empty).
 """
 
 from __future__ import annotations
@@ -118,7 +121,7 @@ _piece_table: list[object] = []
 
 def _pieces() -> object:
     """A 2**24 table of booleans, True at the little-endian code of each piece (made once;
-    the untouched pages of ``np.zeros`` are never resident)."""
+    ``np.zeros`` maps only the pages that lookups touch)."""
     if not _piece_table:
         import numpy as np
 
