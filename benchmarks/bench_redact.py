@@ -9,6 +9,8 @@ the real tau-bench and tau2-bench rollouts in ../shared/data, one redaction call
   issue 19 measured at 0.34 ms per call);
 - ``sequential``: today's (larger) pattern set, but one pass per pattern — what the combined
   expression saves.
+- ``batched``: the texts in batches of 17 through ``Redactor.many`` (one screen per batch, as
+  the judge stage redacts a rollout), against today's text-by-text prefilter (``combined``).
 The last line is ``redact_combined_over_before=<ratio>`` (time per call; lower is better).
 """
 
@@ -20,7 +22,7 @@ import re
 import time
 from pathlib import Path
 
-from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor
+from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor, may_hold_secret
 
 DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
 
@@ -89,6 +91,14 @@ def main() -> None:
     print(f"every text triggering the prefilter: before {before_t * 1e6:.2f} µs/call, "
           f"combined {combined_t * 1e6:.2f} µs/call "
           f"(redact_triggered_combined_over_before={combined_t / before_t:.3f})")
+    # As the judge stage redacts: a rollout's texts as one batch (``Redactor.many``, screened
+    # at once), batches of 17 consecutive texts (an instruction, 8 actions, 8 observations).
+    batches = [corpus[i:i + 17] for i in range(0, len(corpus), 17)]
+    flagged = sum(may_hold_secret([t for t in b if t]) for b in batches)
+    batched = per_call(Redactor().many, batches, args.repeat) * len(batches) / len(corpus)
+    print(f"batched (17 texts a batch, one screen each):    {batched * 1e6:8.2f} µs/call; "
+          f"{flagged} of {len(batches)} batches sent text by text by the screen")
+    print(f"redact_batched_over_combined={batched / combined:.3f}")
     print(f"redact_combined_over_sequential={combined / sequential:.3f}")
     print(f"redact_combined_over_before={combined / before:.3f}")
 

@@ -9,6 +9,7 @@ left out are unanswered, citations outside 1..M are dropped and counted.
 
 from __future__ import annotations
 
+import functools
 import json
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
@@ -102,21 +103,38 @@ def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criter
 def _score_request(rollout_id: str, instruction: str, numbers: list[int], actions: list[str],
                    observations: list[str], ids: list[str], listing: str, samples: int,
                    sampling: Sampling, render: RenderOptions,
-                   prompt: tuple[str, str]) -> LLMRequest:
+                   prompt: tuple[str, str],
+                   schemas: dict[tuple[tuple[str, ...], int], dict[str, Any]] | None = None,
+                   ) -> LLMRequest:
     template, version = prompt
     task, traj = render_steps(instruction, numbers, actions, observations, render)
     m = len(numbers)
+    # The rollouts of a group with as many steps share one schema: made, and encoded for the
+    # cache key and the body, once (``schema_key``).
+    key = (tuple(ids), m)
+    schema = schemas.get(key) if schemas is not None else None
+    if schema is None:
+        schema = score_schema(ids, m)
+        if schemas is not None:
+            schemas[key] = schema
     # Stable part first (instructions, rubric, task: shared by the group) so prompt caches hit.
     # The criteria were written by a model that read rollouts: fenced as untrusted text too.
     return LLMRequest(
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
-        json_schema=score_schema(ids, m), check=verdict_check(ids),
+        json_schema=schema, schema_key=("draco.judge.score_schema", *key),
+        check=verdict_check(ids),
         messages=[{"role": "system", "content": template},
                   {"role": "user", "content": "Criteria (one JSON object per line):\n"
-                   f"{fenced('criteria', listing)}\n\n"
+                   f"{_fenced_criteria(listing)}\n\n"
                    f"Task:\n{task_block(task)}\n\nRollout ({m} steps):\n"
                    f"{fenced('rollout', traj)}"}])
+
+
+@functools.lru_cache(maxsize=64)
+def _fenced_criteria(listing: str) -> str:
+    """A group's fenced criteria, made once for the group's rollouts (its fence hashes it)."""
+    return fenced("criteria", listing)
 
 
 @dataclass
@@ -152,8 +170,11 @@ def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: 
                          "sample": sample, "verdict": None, "cited_steps": [],
                          "reason": "criterion missing from the judge's answer"})
             continue
-        cites = sorted({s for s in item.cited_steps if 1 <= s <= n_steps})
-        stats.citations_dropped += len(set(item.cited_steps)) - len(cites)
+        given_steps = set(item.cited_steps)
+        cites = sorted(given_steps)
+        if cites and (cites[0] < 1 or cites[-1] > n_steps):   # rare: steps out of 1..M
+            cites = [s for s in cites if 1 <= s <= n_steps]
+            stats.citations_dropped += len(given_steps) - len(cites)
         rows.append({"rollout_id": rollout_id, "criterion_id": c, "judge": judge,
                      "sample": sample, "verdict": item.verdict, "cited_steps": cites,
                      "reason": item.reason})
@@ -279,6 +300,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
     skipped = len(ids_col) - len(wanted)
     jobs: list[tuple[str, list[str], int]] = []
     prompt = load_prompt("score")
+    schemas: dict[tuple[tuple[str, ...], int], dict[str, Any]] = {}
 
     def produce() -> Iterator[LLMRequest]:
         for i in wanted:
@@ -288,7 +310,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
             jobs.append((rid, ids, b - a))
             yield _score_request(rid, instructions[i], numbers[a:b], actions[a:b],
                                  observations[a:b], ids, listing, samples, sampling, render,
-                                 prompt)
+                                 prompt, schemas)
 
     # Built while the first calls are in flight (``RequestStream``).
     answers = (yield RequestStream(produce(), len(wanted), len(wanted) * samples)) \

@@ -54,10 +54,15 @@ def render_steps(instruction: str, numbers: list[int], actions: list[str], obser
                  opts: RenderOptions, budget_tokens: int | None = None) -> tuple[str, str]:
     """``render_rollout`` over the step columns as lists (the judge stage slices them from one
     sorted table instead of building a frame per rollout)."""
-    red = opts.redactor or (lambda s: s)
     budget = (budget_tokens or opts.max_prompt_tokens) * CHARS_PER_TOKEN
-    actions = [red(a) for a in actions]
-    observations = [red(o) for o in observations]
+    red = opts.redactor
+    if red is not None:
+        # the rollout's texts redacted as one batch (``Redactor.many`` screens them at once)
+        many = getattr(red, "many", None)
+        texts = [instruction, *actions, *observations]
+        done = many(texts) if many is not None else [red(t) for t in texts]
+        instruction, actions, observations = (done[0], done[1:1 + len(actions)],
+                                               done[1 + len(actions):])
     limit = opts.observation_chars
     while True:
         parts = []
@@ -72,7 +77,7 @@ def render_steps(instruction: str, numbers: list[int], actions: list[str], obser
         limit //= 2
     if len(body) > budget:  # actions alone exceed the budget: keep head and tail of the whole
         body = shorten(body, budget)
-    return red(instruction), body
+    return instruction, body
 
 
 def task_block(instruction: str) -> str:

@@ -221,7 +221,10 @@ class DirectPost:
             async with session.post(url, data=data, headers=self.headers, timeout=self.timeout,
                                     allow_redirects=False) as resp:
                 raw = await resp.read()
-                status, headers, charset = resp.status, resp.headers, resp.charset
+                status, headers = resp.status, resp.headers
+                # only an error body is decoded by its charset: Content-Type is parsed (a
+                # few µs in aiohttp) only then
+                charset = None if 200 <= status < 300 else resp.charset
         except (aiohttp.ClientConnectionError, asyncio.TimeoutError) as exc:
             raise _transport_failure(exc) from None
         except aiohttp.ClientPayloadError:
@@ -582,9 +585,11 @@ class OpenAIProvider(Provider):
         body = self.body(req, messages, n)
         wire = dict(body)
         wire.update(wire.pop("extra_body", {}))
-        # repr(sampling) tells 1 from 1.0 and 0.0 from -0.0, which compare equal
-        key = (req.answer_model, req.schema_name, n, repr(req.sampling)) \
-            if req.json_schema is None else None
+        # repr(sampling) tells 1 from 1.0 and 0.0 from -0.0, which compare equal; a request's
+        # own schema counts as the model's when it carries a key for it (``schema_key``)
+        schema: Any = req.answer_model if req.json_schema is None else \
+            None if req.schema_key is None else ("schema_key", req.schema_key)
+        key = (schema, req.schema_name, n, repr(req.sampling)) if schema is not None else None
         return wire, wire_json(wire, req, self._rest_json if key is not None else None, key)
 
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],

@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -48,6 +48,11 @@ class LLMRequest:
     # is re-asked with the reason fed back, never recorded as valid. Not part of the cache key:
     # a logged answer is checked again when it is served.
     check: Callable[[BaseModel], str | None] | None = None
+    # A value standing for ``json_schema`` (hashable, equal only for equal schemas): requests
+    # sharing it share the schema's JSON, made once for all of them for the cache key and the
+    # body (the judge keys its schema by the group's criterion ids and the step count). Not
+    # part of the cache key: the schema's JSON is.
+    schema_key: Hashable | None = None
 
     def problem(self, value: BaseModel) -> str | None:
         return self.check(value) if self.check is not None else None
@@ -86,8 +91,12 @@ class LLMRequest:
                 ('{"messages":' + self.messages_json()).encode())
         tail = self.__dict__.get("_tail")
         if tail is None:
-            schema = _model_schema_json(self.answer_model) if self.json_schema is None \
-                else _dumps(self.json_schema)
+            if self.json_schema is None:
+                schema = _model_schema_json(self.answer_model)
+            elif self.schema_key is not None:
+                schema = _keyed_schema_json(self.schema_key, self.json_schema)
+            else:
+                schema = _dumps(self.json_schema)
             tail = self.__dict__["_tail"] = (
                 ',"sampling":' + _sampling_json(self.sampling) + ',"schema":' + schema +
                 ',"template":' + _dumps(self.template_version) + "}")
@@ -100,6 +109,19 @@ class LLMRequest:
 
 # json.dumps with arguments builds an encoder per call; this one is built once (same output)
 _dumps = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode
+
+
+_SCHEMA_JSON: dict[Hashable, str] = {}
+
+
+def _keyed_schema_json(key: Hashable, schema: dict[str, Any]) -> str:
+    """``_dumps(schema)``, made once per ``LLMRequest.schema_key``."""
+    text = _SCHEMA_JSON.get(key)
+    if text is None:
+        if len(_SCHEMA_JSON) > 4096:
+            _SCHEMA_JSON.clear()
+        text = _SCHEMA_JSON[key] = _dumps(schema)
+    return text
 
 
 @functools.lru_cache(maxsize=64)

@@ -1,0 +1,113 @@
+"""The default redaction's screens against the plain pass they stand for: every default
+pattern combined into one expression and run over every text. Same output, same count, for
+any input (the screens may only skip texts the plain pass would leave unchanged)."""
+
+from __future__ import annotations
+
+import json
+import re
+import sys
+from pathlib import Path
+
+import pytest
+from hypothesis import HealthCheck, example, given, settings
+from hypothesis import strategies as st
+
+from draco_cli import redact as R
+from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor
+
+PLAIN = re.compile("|".join(DEFAULT_PATTERNS))
+KEPT = "".join(rf"\g<{name}>" for name in re.findall(r"\(\?P<(\w+)>", "".join(DEFAULT_PATTERNS)))
+TEMPLATE = KEPT + MASK
+
+
+def plain(text: str) -> tuple[str, int]:
+    return PLAIN.subn(TEMPLATE, text) if text else (text, 0)
+
+
+# Pieces of secrets and of their keys in many spellings, folded letters, separators, noise.
+FRAGMENTS = [
+    "password", "PassWord", "pa\u017f\u017fword", "passwd", "passphrase", "PWD", "pwd",
+    "secret", "\u017fecret", "aws_secret_access_key", "SecretAccessKey", "bearer", "BEARER",
+    "Bearer", "sk-", "SK-", "AKIA", "ASIA", "akia", "AIza", "xoxb-", "xox", "eyJ", "eyj",
+    "ghp_", "gho_", "GHP_", "github_pat_", "\u212a", "\u0130", "\u0131", "\x00", "=", ": ",
+    ":", '"', "'", " ", "\n", "\t", ".", "-", "_", "/", "+", "&", "A" * 16, "a1B2" * 5,
+    "Zz09" * 4, "passenger", "Asia", "flight", "\u00e9", "\U0001f600", "\ud800",
+]
+texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)),
+                 max_size=30).map("".join)
+
+
+@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(texts)
+@example("pa\u017f\u017fword=hunter2")              # the long s: (?i) reads it as "s"
+@example("\u017fecret_access_key=" + "A" * 40)
+@example("BEARER abcdefghijklmnop")
+def test_one_text_as_the_plain_pass(text):
+    r = Redactor()
+    assert (r(text), r.count) == plain(text)
+
+
+@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@given(st.lists(texts, max_size=12), st.sampled_from([0, R.MANY_MIN_CHARS]))
+@example(["a" * 3000, "x pa\u017f\u017fword=hunter2"], R.MANY_MIN_CHARS)
+@example(["b" * 3000, "Bearer abcdefghijklmnop"], R.MANY_MIN_CHARS)
+def test_many_texts_as_the_plain_pass(batch, min_chars):
+    """With the threshold at 0 every batch goes through the screen."""
+    saved, R.MANY_MIN_CHARS = R.MANY_MIN_CHARS, min_chars
+    try:
+        r = Redactor()
+        got = r.many(batch)
+    finally:
+        R.MANY_MIN_CHARS = saved
+    done = [plain(t) for t in batch]
+    assert got == [d[0] for d in done]
+    assert r.count == sum(d[1] for d in done)
+
+
+@settings(max_examples=600, deadline=None)
+@given(texts)
+def test_the_batch_screen_never_clears_a_text_the_plain_pass_changes(text):
+    if PLAIN.search(text):
+        assert R.may_hold_secret([text])
+        assert R.may_hold_secret(["padding " * 50, text, "more"])
+
+
+def test_the_batch_screen_clears_ordinary_text():
+    assert not R.may_hold_secret(["the passenger from Lyon booked flight HAT001",
+                                  "a caf\u00e9 \U0001f600 " * 100, ""])
+    assert R.may_hold_secret(["clean", "x" * 5000 + "github_pat_"])
+
+
+def test_user_patterns_apply_on_the_batch_path():
+    r = Redactor([r"hunter\d"])
+    batch = ["x" * 3000, "my hunter2 and hunter3", None, ""]
+    assert r.many(batch) == ["x" * 3000, f"my {MASK} and {MASK}", None, ""]
+    assert r.count == 2
+
+
+def test_folded_characters_are_every_non_ascii_match_of_a_case_insensitive_letter():
+    """``FOLDED`` must list every character outside ASCII that ``re`` matches as a letter of
+    a case-insensitive part of a default pattern (else a screen could clear a secret)."""
+    assert "".join(DEFAULT_PATTERNS).count("(?i") == 4   # the parts below, nothing else
+    parts = (R._PASSWORD_KEY * 2 + R._AWS_SECRET_KEY).replace("(?i:", "") + "bearer"
+    letters = "".join(sorted({c for c in parts if c.isalpha()}))
+    pat = re.compile(f"(?i)[{letters}]")
+    found = {chr(cp) for cp in range(0x80, sys.maxunicode + 1) if pat.fullmatch(chr(cp))}
+    assert found <= set(R.FOLDED), sorted(found - set(R.FOLDED))
+
+
+DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+
+
+@pytest.mark.skipif(not (DATA / "tau-bench").exists(), reason="needs ../shared/data")
+def test_real_rollout_texts_as_the_plain_pass():
+    out: list[str] = []
+    for f in sorted((DATA / "tau-bench").glob("*.json"))[:2]:
+        for entry in json.loads(f.read_text()):
+            out += [m.get("content") or "" for m in entry["traj"] if isinstance(m, dict)]
+    out = [t for t in out if isinstance(t, str)][:3000]
+    r = Redactor()
+    for i in range(0, len(out), 17):
+        batch = out[i:i + 17]
+        assert r.many(batch) == [plain(t)[0] for t in batch]
