@@ -44,8 +44,16 @@ def allocate(score_norm: np.ndarray, error: np.ndarray, cost: np.ndarray, budget
                          f"so the smallest feasible budget is {floor:.6g}")
     useful = (e * g) > 0
     slack_p = np.where(useful, 1.0, p_min)
-    if (slack_p * c).sum() <= budget:
+    # Sums in another order round differently: a budget one rounding step under the slack or
+    # the floor spend is that budget, not a case for the search (which could never meet it).
+    rounding = 1e-12 * max(abs(budget), 1.0)
+    if (slack_p * c).sum() <= budget + rounding:
         return Allocation(slack_p, 0.0, float((slack_p * c).sum()), True)
+    min_p = np.full_like(c, p_min)
+    if (min_p * c).sum() >= budget - rounding:
+        # every position at p_min: the smallest λ that puts the last useful one there
+        lam_floor = float(np.max(g[useful] ** 2 * e[useful] / (p_min**2 * c[useful])))
+        return Allocation(min_p, lam_floor, float((min_p * c).sum()), False)
 
     def p_of(lam: float) -> np.ndarray:
         with np.errstate(divide="ignore", invalid="ignore"):
