@@ -18,9 +18,12 @@ median of 3, docs/credit.md §6).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import sys
+from collections.abc import Iterator
+from typing import Any
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -56,3 +59,18 @@ def trim_heap() -> None:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
         pass
+
+
+@contextlib.contextmanager
+def arrow_pool(pool: Any) -> Iterator[None]:
+    """Arrow's default memory pool set to ``pool`` for the body, the previous one restored
+    after, also on error. Buffers remember their pool, so tables made inside are freed
+    correctly later."""
+    import pyarrow as pa
+
+    previous = pa.default_memory_pool()
+    pa.set_memory_pool(pool)
+    try:
+        yield
+    finally:
+        pa.set_memory_pool(previous)

@@ -15,7 +15,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli._allocator import trim_heap
+from draco_cli._allocator import arrow_pool, trim_heap
 from draco_cli.credit import (VERDICT_ID_COLUMNS, CreditStats, clean_strings, compute_credit,
                               index_steps)
 from draco_cli.errors import InputError, UsageError
@@ -118,8 +118,7 @@ def _arrow_pool() -> Iterator[None]:
     (mimalloc): at 1M rollouts credit peaked ~120 MiB lower on it, at no higher CPU (paired
     runs, docs/credit.md §6). A pool the caller chose (``draco run``'s system pool for its
     credit stage, ``ARROW_DEFAULT_MEMORY_POOL``) is kept; the previous pool is restored after,
-    also on error. Buffers remember their pool, so tables made here are freed correctly
-    later."""
+    also on error."""
     previous = pa.default_memory_pool()
     pool = None
     if "ARROW_DEFAULT_MEMORY_POOL" not in os.environ and previous.backend_name == "mimalloc":
@@ -128,11 +127,8 @@ def _arrow_pool() -> Iterator[None]:
     if pool is None:
         yield
         return
-    pa.set_memory_pool(pool)
-    try:
+    with arrow_pool(pool):
         yield
-    finally:
-        pa.set_memory_pool(previous)
 
 
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,

@@ -100,17 +100,13 @@ def _fresh_heap() -> Iterator[None]:
 
     import pyarrow as pa
 
-    from draco_cli._allocator import trim_heap
+    from draco_cli._allocator import arrow_pool, trim_heap
 
     gc.collect()
-    previous = pa.default_memory_pool()
-    previous.release_unused()
+    pa.default_memory_pool().release_unused()
     trim_heap()
-    pa.set_memory_pool(pa.system_memory_pool())
-    try:
+    with arrow_pool(pa.system_memory_pool()):
         yield
-    finally:
-        pa.set_memory_pool(previous)
 
 
 def _key(*parts: Any) -> str:
