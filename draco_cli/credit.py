@@ -44,6 +44,34 @@ class CreditStats:
     null_rewards: int = 0
 
 
+def combine_stats(parts: list[CreditStats], reward: pl.Series,
+                  pass_rate_all: pl.Series) -> CreditStats:
+    """The stats of a computation done in parts that share no group, as the whole
+    computation's: counts summed, extremes of extremes, and the means over the whole
+    ``reward`` and ``pass_rate_all`` columns (the parts' rows, in order: a mean of means would
+    round differently)."""
+    from collections import Counter
+
+    modes: Counter[str] = Counter()
+    for p in parts:
+        modes.update(p.credit_modes)
+    mins = [p.advantage_min for p in parts if p.advantage_min is not None]
+    maxs = [p.advantage_max for p in parts if p.advantage_max is not None]
+    return CreditStats(
+        groups=sum(p.groups for p in parts),
+        rollouts=sum(p.rollouts for p in parts),
+        criteria_kept=sum(p.criteria_kept for p in parts),
+        criteria_dropped=sum(p.criteria_dropped for p in parts),
+        citations_dropped=sum(p.citations_dropped for p in parts),
+        credit_modes=dict(sorted(modes.items())),
+        advantage_min=min(mins) if mins else None,
+        advantage_max=max(maxs) if maxs else None,
+        mean_reward=cast("float | None", reward.rechunk().mean()),
+        mean_pass_rate_all=cast("float | None", pass_rate_all.rechunk().mean()),
+        null_rewards=sum(p.null_rewards for p in parts),
+    )
+
+
 # --- inputs -------------------------------------------------------------------------------
 
 
@@ -142,11 +170,13 @@ def verdict_flags(verdict: pl.Series | pa.ChunkedArray[Any] | pa.Array[Any],
 
 
 def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
+                         lengths: np.ndarray | None = None,
                          ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
     """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
     columns when they hold one judge (the one asked for, if any) and come grouped by rollout
     in the rollouts' order; None otherwise (the general path then decides, and names what is
-    wrong). No id string is converted to polars on this path."""
+    wrong). No id string is converted to polars on this path. ``lengths`` are the verdicts'
+    run lengths when the caller has checked them (``_arrow_run_lengths``)."""
     if ids.num_rows == 0:
         return None
     judges = ids.column("judge")
@@ -155,7 +185,8 @@ def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | Non
         return None
     if not pc.all(pc.equal(judges, pa.scalar(first, judges.type))).as_py():
         return None
-    lengths = _arrow_run_lengths(ids.column("rollout_id"), rollouts["rollout_id"])
+    if lengths is None:
+        lengths = _arrow_run_lengths(ids.column("rollout_id"), rollouts["rollout_id"])
     if lengths is None:
         return None
     rows = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
@@ -334,6 +365,21 @@ def _arrow_run_lengths(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.
     run-end encoding per chunk; runs cut by chunk bounds are joined)."""
     if len(ids) == 0 or rollout_ids.len() == 0 or ids.null_count:
         return None
+    length, value = arrow_runs(ids)
+    if len(value) != rollout_ids.len():
+        return None
+    expected = rollout_ids.to_arrow()
+    if isinstance(expected, pa.ChunkedArray):
+        expected = expected.combine_chunks()
+    if expected.null_count or not pc.all(pc.equal(value, expected.cast(pa.large_string()))).as_py():
+        return None
+    return length
+
+
+def arrow_runs(ids: pa.ChunkedArray[Any]) -> tuple[np.ndarray, pa.Array[Any]]:
+    """(length, value) of each run of equal values of a non-empty Arrow string column without
+    nulls, values as large_string (one run-end encoding per chunk; runs cut by chunk bounds
+    are joined)."""
     lengths, values = [], []
     for chunk in ids.chunks:
         if len(chunk) == 0:
@@ -351,23 +397,18 @@ def _arrow_run_lengths(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.
             head = np.concatenate([[True], ~same])
             length = np.add.reduceat(length, np.flatnonzero(head))
             value = value.filter(pa.array(head))
-    if len(value) != rollout_ids.len():
-        return None
-    expected = rollout_ids.to_arrow()
-    if isinstance(expected, pa.ChunkedArray):
-        expected = expected.combine_chunks()
-    if expected.null_count or not pc.all(pc.equal(value, expected.cast(pa.large_string()))).as_py():
-        return None
-    return length
+    return length, value
 
 
 def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
-                ids: pa.ChunkedArray[Any] | None = None) -> StepArrays:
+                ids: pa.ChunkedArray[Any] | None = None,
+                lengths: np.ndarray | None = None) -> StepArrays:
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats.
 
     ``ids`` is the steps' rollout_id as read (Arrow, no nulls) when ``steps`` leaves it out:
-    steps in the rollouts' order never convert it to polars."""
+    steps in the rollouts' order never convert it to polars. ``lengths`` are their run
+    lengths, one per rollout in order, when the caller has checked that (``_run_lengths``)."""
     R = rollouts.height
     # the columns' own buffers when they are int32 already (read-only views: nothing below
     # writes into them)
@@ -376,8 +417,9 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
     token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32, copy=False)
                    if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
-    lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
-               else _run_lengths(steps["rollout_id"], rollouts["rollout_id"]))
+    if lengths is None:
+        lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
+                   else _run_lengths(steps["rollout_id"], rollouts["rollout_id"]))
     rows = None
     if lengths is not None:  # one run per rollout, in order: offsets are the run bounds
         np.cumsum(lengths, out=offsets[1:])
@@ -752,6 +794,7 @@ def compute_credit(
     steps_source: str = "steps",
     check_verdict_keys: bool = False,
     verdict_ids: pa.Table | None = None,
+    verdict_lengths: np.ndarray | None = None,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
@@ -761,10 +804,12 @@ def compute_credit(
     without that check: on integer codes it costs a fraction of the string check).
     ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
     string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
-    the rollouts' order are then indexed and coded without converting their ids to polars.
+    the rollouts' order are then indexed and coded without converting their ids to polars;
+    ``verdict_lengths`` are their run lengths when the caller has checked them.
     """
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
+    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge,
+                                                                 verdict_lengths)
     if fast is not None:
         rows, crits_known = fast
         crits: tuple[np.ndarray, int] | None = crits_known

@@ -18,9 +18,11 @@ import fcntl
 import json
 import math
 import os
+import queue
 import shutil
 import sys
 import tempfile
+import threading
 import time
 import uuid
 from collections.abc import Iterator
@@ -308,6 +310,24 @@ def _to_arrow(df: pl.DataFrame | pa.Table, model: type[Table]) -> pa.Table:
         arrays, schema=pa.schema(fields, metadata=schema.metadata))  # type: ignore[arg-type]
 
 
+def contract_table(df: pl.DataFrame | pa.Table, model: type[Table], *,
+                   drop_absent_optional: bool = False,
+                   metadata: dict[str, str] | None = None) -> pa.Table:
+    """The Arrow table ``write_table`` writes: contract columns in contract order and types,
+    ``metadata`` added to the contract's (see ``write_table`` for ``drop_absent_optional``)."""
+    table = _to_arrow(df, model)
+    if drop_absent_optional:
+        present = set(df.columns)
+        keep = [c.name for c in columns(model) if c.required or c.name in present]
+        keep += [n for n in table.column_names if n not in {c.name for c in columns(model)}]
+        table = table.select(keep)
+    if metadata:
+        merged = dict(table.schema.metadata or {})
+        merged.update({k.encode(): v.encode() for k, v in metadata.items()})
+        table = table.replace_schema_metadata(merged)
+    return table
+
+
 def write_table(
     df: pl.DataFrame | pa.Table,
     path: str | os.PathLike[str],
@@ -322,16 +342,8 @@ def write_table(
     ``drop_absent_optional`` leaves out optional contract columns that the frame does not have
     (used for the two forms of token_advantages), instead of writing them as all-null.
     """
-    table = _to_arrow(df, model)
-    if drop_absent_optional:
-        present = set(df.columns)
-        keep = [c.name for c in columns(model) if c.required or c.name in present]
-        keep += [n for n in table.column_names if n not in {c.name for c in columns(model)}]
-        table = table.select(keep)
-    if metadata:
-        merged = dict(table.schema.metadata or {})
-        merged.update({k.encode(): v.encode() for k, v in metadata.items()})
-        table = table.replace_schema_metadata(merged)
+    table = contract_table(df, model, drop_absent_optional=drop_absent_optional,
+                           metadata=metadata)
     if str(path) == STDIO:
         refuse_binary_to_terminal()
         _write_ipc(table, sys.stdout.buffer)
@@ -383,6 +395,83 @@ class StreamingTableWriter:
         err = RuntimeError("aborted")
         with contextlib.suppress(RuntimeError):
             self._ctx.__exit__(RuntimeError, err, None)
+
+
+class BlockWriter:
+    """Tables of an ``OutputSet`` written block by block, by one background thread, while the
+    caller computes the next block: Parquet's encoding and compression (most of a large
+    command's write time) release the GIL, so they run on another core.
+
+    ``write(name, table)`` hands a block over, waiting while ``depth`` blocks are pending (the
+    memory in flight stays bounded). Each file's first block sets its schema; a later block
+    must have the same. ``close`` waits for the last block and closes the files; an error of
+    the writer is raised in the caller at its next ``write`` or at ``close`` (and then nothing
+    is published: the output set's body failed). Use it as a context manager inside the
+    ``OutputSet``; leaving it on an error stops the thread and discards what was pending.
+    """
+
+    def __init__(self, output: OutputSet, depth: int = 3) -> None:
+        self.output = output
+        self._queue: queue.Queue[tuple[str, pa.Table] | None] = queue.Queue(maxsize=depth)
+        self._writers: dict[str, pq.ParquetWriter] = {}
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="draco-block-writer", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while (item := self._queue.get()) is not None:
+            if self._error is not None:
+                continue  # drained until the caller sees the error
+            name, table = item
+            try:
+                writer = self._writers.get(name)
+                if writer is None:
+                    writer = pq.ParquetWriter(self.output.path(name), table.schema,
+                                              compression="zstd")
+                    self._writers[name] = writer
+                writer.write_table(table)
+            except OSError as exc:
+                self._error = OutputError(describe_os_error(exc, self.output.folder / name))
+            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+                self._error = exc
+
+    def _raise(self) -> None:
+        if self._error is not None:
+            raise self._error
+
+    def write(self, name: str, table: pa.Table) -> None:
+        self._raise()
+        self._queue.put((name, table))
+
+    def _stop(self) -> None:
+        if self._thread.is_alive():
+            self._queue.put(None)
+            self._thread.join()
+
+    def close(self) -> None:
+        self._stop()
+        self._raise()
+        for name, writer in list(self._writers.items()):
+            try:
+                writer.close()
+            except OSError as exc:
+                raise OutputError(describe_os_error(exc, self.output.folder / name)) from None
+            del self._writers[name]
+
+    def __enter__(self) -> BlockWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, exc: BaseException | None,
+                 tb: TracebackType | None) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        self._error = self._error or exc  # what is still queued is dropped
+        self._stop()
+        for writer in self._writers.values():
+            with contextlib.suppress(Exception):
+                writer.close()
+        self._writers.clear()
 
 
 # --- reading ------------------------------------------------------------------------------

@@ -8,6 +8,7 @@ models declare (nullability, enums, bounds) are applied to whole columns in ``dr
 
 from __future__ import annotations
 
+import functools
 import types
 import typing
 from dataclasses import dataclass
@@ -701,6 +702,14 @@ def _bound(value: object) -> float:
 
 
 def columns(model: type[Table]) -> list[Column]:
+    """The contract's columns of ``model``, in order."""
+    return list(_columns(model))
+
+
+@functools.cache
+def _columns(model: type[Table]) -> tuple[Column, ...]:
+    # computed once per model: resolving the type hints costs ~1 ms, and block-by-block
+    # writers ask for every block
     hints = typing.get_type_hints(model, include_extras=True)
     out = []
     for attr, info in model.model_fields.items():
@@ -734,7 +743,7 @@ def columns(model: type[Table]) -> list[Column]:
                 finite=pa.types.is_floating(value_type),
             )
         )
-    return out
+    return tuple(out)
 
 
 def arrow_schema(model: type[Table]) -> pa.Schema:

@@ -18,12 +18,14 @@ import pyarrow.compute as pc
 from draco_cli._allocator import arrow_pool, trim_heap
 from draco_cli.credit import (VERDICT_ID_COLUMNS, CreditStats, clean_strings, compute_credit,
                               index_steps)
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import DracoError, InputError, OutputError, UsageError
 from draco_cli.io import OutputSet, as_frame, check_writable, conform, read_arrow, read_table
 from draco_cli.ops import publish_file, source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import (Reward, Rollout, Step, StepCredit, TokenAdvantages,
                                VerdictAggregated, columns)
+from draco_cli.ops.credit_blocks import (LAYOUT_KEY, WholeTables, credit_by_blocks, layout_label,
+                                         plan_blocks, token_form, with_step_ids)
 from draco_cli.token_advantages import dense_to_spans, form_of, spans_to_dense
 
 if TYPE_CHECKING:
@@ -100,16 +102,6 @@ def _verdicts_as_contract(arrow: pa.Table) -> bool:
         return False
     allowed = pa.array(choices, type=verdict.type)
     return bool(pc.all(pc.is_in(pc.drop_null(verdict), value_set=allowed)).as_py() is not False)
-
-
-def _with_step_ids(step_credit: pl.DataFrame,
-                   ids: pl.Series | pa.ChunkedArray[Any] | None) -> pl.DataFrame | pa.Table:
-    """step_credit with the steps' Arrow rollout_id as its first column when it was built
-    without one (see ``StepArrays.step_rollout_ids``), as the large_string polars would write
-    (the cast shares the strings, only offsets are new)."""
-    if not isinstance(ids, pa.ChunkedArray):
-        return step_credit
-    return step_credit.to_arrow().add_column(0, "rollout_id", ids.cast(pa.large_string()))
 
 
 @contextlib.contextmanager
@@ -190,6 +182,18 @@ def _credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Pat
     del arrow
     # compute_credit checks the verdicts' keys on integer codes (the string check costs more).
     v, v_ids = (_no_verdicts(), None) if verdicts is None else _read_verdicts(verdicts)
+    plan = plan_blocks(r, s, step_ids, v, v_ids, options)
+    if plan is not None:
+        try:
+            return credit_by_blocks(plan, r, spans, flat_spans, s, step_ids, v, v_ids, out,
+                                    options=options, force=force,
+                                    steps_source=source_name(steps),
+                                    verdicts_source=source_name(verdicts or "verdicts"))
+        except OutputError:
+            raise
+        except (WholeTables, DracoError):
+            pass  # the whole-table computation below raises the error as it always has
+        del plan
     sa = index_steps(s, r, source_name(steps), ids=step_ids)
     del s, step_ids  # the steps' own columns are copied or kept by sa: freed before the computation
     # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
@@ -216,7 +220,7 @@ def _credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Pat
         # step_credit is written, then freed, before token advantages are built: the two
         # largest tables never coexist (an error below still publishes nothing).
         output.write_table(rewards, targets[0].name, Reward)
-        output.write_table(_with_step_ids(step_credit, sa.step_rollout_ids), targets[1].name,
+        output.write_table(with_step_ids(step_credit, sa.step_rollout_ids), targets[1].name,
                            StepCredit)
         del step_credit
         sa.step_rollout_ids = None
@@ -224,12 +228,8 @@ def _credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Pat
         ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
                          rewards["credit_mode"].to_numpy(), source_name(steps), spans,
                          policy_flat=flat_spans)
-        if tokens in ("dense", "both"):
-            dense = spans_to_dense(ta)
-            ta = dense if tokens == "dense" else dense.with_columns(ta.select(
-                "span_start", "span_end", "span_value"))
-        layouts = sorted(ta["layout"].unique().to_list())
-        meta = {"draco.token_layout": layouts[0] if len(layouts) == 1 else "mixed",
+        ta = token_form(ta, tokens)
+        meta = {LAYOUT_KEY: layout_label(ta["layout"].unique().to_list()),
                 "draco.token_form": tokens}
         output.write_table(ta, targets[2].name, TokenAdvantages, drop_absent_optional=True,
                            metadata=meta)

@@ -22,7 +22,6 @@ from __future__ import annotations
 import contextlib
 import shutil
 import tempfile
-from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, cast
@@ -34,7 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from draco_cli._allocator import trim_heap
-from draco_cli.credit import CreditStats
+from draco_cli.credit import CreditStats, combine_stats
 from draco_cli.errors import DracoError
 from draco_cli.io import OutputSet
 from draco_cli.ops import credit as credit_ops
@@ -394,25 +393,7 @@ def _merge(plan: _Plan, name: str, schema: pa.Schema, per_rollout: np.ndarray,
 
 
 def _sum_stats(parts: list[CreditStats], rewards: Path) -> CreditStats:
-    """The chunks' stats as the whole computation's: counts summed (no group spans two
-    chunks), extremes of extremes, and the means over the merged rewards column (a mean of
-    means would round differently)."""
-    modes: Counter[str] = Counter()
-    for p in parts:
-        modes.update(p.credit_modes)
-    mins = [p.advantage_min for p in parts if p.advantage_min is not None]
-    maxs = [p.advantage_max for p in parts if p.advantage_max is not None]
-    rw = pl.read_parquet(rewards, columns=["reward", "pass_rate_all"]).rechunk()
-    return CreditStats(
-        groups=sum(p.groups for p in parts),
-        rollouts=sum(p.rollouts for p in parts),
-        criteria_kept=sum(p.criteria_kept for p in parts),
-        criteria_dropped=sum(p.criteria_dropped for p in parts),
-        citations_dropped=sum(p.citations_dropped for p in parts),
-        credit_modes=dict(sorted(modes.items())),
-        advantage_min=min(mins) if mins else None,
-        advantage_max=max(maxs) if maxs else None,
-        mean_reward=cast("float | None", rw["reward"].mean()),
-        mean_pass_rate_all=cast("float | None", rw["pass_rate_all"].mean()),
-        null_rewards=sum(p.null_rewards for p in parts),
-    )
+    """The chunks' stats as the whole computation's (``combine_stats`` over the merged
+    rewards file)."""
+    rw = pl.read_parquet(rewards, columns=["reward", "pass_rate_all"])
+    return combine_stats(parts, rw["reward"], rw["pass_rate_all"])
