@@ -660,8 +660,9 @@ def rollout_chunks(offsets: np.ndarray, target: int | None = None,
 
 
 def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.ndarray,
-                       credit: CreditKind = "step") -> dict[str, np.ndarray]:
-    """SPEC §3.6 over whole columns, block by block. ``adv_r`` is A_i per rollout."""
+                       credit: CreditKind = "step") -> dict[str, Any]:
+    """SPEC §3.6 over whole columns, block by block. ``adv_r`` is A_i per rollout. Returns
+    numpy columns per step, and ``mode_r``: credit_mode per rollout (a polars Series)."""
     from draco_cli.token_advantages import _sum_by_offsets
 
     if credit not in ("step", "uniform"):
@@ -723,10 +724,12 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
         np.copyto(out, A)
         np.copyto(out, step_adv, where=use_step)
         out += 0.0  # turns -0.0 into 0.0
-    if credit == "step":
-        mode_r = np.where(any_cited_r, "step", "grpo_fallback")
-    else:
-        mode_r = np.full(R, "uniform")
+    # credit_mode per rollout made by polars from the flags (numpy strings would be
+    # converted one by one)
+    mode = (pl.when(pl.lit(pl.Series(any_cited_r))).then(pl.lit("step"))
+            .otherwise(pl.lit("grpo_fallback")) if credit == "step"
+            else pl.repeat(pl.lit("uniform"), R))
+    mode_r = pl.select(mode.cast(pl.String).alias("credit_mode")).to_series()
     return {"p": p, "f": f, "cited": cited, "quality": quality, "weight": weight,
             "advantage": adv, "mode_r": mode_r}
 
@@ -764,7 +767,7 @@ def step_credit_table(
     arrays = step_credit_arrays(sa, p, f, advantages["advantage"].to_numpy().astype(np.float64),
                                 credit)
     modes = advantages.select("rollout_id").with_columns(
-        pl.Series("credit_mode", arrays["mode_r"]))
+        arrays["mode_r"])
     return step_credit_frame(sa, arrays), modes, dropped
 
 
@@ -879,7 +882,7 @@ def compute_credit(
     p, f, dropped = citation_arrays(sa, verdicts, flags, cited_steps)
     del verdicts, flags, cited_steps
     arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
-    rw = rw.with_columns(pl.Series("credit_mode", arrays["mode_r"]))
+    rw = rw.with_columns(arrays["mode_r"])
     # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer
     # given one NaN advantage gets NaN gradients.
     if not (np.isfinite(arrays["advantage"]).all() and rw["advantage"].is_finite().all()):

@@ -403,37 +403,54 @@ class BlockWriter:
     command's write time) release the GIL, so they run on another core.
 
     ``write(name, table)`` hands a block over, waiting while ``depth`` blocks are pending (the
-    memory in flight stays bounded). Each file's first block sets its schema; a later block
-    must have the same. ``close`` waits for the last block and closes the files; an error of
+    memory in flight stays bounded); small blocks are gathered into larger row groups. Each
+    file's first block sets its schema; a later block must have the same. ``close`` waits for the last block and closes the files; an error of
     the writer is raised in the caller at its next ``write`` or at ``close`` (and then nothing
     is published: the output set's body failed). Use it as a context manager inside the
     ``OutputSet``; leaving it on an error stops the thread and discards what was pending.
     """
 
+    # Small blocks are gathered into row groups of at least this many rows (or bytes): every
+    # row group starts its dictionaries and pages afresh, and 20 row groups of 50k rows cost
+    # token advantages ~30% more to encode than one of 1M (measured at 1M rollouts).
+    GROUP_ROWS = 1 << 19
+    GROUP_BYTES = 64 << 20
+
     def __init__(self, output: OutputSet, depth: int = 3) -> None:
         self.output = output
         self._queue: queue.Queue[tuple[str, pa.Table] | None] = queue.Queue(maxsize=depth)
         self._writers: dict[str, pq.ParquetWriter] = {}
+        self._pending: dict[str, list[pa.Table]] = {}
         self._error: BaseException | None = None
         self._thread = threading.Thread(target=self._run, name="draco-block-writer", daemon=True)
         self._thread.start()
 
     def _run(self) -> None:
         while (item := self._queue.get()) is not None:
-            if self._error is not None:
-                continue  # drained until the caller sees the error
             name, table = item
-            try:
-                writer = self._writers.get(name)
-                if writer is None:
-                    writer = pq.ParquetWriter(self.output.path(name), table.schema,
-                                              compression="zstd")
-                    self._writers[name] = writer
-                writer.write_table(table)
-            except OSError as exc:
-                self._error = OutputError(describe_os_error(exc, self.output.folder / name))
-            except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
-                self._error = exc
+            pending = self._pending.setdefault(name, [])
+            pending.append(table)
+            if (sum(t.num_rows for t in pending) >= self.GROUP_ROWS
+                    or sum(t.nbytes for t in pending) >= self.GROUP_BYTES):
+                self._flush(name)
+        for name in list(self._pending):
+            self._flush(name)
+
+    def _flush(self, name: str) -> None:
+        tables = self._pending.pop(name, [])
+        if self._error is not None or not tables:
+            return  # dropped until the caller sees the error
+        try:
+            writer = self._writers.get(name)
+            if writer is None:
+                writer = pq.ParquetWriter(self.output.path(name), tables[0].schema,
+                                          compression="zstd")
+                self._writers[name] = writer
+            writer.write_table(pa.concat_tables(tables) if len(tables) > 1 else tables[0])
+        except OSError as exc:
+            self._error = OutputError(describe_os_error(exc, self.output.folder / name))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller's thread
+            self._error = exc
 
     def _raise(self) -> None:
         if self._error is not None:
@@ -466,7 +483,7 @@ class BlockWriter:
         if exc_type is None:
             self.close()
             return
-        self._error = self._error or exc  # what is still queued is dropped
+        self._error = self._error or exc  # what is still queued or gathered is dropped
         self._stop()
         for writer in self._writers.values():
             with contextlib.suppress(Exception):

@@ -82,7 +82,7 @@ def build_token_advantages(
 
 
 def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, adv_r: np.ndarray,
-                mode_r: np.ndarray, source: str = "steps",
+                mode_r: np.ndarray | pl.Series, source: str = "steps",
                 policy_spans: pa.Array[Any] | pa.ChunkedArray[Any] | None = None,
                 policy_flat: FlatSpans | None = None) -> pl.DataFrame:
     """Spans-form token advantages, one row per rollout of ``rollouts`` (in its order).
@@ -110,7 +110,8 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
     if isinstance(ps, pa.ChunkedArray):
         ps = ps.combine_chunks()
     has_ps = ps.is_valid().to_numpy(zero_copy_only=False)
-    is_step_r = mode_r == "step"
+    is_step_r = ((mode_r == "step").to_numpy() if isinstance(mode_r, pl.Series)
+                 else mode_r == "step")
     length = np.zeros(R, dtype=np.int64)
     pos_r = np.zeros(R, dtype=bool)
     pieces: list[tuple[np.ndarray, ...]] = []

@@ -226,7 +226,7 @@ def _credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Pat
         sa.step_rollout_ids = None
         trim_heap()
         ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
-                         rewards["credit_mode"].to_numpy(), source_name(steps), spans,
+                         rewards["credit_mode"], source_name(steps), spans,
                          policy_flat=flat_spans)
         ta = token_form(ta, tokens)
         meta = {LAYOUT_KEY: layout_label(ta["layout"].unique().to_list()),

@@ -238,7 +238,7 @@ def credit_by_blocks(plan: BlockPlan, r: pl.DataFrame, spans: pa.Array[Any] | No
                                                                   sa.step_rollout_ids),
                                                     StepCredit, metadata=meta))
             ta = token_spans(rb, sa, step_credit["advantage"].to_numpy(),
-                             rewards["advantage"].to_numpy(), rewards["credit_mode"].to_numpy(),
+                             rewards["advantage"].to_numpy(), rewards["credit_mode"],
                              steps_source, None if spans is None else spans.slice(r0, r1 - r0),
                              policy_flat=_slice_flat(flat, r0, r1))
             ta = token_form(ta, tokens)
