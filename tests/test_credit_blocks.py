@@ -271,3 +271,23 @@ def test_block_writer_os_error_names_the_output(tmp_path):
             shutil.rmtree(output.staging)  # the staging folder vanishes under the writer
             w.write("a.parquet", pa.table({"x": [1]}))
     assert not (out / "a.parquet").exists()
+
+
+@pytest.mark.parametrize("seed", range(6))
+def test_random_inputs_and_blocks(tmp_path, monkeypatch, blocks_used, seed):
+    """Other shapes, self-check columns (train_step, response_fingerprint with nulls) and
+    block sizes drawn at random: blocks and whole agree."""
+    rng = np.random.default_rng(100 + seed)
+    d = make_inputs(tmp_path / "in", groups=int(rng.integers(10, 40)), seed=seed)
+    r = pq.read_table(d / "rollouts.parquet")
+    fp = np.char.add("fp", np.arange(r.num_rows).astype(str))
+    r = r.append_column("train_step", pa.array(np.full(r.num_rows, seed, dtype=np.int32)))
+    r = r.append_column("response_fingerprint",
+                        pa.array(fp, mask=rng.random(r.num_rows) < 0.3))
+    pq.write_table(r, d / "rollouts.parquet")
+    steps = pq.read_table(d / "steps.parquet").num_rows
+    options = CreditOptions(tokens=str(rng.choice(["spans", "dense", "both"])),
+                            credit=str(rng.choice(["step", "uniform"])))
+    whole_and_blocks(d, tmp_path / "out", options, int(rng.integers(1, max(2, steps // 3))),
+                     monkeypatch)
+    assert blocks_used and blocks_used[0] > 1
