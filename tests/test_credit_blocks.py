@@ -291,3 +291,21 @@ def test_random_inputs_and_blocks(tmp_path, monkeypatch, blocks_used, seed):
     whole_and_blocks(d, tmp_path / "out", options, int(rng.integers(1, max(2, steps // 3))),
                      monkeypatch)
     assert blocks_used and blocks_used[0] > 1
+
+
+from tests.test_run import SAMPLE_RA, SAMPLE_SA, run_sample, server  # noqa: E402,F401
+
+
+def test_real_rollouts_judged(server, tmp_path, monkeypatch, blocks_used):  # noqa: F811
+    """The sample AppWorld rollouts, judged through ``draco run`` against the local protocol
+    server: blocks of one group or two agree with the whole tables."""
+    assert run_sample(server, tmp_path / "run").returncode == 0
+    d = tmp_path / "in"
+    d.mkdir()
+    for name, src in (("rollouts", SAMPLE_RA), ("steps", SAMPLE_SA),
+                      ("verdicts", tmp_path / "run" / "judge" / "verdicts.parquet")):
+        (d / f"{name}.parquet").write_bytes(Path(src).read_bytes())
+    for block_steps in (1, 20):
+        whole_and_blocks(d, tmp_path / f"out{block_steps}", CreditOptions(), block_steps,
+                         monkeypatch)
+    assert len(blocks_used) == 2 and min(blocks_used) > 1
