@@ -15,6 +15,8 @@ to the smallest size. Targets (issue 19, 2-core machine): 1M rollouts within 1.5
 under 3 GB peak RSS; cost per rollout flat (±30%) from 10k to 1M. ``--repeat K`` runs each K
 times in turn and keeps the best (the machine is shared and noisy). Process CPU (user + system of
 all threads, over the timed part) is printed beside wall time: on a loaded machine it is the steadier figure.
+It is also the stricter one: credit compute writes on a second core while it computes the next
+block (docs/credit.md §6), so its wall can match the floor's, which reads and writes on one.
 
 ``--data DIR`` keeps the generated inputs in ``DIR/N/`` and reuses them on the next run
 (generating 1M rollouts takes minutes and ~4 GB). ``--baseline SRC`` also runs credit compute
