@@ -13,8 +13,8 @@ group advantage standardises within the group, token spans are per rollout. So a
 whole groups computes exactly the rows the whole computation would, and the blocks' rows in
 order are the whole tables. Blocks are slices of what was read (no copy, no temporary
 files), which needs the inputs in the order ingest and the judge write them: each group's
-rollouts adjacent, steps and verdicts grouped by rollout in the rollouts' order, every rollout
-with steps and verdicts, one judge, ``retained`` absent, or null or set throughout.
+rollouts adjacent, steps and verdicts grouped by rollout in the rollouts' order (a rollout may
+have none), one judge, ``retained`` absent, or null or set throughout.
 
 Anything else is left to the whole-table computation, and so is any error a block raises: it
 raises its error naming file, row and field exactly as before (a block's outputs are staged,
