@@ -366,14 +366,19 @@ def _arrow_run_lengths(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.
     if len(ids) == 0 or rollout_ids.len() == 0 or ids.null_count:
         return None
     length, value = arrow_runs(ids)
-    if len(value) != rollout_ids.len():
+    if len(value) != rollout_ids.len() or rollout_ids.null_count():
         return None
-    expected = rollout_ids.to_arrow()
-    if isinstance(expected, pa.ChunkedArray):
-        expected = expected.combine_chunks()
-    if expected.null_count or not pc.all(pc.equal(value, expected.cast(pa.large_string()))).as_py():
+    if not pc.all(pc.equal(value, large_strings(rollout_ids))).as_py():
         return None
     return length
+
+
+def large_strings(values: pl.Series) -> pa.Array[Any]:
+    """A polars string column as one Arrow large_string array (what ``arrow_runs`` gives)."""
+    arr = values.to_arrow()
+    if isinstance(arr, pa.ChunkedArray):
+        arr = arr.combine_chunks()
+    return arr.cast(pa.large_string())
 
 
 def arrow_runs(ids: pa.ChunkedArray[Any]) -> tuple[np.ndarray, pa.Array[Any]]:

@@ -31,8 +31,8 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.credit import (CreditStats, _arrow_run_lengths, arrow_runs, combine_stats,
-                              compute_credit, index_steps)
+from draco_cli.credit import (CreditStats, arrow_runs, combine_stats, compute_credit,
+                              index_steps, large_strings)
 from draco_cli.io import BlockWriter, OutputSet, contract_table
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, StepCredit, TokenAdvantages
@@ -58,10 +58,8 @@ class BlockPlan:
     """Blocks of rollouts [start, end) of whole groups, and where their rows are."""
 
     bounds: np.ndarray          # rollout rows where blocks start, and R
-    step_lengths: np.ndarray    # steps per rollout (one run of its id each, in order)
     step_offsets: np.ndarray    # rollout i's steps are rows step_offsets[i]:step_offsets[i + 1]
-    verdict_lengths: np.ndarray | None  # the same for verdicts (None: no verdicts at all)
-    verdict_offsets: np.ndarray | None
+    verdict_offsets: np.ndarray | None  # the same for verdicts (None: no verdicts at all)
     layout: str                 # the token_layout every output row will have, or "mixed"
 
     def blocks(self) -> list[tuple[int, int]]:
@@ -98,7 +96,7 @@ def plan_blocks(r: pl.DataFrame, s: pl.DataFrame, step_ids: pa.ChunkedArray[Any]
     step_lengths = rows_per_rollout(step_ids, rollout_ids)
     if step_lengths is None:
         return None
-    verdict_lengths = verdict_offsets = None
+    verdict_offsets = None
     if v_ids is None:
         if v.height:  # ids that were not clean strings: the general path names the problem
             return None
@@ -111,18 +109,15 @@ def plan_blocks(r: pl.DataFrame, s: pl.DataFrame, step_ids: pa.ChunkedArray[Any]
         verdict_lengths = rows_per_rollout(v_ids.column("rollout_id"), rollout_ids)
         if verdict_lengths is None:
             return None
-        verdict_offsets = np.zeros(R + 1, dtype=np.int64)
-        np.cumsum(verdict_lengths, out=verdict_offsets[1:])
-    step_offsets = np.zeros(R + 1, dtype=np.int64)
-    np.cumsum(step_lengths, out=step_offsets[1:])
+        verdict_offsets = _offsets(verdict_lengths)
+    step_offsets = _offsets(step_lengths)
     # each cut at the last group start at or before a multiple of block_steps
     at = np.searchsorted(step_offsets[starts], np.arange(block_steps, int(step_offsets[-1]),
                                                         block_steps), side="right") - 1
     bounds = np.unique(np.concatenate([[0], starts[at], [R]]))
     if bounds.size < 3:  # one block: the whole computation is that block
         return None
-    return BlockPlan(bounds=bounds, step_lengths=step_lengths, step_offsets=step_offsets,
-                     verdict_lengths=verdict_lengths, verdict_offsets=verdict_offsets,
+    return BlockPlan(bounds=bounds, step_offsets=step_offsets, verdict_offsets=verdict_offsets,
                      layout=_predicted_layout(s, step_offsets, r["response_len"]))
 
 
@@ -135,14 +130,11 @@ def rows_per_rollout(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.nd
         return np.zeros(R, dtype=np.int64)
     if ids.null_count:
         return None
-    exact = _arrow_run_lengths(ids, rollout_ids)  # one run per rollout: no hashing
-    if exact is not None:
-        return exact
     length, value = arrow_runs(ids)
-    known = rollout_ids.to_arrow()
-    if isinstance(known, pa.ChunkedArray):
-        known = known.combine_chunks()
-    row = pc.index_in(value, value_set=known.cast(pa.large_string()))
+    known = large_strings(rollout_ids)
+    if len(value) == R and pc.all(pc.equal(value, known)).as_py():
+        return length  # one run per rollout: no hashing
+    row = pc.index_in(value, value_set=known)
     if row.null_count:  # a row of an unknown rollout
         return None
     rows = row.to_numpy().astype(np.int64)
@@ -151,6 +143,12 @@ def rows_per_rollout(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.nd
     lengths = np.zeros(R, dtype=np.int64)
     lengths[rows] = length
     return lengths
+
+
+def _offsets(lengths: np.ndarray) -> np.ndarray:
+    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
+    np.cumsum(lengths, out=offsets[1:])
+    return offsets
 
 
 def _predicted_layout(s: pl.DataFrame, step_offsets: np.ndarray, response_len: pl.Series) -> str:
@@ -222,13 +220,12 @@ def credit_by_blocks(plan: BlockPlan, r: pl.DataFrame, spans: pa.Array[Any] | No
             # the plan checked the ids' runs: a block's are a slice of them
             sa = index_steps(s.slice(s0, s1 - s0), rb, steps_source,
                              ids=None if step_ids is None else step_ids.slice(s0, s1 - s0),
-                             lengths=plan.step_lengths[r0:r1])
+                             lengths=np.diff(plan.step_offsets[r0:r1 + 1]))
             vb, vib, vlen = v, None, None
-            if plan.verdict_offsets is not None and plan.verdict_lengths is not None \
-                    and v_ids is not None:
+            if plan.verdict_offsets is not None and v_ids is not None:
                 v0, v1 = int(plan.verdict_offsets[r0]), int(plan.verdict_offsets[r1])
                 vb, vib = v.slice(v0, v1 - v0), v_ids.slice(v0, v1 - v0)
-                vlen = plan.verdict_lengths[r0:r1]
+                vlen = np.diff(plan.verdict_offsets[r0:r1 + 1])
             result = compute_credit(rb, sa, vb, verdicts_source=verdicts_source,
                                     steps_source=steps_source, check_verdict_keys=True,
                                     verdict_ids=vib, verdict_lengths=vlen, **kwargs)
