@@ -1,6 +1,8 @@
-"""The two ways a single call reaches an OpenAI-compatible server (``DRACO_LLM_TRANSPORT``):
-draco's own aiohttp session ("direct", the default) and the openai SDK's ``post`` ("sdk").
-Every fault the local server can inject is run through both, each against a fresh server:
+"""The three ways a single call reaches an OpenAI-compatible server (``DRACO_LLM_TRANSPORT``):
+draco's own posting ("direct", the default: its HTTP/1.1 client for ``http://`` URLs such as
+these tests' server, its aiohttp session for TLS ones), that aiohttp session for every URL
+("aiohttp") and the openai SDK's ``post`` ("sdk").
+Every fault the local server can inject is run through all three, each against a fresh server:
 what the user sees (the answer or the one-line error) and what the call log holds must be the
 same, and each must be what the client promises (retried or not, the server's reason kept,
 keys redacted)."""
@@ -22,7 +24,7 @@ from draco_cli.llm.providers import make_provider, wire_json
 from tests.llm_server import FakeLLMServer
 from tests.test_llm import PLANTED, PRICES, req
 
-TRANSPORTS = ("direct", "sdk")
+TRANSPORTS = ("direct", "aiohttp", "sdk")
 
 
 def _run(transport: str, tmp_path, monkeypatch, faults: list[tuple[str, dict[str, Any]]],
@@ -66,11 +68,15 @@ def _comparable(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 def _both(tmp_path, monkeypatch, faults, **kw) -> dict[str, Any]:
-    direct = _run("direct", tmp_path, monkeypatch, faults, **kw)
+    """Every transport's run of ``faults``; each must match the SDK's (returns "direct"'s)."""
     sdk = _run("sdk", tmp_path, monkeypatch, faults, **kw)
-    assert direct["got"] == sdk["got"]
-    assert _comparable(direct["rows"]) == _comparable(sdk["rows"])
-    assert direct["hits"] == sdk["hits"]
+    for transport in ("direct", "aiohttp"):
+        out = _run(transport, tmp_path, monkeypatch, faults, **kw)
+        assert out["got"] == sdk["got"], transport
+        assert _comparable(out["rows"]) == _comparable(sdk["rows"]), transport
+        assert out["hits"] == sdk["hits"], transport
+        if transport == "direct":
+            direct = out
     return direct
 
 
@@ -161,7 +167,7 @@ def test_connection_refused_reads_the_same(tmp_path, monkeypatch):
             with pytest.raises(LLMError) as err:
                 c.run([req("a")])
         said[transport] = str(err.value)
-    assert said["direct"] == said["sdk"]
+    assert said["direct"] == said["sdk"] == said["aiohttp"]
     assert "connection refused (is the server running?)" in said["direct"]
     assert "after 3 attempts" in said["direct"]
 
@@ -174,6 +180,10 @@ def test_the_direct_path_sends_what_the_sdk_sends(tmp_path, monkeypatch):
                  "x-stainless-lang", "x-stainless-package-version", "x-stainless-async",
                  "x-stainless-retry-count", "x-stainless-read-timeout", "content-length"):
         assert lower["direct"].get(name) == lower["sdk"].get(name), name
+        assert lower["aiohttp"].get(name) == lower["sdk"].get(name), name
+    # what the transports add themselves (each run has its own server: the port differs)
+    assert lower["direct"]["accept-encoding"] == lower["aiohttp"]["accept-encoding"]
+    assert lower["direct"]["host"].rsplit(":", 1)[0] == "127.0.0.1"
     assert lower["direct"]["authorization"] == f"Bearer {PLANTED}"
     assert lower["direct"]["openai-organization"] == "org-test"
 
@@ -184,15 +194,28 @@ def test_the_transport_is_chosen_and_checked(monkeypatch):
                 "all_proxy", "NO_PROXY", "no_proxy"):
         monkeypatch.delenv(var, raising=False)
 
-    def direct(**kw: Any) -> bool:
-        p = make_provider("openai/m", base_url="http://127.0.0.1:9/v1", **kw)
+    def direct(url: str = "http://127.0.0.1:9/v1") -> bool:
+        p = make_provider("openai/m", base_url=url)
         try:
             return p.direct is not None  # type: ignore[attr-defined]
         finally:
             asyncio.run(p.close())
 
+    def http1(url: str) -> bool:
+        p = make_provider("openai/m", base_url=url)
+        try:
+            route = p.direct._route(url + "/chat/completions")  # type: ignore[attr-defined]
+            return route is not None
+        finally:
+            asyncio.run(p.close())
+
     monkeypatch.delenv("DRACO_LLM_TRANSPORT", raising=False)
     assert direct()                      # the default
+    # plain HTTP on draco's own HTTP/1.1 client; TLS and credentials in the URL on aiohttp
+    assert http1("http://127.0.0.1:9/v1") and http1("http://[::1]:8000/v1")
+    assert not http1("https://127.0.0.1:9/v1") and not http1("http://u:p@127.0.0.1:9/v1")
+    monkeypatch.setenv("DRACO_LLM_TRANSPORT", "aiohttp")
+    assert direct() and not http1("http://127.0.0.1:9/v1")
     monkeypatch.setenv("DRACO_LLM_TRANSPORT", "sdk")
     assert not direct()
     monkeypatch.setenv("DRACO_LLM_TRANSPORT", "direct")

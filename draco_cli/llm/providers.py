@@ -165,8 +165,9 @@ def _http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
 
 
 # How single calls reach an OpenAI-compatible server (``DRACO_LLM_TRANSPORT``): "direct" posts
-# on one aiohttp session of draco's own, "sdk" through the openai SDK's low-level ``post``.
-TRANSPORTS = ("direct", "sdk")
+# plain-HTTP URLs on draco's own HTTP/1.1 connections and TLS URLs on one aiohttp session of
+# draco's own, "aiohttp" every URL on that session, "sdk" through the openai SDK's ``post``.
+TRANSPORTS = ("direct", "aiohttp", "sdk")
 
 
 def transport_setting() -> str:
@@ -186,11 +187,15 @@ class DirectPost:
     SDK path: ``_env_proxy``), and maps every failure to the same ``Retryable`` /
     ``RequestRejected`` as the SDK path (``_mapped``)."""
 
-    def __init__(self, headers: dict[str, str], concurrency: int, timeout: float) -> None:
+    def __init__(self, headers: dict[str, str], concurrency: int, timeout: float,
+                 http1: bool = True) -> None:
         self.headers = headers
         self.concurrency = concurrency
         self.timeout_s = timeout
+        self.http1 = http1   # plain-HTTP URLs on draco's own connections (``llm/http1.py``)
         self._session: Any = None
+        self._pools: dict[tuple[str, int], Any] = {}
+        self._routes: dict[str, tuple[Any, str] | None] = {}
 
     def _open(self) -> Any:
         import aiohttp
@@ -213,6 +218,12 @@ class DirectPost:
                    label: str) -> tuple[dict[str, Any], float, str | None]:
         """POST ``data`` (JSON bytes); return (JSON reply, latency, the reply as text when it
         is UTF-8: logged as received instead of encoded again)."""
+        try:
+            route = self._routes[url]
+        except KeyError:
+            route = self._routes[url] = self._route(url)
+        if route is not None:
+            return await self._post_http1(route[0], route[1], data, label)
         import aiohttp
 
         session = self._session or self._open()
@@ -232,25 +243,95 @@ class DirectPost:
         except aiohttp.ClientError as exc:
             raise Retryable(f"connection error ({type(exc).__name__})",
                             kind="connection") from None
-        latency = time.perf_counter() - start
-        if not 200 <= status < 300:
-            body, message = _sdk_error(status, raw, charset)
-            raise _status_failure(status, body, message, headers, label,
-                                  busy=status == 429 or status >= 500)
+        return _reply(status, headers, raw, charset, time.perf_counter() - start, label)
+
+    def _route(self, url: str) -> tuple[Any, str] | None:
+        """The connection pool and request target for ``url`` when draco's own HTTP/1.1
+        client takes it: plain HTTP with no credentials in the URL; anything else is aiohttp's."""
+        from urllib.parse import quote, urlsplit
+
+        from draco_cli.llm.http1 import Http1Pool
+
+        parts = urlsplit(url)
+        if not self.http1 or parts.scheme != "http" or not parts.hostname \
+                or parts.username is not None or parts.password is not None:
+            return None
+        host, port = parts.hostname, parts.port or 80
+        if not host.isascii():
+            host = host.encode("idna").decode("ascii")
+        target = quote(parts.path or "/", safe="/%:@!$&'()*+,;=-._~")
+        if parts.query:
+            target += "?" + quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
+        pool = self._pools.get((host, port))
+        if pool is None:
+            import httpx2
+
+            pool = self._pools[(host, port)] = Http1Pool(
+                host, port, self.headers, limit=self.concurrency,
+                keepalive_expiry=httpx2.Limits().keepalive_expiry or 5.0,
+                connect_timeout=self.timeout_s, read_timeout=self.timeout_s)
+        return pool, target
+
+    async def _post_http1(self, pool: Any, target: str, data: bytes,
+                          label: str) -> tuple[dict[str, Any], float, str | None]:
+        from draco_cli.llm.http1 import MalformedReply, TruncatedReply
+        from draco_cli.llm.keys import scrub
+
+        start = time.perf_counter()
         try:
-            text: str | None = raw.decode()
-        except UnicodeDecodeError:
-            text = None   # JSON in another encoding: json.loads finds it, the log re-encodes
-        try:
-            data_: dict[str, Any] = json.loads(text if text is not None else raw)
-        except ValueError:
-            raise Retryable("the server sent a body that is not JSON") from None
-        return data_, latency, text
+            resp = await pool.post(target, data)
+        except TimeoutError as exc:   # before OSError: it is one
+            raise _transport_failure(exc) from None
+        except OSError as exc:   # refused, dropped, or no route to the server
+            if _refused(exc) or _dropped(exc):
+                raise _transport_failure(exc) from None
+            raise Retryable(f"connection error ({type(exc).__name__})",
+                            kind="connection") from None
+        except TruncatedReply:
+            raise Retryable("connection error (ReadError)", kind="connection") from None
+        except MalformedReply as exc:   # the server's own bytes: scrubbed, bounded
+            raise Retryable(f"connection error (not an HTTP reply: {scrub(str(exc)[:200])})",
+                            kind="connection") from None
+        status = resp.status
+        charset = None if 200 <= status < 300 else _charset(resp.headers.get("content-type"))
+        return _reply(status, resp.headers, resp.body, charset, time.perf_counter() - start,
+                      label)
 
     async def close(self) -> None:
+        for pool in self._pools.values():
+            await pool.close()
+        self._pools.clear()
+        self._routes.clear()
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+def _charset(content_type: str | None) -> str | None:
+    """The charset parameter of a Content-Type, as aiohttp's ``charset`` reads it."""
+    for param in (content_type or "").split(";")[1:]:
+        name, _, value = param.partition("=")
+        if name.strip().lower() == "charset":
+            return value.strip().strip('"') or None
+    return None
+
+
+def _reply(status: int, headers: Any, raw: bytes, charset: str | None, latency: float,
+           label: str) -> tuple[dict[str, Any], float, str | None]:
+    """A reply's JSON (and its text, logged as received) or the failure its status means."""
+    if not 200 <= status < 300:
+        body, message = _sdk_error(status, raw, charset)
+        raise _status_failure(status, body, message, headers, label,
+                              busy=status == 429 or status >= 500)
+    try:
+        text: str | None = raw.decode()
+    except UnicodeDecodeError:
+        text = None   # JSON in another encoding: json.loads finds it, the log re-encodes
+    try:
+        data_: dict[str, Any] = json.loads(text if text is not None else raw)
+    except ValueError:
+        raise Retryable("the server sent a body that is not JSON") from None
+    return data_, latency, text
 
 
 def _sdk_error(status: int, raw: bytes, charset: str | None) -> tuple[object, str]:
@@ -536,9 +617,11 @@ class OpenAIProvider(Provider):
         # absolute, so the SDK does not parse and merge the base URL again on every call
         self._chat_url = f"{self.client.base_url}chat/completions"
         # single calls: draco's own session unless told otherwise or the key is not static
+        transport = transport_setting()
         headers = _direct_headers(self.client, timeout) \
-            if transport_setting() == "direct" and not _env_proxy(self._chat_url) else None
-        self.direct = DirectPost(headers, concurrency, timeout) if headers is not None else None
+            if transport != "sdk" and not _env_proxy(self._chat_url) else None
+        self.direct = DirectPost(headers, concurrency, timeout, http1=transport == "direct") \
+            if headers is not None else None
         self._rest_json: dict[Any, str] = {}   # see ``wire``
 
     def _response_format(self, req: LLMRequest) -> dict[str, Any]:
