@@ -2,11 +2,13 @@
 
     python benchmarks/bench_llm.py [--calls 2000]
 
-Runs N calls through ``LLMClient`` (its default transport: one long-lived aiohttp session,
-``llm/providers.py`` ``DirectPost``; a fixed concurrency: no adaptive probing) at concurrency
-64 and 256 and prints calls/s, CPU ms per call and the ratio to the ideal bound concurrency /
-latency. In the same run, in turn: the same calls through ``LLMClient`` over the openai SDK's
-``post`` (``DRACO_LLM_TRANSPORT=sdk``, the route before the direct one), and through the plain
+Runs N calls through ``LLMClient`` (its default transport: draco's own HTTP/1.1 connections
+for this plain-HTTP server, ``llm/http1.py`` under ``llm/providers.py`` ``DirectPost``; a fixed
+concurrency: no adaptive probing) at concurrency 64 and 256 and prints calls/s, CPU ms per call
+and the ratio to the ideal bound concurrency / latency. In the same run, in turn: the same calls
+through ``LLMClient`` over its aiohttp session (``DRACO_LLM_TRANSPORT=aiohttp``, the route
+before, and the one TLS URLs take), over the openai SDK's ``post``
+(``DRACO_LLM_TRANSPORT=sdk``, the route before that), and through the plain
 ``openai`` SDK as a user would write them (``AsyncOpenAI``, its default transport,
 ``chat.completions.create`` under a semaphore, answers validated with the same pydantic model)
 — draco's lead over it is the ratio of the two. Then reruns the 64 case: every answer must come
@@ -102,7 +104,10 @@ def process_cpu(pid: int) -> float | None:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--calls", type=int, default=2000)
+    ap.add_argument("--concurrency", default="64,256",
+                    help="comma-separated concurrencies (default 64,256)")
     args = ap.parse_args()
+    levels = [int(c) for c in args.concurrency.split(",")]
     os.environ.setdefault("OPENAI_API_KEY", "sk-bench-local-only")
 
     from pydantic import BaseModel
@@ -131,6 +136,7 @@ def main() -> None:
     ratios: dict[int, float] = {}
     sdk: dict[int, float] = {}
     via_sdk: dict[int, float] = {}
+    via_aiohttp: dict[int, float] = {}
     cpu_ms: dict[str, float] = {}
 
     def draco(conc: int, transport: str,
@@ -155,10 +161,10 @@ def main() -> None:
     try:
         # Imports and TLS contexts are paid once per process, not per call: a short warm-up
         # of each arm keeps them out of whichever arm happens to be measured first.
-        for transport in ("direct", "sdk"):
+        for transport in ("direct", "aiohttp", "sdk"):
             draco(64, transport, tag="-warm")
         plain_sdk(url, 64, 64, Judgement)
-        for conc in (64, 256):
+        for conc in levels:
             bound = conc / LATENCY
             rounds = -(-args.calls // conc)
             ceiling = args.calls / (rounds * LATENCY) / bound
@@ -167,9 +173,16 @@ def main() -> None:
             cpu_ms[f"c{conc}"] = 1000 * cpu / args.calls
             print(f"concurrency {conc:>3}: {args.calls} calls in {wall:6.2f} s = "
                   f"{args.calls / wall:7.1f} calls/s (bound {bound:.0f}/s, ratio "
-                  f"{ratios[conc]:.2f}; {rounds} rounds allow at most {ceiling:.3f}); client "
+                  f"{ratios[conc]:.3f}; {rounds} rounds allow at most {ceiling:.3f}); client "
                   f"CPU {1000 * cpu / args.calls:.2f} ms/call; server CPU {server_ms(srv)}; "
                   f"{ok} answered", flush=True)
+            a_wall, a_cpu, a_ok, a_srv = draco(conc, "aiohttp")
+            via_aiohttp[conc] = (args.calls / a_wall) / bound
+            cpu_ms[f"c{conc}_aiohttp_transport"] = 1000 * a_cpu / args.calls
+            print(f"  draco over its aiohttp session (DRACO_LLM_TRANSPORT=aiohttp): "
+                  f"{args.calls / a_wall:7.1f} calls/s (ratio {via_aiohttp[conc]:.3f}), CPU "
+                  f"{1000 * a_cpu / args.calls:.2f} ms/call, server CPU {server_ms(a_srv)}, "
+                  f"{a_ok} answered", flush=True)
             s_wall, s_cpu, s_ok, s_srv = draco(conc, "sdk")
             via_sdk[conc] = (args.calls / s_wall) / bound
             cpu_ms[f"c{conc}_sdk_transport"] = 1000 * s_cpu / args.calls
@@ -186,25 +199,28 @@ def main() -> None:
                   f"{p_ok} answered; draco over plain SDK {(args.calls / wall) / sdk[conc]:.2f}x",
                   flush=True)
         before = hits.value
-        with CallLog(tmp / "c64-direct.sqlite") as log:
-            client = LLMClient("openai/bench-model", call_log=log, base_url=url, concurrency=64)
+        first = levels[0]
+        with CallLog(tmp / f"c{first}-direct.sqlite") as log:
+            client = LLMClient("openai/bench-model", call_log=log, base_url=url,
+                               concurrency=first)
             t0 = time.perf_counter()
-            out = client.run(requests("c64-direct-"))
+            out = client.run(requests(f"c{first}-direct-"))
             wall = time.perf_counter() - t0
         cached = sum(a.cached for r in out for a in r)
         print(f"cached rerun: {cached}/{args.calls} from the call log in {wall:.2f} s, "
               f"HTTP requests made: {hits.value - before}")
-        print(json.dumps({"calls": args.calls, "latency_s": LATENCY,
-                          "ratio_c64": round(ratios[64], 3), "ratio_c256": round(ratios[256], 3),
-                          "ratio_c64_sdk_transport": round(via_sdk[64], 3),
-                          "ratio_c256_sdk_transport": round(via_sdk[256], 3),
-                          "cpu_ms_per_call": {k: round(v, 3) for k, v in cpu_ms.items()},
-                          "draco_over_sdk_c64": round(ratios[64] * 64 / LATENCY / sdk[64], 3),
-                          "draco_over_sdk_c256": round(ratios[256] * 256 / LATENCY / sdk[256], 3),
-                          "rerun_http_requests": hits.value - before}))
+        summary: dict[str, object] = {"calls": args.calls, "latency_s": LATENCY}
+        for c in levels:
+            summary[f"ratio_c{c}"] = round(ratios[c], 3)
+            summary[f"ratio_c{c}_aiohttp_transport"] = round(via_aiohttp[c], 3)
+            summary[f"ratio_c{c}_sdk_transport"] = round(via_sdk[c], 3)
+            summary[f"draco_over_sdk_c{c}"] = round(ratios[c] * c / LATENCY / sdk[c], 3)
+        summary["cpu_ms_per_call"] = {k: round(v, 3) for k, v in cpu_ms.items()}
+        summary["rerun_http_requests"] = hits.value - before
+        print(json.dumps(summary))
         print(f"load average {os.getloadavg()[0]:.2f} on {os.cpu_count()} cores")
-        print(f"ratio_to_bound_c64={ratios[64]:.2f}")
-        print(f"ratio_to_bound_c256={ratios[256]:.2f}")
+        for c in levels:
+            print(f"ratio_to_bound_c{c}={ratios[c]:.3f}")
     finally:
         proc.terminate()
         import shutil
