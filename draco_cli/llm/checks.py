@@ -160,6 +160,9 @@ async def _check_parallelism(provider: Provider, max_tokens: int, temperature: f
                              advice: dict[str, str]) -> None:
     best, rates = 1, dict[int, float]()
     short = _request(min(max_tokens, 32), temperature, seed)
+    # untimed: a server's first sight of a prompt costs more (prompt cache, warm-up), and
+    # charged to "1 at once" alone it would make any parallelism look like a gain
+    await _one(provider, short)
     for c in (1, 2, 4, 8):
         start = time.perf_counter()
         results = await asyncio.gather(*(_one(provider, short) for _ in range(c)))
