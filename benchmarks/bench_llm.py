@@ -176,20 +176,16 @@ def main() -> None:
                   f"{ratios[conc]:.3f}; {rounds} rounds allow at most {ceiling:.3f}); client "
                   f"CPU {1000 * cpu / args.calls:.2f} ms/call; server CPU {server_ms(srv)}; "
                   f"{ok} answered", flush=True)
-            a_wall, a_cpu, a_ok, a_srv = draco(conc, "aiohttp")
-            via_aiohttp[conc] = (args.calls / a_wall) / bound
-            cpu_ms[f"c{conc}_aiohttp_transport"] = 1000 * a_cpu / args.calls
-            print(f"  draco over its aiohttp session (DRACO_LLM_TRANSPORT=aiohttp): "
-                  f"{args.calls / a_wall:7.1f} calls/s (ratio {via_aiohttp[conc]:.3f}), CPU "
-                  f"{1000 * a_cpu / args.calls:.2f} ms/call, server CPU {server_ms(a_srv)}, "
-                  f"{a_ok} answered", flush=True)
-            s_wall, s_cpu, s_ok, s_srv = draco(conc, "sdk")
-            via_sdk[conc] = (args.calls / s_wall) / bound
-            cpu_ms[f"c{conc}_sdk_transport"] = 1000 * s_cpu / args.calls
-            print(f"  draco over the SDK's post (DRACO_LLM_TRANSPORT=sdk): "
-                  f"{args.calls / s_wall:7.1f} calls/s (ratio {via_sdk[conc]:.2f}), CPU "
-                  f"{1000 * s_cpu / args.calls:.2f} ms/call, server CPU {server_ms(s_srv)}, "
-                  f"{s_ok} answered", flush=True)
+            for transport, via, what in (
+                    ("aiohttp", via_aiohttp, "its aiohttp session"),
+                    ("sdk", via_sdk, "the SDK's post")):
+                o_wall, o_cpu, o_ok, o_srv = draco(conc, transport)
+                via[conc] = (args.calls / o_wall) / bound
+                cpu_ms[f"c{conc}_{transport}_transport"] = 1000 * o_cpu / args.calls
+                print(f"  draco over {what} (DRACO_LLM_TRANSPORT={transport}): "
+                      f"{args.calls / o_wall:7.1f} calls/s (ratio {via[conc]:.3f}), CPU "
+                      f"{1000 * o_cpu / args.calls:.2f} ms/call, server CPU {server_ms(o_srv)}, "
+                      f"{o_ok} answered", flush=True)
             os.environ.pop("DRACO_LLM_TRANSPORT", None)
             p_wall, p_cpu, p_ok = plain_sdk(url, conc, args.calls, Judgement)
             sdk[conc] = args.calls / p_wall
