@@ -28,12 +28,13 @@ from draco_cli.llm.http1 import (
 
 Script = Callable[[int, bytes], list[bytes] | None]
 CLOSE = b"<close the connection here>"
+RESET = b"<reset the connection here>"
 
 
 class RawServer:
     """Accepts connections; for the n-th request (0-based, over all connections) sends what
     ``script(n, request)`` returns, piece by piece (``None``: close without a word; b"" in the
-    list: a 50 ms pause; ``CLOSE``: close the connection there). Records every request's bytes and each connection it came on."""
+    list: a 50 ms pause; ``CLOSE``: close the connection there; ``RESET``: reset it). Records every request's bytes and each connection it came on."""
 
     def __init__(self, script: Script) -> None:
         self.script = script
@@ -67,6 +68,15 @@ class RawServer:
                     break
                 for piece in pieces:
                     if piece is CLOSE:
+                        return
+                    if piece is RESET:   # an RST, not a FIN: linger 0, then close
+                        import socket
+                        import struct
+
+                        sock = writer.get_extra_info("socket")
+                        sock.setsockopt(socket.SOL_SOCKET, socket.SO_LINGER,
+                                        struct.pack("ii", 1, 0))
+                        writer.transport.abort()
                         return
                     if piece:
                         writer.write(piece)
@@ -156,6 +166,68 @@ def test_a_body_may_run_to_the_end_of_the_connection() -> None:
     # while the connection stays open, such a body has not ended
     [open_ended], _ = exchange(lambda n, r: [reply, b"", b"", b""], [b"{}"], read_timeout=0.1)
     assert isinstance(open_ended, asyncio.TimeoutError)
+
+
+def test_a_reset_inside_a_body_without_length_is_not_a_reply() -> None:
+    reply = b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\n\r\n" + b'{"a": '
+    [got], _ = exchange(lambda n, r: [reply, b"", RESET], [b"{}"])
+    assert isinstance(got, TruncatedReply)
+
+
+def test_heads_with_bare_line_feeds_are_read() -> None:
+    [got], _ = exchange(lambda n, r: [b"HTTP/1.1 200 OK\nContent-Length: 2\nX-A: 1\r\n\n{}"],
+                        [b"{}"])
+    assert got.body == b"{}" and got.headers["x-a"] == "1"
+
+
+def test_an_empty_compressed_body_is_empty() -> None:
+    [got], _ = exchange(lambda n, r: [b"HTTP/1.1 400 Bad Request\r\nContent-Encoding: gzip\r\n"
+                                      b"Content-Length: 0\r\n\r\n"], [b"{}"])
+    assert got.status == 400 and got.body == b""
+
+
+def test_a_connection_that_ends_before_its_request_is_dropped_not_a_crash() -> None:
+    """A server that speaks first (or closes) right after accepting: the request is never
+    written on the dead connection; the call fails as dropped, which the client retries."""
+    async def go() -> BaseException | None:
+        async def greet(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.2)
+            writer.close()
+        server = await asyncio.start_server(greet, "127.0.0.1", 0)
+        port = server.sockets[0].getsockname()[1]
+        p = pool(port)
+        real_connect = p._connect
+
+        async def slow_connect(loop: asyncio.AbstractEventLoop) -> _Connection:
+            conn = await real_connect(loop)
+            await asyncio.sleep(0.05)   # the greeting arrives before the request goes out
+            return conn
+        p._connect = slow_connect  # type: ignore[method-assign]
+        try:
+            await p.post("/", b"{}")
+        except BaseException as exc:  # noqa: BLE001
+            return exc
+        finally:
+            await p.close()
+            server.close()
+        return None
+    assert isinstance(asyncio.run(go()), ServerDisconnected)
+
+
+def test_a_closing_idle_connection_is_not_taken() -> None:
+    async def go() -> tuple[bytes, int]:
+        async with RawServer(lambda n, r: [ok(b'{"n": %d}' % n)]) as server:
+            p = pool(server.port)
+            await p.post("/", b"{}")
+            [idle] = p._idle
+            assert idle.transport is not None
+            idle.transport.close()   # closing; connection_lost has not run yet
+            second = await p.post("/", b"{}")
+            await p.close()
+            return second.body, server.connections
+    assert asyncio.run(go()) == (b'{"n": 1}', 2)
 
 
 def test_chunked_replies_with_extensions_and_trailers() -> None:
@@ -297,11 +369,21 @@ def test_bytes_beyond_a_reply_end_the_connection() -> None:
     assert [r.status for r in replies] == [200, 200] and server.connections == 2
 
 
-def test_headers_that_could_inject_are_refused_without_their_value() -> None:
+@pytest.mark.parametrize("value", ["Bearer sk-SECRET\r\nX-Evil: 1", "Bearer sk-SECRET\n",
+                                   "Bearer sk-SECRET\u2026"])
+def test_headers_that_could_inject_are_refused_without_their_value(value, monkeypatch) -> None:
     with pytest.raises(ValueError) as err:
-        Http1Pool("127.0.0.1", 80, {"Authorization": "Bearer sk-SECRET\r\nX-Evil: 1"},
+        Http1Pool("127.0.0.1", 80, {"Authorization": value},
                   limit=1, keepalive_expiry=5, connect_timeout=1, read_timeout=1)
     assert "Authorization" in str(err.value) and "sk-SECRET" not in str(err.value)
+    # and a key like that stops the provider as it is made: one line, naming the setting
+    from draco_cli.llm.errors import ModelSpecError
+    from draco_cli.llm.providers import make_provider
+
+    monkeypatch.setenv("OPENAI_API_KEY", value.removeprefix("Bearer "))
+    with pytest.raises(ModelSpecError) as made:
+        make_provider("openai/m", base_url="http://127.0.0.1:9/v1")
+    assert "OPENAI_API_KEY" in str(made.value) and "sk-SECRET" not in str(made.value)
 
 
 def test_the_host_header_names_ipv6_and_default_ports() -> None:
@@ -324,6 +406,9 @@ class _Sink(asyncio.Transport):
 
     def abort(self) -> None:
         self.aborted = True
+
+    def is_closing(self) -> bool:
+        return self.aborted
 
 
 def _parse_in_pieces(raw: bytes, cuts: list[int]) -> tuple[Any, bool]:
@@ -349,11 +434,12 @@ def _parse_in_pieces(raw: bytes, cuts: list[int]) -> tuple[Any, bool]:
 replies = st.builds(
     lambda body, framing, sizes, extra: (body, {
         "length": ok(body, *extra),
+        "length, bare LF": ok(body, *extra).replace(b"\r\n", b"\n", 3),
         "chunked": chunked(body, sizes),
         "eof": b"HTTP/1.1 200 OK\r\n" + "".join(f"{h}\r\n" for h in extra).encode()
                + b"\r\n" + body,
     }[framing], framing),
-    st.binary(max_size=300), st.sampled_from(["length", "chunked", "eof"]),
+    st.binary(max_size=300), st.sampled_from(["length", "length, bare LF", "chunked", "eof"]),
     st.tuples(st.integers(1, 40), st.integers(1, 40)),
     st.lists(st.sampled_from(["X-A: 1", "Server: t", "Date: now", "Connection: keep-alive"]),
              max_size=3))

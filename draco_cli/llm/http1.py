@@ -109,6 +109,7 @@ class _Connection(asyncio.Protocol):
             self._finish()
 
     def eof_received(self) -> bool:
+        self.closed = True   # not to be taken from the pool before connection_lost runs
         return False   # close our side too: connection_lost follows
 
     def connection_lost(self, exc: Exception | None) -> None:
@@ -117,7 +118,7 @@ class _Connection(asyncio.Protocol):
         if self.waiter is None or self.waiter.done():
             self._cancel_timer()
             return
-        if self._status and self._length is None and not self._chunked:
+        if self._status and self._length is None and not self._chunked and exc is None:
             self._keep = False
             self._finish()   # a body that runs to the end of the connection
         elif self._status or self._buf:
@@ -128,13 +129,16 @@ class _Connection(asyncio.Protocol):
     # -- one exchange ---------------------------------------------------------------------
 
     def send(self, data: bytes) -> asyncio.Future[Response]:
-        assert self.transport is not None and self.waiter is None
         self._reset()
-        self.waiter = self.loop.create_future()
+        waiter = self.waiter = self.loop.create_future()
+        if self.closed or self.transport is None or self.transport.is_closing():
+            # ended between its connect (or its last reply) and this request
+            self._fail(ServerDisconnected())
+            return waiter
         self.transport.write(data)
         self._last_read = self.loop.time()
         self._timer = self.loop.call_at(self._last_read + self.read_timeout, self._on_timer)
-        return self.waiter
+        return waiter
 
     def _on_timer(self) -> None:
         # re-armed lazily: a read only notes its time, the timer checks it when it fires
@@ -201,16 +205,19 @@ class _Connection(asyncio.Protocol):
         return len(self._body) == self._length
 
     def _parse_head(self) -> bool:
-        end = self._buf.find(b"\r\n\r\n")
-        if end < 0:
+        # the head ends at its first empty line; a bare LF ends a line too (RFC 9112 2.2)
+        ends = [(i, n) for i, n in ((self._buf.find(b"\n\r\n"), 3), (self._buf.find(b"\n\n"), 2))
+                if i >= 0]
+        if not ends:
             if len(self._buf) > MAX_HEAD:
                 raise MalformedReply(f"reply head over {MAX_HEAD // 1024} KiB")
             return False
+        end, blank = min(ends)
         if end > MAX_HEAD:
             raise MalformedReply(f"reply head over {MAX_HEAD // 1024} KiB")
         head = bytes(self._buf[:end]).decode("latin-1")
-        del self._buf[:end + 4]
-        status_line, *lines = head.split("\r\n")
+        del self._buf[:end + blank]
+        status_line, *lines = (line.removesuffix("\r") for line in head.split("\n"))
         version, _, rest = status_line.partition(" ")
         code = rest[:3]
         if version not in ("HTTP/1.1", "HTTP/1.0") or not (code.isdigit() and code.isascii()) \
@@ -282,6 +289,8 @@ class _Connection(asyncio.Protocol):
 
 
 def _decoded(body: bytes, encoding: str | None) -> bytes:
+    if not body:
+        return body   # an empty body is empty in every encoding (a 204, an error with none)
     codings = [c for c in _token_list(encoding) if c != "identity"]
     for coding in reversed(codings):
         try:
@@ -299,12 +308,23 @@ def _decoded(body: bytes, encoding: str | None) -> bytes:
     return body
 
 
-def _header_block(headers: dict[str, str]) -> bytes:
+def check_headers(headers: dict[str, str]) -> None:
+    """Refuse a header HTTP cannot carry as given, naming it, never its value (a key)."""
     for name, value in headers.items():
-        if not name or any(c in name for c in ' \t\r\n:\x00') or \
-                any(c in value for c in '\r\n\x00'):
-            # never echo the value: it may be a key
-            raise ValueError(f"header {name[:40]!r} holds a character HTTP does not allow")
+        bad = not name or any(c in name for c in ' \t\r\n:\x00') or \
+            any(c in value for c in '\r\n\x00')
+        if not bad:
+            try:
+                (name + value).encode("latin-1")
+            except UnicodeEncodeError:
+                bad = True
+        if bad:
+            raise ValueError(f"header {name[:40]!r} holds a character HTTP does not allow "
+                             "(a line break, NUL, or a character beyond Latin-1)")
+
+
+def _header_block(headers: dict[str, str]) -> bytes:
+    check_headers(headers)
     return "".join(f"{k}: {v}\r\n" for k, v in headers.items()).encode("latin-1")
 
 
@@ -331,7 +351,9 @@ class Http1Pool:
     def _take_idle(self, now: float) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()   # newest first: the least likely to have expired
-            if not conn.closed and now - conn.idle_since < self.keepalive_expiry:
+            if not conn.closed and conn.transport is not None \
+                    and not conn.transport.is_closing() \
+                    and now - conn.idle_since < self.keepalive_expiry:
                 return conn
             conn.close()
         return None

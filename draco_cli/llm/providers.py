@@ -193,6 +193,13 @@ class DirectPost:
         self.concurrency = concurrency
         self.timeout_s = timeout
         self.http1 = http1   # plain-HTTP URLs on draco's own connections (``llm/http1.py``)
+        from draco_cli.llm.http1 import check_headers
+
+        try:
+            check_headers(headers)
+        except ValueError as exc:   # e.g. a key pasted with its line break
+            raise ModelSpecError(f"{exc}: check OPENAI_API_KEY and the OPENAI_ settings") \
+                from None
         self._session: Any = None
         self._pools: dict[tuple[str, int], Any] = {}
         self._routes: dict[str, tuple[Any, str] | None] = {}
@@ -280,7 +287,7 @@ class DirectPost:
         start = time.perf_counter()
         try:
             resp = await pool.post(target, data)
-        except TimeoutError as exc:   # before OSError: it is one
+        except (TimeoutError, asyncio.TimeoutError) as exc:   # before OSError: the first is one
             raise _transport_failure(exc) from None
         except OSError as exc:   # refused, dropped, or no route to the server
             if _refused(exc) or _dropped(exc):
