@@ -161,8 +161,9 @@ class _Connection(asyncio.Protocol):
             self._keep = False   # bytes beyond the reply: nothing after it can be trusted
         if not self._keep:
             self.close()
+        raw, self._body = bytes(self._body), bytearray()   # an idle connection holds no reply
         try:
-            body = _decoded(bytes(self._body), self._headers.get("content-encoding"))
+            body = _decoded(raw, self._headers.get("content-encoding"))
         except MalformedReply as exc:
             if waiter is not None and not waiter.done():
                 waiter.set_exception(exc)
