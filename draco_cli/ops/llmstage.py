@@ -77,8 +77,8 @@ def release_freed_memory() -> None:
     Why: polars (jemalloc) and Arrow (mimalloc) cannot reuse what glibc keeps, so without this
     a stage's inputs and a call-log export stacked on top of the previous phase's freed Python
     heap. In ``draco run`` at 100k rollouts, the judge stage re-read its inputs (71 MiB of
-    prompt text) on top of ~65 MiB the rubric stage had freed: the run's peak. A few
-    milliseconds; the pages are faulted in again only as far as they are used."""
+    prompt text) on top of ~65 MiB the rubric stage had freed: the run's peak. ~70 ms there
+    (mostly the collection); the pages are faulted in again only as far as they are used."""
     import gc
 
     from draco_cli._allocator import trim_heap
