@@ -18,7 +18,7 @@ from draco_cli.llm.types import Sampling
 from draco_cli.ops import publish_file, source_name
 from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
                                     chunk_frames, finish, publish_chunks, read_inputs,
-                                    render_messages)
+                                    release_freed_memory, render_messages)
 from draco_cli.options import Aggregate, Drop
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
@@ -44,6 +44,9 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     targets = [out / "verdicts_raw.parquet", out / "verdicts.parquet"]
     for t in targets:
         check_writable(t, force)
+    # after a rubric stage in the same process (``draco run``), its freed heap would stay
+    # under the inputs read here
+    release_freed_memory()
     r, s = read_inputs(rollouts, steps)
     rb = read_table(rubrics, Rubric)
     report = StageReport(outputs=targets)
