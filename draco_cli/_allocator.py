@@ -61,6 +61,25 @@ def trim_heap() -> None:
         pass
 
 
+def release_freed_memory() -> None:
+    """Hand memory freed by earlier work back to the system before a phase that allocates
+    afresh: garbage collected, Arrow's pool's free memory released, glibc's heap trimmed
+    (``tune_allocator`` told glibc to keep freed blocks; a no-op without it).
+
+    Why: polars (jemalloc) and Arrow (mimalloc) cannot reuse what glibc keeps, so without this
+    a phase stacks its peak on top of the previous phase's freed heap. In ``draco run`` at 100k
+    rollouts, the judge stage re-read its inputs (71 MiB of prompt text) on top of ~65 MiB the
+    rubric stage had freed: the run's peak. ~70 ms there (mostly the collection); the pages
+    are faulted in again only as far as they are used."""
+    import gc
+
+    import pyarrow as pa
+
+    gc.collect()
+    pa.default_memory_pool().release_unused()
+    trim_heap()
+
+
 @contextlib.contextmanager
 def arrow_pool(pool: Any) -> Iterator[None]:
     """Arrow's default memory pool set to ``pool`` for the body, the previous one restored

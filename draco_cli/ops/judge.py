@@ -15,10 +15,11 @@ from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
+from draco_cli._allocator import release_freed_memory
 from draco_cli.ops import publish_file, source_name
 from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
                                     chunk_frames, finish, publish_chunks, read_inputs,
-                                    release_freed_memory, render_messages)
+                                    render_messages)
 from draco_cli.options import Aggregate, Drop
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw

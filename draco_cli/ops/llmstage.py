@@ -15,6 +15,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from draco_cli._allocator import release_freed_memory
 from draco_cli.io import OutputSet, read_table
 from draco_cli.llm.calllog import export_parquet
 from draco_cli.redact import Redactor
@@ -67,25 +68,6 @@ def _read_text_table(path: str | Path, model: type[Table], columns: list[str]) -
         else:
             return conform(df, model, str(path), wanted)
     return read_table(path, model, columns=columns)
-
-
-def release_freed_memory() -> None:
-    """Hand memory freed by earlier work back to the system before a phase that allocates
-    afresh: garbage collected, Arrow's pool's free memory released, glibc's heap trimmed
-    (``tune_allocator`` told glibc to keep freed blocks; a no-op without it).
-
-    Why: polars (jemalloc) and Arrow (mimalloc) cannot reuse what glibc keeps, so without this
-    a stage's inputs and a call-log export stacked on top of the previous phase's freed Python
-    heap. In ``draco run`` at 100k rollouts, the judge stage re-read its inputs (71 MiB of
-    prompt text) on top of ~65 MiB the rubric stage had freed: the run's peak. ~70 ms there
-    (mostly the collection); the pages are faulted in again only as far as they are used."""
-    import gc
-
-    from draco_cli._allocator import trim_heap
-
-    gc.collect()
-    pa.default_memory_pool().release_unused()
-    trim_heap()
 
 
 def render_options(max_prompt_tokens: int, redact: list[str], no_default_redact: bool

@@ -96,15 +96,11 @@ def _fresh_heap() -> Iterator[None]:
     it started at 313 MiB and peaked at 499. Arrow buffers from the C heap (``malloc``) are
     reused by numpy and freed buffers by Arrow, so credit's own growth is smaller too (in a
     fresh process at 100k rollouts: +220 MiB against +310 with mimalloc)."""
-    import gc
-
     import pyarrow as pa
 
-    from draco_cli._allocator import arrow_pool, trim_heap
+    from draco_cli._allocator import arrow_pool, release_freed_memory
 
-    gc.collect()
-    pa.default_memory_pool().release_unused()
-    trim_heap()
+    release_freed_memory()
     with arrow_pool(pa.system_memory_pool()):
         yield
 
