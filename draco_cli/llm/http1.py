@@ -119,7 +119,6 @@ class _Connection(asyncio.Protocol):
             self._cancel_timer()
             return
         if self._status and self._length is None and not self._chunked and exc is None:
-            self._keep = False
             self._finish()   # a body that runs to the end of the connection
         elif self._status or self._buf:
             self._fail(TruncatedReply("the connection ended inside the reply"))
@@ -128,14 +127,21 @@ class _Connection(asyncio.Protocol):
 
     # -- one exchange ---------------------------------------------------------------------
 
+    @property
+    def usable(self) -> bool:
+        """Open and not closing: a request written now reaches the server."""
+        return not self.closed and self.transport is not None \
+            and not self.transport.is_closing()
+
     def send(self, data: bytes) -> asyncio.Future[Response]:
         self._reset()
         waiter = self.waiter = self.loop.create_future()
-        if self.closed or self.transport is None or self.transport.is_closing():
+        transport = self.transport
+        if transport is None or not self.usable:
             # ended between its connect (or its last reply) and this request
             self._fail(ServerDisconnected())
             return waiter
-        self.transport.write(data)
+        transport.write(data)
         self._last_read = self.loop.time()
         self._timer = self.loop.call_at(self._last_read + self.read_timeout, self._on_timer)
         return waiter
@@ -155,19 +161,16 @@ class _Connection(asyncio.Protocol):
             self._timer = None
 
     def _finish(self) -> None:
-        waiter, self.waiter = self.waiter, None
-        self._cancel_timer()
-        if self._buf:
-            self._keep = False   # bytes beyond the reply: nothing after it can be trusted
-        if not self._keep:
-            self.close()
         raw, self._body = bytes(self._body), bytearray()   # an idle connection holds no reply
         try:
             body = _decoded(raw, self._headers.get("content-encoding"))
         except MalformedReply as exc:
-            if waiter is not None and not waiter.done():
-                waiter.set_exception(exc)
+            self._fail(exc)
             return
+        waiter, self.waiter = self.waiter, None
+        self._cancel_timer()
+        if self._buf or not self._keep:
+            self.close()   # bytes beyond the reply, or a reply that said so: not reused
         if waiter is not None and not waiter.done():
             waiter.set_result(Response(self._status, self._headers, body))
 
@@ -246,7 +249,7 @@ class _Connection(asyncio.Protocol):
         elif coding:
             # chunked last means chunked; any other coding runs to the end of the connection
             self._chunked = coding[-1] == "chunked"
-            if coding != ["chunked"] and coding[-1] == "chunked":
+            if self._chunked and coding != ["chunked"]:
                 raise MalformedReply(f"transfer coding {headers['transfer-encoding']!r}")
             if "content-length" in headers:
                 self._keep = False   # both framings named: read by the chunks, then close
@@ -352,9 +355,7 @@ class Http1Pool:
     def _take_idle(self, now: float) -> _Connection | None:
         while self._idle:
             conn = self._idle.pop()   # newest first: the least likely to have expired
-            if not conn.closed and conn.transport is not None \
-                    and not conn.transport.is_closing() \
-                    and now - conn.idle_since < self.keepalive_expiry:
+            if conn.usable and now - conn.idle_since < self.keepalive_expiry:
                 return conn
             conn.close()
         return None

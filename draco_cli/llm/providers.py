@@ -210,14 +210,20 @@ class DirectPost:
         self._pools: dict[tuple[str, int], Http1Pool] = {}
         self._routes: dict[str, tuple[Http1Pool, str] | None] = {}
 
+    @staticmethod
+    def _keepalive_expiry() -> float:
+        """The SDK's pool's idle expiry, kept by both of draco's routes."""
+        import httpx2
+
+        return httpx2.Limits().keepalive_expiry or 5.0
+
     def _open(self) -> Any:
         import aiohttp
-        import httpx2
 
         # as the SDK's transport: httpx's TLS context (its CA bundle, SSL_CERT_FILE), its
         # keep-alive expiry, a timeout per connect and per read rather than for the whole call
         connector = aiohttp.TCPConnector(
-            limit=self.concurrency, keepalive_timeout=httpx2.Limits().keepalive_expiry,
+            limit=self.concurrency, keepalive_timeout=self._keepalive_expiry(),
             ssl=tls_context())
         self.timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s,
                                              sock_read=self.timeout_s, connect=self.timeout_s)
@@ -277,11 +283,9 @@ class DirectPost:
             target += "?" + quote(parts.query, safe="/%:@!$&'()*+,;=-._~?")
         pool = self._pools.get((host, port))
         if pool is None:
-            import httpx2
-
             pool = self._pools[(host, port)] = Http1Pool(
                 host, port, self.headers, limit=self.concurrency,
-                keepalive_expiry=httpx2.Limits().keepalive_expiry or 5.0,
+                keepalive_expiry=self._keepalive_expiry(),
                 connect_timeout=self.timeout_s, read_timeout=self.timeout_s)
         return pool, target
 
