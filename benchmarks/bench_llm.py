@@ -83,6 +83,21 @@ _LEAN_RESPONSE = (b"HTTP/1.1 200 OK\r\nContent-Type: application/json\r\nContent
                   b"\r\n" % len(_LEAN_REPLY)) + _LEAN_REPLY
 
 
+def split_message(buf: bytes) -> tuple[bytes, bytes] | None:
+    """(the first whole HTTP message's body, the bytes after it) of ``buf``, framed by its
+    Content-Length (none: no body), or None while it is incomplete. The lean server and the
+    reference client frame with it, and nothing else: both ends are this benchmark's own."""
+    end = buf.find(b"\r\n\r\n")
+    if end < 0:
+        return None
+    head = buf[:end].lower()
+    at = head.find(b"content-length:")
+    length = int(head[at + 15:].split(b"\r\n", 1)[0]) if at >= 0 else 0
+    if len(buf) < end + 4 + length:
+        return None
+    return buf[end + 4:end + 4 + length], buf[end + 4 + length:]
+
+
 def serve_lean(port_q: mp.Queue, hits: mp.Value) -> None:
     """A server whose own cost per call is negligible: asyncio protocol callbacks that frame
     each request by its Content-Length and answer a fixed valid chat completion after
@@ -97,13 +112,8 @@ def serve_lean(port_q: mp.Queue, hits: mp.Value) -> None:
 
         def data_received(self, data: bytes) -> None:
             self.buf += data
-            while (end := self.buf.find(b"\r\n\r\n")) >= 0:
-                head = self.buf[:end].lower()
-                at = head.find(b"content-length:")
-                length = int(head[at + 15:].split(b"\r\n", 1)[0]) if at >= 0 else 0
-                if len(self.buf) < end + 4 + length:
-                    return
-                self.buf = self.buf[end + 4 + length:]
+            while (message := split_message(self.buf)) is not None:
+                self.buf = message[1]
                 hits.value += 1   # one process, one thread: no lock needed
                 asyncio.get_running_loop().call_later(LATENCY, self.reply)
 
@@ -141,14 +151,9 @@ def reference_client(port: int, conc: int, calls: int) -> float:
 
         def data_received(self, data: bytes) -> None:
             self.buf += data
-            end = self.buf.find(b"\r\n\r\n")
-            if end < 0 or self.waiter is None:
-                return
-            head = self.buf[:end].lower()
-            at = head.find(b"content-length:")
-            length = int(head[at + 15:].split(b"\r\n", 1)[0])
-            if len(self.buf) >= end + 4 + length:
-                reply, self.buf = self.buf[end + 4:end + 4 + length], self.buf[end + 4 + length:]
+            message = split_message(self.buf) if self.waiter is not None else None
+            if message is not None and self.waiter is not None:
+                reply, self.buf = message
                 waiter, self.waiter = self.waiter, None
                 waiter.set_result(reply)
 
