@@ -47,7 +47,70 @@ def _reads_real_logs(item) -> bool:
     return False
 
 
+# Marker `process`: a test that crosses a process boundary — a real subprocess (`draco` run as
+# a user runs it, `process=True`), kill -9, two processes racing for a lock, a Ray cluster, a
+# trainer's own code. These are most of the suite's wall time, so the README's `python -m
+# pytest` leaves them out (pyproject.toml addopts: -m "not process and not llamacpp") and
+# `.ci/run` runs them after it (`-m process`, in parallel). Found from the test's own source,
+# its fixtures' and the module's helpers it calls, so a new test of that kind is marked without
+# a list to keep; `_PROCESS_TESTS` names the few that reach a process another way.
+_PROCESS = re.compile(r"process=True|subprocess\.(run|Popen|check_call|check_output|call)\b|"
+                      r"\bPopen\(|SIGKILL|os\.kill\(|\bray\.init\(|multiprocessing|"
+                      r"engine=\"ray\"|\"--engine\", \"ray\"")
+_RAY = re.compile(r"\bray\.init\(|engine=\"ray\"|\"--engine\", \"ray\"|engine_ray")
+# whole modules: the Ray engine (a local cluster of worker processes) and the real llama.cpp server
+_PROCESS_MODULES = {"test_engine_ray.py", "test_llamacpp.py"}
+_PROCESS_TESTS: set[str] = set()  # "test_module.py::test_name" (parametrized ids included)
+
+
+def _sources(item):
+    funcs = [getattr(item, "function", None)]
+    info = getattr(item, "_fixtureinfo", None)  # every fixture the test uses, transitively
+    if info is not None:
+        funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
+    for func in funcs:
+        try:
+            yield inspect.getsource(func)
+        except (OSError, TypeError):  # builtins, fixtures without source
+            continue
+
+
+def _crosses_a_process(item) -> bool:
+    if item.get_closest_marker("trainers") or item.get_closest_marker("llamacpp"):
+        return True
+    if item.path.name in _PROCESS_MODULES or item.path.parent.name == "trainers":
+        return True
+    if f"{item.path.name}::{item.originalname}" in _PROCESS_TESTS:
+        return True
+    module = getattr(item, "module", None)
+    helpers = {name: obj for name, obj in vars(module).items()
+               if inspect.isfunction(obj) and obj.__module__ == module.__name__} if module else {}
+    seen: set[str] = set()
+    todo = list(_sources(item))
+    while todo:  # the test, its fixtures, and the module's functions they call, transitively
+        src = todo.pop()
+        if _PROCESS.search(src):
+            return True
+        for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", src)) - seen:
+            seen.add(name)
+            if name in helpers:
+                try:
+                    todo.append(inspect.getsource(helpers[name]))
+                except (OSError, TypeError):
+                    continue
+    return False
+
+
+@pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
+    for item in items:
+        if _crosses_a_process(item):
+            item.add_marker(pytest.mark.process)
+            # `.ci/run` spreads these over two workers by group (`--dist loadgroup`): a module's
+            # tests stay on one worker (its module fixtures are built once), and every test
+            # that starts a Ray cluster shares one worker (two clusters would race for ports).
+            group = "ray" if any(_RAY.search(src) for src in _sources(item)) else item.path.name
+            item.add_marker(pytest.mark.xdist_group(group))
     if not MISSING_DATA:
         return
     skip = pytest.mark.skip(reason=f"reads the real logs, missing here: {MISSING_DATA[0]} "
