@@ -109,7 +109,7 @@ def assert_same_outputs(a: Path, b: Path) -> None:
 
 
 
-WHOLE = 10**12  # more steps a block than any input here: one block, the whole computation
+WHOLE = 10**12  # more rollouts a block than any input here: one block, the whole computation
 
 
 @pytest.fixture
@@ -128,18 +128,18 @@ def blocks_used(monkeypatch):
     return done
 
 
-def compute(d: Path, out: Path, options: CreditOptions, block_steps: int, monkeypatch,
+def compute(d: Path, out: Path, options: CreditOptions, block_rollouts: int, monkeypatch,
             verdicts: Path | None | str = "default"):
-    monkeypatch.setattr(credit_blocks, "BLOCK_STEPS", block_steps)
+    monkeypatch.setattr(credit_blocks, "BLOCK_ROLLOUTS", block_rollouts)
     v = d / "verdicts.parquet" if verdicts == "default" else verdicts
     return credit_compute(d / "rollouts.parquet", d / "steps.parquet", v, out, options=options,
                           force=True)
 
 
-def whole_and_blocks(d: Path, out: Path, options: CreditOptions, block_steps: int,
+def whole_and_blocks(d: Path, out: Path, options: CreditOptions, block_rollouts: int,
                      monkeypatch, verdicts: Path | None | str = "default"):
     whole = compute(d, out / "whole", options, WHOLE, monkeypatch, verdicts)
-    blocks = compute(d, out / "blocks", options, block_steps, monkeypatch, verdicts)
+    blocks = compute(d, out / "blocks", options, block_rollouts, monkeypatch, verdicts)
     assert blocks == whole
     assert_same_outputs(out / "whole", out / "blocks")
     return whole
@@ -152,13 +152,13 @@ def inputs(tmp_path_factory):
             for shuffle in (False, True)}
 
 
-@pytest.mark.parametrize("block_steps", [1, 7, 50, 200])
-def test_blocks_give_the_whole_tables(inputs, tmp_path, monkeypatch, blocks_used, block_steps):
-    steps = pq.read_table(inputs[False] / "steps.parquet").num_rows
-    assert steps > 200
-    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), block_steps, monkeypatch)
+@pytest.mark.parametrize("block_rollouts", [1, 3, 10, 40])
+def test_blocks_give_the_whole_tables(inputs, tmp_path, monkeypatch, blocks_used, block_rollouts):
+    rollouts = pq.read_table(inputs[False] / "rollouts.parquet").num_rows
+    assert rollouts > 40
+    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), block_rollouts, monkeypatch)
     assert len(blocks_used) == 1 and blocks_used[0] > 1
-    if block_steps == 1:  # a block per group (groups without steps share one)
+    if block_rollouts == 1:  # a block per group
         groups = pq.read_table(inputs[False] / "rollouts.parquet")["group_id"]
         assert blocks_used[0] > len(set(groups.to_pylist())) * 0.9
 
@@ -175,13 +175,13 @@ def test_blocks_give_the_whole_tables(inputs, tmp_path, monkeypatch, blocks_used
     CreditOptions(judge="frontier"),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.model_dump(exclude_defaults=True).items()))
 def test_every_option(inputs, tmp_path, monkeypatch, blocks_used, options):
-    whole_and_blocks(inputs[False], tmp_path, options, 30, monkeypatch)
+    whole_and_blocks(inputs[False], tmp_path, options, 8, monkeypatch)
     assert blocks_used and blocks_used[0] > 1
 
 
 def test_no_verdicts_outcome_reward(inputs, tmp_path, monkeypatch, blocks_used):
     whole_and_blocks(inputs[False], tmp_path, CreditOptions(reward="outcome", credit="uniform"),
-                     30, monkeypatch, verdicts=None)
+                     8, monkeypatch, verdicts=None)
     assert blocks_used and blocks_used[0] > 1
 
 
@@ -203,12 +203,12 @@ def test_retained_given(inputs, tmp_path, monkeypatch, blocks_used, retained):
         return t.append_column("retained", col)
 
     d = _with_verdicts(inputs[False], tmp_path, add)
-    whole_and_blocks(d, tmp_path / "out", CreditOptions(), 30, monkeypatch)
+    whole_and_blocks(d, tmp_path / "out", CreditOptions(), 8, monkeypatch)
     assert blocks_used and blocks_used[0] > 1
 
 
 def test_inputs_out_of_order_go_the_whole_way(inputs, tmp_path, monkeypatch, blocks_used):
-    whole_and_blocks(inputs[True], tmp_path, CreditOptions(), 30, monkeypatch)
+    whole_and_blocks(inputs[True], tmp_path, CreditOptions(), 8, monkeypatch)
     assert blocks_used == []
 
 
@@ -240,7 +240,7 @@ def test_what_only_the_whole_can_judge(inputs, tmp_path, monkeypatch, blocks_use
             keys = np.array([pos[x] for x in t["rollout_id"].to_pylist()])
             pq.write_table(t.take(np.argsort(keys, kind="stable")), new / f"{name}.parquet")
         d, options = new, CreditOptions()
-    whole_and_blocks(d, tmp_path / "out", options, 30, monkeypatch)
+    whole_and_blocks(d, tmp_path / "out", options, 8, monkeypatch)
     assert blocks_used == []
 
 
@@ -284,10 +284,10 @@ def test_bad_input_fails_as_the_whole(inputs, tmp_path, monkeypatch, case):
     name, change = BAD[case]
     d = _bad(inputs[False], tmp_path, name, change)
     errors = []
-    for label, block_steps in (("whole", WHOLE), ("blocks", 30)):
+    for label, block_rollouts in (("whole", WHOLE), ("blocks", 8)):
         out = tmp_path / label
         with pytest.raises(DracoError) as err:
-            compute(d, out, CreditOptions(), block_steps, monkeypatch)
+            compute(d, out, CreditOptions(), block_rollouts, monkeypatch)
         errors.append(str(err.value))
         assert not any((out / f"{t}.parquet").exists() for t in TABLES)  # nothing published
         assert not out.exists() or not [p for p in out.iterdir() if p.name != ".lock"]
@@ -298,7 +298,7 @@ def test_a_wrong_layout_label_is_never_written(inputs, tmp_path, monkeypatch, bl
     """Were the label predicted before writing wrong, the whole computation writes the
     tables (and the right label)."""
     monkeypatch.setattr(credit_blocks, "_predicted_layout", lambda *a: "end_to_end")
-    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), 30, monkeypatch)
+    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), 8, monkeypatch)
     assert blocks_used == []
 
 
@@ -320,7 +320,7 @@ def test_predicted_layout_is_the_rows_layout(inputs, tmp_path, monkeypatch):
         r = r.set_column(r.column_names.index("response_len"), "response_len", length)
         pq.write_table(r, d / "rollouts.parquet")
         pq.write_table(keep(steps), d / "steps.parquet")
-        compute(d, tmp_path / f"out-{label}", CreditOptions(), 30, monkeypatch)
+        compute(d, tmp_path / f"out-{label}", CreditOptions(), 8, monkeypatch)
         meta = pq.read_schema(tmp_path / f"out-{label}" / "token_advantages.parquet").metadata
         assert meta[b"draco.token_layout"] == label.encode()
 
@@ -370,10 +370,10 @@ def test_random_inputs_and_blocks(tmp_path, monkeypatch, blocks_used, seed):
     r = r.append_column("response_fingerprint",
                         pa.array(fp, mask=rng.random(r.num_rows) < 0.3))
     pq.write_table(r, d / "rollouts.parquet")
-    steps = pq.read_table(d / "steps.parquet").num_rows
+    rollouts = pq.read_table(d / "rollouts.parquet").num_rows
     options = CreditOptions(tokens=str(rng.choice(["spans", "dense", "both"])),
                             credit=str(rng.choice(["step", "uniform"])))
-    whole_and_blocks(d, tmp_path / "out", options, int(rng.integers(1, max(2, steps // 3))),
+    whole_and_blocks(d, tmp_path / "out", options, int(rng.integers(1, max(2, rollouts // 3))),
                      monkeypatch)
     assert blocks_used and blocks_used[0] > 1
 
@@ -390,8 +390,8 @@ def test_real_rollouts_judged(server, tmp_path, monkeypatch, blocks_used):  # no
     for name, src in (("rollouts", SAMPLE_RA), ("steps", SAMPLE_SA),
                       ("verdicts", tmp_path / "run" / "judge" / "verdicts.parquet")):
         (d / f"{name}.parquet").write_bytes(Path(src).read_bytes())
-    for block_steps in (1, 20):
-        whole_and_blocks(d, tmp_path / f"out{block_steps}", CreditOptions(), block_steps,
+    for block_rollouts in (1, 4):
+        whole_and_blocks(d, tmp_path / f"out{block_rollouts}", CreditOptions(), block_rollouts,
                          monkeypatch)
     assert len(blocks_used) == 2 and min(blocks_used) > 1
 
@@ -414,7 +414,7 @@ def test_one_layout_stays_named(tmp_path, monkeypatch, blocks_used):
                                                     maintain_order="left")
     r2 = r2.with_columns(pl.col("e").fill_null(0).cast(pl.Int32).alias("response_len")).drop("e")
     pq.write_table(r2.to_arrow(), d / "rollouts.parquet")
-    whole_and_blocks(d, tmp_path / "out", CreditOptions(), 20, monkeypatch)
+    whole_and_blocks(d, tmp_path / "out", CreditOptions(), 6, monkeypatch)
     assert blocks_used and blocks_used[0] > 1
     meta = pq.read_schema(tmp_path / "out" / "blocks" / "token_advantages.parquet").metadata
     assert meta[b"draco.token_layout"] == b"positions"
@@ -433,7 +433,7 @@ def test_retained_null_in_part_is_decided_over_the_whole(inputs, tmp_path, monke
     v = v.with_columns(pl.when(pl.col("rollout_id").is_in(first_groups.implode()))
                        .then(None).otherwise(pl.col("verdict") == "fail").alias("retained"))
     v.write_parquet(d / "verdicts.parquet")
-    whole_and_blocks(d, tmp_path / "out", CreditOptions(), 20, monkeypatch)
+    whole_and_blocks(d, tmp_path / "out", CreditOptions(), 6, monkeypatch)
     assert blocks_used == []
 
 
@@ -485,9 +485,9 @@ def test_errors_name_the_original_rows(inputs, tmp_path, monkeypatch, case, shuf
     FIRST_GROUP[:] = r.filter(pl.col("group_id") == "g0")["rollout_id"].to_list()
     d = _broken(inputs[shuffle], tmp_path / "in", name, edit)
     errors = []
-    for label, block_steps in (("whole", WHOLE), ("blocks", 1 if case == "two judges" else 20)):
+    for label, block_rollouts in (("whole", WHOLE), ("blocks", 1 if case == "two judges" else 6)):
         with pytest.raises(DracoError) as err:
-            compute(d, tmp_path / label, CreditOptions(), block_steps, monkeypatch)
+            compute(d, tmp_path / label, CreditOptions(), block_rollouts, monkeypatch)
         errors.append(err.value)
         assert not (tmp_path / label).exists() or not [
             p for p in (tmp_path / label).iterdir() if p.name != ".lock"]  # nothing published
@@ -496,9 +496,9 @@ def test_errors_name_the_original_rows(inputs, tmp_path, monkeypatch, case, shuf
         assert errors[0].file is not None and str(d) in errors[0].file
 
 
-def test_few_steps_take_the_whole_path(inputs, tmp_path, monkeypatch, blocks_used):
-    steps = pq.read_table(inputs[False] / "steps.parquet").num_rows
-    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), steps, monkeypatch)
+def test_few_rollouts_take_the_whole_path(inputs, tmp_path, monkeypatch, blocks_used):
+    rollouts = pq.read_table(inputs[False] / "rollouts.parquet").num_rows
+    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), rollouts, monkeypatch)
     assert blocks_used == []
 
 
@@ -507,7 +507,7 @@ def test_draco_run_credit_by_blocks(inputs, tmp_path, monkeypatch, blocks_used):
     whole-table outputs and stats."""
     from draco_cli.ops.run import RunOptions, run_step
 
-    monkeypatch.setattr(credit_blocks, "BLOCK_STEPS", 40)
+    monkeypatch.setattr(credit_blocks, "BLOCK_ROLLOUTS", 10)
     d = inputs[False]
     res = run_step(d / "rollouts.parquet", d / "steps.parquet", tmp_path / "run", None,
                    RunOptions.for_setting("outcome"))
@@ -532,5 +532,5 @@ def test_a_block_that_fails_on_its_own_falls_back_to_the_whole(inputs, tmp_path,
         return real(*args, **kwargs)
 
     monkeypatch.setattr(credit_blocks, "compute_credit", flaky)
-    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), 30, monkeypatch)
+    whole_and_blocks(inputs[False], tmp_path, CreditOptions(), 8, monkeypatch)
     assert blocks_used == [] and len(calls) == 2

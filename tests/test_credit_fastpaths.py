@@ -174,31 +174,38 @@ def test_citation_counts_match_a_loop(seed):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_arrow_run_lengths_match_the_polars_ones(seed):
-    """Run lengths read off an Arrow column in chunks (runs cut by chunk bounds, repeats,
-    rollouts out of order, missing or extra ones) agree with the polars path."""
-    from draco_cli.credit.inputs import _arrow_run_lengths, _run_lengths
+def test_rows_per_rollout_match_a_loop(seed):
+    """Rows per rollout read off an Arrow column in chunks (runs cut by chunk bounds, repeats,
+    rollouts out of order, missing or unknown ones) agree with a loop, and with the same ids
+    as polars."""
+    from draco_cli.credit.inputs import rows_per_rollout
 
     rng = np.random.default_rng(seed)
     R = int(rng.integers(1, 8))
-    rollout_ids = pl.Series("rollout_id", [f"r{i}" for i in range(R)])
+    names = [f"r{i}" for i in range(R)]
+    rollout_ids = pl.Series("rollout_id", names)
     M = rng.integers(1, 5, R)
-    ids = np.repeat(np.array([f"r{i}" for i in range(R)], dtype=object), M)
-    shape = seed % 4
+    ids = np.repeat(np.array(names, dtype=object), M)
+    shape = seed % 5
     if shape == 1:  # a rollout's steps split in two runs
         ids = np.concatenate([ids, ids[:1]])
     elif shape == 2:  # a rollout without steps
         ids = ids[ids != f"r{R - 1}"]
     elif shape == 3:  # rollouts' runs in another order
         ids = ids[::-1]
+    elif shape == 4:  # a step of an unknown rollout
+        ids = np.concatenate([ids, ["nobody"]])
     cuts = np.sort(rng.integers(0, ids.size + 1, int(rng.integers(0, 4))))
     chunks = [pa.array(list(part), pa.string()) for part in np.split(ids, cuts)]
-    arrow_ids = pa.chunked_array(chunks, pa.string())
-    a = _arrow_run_lengths(arrow_ids, rollout_ids)
-    b = _run_lengths(pl.Series(list(ids), dtype=pl.String), rollout_ids)
-    assert (a is None) == (b is None)
-    if a is not None:
-        assert a.tolist() == b.tolist()
+    a = rows_per_rollout(pa.chunked_array(chunks, pa.string()), rollout_ids)
+    b = rows_per_rollout(pl.Series(list(ids), dtype=pl.String), rollout_ids)
+    # the loop: each id a known rollout's, every rollout's rows adjacent, in the rollouts' order
+    order = [names.index(x) if x in names else None for x in ids]
+    grouped = None not in order and all(
+        x <= y for x, y in zip(order, order[1:]))
+    expected = [int(np.sum(ids == n)) for n in names] if grouped else None
+    assert (None if a is None else a.tolist()) == expected
+    assert (None if b is None else b.tolist()) == expected
 
 
 @pytest.mark.parametrize("seed", range(40))

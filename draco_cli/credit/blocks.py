@@ -33,8 +33,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from draco_cli.credit.core import CreditStats, compute_credit
-from draco_cli.credit.inputs import (arrow_runs, clean_strings, index_steps, large_strings,
-                                     sum_by_offsets)
+from draco_cli.credit.inputs import (clean_strings, index_steps)
 from draco_cli.credit.tables import (CREDIT_ROLLOUT_COLUMNS, CREDIT_STEP_COLUMNS,
                                      CREDIT_VERDICT_COLUMNS, no_verdicts, rollouts_frame,
                                      steps_frame, verdicts_frame, with_step_ids)
@@ -44,10 +43,10 @@ from draco_cli.ops import source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, StepCredit, TokenAdvantages
 
-# Steps per block (whole groups: a block may hold one group more). 1M steps (~50k rollouts of
-# 20 steps) keeps a block's working set near 100 MiB and its step_credit one Parquet row group;
-# the per-block overhead (~10 ms) is then under 2% of the computation.
-BLOCK_STEPS = 1 << 20
+# Rollouts per block (whole groups: a block may hold one group more). 64k rollouts (~1.3M
+# steps at 20 a rollout) keep a block's working set near 100 MiB and the per-block overhead
+# (~10 ms) under 2% of the computation.
+BLOCK_ROLLOUTS = 1 << 16
 OUTPUTS = ("rewards.parquet", "step_credit.parquet", "token_advantages.parquet")
 _READ_ROWS = 1 << 16  # rows per batch read from an input
 
@@ -58,11 +57,10 @@ class WholeTables(Exception):
 
 @dataclass
 class BlockPlan:
-    """Blocks of rollouts [start, end) of whole groups, and where their rows are."""
+    """Blocks of rollouts [start, end) of whole groups, and the rollouts' ids."""
 
     bounds: np.ndarray          # rollout rows where blocks start, and R
-    step_offsets: np.ndarray    # rollout i's steps are rows step_offsets[i]:step_offsets[i + 1]
-    verdict_offsets: np.ndarray | None  # the same for verdicts (None: no verdicts file)
+    rollout_ids: pa.Array[Any]  # large_string
     layout: str                 # the token_layout every output row will have, or "mixed"
 
     def blocks(self) -> list[tuple[int, int]]:
@@ -76,148 +74,127 @@ def _column(pf: pq.ParquetFile, name: str) -> pa.ChunkedArray[Any] | None:
 
 
 def plan_blocks(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
-                options: CreditOptions, block_steps: int | None = None) -> BlockPlan | None:
-    """The blocks of these input files, read over their id columns, or None when they need
-    the whole-table computation: stdin or an unreadable file, few steps, or inputs not in
-    ingest's order (see the module's docstring)."""
+                block_rollouts: int | None = None) -> BlockPlan | None:
+    """The blocks of these input files, from the rollouts' ids and groups, or None when they
+    need the whole-table computation: stdin or an unreadable file, few rollouts, repeated
+    rollout ids, a group's rollouts apart (see the module's docstring)."""
     paths = [rollouts, steps] if verdicts is None else [rollouts, steps, verdicts]
     if any(str(p) == STDIO for p in paths):
         return None
     try:
-        files = [pq.ParquetFile(p) for p in paths]
-        return _plan(files, options, block_steps or BLOCK_STEPS)
+        rf, sf = pq.ParquetFile(rollouts), pq.ParquetFile(steps)
+        return _plan(rf, sf, block_rollouts or BLOCK_ROLLOUTS)
     except (pa.ArrowException, OSError, ValueError):
         return None  # the whole-table read names the problem
 
 
-def _plan(files: list[pq.ParquetFile], options: CreditOptions,
-          block_steps: int) -> BlockPlan | None:
-    rf, sf = files[0], files[1]
-    if sf.metadata.num_rows <= block_steps or rf.metadata.num_rows < 2:
+def _plan(rf: pq.ParquetFile, sf: pq.ParquetFile, block_rollouts: int) -> BlockPlan | None:
+    R = rf.metadata.num_rows
+    if R <= block_rollouts or "rollout_id" not in sf.schema_arrow.names:
         return None
     rid, group = _column(rf, "rollout_id"), _column(rf, "group_id")
     if not clean_strings(rid) or group is None or group.null_count:
         return None
     assert rid is not None
-    if pc.count_distinct(rid).as_py() != len(rid):  # a repeat: the whole-table check names it
+    if cast(pl.Series, pl.from_arrow(rid)).n_unique() != R:  # a repeat: the whole names it
         return None
     gs = cast(pl.Series, pl.from_arrow(group))
     head = (gs != gs.shift(1)).fill_null(True).to_numpy()
     starts = np.flatnonzero(head)
     if starts.size != gs.n_unique():  # a group's rollouts are not adjacent
         return None
-    rollout_ids = large_strings(cast(pl.Series, pl.from_arrow(rid)))
-    step_lengths = rows_per_rollout(_column(sf, "rollout_id"), rollout_ids)
-    if step_lengths is None:
-        return None
-    verdict_offsets = None
-    if len(files) == 3:
-        vf = files[2]
-        judge = _column(vf, "judge")
-        if judge is None or judge.null_count:
-            return None
-        judges = pc.unique(judge).to_pylist()
-        if len(judges) > 1 or (judges and options.judge not in (None, judges[0])):
-            return None
-        retained = _column(vf, "retained")
-        if retained is not None and 0 < retained.null_count < len(retained):
-            return None  # filled where set, computed where null: only over the whole
-        verdict_lengths = rows_per_rollout(_column(vf, "rollout_id"), rollout_ids)
-        if verdict_lengths is None:
-            return None
-        verdict_offsets = _offsets(verdict_lengths)
-    step_offsets = _offsets(step_lengths)
-    # each cut at the last group start at or before a multiple of block_steps
-    at = np.searchsorted(step_offsets[starts], np.arange(block_steps, int(step_offsets[-1]),
-                                                        block_steps), side="right") - 1
-    bounds = np.unique(np.concatenate([[0], starts[at], [len(rid)]]))
+    # each cut at the last group start at or before a multiple of block_rollouts
+    at = np.searchsorted(starts, np.arange(block_rollouts, R, block_rollouts), side="right") - 1
+    bounds = np.unique(np.concatenate([[0], starts[at], [R]]))
     if bounds.size < 3:  # one block: the whole computation is that block
         return None
-    return BlockPlan(bounds=bounds, step_offsets=step_offsets, verdict_offsets=verdict_offsets,
-                     layout=_predicted_layout(_column(sf, "token_start"), step_offsets,
-                                              _column(rf, "response_len")))
+    return BlockPlan(bounds=bounds, rollout_ids=rid.combine_chunks().cast(pa.large_string()),
+                     layout=_predicted_layout(sf, _column(rf, "response_len"), R))
 
 
-def rows_per_rollout(ids: pa.ChunkedArray[Any] | None,
-                     rollout_ids: pa.Array[Any]) -> np.ndarray | None:
-    """How many rows of ``ids`` each rollout of ``rollout_ids`` (large_string) has, when they
-    come grouped by rollout in the rollouts' order (a rollout may have none); None otherwise,
-    or when an id is null or not a rollout's."""
-    R = len(rollout_ids)
-    if ids is None or not clean_strings(ids):
-        return None
-    if len(ids) == 0:
-        return np.zeros(R, dtype=np.int64)
-    length, value = arrow_runs(ids)
-    if len(value) == R and pc.all(pc.equal(value, rollout_ids)).as_py():
-        return length  # one run per rollout: no hashing
-    row = pc.index_in(value, value_set=rollout_ids)
-    if row.null_count:  # a row of an unknown rollout
-        return None
-    rows = row.to_numpy().astype(np.int64)
-    if rows.size > 1 and not bool(np.all(rows[1:] > rows[:-1])):  # out of order, or split
-        return None
-    lengths = np.zeros(R, dtype=np.int64)
-    lengths[rows] = length
-    return lengths
-
-
-def _offsets(lengths: np.ndarray) -> np.ndarray:
-    offsets = np.zeros(lengths.size + 1, dtype=np.int64)
-    np.cumsum(lengths, out=offsets[1:])
-    return offsets
-
-
-def _predicted_layout(token_start: pa.ChunkedArray[Any] | None, step_offsets: np.ndarray,
-                      response_len: pa.ChunkedArray[Any] | None) -> str:
+def _predicted_layout(sf: pq.ParquetFile, response_len: pa.ChunkedArray[Any] | None,
+                      R: int) -> str:
     """The token_layout label of the output, known before its first block is written (it is
-    in the file's schema): a rollout's steps all with a token_start are laid out by position,
-    any other end to end (``token_spans``). Checked against the blocks' rows after."""
-    n = int(step_offsets[-1])
-    if token_start is None:
-        ts_missing = np.ones(n, dtype=bool)
-    else:
-        ts = cast(pl.Series, pl.from_arrow(token_start))
-        ts_missing = (ts.is_null() | (ts < 0)).fill_null(True).to_numpy()
-    counts = np.diff(step_offsets)
-    resp = (np.full(counts.size, -1) if response_len is None else
-            cast(pl.Series, pl.from_arrow(response_len)).fill_null(-1).to_numpy())
-    # a rollout without steps is laid out by position when its response_len is known
-    pos = np.where(counts > 0, sum_by_offsets(ts_missing, step_offsets) == 0, resp >= 0)
-    return "positions" if pos.all() else "end_to_end" if not pos.any() else "mixed"
+    in the file's schema), from the columns alone: every step with a token_start and every
+    response_len known is by position, no step with one and no response_len known end to end
+    (``token_spans``); anything else is guessed mixed. Checked against the blocks' rows after
+    (a wrong guess costs the whole-table computation)."""
+    ts = _column(sf, "token_start")
+    n = sf.metadata.num_rows
+    placed = 0 if ts is None else int(
+        cast(pl.Series, pl.from_arrow(ts)).cast(pl.Int64, strict=False).ge(0).sum())
+    known = 0 if response_len is None else int(
+        cast(pl.Series, pl.from_arrow(response_len)).cast(pl.Int64, strict=False).ge(0).sum())
+    if placed == n and known == R:
+        return "positions"
+    if placed == 0 and known == 0:
+        return "end_to_end"
+    return "mixed"
 
 
 class _Reader:
-    """An input file's wanted columns read in order, a given number of rows at a time."""
+    """An input file's wanted columns read in order, the rows of a block's rollouts at a
+    time."""
 
     def __init__(self, path: str | Path, wanted: list[str]) -> None:
         self.file = pq.ParquetFile(path)
         names = self.file.schema_arrow.names
-        self.schema = self.file.schema_arrow
         self.columns = [c for c in wanted if c in names]
+        self.schema = pa.schema([self.file.schema_arrow.field(c) for c in self.columns])
+        if "rollout_id" not in names or not (pa.types.is_string(self.schema.field(
+                "rollout_id").type) or pa.types.is_large_string(self.schema.field(
+                "rollout_id").type)):
+            raise WholeTables
         self.batches: Iterator[pa.RecordBatch] = self.file.iter_batches(
             batch_size=_READ_ROWS, columns=self.columns)
         self.buffer: list[pa.RecordBatch] = []
-        self.buffered = 0
 
     def take(self, n: int) -> pa.Table:
-        while self.buffered < n:
-            batch = next(self.batches)  # the plan counted the file's rows
-            self.buffer.append(batch)
-            self.buffered += batch.num_rows
+        """The next ``n`` rows."""
         got: list[pa.RecordBatch] = []
-        self.buffered -= n
         while n:
+            if not self.buffer:
+                self.buffer.append(next(self.batches))
             head = self.buffer[0]
-            if head.num_rows <= n:
-                got.append(self.buffer.pop(0))
-                n -= head.num_rows
+            got.append(head.slice(0, n))
+            n -= got[-1].num_rows
+            if head.num_rows <= got[-1].num_rows:
+                self.buffer.pop(0)
             else:
+                self.buffer[0] = head.slice(got[-1].num_rows)
+        return pa.Table.from_batches(got, schema=self.schema)
+
+    def take_rollouts(self, ids: set[str]) -> pa.Table:
+        """The next rows whose rollout_id is one of ``ids`` (the block's rollouts): whole
+        batches while a batch's last row is one of them, then up to the first run of another
+        rollout's. (A row of another rollout inside a batch taken whole is found by the
+        block's own checks, which then leave the inputs to the whole-table computation.)"""
+        got: list[pa.RecordBatch] = []
+        while True:
+            if not self.buffer:
+                batch = next(self.batches, None)
+                if batch is None:
+                    break
+                self.buffer.append(batch)
+            head = self.buffer[0]
+            col = head.column("rollout_id")
+            if col.null_count:
+                raise WholeTables
+            if col[-1].as_py() in ids:
+                got.append(self.buffer.pop(0))
+                continue
+            ree = pc.run_end_encode(col)  # type: ignore[attr-defined]  # not in the stubs
+            inside = [v in ids for v in ree.values.to_pylist()]
+            first_out = inside.index(False)
+            n = 0 if first_out == 0 else int(ree.run_ends[first_out - 1].as_py())
+            if n:
                 got.append(head.slice(0, n))
                 self.buffer[0] = head.slice(n)
-                n = 0
-        schema = pa.schema([self.schema.field(c) for c in self.columns])
-        return pa.Table.from_batches(got, schema=schema)
+            break
+        return pa.Table.from_batches(got, schema=self.schema)
+
+    def done(self) -> bool:
+        return not self.buffer and next(self.batches, None) is None
 
     def close(self) -> None:
         self.file.close()
@@ -228,38 +205,47 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
                      force: bool) -> CreditStats:
     """``credit_compute``'s outputs into ``out`` and its stats, block by block of ``plan``.
     Raises ``WholeTables`` (or the block's error) when a block cannot stand for its part of
-    the whole; nothing is published then."""
+    the whole (steps or verdicts not grouped by rollout in the rollouts' order, several
+    judges, ``retained`` null in part); nothing is published then."""
     kwargs = options.model_dump(exclude={"tokens"})
     r_src, s_src = source_name(rollouts), source_name(steps)
     v_src = source_name(verdicts or "verdicts")
-    readers = [_Reader(rollouts, CREDIT_ROLLOUT_COLUMNS), _Reader(steps, CREDIT_STEP_COLUMNS)]
-    if verdicts is not None:
-        readers.append(_Reader(verdicts, CREDIT_VERDICT_COLUMNS))
+    readers: list[_Reader] = []
     parts: list[CreditStats] = []
     scores: list[pl.DataFrame] = []
     layouts: set[str] = set()
+    judges: set[Any] = set()
+    retained = [0, 0]  # verdicts with retained null, and all verdicts
     try:
+        readers.append(_Reader(rollouts, CREDIT_ROLLOUT_COLUMNS))
+        readers.append(_Reader(steps, CREDIT_STEP_COLUMNS))
+        if verdicts is not None:
+            readers.append(_Reader(verdicts, CREDIT_VERDICT_COLUMNS))
         with OutputSet(out, list(OUTPUTS), force=force) as output, \
                 BlockWriter(output) as writer:
             meta = output.metadata
             ta_meta = {LAYOUT_KEY: plan.layout, "draco.token_form": options.tokens, **meta}
             for r0, r1 in plan.blocks():
-                s0, s1 = int(plan.step_offsets[r0]), int(plan.step_offsets[r1])
+                ids = {str(x) for x in plan.rollout_ids.slice(r0, r1 - r0).to_pylist()}
                 rb, spans, flat = rollouts_frame(readers[0].take(r1 - r0), r_src)
-                s, step_ids = steps_frame(readers[1].take(s1 - s0), s_src)
-                # the plan checked the ids' runs: a block's are a slice of them
-                sa = index_steps(s, rb, s_src, ids=step_ids,
-                                 lengths=np.diff(plan.step_offsets[r0:r1 + 1]))
+                s, step_ids = steps_frame(readers[1].take_rollouts(ids), s_src)
+                sa = index_steps(s, rb, s_src, ids=step_ids)
                 del s, step_ids
-                vb, vib, vlen = no_verdicts(), None, None
-                if plan.verdict_offsets is not None:
-                    v0, v1 = int(plan.verdict_offsets[r0]), int(plan.verdict_offsets[r1])
-                    vb, vib = verdicts_frame(readers[2].take(v1 - v0), v_src)
-                    if vib is not None:
-                        vlen = np.diff(plan.verdict_offsets[r0:r1 + 1])
+                vb, vib = no_verdicts(), None
+                if verdicts is not None:
+                    vt = readers[2].take_rollouts(ids)
+                    if "judge" in vt.column_names:
+                        judges.update(pc.unique(vt.column("judge")).to_pylist())
+                        if len(judges) > 1:  # narrowed (or refused) over the whole
+                            raise WholeTables
+                    if "retained" in vt.column_names:
+                        retained[0] += vt.column("retained").null_count
+                        retained[1] += vt.num_rows
+                    vb, vib = verdicts_frame(vt, v_src)
+                    del vt
                 result = compute_credit(rb, sa, vb, verdicts_source=v_src,
                                         steps_source=s_src, check_verdict_keys=True,
-                                        verdict_ids=vib, verdict_lengths=vlen, **kwargs)
+                                        verdict_ids=vib, **kwargs)
                 del vb, vib
                 rewards, step_credit = result.rewards, result.step_credit
                 writer.write(OUTPUTS[0], contract_table(rewards, Reward, metadata=meta))
@@ -277,6 +263,11 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
                 parts.append(result.stats)
                 scores.append(rewards.select("reward", "pass_rate_all"))
                 del result, rewards, step_credit, ta, sa, rb, spans, flat
+            # rows left: of unknown rollouts, or not grouped in the rollouts' order
+            if not all(reader.done() for reader in readers):
+                raise WholeTables
+            if 0 < retained[0] < retained[1]:  # filled where set, computed where null
+                raise WholeTables
             if layout_label(layouts) != plan.layout:  # the file's label would be wrong
                 raise WholeTables
     except (pa.ArrowException, OSError, StopIteration):

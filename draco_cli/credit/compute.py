@@ -2,7 +2,7 @@
 step credit and token advantages, publish them as one set; convert token advantages between
 their spans and dense forms.
 
-Inputs of more than ``blocks.BLOCK_STEPS`` steps in the order ingest and the judge write them
+Inputs of more than ``blocks.BLOCK_ROLLOUTS`` rollouts in the order ingest and the judge write them
 are computed block by block, read and written as they go (``credit.blocks``); any others, and
 any error a block raises, take the whole-table computation here, which raises the error naming
 file, row and field.
@@ -50,7 +50,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     out = Path(out)
     for name in OUTPUTS:
         check_writable(out / name, force)
-    plan = plan_blocks(rollouts, steps, verdicts, options)
+    plan = plan_blocks(rollouts, steps, verdicts)
     if plan is not None:
         try:
             return credit_by_blocks(plan, rollouts, steps, verdicts, out, options=options,

@@ -386,7 +386,6 @@ def compute_credit(
     steps_source: str = "steps",
     check_verdict_keys: bool = False,
     verdict_ids: pa.Table | None = None,
-    verdict_lengths: np.ndarray | None = None,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
@@ -396,12 +395,10 @@ def compute_credit(
     without that check: on integer codes it costs a fraction of the string check).
     ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
     string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
-    the rollouts' order are then indexed and coded without converting their ids to polars;
-    ``verdict_lengths`` are their run lengths when the caller has checked them.
+    the rollouts' order are then indexed and coded without converting their ids to polars.
     """
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge,
-                                                                 verdict_lengths)
+    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
     if fast is not None:
         rows, crits_known = fast
         crits: tuple[np.ndarray, int] | None = crits_known
@@ -451,13 +448,9 @@ def compute_credit(
     if firsts is not None:
         criteria_kept = int(np.count_nonzero(verdicts["retained"].to_numpy()[firsts]))
         criteria = firsts.size
-    else:
-        if keys is not None:
-            crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
-                "k").agg(pl.col("retained").first())
-        else:
-            crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
-                "group_id", "criterion_id").agg(pl.col("retained").first())
+    else:  # a null group or criterion id: no integer keys
+        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+            "group_id", "criterion_id").agg(pl.col("retained").first())
         criteria_kept = int(crit["retained"].sum())
         criteria = crit.height
         del crit

@@ -114,13 +114,11 @@ def verdict_flags(verdict: pl.Series | pa.ChunkedArray[Any] | pa.Array[Any],
 
 
 def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
-                         lengths: np.ndarray | None = None,
                          ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
     """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
     columns when they hold one judge (the one asked for, if any) and come grouped by rollout
     in the rollouts' order; None otherwise (the general path then decides, and names what is
-    wrong). No id string is converted to polars on this path. ``lengths`` are the verdicts'
-    run lengths when the caller has checked them (``_arrow_run_lengths``)."""
+    wrong). No id string is converted to polars on this path."""
     if ids.num_rows == 0:
         return None
     judges = ids.column("judge")
@@ -129,8 +127,7 @@ def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | Non
         return None
     if not pc.all(pc.equal(judges, pa.scalar(first, judges.type))).as_py():
         return None
-    if lengths is None:
-        lengths = _arrow_run_lengths(ids.column("rollout_id"), rollouts["rollout_id"])
+    lengths = rows_per_rollout(ids.column("rollout_id"), rollouts["rollout_id"])
     if lengths is None:
         return None
     rows = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
@@ -218,27 +215,42 @@ class StepArrays:
         return pl.DataFrame({"rollout_id": ids, "step": step})
 
 
-def _run_lengths(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Lengths of the runs of equal ``ids`` when they are such runs, one per rollout of
-    ``rollout_ids`` in the same order (how ingest writes steps and verdicts); None otherwise.
-    This spares hashing every id string against the rollouts (the cost of a join)."""
-    if ids.len() == 0 or rollout_ids.len() == 0:
-        return None
-    runs = ids.rle().struct.unnest()  # one pass: (length, value) per run
-    if runs.height != rollout_ids.len():
-        return None
-    length, value = runs.to_series(0), runs.to_series(1)
-    if not bool((value == rollout_ids).all()):
-        return None
-    lengths: np.ndarray = length.to_numpy().astype(np.int64)
-    return lengths
-
-
 def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
-    per rollout in the same order (see ``_run_lengths``); None otherwise."""
-    lengths = _run_lengths(ids, rollout_ids)
+    """Row in ``rollout_ids`` of each of ``ids`` when they come grouped by rollout in the
+    rollouts' order (``rows_per_rollout``); None otherwise."""
+    lengths = rows_per_rollout(ids, rollout_ids)
     return None if lengths is None else np.repeat(np.arange(lengths.size), lengths)
+
+
+def rows_per_rollout(ids: pl.Series | pa.Array[Any] | pa.ChunkedArray[Any] | None,
+                     rollout_ids: pl.Series | pa.Array[Any]) -> np.ndarray | None:
+    """How many of ``ids`` each rollout of ``rollout_ids`` has, when they come grouped by
+    rollout in the rollouts' order, as ingest and the judge write steps and verdicts (a
+    rollout may have none); None otherwise, or when an id is null or not a rollout's. One
+    run-end encoding: no id string is hashed against the rollouts unless some rollout has
+    no rows. ``rollout_ids`` as Arrow must be large_string."""
+    known = large_strings(rollout_ids) if isinstance(rollout_ids, pl.Series) else rollout_ids
+    R = len(known)
+    if isinstance(ids, pl.Series):
+        ids = large_strings(ids) if ids.dtype == pl.String else None
+    if isinstance(ids, pa.Array):
+        ids = pa.chunked_array([ids])
+    if ids is None or not clean_strings(ids) or known.null_count:
+        return None
+    if len(ids) == 0:
+        return np.zeros(R, dtype=np.int64)
+    length, value = arrow_runs(ids)
+    if len(value) == R and pc.all(pc.equal(value, known)).as_py():
+        return length  # one run per rollout: no hashing
+    row = pc.index_in(value, value_set=known)
+    if row.null_count:  # a row of an unknown rollout
+        return None
+    rows = row.to_numpy().astype(np.int64)
+    if rows.size > 1 and not bool(np.all(rows[1:] > rows[:-1])):  # out of order, or split
+        return None
+    lengths = np.zeros(R, dtype=np.int64)
+    lengths[rows] = length
+    return lengths
 
 
 def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
@@ -265,19 +277,6 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
                          field="rollout_id")
     owner: np.ndarray = joined["__r"].to_numpy().astype(np.int64)[run]
     return owner
-
-
-def _arrow_run_lengths(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.ndarray | None:
-    """``_run_lengths`` of an Arrow string column without converting it to polars (one
-    run-end encoding per chunk; runs cut by chunk bounds are joined)."""
-    if len(ids) == 0 or rollout_ids.len() == 0 or ids.null_count:
-        return None
-    length, value = arrow_runs(ids)
-    if len(value) != rollout_ids.len() or rollout_ids.null_count():
-        return None
-    if not pc.all(pc.equal(value, large_strings(rollout_ids))).as_py():
-        return None
-    return length
 
 
 def large_strings(values: pl.Series) -> pa.Array[Any]:
@@ -313,14 +312,12 @@ def arrow_runs(ids: pa.ChunkedArray[Any]) -> tuple[np.ndarray, pa.Array[Any]]:
 
 
 def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
-                ids: pa.ChunkedArray[Any] | None = None,
-                lengths: np.ndarray | None = None) -> StepArrays:
+                ids: pa.ChunkedArray[Any] | None = None) -> StepArrays:
     """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
     rollouts and run 1..M without gaps or repeats.
 
     ``ids`` is the steps' rollout_id as read (Arrow, no nulls) when ``steps`` leaves it out:
-    steps in the rollouts' order never convert it to polars. ``lengths`` are their run
-    lengths, one per rollout in order, when the caller has checked that (``_run_lengths``)."""
+    steps in the rollouts' order never convert it to polars."""
     R = rollouts.height
     # the columns' own buffers when they are int32 already (read-only views: nothing below
     # writes into them)
@@ -329,11 +326,10 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
     token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32, copy=False)
                    if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
     offsets = np.zeros(R + 1, dtype=np.int64)
-    if lengths is None:
-        lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
-                   else _run_lengths(steps["rollout_id"], rollouts["rollout_id"]))
+    lengths = rows_per_rollout(ids if ids is not None else steps["rollout_id"],
+                               rollouts["rollout_id"])
     rows = None
-    if lengths is not None:  # one run per rollout, in order: offsets are the run bounds
+    if lengths is not None:  # grouped by rollout, in order: offsets are the runs' bounds
         np.cumsum(lengths, out=offsets[1:])
         r = np.repeat(np.arange(R, dtype=np.int64), lengths)
         # numbered 1..M in place means sorted too: the check below is then done
