@@ -102,7 +102,10 @@ CHILD_CREDIT = """
 import sys, time
 from draco_cli._allocator import tune_allocator
 tune_allocator()  # as the draco command does at start-up, before polars is loaded
-from draco_cli.ops.credit import credit_compute
+try:
+    from draco_cli.credit import credit_compute
+except ImportError:  # a --baseline tree from before draco_cli/credit/
+    from draco_cli.ops.credit import credit_compute
 d, out = sys.argv[1], sys.argv[2]
 t, c = time.perf_counter(), time.process_time()
 credit_compute(f"{d}/rollouts.parquet", f"{d}/steps.parquet", f"{d}/verdicts.parquet",

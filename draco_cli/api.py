@@ -233,7 +233,7 @@ class Scorer:
         """(filtered verdicts, rewards, step credit, token advantages) of one group."""
         from draco_cli.credit import attach_groups, compute_credit, discriminative_filter, \
             narrow_judge
-        from draco_cli.token_advantages import spans_to_dense, token_spans
+        from draco_cli.credit.tokens import spans_to_dense, token_spans
         from draco_cli.validate import policy_span_issues, raise_first
 
         c = self.options.credit

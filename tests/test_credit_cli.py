@@ -61,7 +61,7 @@ def test_credit_compute_end_to_end(sample_run, tmp_path):
     np.testing.assert_allclose(step_mode["total"], step_mode["advantage"] * step_mode["n_tokens"],
                                rtol=1e-9, atol=1e-9)
     # dense and spans in one file agree exactly
-    from draco_cli.token_advantages import spans_to_dense
+    from draco_cli.credit.tokens import spans_to_dense
 
     redone = spans_to_dense(ta.drop("advantages"))
     assert redone["advantages"].to_list() == ta["advantages"].to_list()

@@ -10,9 +10,9 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from draco_cli.credit import (StepArrays, _check_verdict_keys, _codes, _misnumbered,
-                              citation_arrays, criterion_keys, discriminative_filter,
-                              index_steps, retained_by_key)
+from draco_cli.credit.core import citation_arrays, discriminative_filter, retained_by_key
+from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes, _misnumbered,
+                                     criterion_keys, index_steps)
 from draco_cli.errors import InputError
 from draco_cli.io import conform
 from draco_cli.schemas import VerdictAggregated
@@ -174,31 +174,38 @@ def test_citation_counts_match_a_loop(seed):
 
 
 @pytest.mark.parametrize("seed", range(12))
-def test_arrow_run_lengths_match_the_polars_ones(seed):
-    """Run lengths read off an Arrow column in chunks (runs cut by chunk bounds, repeats,
-    rollouts out of order, missing or extra ones) agree with the polars path."""
-    from draco_cli.credit import _arrow_run_lengths, _run_lengths
+def test_rows_per_rollout_match_a_loop(seed):
+    """Rows per rollout read off an Arrow column in chunks (runs cut by chunk bounds, repeats,
+    rollouts out of order, missing or unknown ones) agree with a loop, and with the same ids
+    as polars."""
+    from draco_cli.credit.inputs import rows_per_rollout
 
     rng = np.random.default_rng(seed)
     R = int(rng.integers(1, 8))
-    rollout_ids = pl.Series("rollout_id", [f"r{i}" for i in range(R)])
+    names = [f"r{i}" for i in range(R)]
+    rollout_ids = pl.Series("rollout_id", names)
     M = rng.integers(1, 5, R)
-    ids = np.repeat(np.array([f"r{i}" for i in range(R)], dtype=object), M)
-    shape = seed % 4
+    ids = np.repeat(np.array(names, dtype=object), M)
+    shape = seed % 5
     if shape == 1:  # a rollout's steps split in two runs
         ids = np.concatenate([ids, ids[:1]])
     elif shape == 2:  # a rollout without steps
         ids = ids[ids != f"r{R - 1}"]
     elif shape == 3:  # rollouts' runs in another order
         ids = ids[::-1]
+    elif shape == 4:  # a step of an unknown rollout
+        ids = np.concatenate([ids, ["nobody"]])
     cuts = np.sort(rng.integers(0, ids.size + 1, int(rng.integers(0, 4))))
     chunks = [pa.array(list(part), pa.string()) for part in np.split(ids, cuts)]
-    arrow_ids = pa.chunked_array(chunks, pa.string())
-    a = _arrow_run_lengths(arrow_ids, rollout_ids)
-    b = _run_lengths(pl.Series(list(ids), dtype=pl.String), rollout_ids)
-    assert (a is None) == (b is None)
-    if a is not None:
-        assert a.tolist() == b.tolist()
+    a = rows_per_rollout(pa.chunked_array(chunks, pa.string()), rollout_ids)
+    b = rows_per_rollout(pl.Series(list(ids), dtype=pl.String), rollout_ids)
+    # the loop: each id a known rollout's, every rollout's rows adjacent, in the rollouts' order
+    order = [names.index(x) if x in names else None for x in ids]
+    grouped = None not in order and all(
+        x <= y for x, y in zip(order, order[1:]))
+    expected = [int(np.sum(ids == n)) for n in names] if grouped else None
+    assert (None if a is None else a.tolist()) == expected
+    assert (None if b is None else b.tolist()) == expected
 
 
 @pytest.mark.parametrize("seed", range(40))
@@ -206,7 +213,8 @@ def test_arrow_verdict_ids_match_the_polars_path(seed):
     """compute_credit with the verdicts' ids kept in Arrow (chunked, as read) gives the same
     tables and stats as with polars ids, or the same error: several judges, --judge, verdicts
     out of the rollouts' order, a repeated key, a verdict of an unknown rollout."""
-    from draco_cli.credit import VERDICT_ID_COLUMNS, compute_credit
+    from draco_cli.credit import compute_credit
+    from draco_cli.credit.inputs import VERDICT_ID_COLUMNS
     from draco_cli.errors import DracoError
 
     rng = np.random.default_rng(seed)
@@ -269,7 +277,7 @@ def test_arrow_verdict_ids_match_the_polars_path(seed):
 
 @pytest.mark.parametrize("seed", range(20))
 def test_verdict_flags_of_arrow_match_the_polars_ones(seed):
-    from draco_cli.credit import verdict_flags
+    from draco_cli.credit.inputs import verdict_flags
 
     rng = np.random.default_rng(seed)
     n = int(rng.integers(0, 40))
@@ -297,7 +305,7 @@ def test_arrow_verdict_checks_never_pass_what_the_contract_refuses(seed, broken)
     says they pass the contract: it must never say so of a table ``conform`` refuses (that
     table then goes through conform, which names the row and field), and must say so of
     valid ones (else the fast path is never taken)."""
-    from draco_cli.ops.credit import _verdicts_as_contract
+    from draco_cli.credit.tables import _verdicts_as_contract
 
     rng = np.random.default_rng(seed)
     t = _valid_verdicts(rng, int(rng.integers(1, 30)))
@@ -331,35 +339,11 @@ def test_arrow_verdict_checks_never_pass_what_the_contract_refuses(seed, broken)
     assert fast == (broken is None)
 
 
-def test_arrow_pool_is_scoped_and_keeps_a_callers_pool():
-    from draco_cli.ops.credit import _arrow_pool
-
-    before = pa.default_memory_pool()
-    inside = []
-    with _arrow_pool():
-        inside.append(pa.default_memory_pool().backend_name)
-    assert pa.default_memory_pool().backend_name == before.backend_name
-    if before.backend_name == "mimalloc":
-        try:
-            pa.jemalloc_memory_pool()
-            assert inside == ["jemalloc"]
-        except NotImplementedError:
-            assert inside == ["mimalloc"]
-    pa.set_memory_pool(pa.system_memory_pool())
-    try:
-        with pytest.raises(RuntimeError), _arrow_pool():
-            assert pa.default_memory_pool().backend_name == "system"  # the caller's choice
-            raise RuntimeError
-        assert pa.default_memory_pool().backend_name == "system"
-    finally:
-        pa.set_memory_pool(before)
-
-
 @pytest.mark.parametrize("seed", range(20))
 def test_sums_by_offsets_match_a_running_sum(seed):
     """Per-rollout integer sums (empty rollouts, extreme int32 values, values past the last
     offset) equal differences of a running int64 sum."""
-    from draco_cli.token_advantages import _sum_by_offsets
+    from draco_cli.credit.inputs import sum_by_offsets as _sum_by_offsets
 
     rng = np.random.default_rng(seed)
     for _ in range(50):
@@ -376,7 +360,7 @@ def test_sums_by_offsets_match_a_running_sum(seed):
 def test_first_of_each_code_matches_a_group_by(seed):
     """The criteria count's first verdict per (group, criterion) code: positions agree with a
     group-by when codes come numbered by first appearance (dictionary codes), None otherwise."""
-    from draco_cli.credit import _first_of_each_code
+    from draco_cli.credit.core import _first_of_each_code
 
     rng = np.random.default_rng(seed)
     for _ in range(20):
@@ -425,7 +409,7 @@ def reference_token_spans(R, M, n, ts, rsp, adv, rids, steps):
 def test_token_spans_match_a_loop(seed):
     """Spans by blocks (positions and end-to-end layouts mixed, null response_len, steps that
     touch, zero values, a step past response_len) equal a rollout-by-rollout loop."""
-    from draco_cli.token_advantages import token_spans
+    from draco_cli.credit.tokens import token_spans
 
     rng = np.random.default_rng(seed)
     R = int(rng.integers(1, 12))
@@ -469,7 +453,7 @@ def test_token_spans_match_a_loop(seed):
 def test_integer_sums_equal_the_float_bincounts_bit_for_bit(seed):
     """step_credit_arrays sums cited flags and token counts as integers: as floats they must
     equal the float-weighted bincounts they replace, bit for bit (empty rollouts included)."""
-    from draco_cli.token_advantages import _sum_by_offsets
+    from draco_cli.credit.inputs import sum_by_offsets as _sum_by_offsets
 
     rng = np.random.default_rng(seed)
     M = rng.integers(0, 30, int(rng.integers(1, 200)))

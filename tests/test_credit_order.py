@@ -11,7 +11,7 @@ import polars as pl
 import pyarrow.parquet as pq
 from polars.testing import assert_frame_equal
 
-from draco_cli.ops.credit import credit_compute
+from draco_cli.credit import credit_compute
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "benchmarks"))
 from bench_credit import make_inputs  # noqa: E402

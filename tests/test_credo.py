@@ -240,7 +240,7 @@ def test_cli_loop_plan_correct_fit_evolve(tmp_path):
 
 def test_credo_token_advantages_layout():
     from draco_cli.credo.tokens import credo_token_advantages
-    from draco_cli.token_advantages import spans_to_dense
+    from draco_cli.credit.tokens import spans_to_dense
 
     rollouts = pl.DataFrame({"rollout_id": ["a"], "group_id": ["g"], "response_len": [20],
                              "policy_spans": [[[0, 8], [12, 20]]]},
@@ -388,7 +388,7 @@ def test_cross_fit_predicts_each_fold_from_the_others():
 def test_policy_spans_past_the_last_step_without_response_len(mode):
     """Positions known, response_len null, a policy span after the last step (a final message):
     the length covers the span in every mode, no span lies past it, dense form works."""
-    from draco_cli.token_advantages import build_token_advantages, spans_to_dense
+    from draco_cli.credit.tokens import build_token_advantages, spans_to_dense
 
     rollouts = pl.DataFrame({"rollout_id": ["a"], "group_id": ["g"], "response_len": [None],
                              "policy_spans": [[[0, 6], [10, 14], [20, 25]]]},

@@ -600,7 +600,7 @@ def test_credit_stage_takes_arrow_buffers_from_the_c_heap_and_gives_the_pool_bac
     also when the stage fails; the tables are the same as with Arrow's own pool."""
     import pyarrow as pa
 
-    from draco_cli.ops import credit as credit_ops
+    import draco_cli.credit as credit_ops
     from draco_cli.ops.run import run_step
     from draco_cli.options import RunOptions
 

@@ -9,7 +9,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.credit import compute_credit
-from draco_cli.token_advantages import build_token_advantages, dense_to_spans, spans_to_dense
+from draco_cli.credit.tokens import build_token_advantages, dense_to_spans, spans_to_dense
 
 
 def setup(credit="step", token_start=True, spans=True, verdicts=None):
@@ -126,7 +126,7 @@ def test_dense_spans_dense_is_exact(rows):
 
 def test_block_processing_gives_the_same_result(monkeypatch):
     """Credit and token spans work block by block; tiny blocks must change nothing."""
-    import draco_cli.credit as credit_mod
+    import draco_cli.credit.inputs as credit_mod
 
     whole_res, whole_ta = setup()
     whole_u = setup(credit="uniform")
@@ -139,7 +139,7 @@ def test_block_processing_gives_the_same_result(monkeypatch):
 
 
 def test_blocks_on_random_inputs(monkeypatch):
-    import draco_cli.credit as credit_mod
+    import draco_cli.credit.inputs as credit_mod
     from tests.test_credit import frames
     rng = np.random.default_rng(3)
     rollouts, steps, verdicts = [], [], []

@@ -11,7 +11,7 @@ import pytest
 
 from draco_cli.io import write_table
 from draco_cli.schemas import TokenAdvantages
-from draco_cli.token_advantages import spans_to_dense
+from draco_cli.credit.tokens import spans_to_dense
 from draco_cli.trainer import (
     AlignmentError,
     fingerprint,

@@ -96,7 +96,7 @@ def compute(
     --verdicts run/verdicts.parquet -o run/credit
     """
     from draco_cli.options import CreditOptions
-    from draco_cli.ops.credit import credit_compute
+    from draco_cli.credit import credit_compute
 
     shape = pick_format(fmt, as_json)
     outcome = reward is RewardSource.outcome
@@ -171,7 +171,7 @@ def expand(
 
     Example: draco credit expand --token-advantages run/credit/token_advantages.parquet -o dense.parquet
     """
-    from draco_cli.ops.credit import credit_expand
+    from draco_cli.credit import credit_expand
 
     form = credit_expand(token_advantages, out, rollouts=rollouts,
                          to=None if to is None else to.value, force=force)

@@ -10,7 +10,7 @@ import pyarrow as pa
 
 from draco_cli.credit import index_steps
 from draco_cli.io import as_frame
-from draco_cli.token_advantages import _canonical, _list_array, _policy_pairs, token_spans
+from draco_cli.credit.tokens import _canonical, _list_array, _policy_pairs, token_spans
 
 
 def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: pl.DataFrame,

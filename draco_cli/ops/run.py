@@ -388,14 +388,15 @@ class _Run:
                                   "unanswered": unanswered + skipped}, **extra)
 
     def _credit(self) -> StageRecord:
-        from draco_cli.ops.credit_chunks import credit_by_groups
+        from draco_cli.credit import credit_compute
 
         verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
         with _fresh_heap():
             _rss_probe("credit after release")
-            # by chunks of whole groups: memory set by the chunk, the same tables
-            stats, _ = credit_by_groups(self.rollouts, self.steps, verdicts,
-                                        self.folder.path / "credit", options=self.opts.credit)
+            # by blocks of whole groups when large: memory set by the block, the same tables
+            stats = credit_compute(self.rollouts, self.steps, verdicts,
+                                   self.folder.path / "credit", options=self.opts.credit,
+                                   force=True)
         return StageRecord(key="", status="done", stats=asdict(stats), rows=stats.rollouts,
                            reward=self.opts.credit.reward)
 

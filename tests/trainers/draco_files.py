@@ -18,7 +18,7 @@ import polars as pl
 
 from draco_cli.ingest import ingest
 from draco_cli.io import write_table
-from draco_cli.ops.credit import credit_compute
+from draco_cli.credit import credit_compute
 from draco_cli.schemas import VerdictAggregated
 from draco_cli.trainer import load_token_advantages
 

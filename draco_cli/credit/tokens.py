@@ -17,10 +17,10 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
+from draco_cli.credit.inputs import StepArrays, index_steps, rollout_chunks, sum_by_offsets
 from draco_cli.errors import InputError
 
 if TYPE_CHECKING:
-    from draco_cli.credit import StepArrays
     from draco_cli.validate import FlatSpans
 
 SPAN_COLUMNS = ("span_start", "span_end", "span_value")
@@ -69,8 +69,6 @@ def build_token_advantages(
     source: str = "step_credit",
 ) -> pl.DataFrame:
     """Spans-form token advantages from tables (step_credit carrying ``token_start``)."""
-    from draco_cli.credit import index_steps
-
     sa = index_steps(step_credit, rollouts, source)
     adv = step_credit.select("rollout_id", "step", "advantage").join(
         sa.order().with_row_index("__i"), on=["rollout_id", "step"]).sort("__i")["advantage"]
@@ -97,8 +95,6 @@ def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, ad
     or the end of its last step when that is null); otherwise its steps are laid end to end in
     step order (length = Σ n_j). Works block by block over rollouts to bound memory.
     """
-    from draco_cli.credit import rollout_chunks
-
     R = rollouts.height
     resp = rollouts["response_len"].fill_null(-1).to_numpy().astype(np.int64)
     if policy_spans is not None:
@@ -213,29 +209,16 @@ def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, 
     """Tokens each rollout's trainer mask should mark 1: the policy spans when known, else
     the step tokens (SPEC §2: without policy_spans the policy tokens are the step tokens).
     ``policy`` is ``_flat_policy(ps)`` when the caller already has it."""
-    steps_n = _sum_by_offsets(sa.n, sa.offsets)
+    steps_n = sum_by_offsets(sa.n, sa.offsets)
     if not has_ps.any():
         return steps_n
     policy = policy if policy is not None else _flat_policy(ps)
     # Per-rollout sums as differences of one running integer sum over the spans' offsets,
     # not a float-weighted bincount over tens of millions of spans.
     # (Σ end − Σ start per rollout: integer sums, exact, without a per-span temporary)
-    spans_n = (_sum_by_offsets(policy.end, policy.offsets)
-               - _sum_by_offsets(policy.start, policy.offsets))
+    spans_n = (sum_by_offsets(policy.end, policy.offsets)
+               - sum_by_offsets(policy.start, policy.offsets))
     return np.where(has_ps, spans_n, steps_n)
-
-
-def _sum_by_offsets(values: np.ndarray, offsets: np.ndarray) -> np.ndarray:
-    """Integer sums of ``values[offsets[i]:offsets[i + 1]]`` for every i, exactly (in int64,
-    one pass over the values, empty ranges 0)."""
-    sums = np.zeros(offsets.size - 1, dtype=np.int64)
-    nonempty = np.flatnonzero(offsets[1:] > offsets[:-1])
-    if nonempty.size:
-        # a non-empty range runs to the next non-empty one's start (empty ones between
-        # start where it ends), the last one to offsets[-1]
-        sums[nonempty] = np.add.reduceat(values[:int(offsets[-1])], offsets[nonempty],
-                                         dtype=np.int64)
-    return sums
 
 
 def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array[Any]]:
@@ -345,3 +328,21 @@ def _require(df: pl.DataFrame, cols: tuple[str, ...], form: str) -> None:
     for c in cols:
         if c not in df.columns:
             raise InputError(f"token advantages in {form} form need column '{c}'", field=c)
+
+
+LAYOUT_KEY = "draco.token_layout"
+
+
+def layout_label(layouts: set[str] | list[str]) -> str:
+    """The token_advantages file's ``draco.token_layout``: its rows' one layout, or mixed."""
+    found = sorted(set(layouts))
+    return found[0] if len(found) == 1 else "mixed"
+
+
+def token_form(ta: pl.DataFrame, tokens: str) -> pl.DataFrame:
+    """Spans-form token advantages in the form asked for (spans, dense or both)."""
+    if tokens not in ("dense", "both"):
+        return ta
+    dense = spans_to_dense(ta)
+    return dense if tokens == "dense" else dense.with_columns(ta.select(
+        "span_start", "span_end", "span_value"))

@@ -1,14 +1,13 @@
 """DRACO credit (SPEC §3.3–3.6): the discriminative filter, rewards, group advantages and step
-credit, as whole-column polars operations (no per-rollout Python loops).
+credit, as whole-column operations (no per-rollout Python loops).
 
-Every function takes and returns polars DataFrames; ``compute_credit`` chains them the way
-``draco credit compute`` does. Token-level output lives in ``draco_cli.tokens``.
+``compute_credit`` chains them the way ``draco credit compute`` does, over the rollouts it is
+given (all of them, or a block of whole groups). Inputs as arrays are in ``credit.inputs``,
+token-level output in ``credit.tokens``.
 """
 
 from __future__ import annotations
 
-import functools
-from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Literal, cast
 
@@ -17,7 +16,11 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.errors import DracoError, InputError, UsageError
+from draco_cli.credit.inputs import (StepArrays, _arrow_verdict_index, _check_verdict_keys,
+                                     _codes, _with_verdict_ids, criterion_keys, index_steps,
+                                     narrow_judge, rollout_chunks, sum_by_offsets, verdict_flags,
+                                     verdict_rows)
+from draco_cli.errors import DracoError, UsageError
 
 EPS = 1e-6
 Drop = Literal["all-pass", "constant"]
@@ -42,179 +45,6 @@ class CreditStats:
     mean_reward: float | None = None
     mean_pass_rate_all: float | None = None
     null_rewards: int = 0
-
-
-def combine_stats(parts: list[CreditStats], reward: pl.Series,
-                  pass_rate_all: pl.Series) -> CreditStats:
-    """The stats of a computation done in parts that share no group, as the whole
-    computation's: counts summed, extremes of extremes, and the means over the whole
-    ``reward`` and ``pass_rate_all`` columns (the parts' rows, in order: a mean of means would
-    round differently)."""
-    from collections import Counter
-
-    modes: Counter[str] = Counter()
-    for p in parts:
-        modes.update(p.credit_modes)
-    mins = [p.advantage_min for p in parts if p.advantage_min is not None]
-    maxs = [p.advantage_max for p in parts if p.advantage_max is not None]
-    return CreditStats(
-        groups=sum(p.groups for p in parts),
-        rollouts=sum(p.rollouts for p in parts),
-        criteria_kept=sum(p.criteria_kept for p in parts),
-        criteria_dropped=sum(p.criteria_dropped for p in parts),
-        citations_dropped=sum(p.citations_dropped for p in parts),
-        credit_modes=dict(sorted(modes.items())),
-        advantage_min=min(mins) if mins else None,
-        advantage_max=max(maxs) if maxs else None,
-        mean_reward=cast("float | None", reward.rechunk().mean()),
-        mean_pass_rate_all=cast("float | None", pass_rate_all.rechunk().mean()),
-        null_rewards=sum(p.null_rewards for p in parts),
-    )
-
-
-# --- inputs -------------------------------------------------------------------------------
-
-
-def narrow_judge(verdicts: pl.DataFrame, judge: str | None, source: str = "verdicts") -> pl.DataFrame:
-    """Keep one judge's verdicts. Mixing judges in one computation is an error (SPEC §3.3)."""
-    judges = sorted(verdicts["judge"].unique().to_list())
-    if judge is not None:
-        if judge not in judges:
-            raise UsageError(f"--judge {judge!r}: {source} has judges {', '.join(judges) or 'none'}")
-        return verdicts.filter(pl.col("judge") == judge)
-    if len(judges) > 1:
-        raise UsageError(
-            f"{source} holds verdicts of several judges ({', '.join(judges)}); "
-            "choose one with --judge LABEL"
-        )
-    return verdicts
-
-
-def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> pl.DataFrame:
-    """Add group_id (and ``__r``, the rollout's row in ``rollouts``) to verdicts; a verdict for
-    a rollout not in ``rollouts`` is an error."""
-    verdicts = verdicts.drop("group_id", "__r", strict=False)
-    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
-    if run is not None:  # verdicts grouped by rollout, in the rollouts' order: no string join
-        r = pl.Series("__r", run, dtype=pl.UInt32)
-        return verdicts.with_columns(r, rollouts["group_id"].gather(r).alias("group_id"))
-    joined = verdicts.drop("group_id", "__r", strict=False).with_row_index("__row").join(
-        rollouts.select("rollout_id", "group_id").with_row_index("__r"), on="rollout_id",
-        how="left",
-    )
-    missing = joined.filter(pl.col("group_id").is_null())
-    if missing.height:
-        row = int(cast(int, missing["__row"].min()))  # a non-empty UInt32 column
-        rid = joined.filter(pl.col("__row") == row)["rollout_id"][0]
-        raise InputError(f"verdict for unknown rollout {rid!r}", file=source, row=row,
-                         field="rollout_id")
-    return joined.sort("__row").drop("__row")
-
-
-def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
-    """Row in ``rollouts`` of each verdict's rollout (int64); a verdict for a rollout not in
-    ``rollouts`` is an error. Verdicts in the rollouts' order need no string join."""
-    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
-    if run is not None:
-        return run
-    return attach_groups(verdicts, rollouts, source)["__r"].to_numpy().astype(np.int64)
-
-
-def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
-    """Integer codes of a column's values (hashed once) and how many distinct values there
-    are; None when it holds nulls."""
-    if values.null_count():
-        return None
-    return _arrow_codes(values.to_arrow())
-
-
-def _arrow_codes(arr: pa.Array[Any] | pa.ChunkedArray[Any]) -> tuple[np.ndarray, int]:
-    """``_codes`` of an Arrow column without nulls (codes in order of first appearance)."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(arr))
-    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
-
-
-VERDICT_ID_COLUMNS = ("rollout_id", "criterion_id", "judge")
-
-
-def clean_strings(col: pa.ChunkedArray[Any] | None) -> bool:
-    """A string column without nulls: all the contract asks of an id column."""
-    return col is not None and col.null_count == 0 and (
-        pa.types.is_string(col.type) or pa.types.is_large_string(col.type))
-
-
-VERDICT_FLAGS = ("pass", "fail", "na")
-
-
-def verdict_flags(verdict: pl.Series | pa.ChunkedArray[Any] | pa.Array[Any],
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(is pass, is fail, is na) of each verdict as numpy bools, null = all False: the filter,
-    the rewards and the citations share them instead of comparing 6M strings each. An Arrow
-    column is dictionary-encoded once (its few distinct values are then compared, not each
-    string)."""
-    if isinstance(verdict, pl.Series):
-        return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", tuple(
-            (verdict == x).fill_null(False).to_numpy() for x in VERDICT_FLAGS))
-    if isinstance(verdict, pa.ChunkedArray):
-        verdict = verdict.combine_chunks()
-    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(verdict))
-    n_values = len(encoded.dictionary)
-    # a null verdict gets the code past the dictionary's end, whose flags are all False
-    indices = cast("pa.Array[Any]", encoded.indices)
-    codes = indices.fill_null(n_values).to_numpy().astype(np.intp, copy=False)
-    values = encoded.dictionary.to_pylist()
-    return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", tuple(
-        np.array([v == x for v in values] + [False])[codes] for x in VERDICT_FLAGS))
-
-
-def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
-                         lengths: np.ndarray | None = None,
-                         ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
-    """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
-    columns when they hold one judge (the one asked for, if any) and come grouped by rollout
-    in the rollouts' order; None otherwise (the general path then decides, and names what is
-    wrong). No id string is converted to polars on this path. ``lengths`` are the verdicts'
-    run lengths when the caller has checked them (``_arrow_run_lengths``)."""
-    if ids.num_rows == 0:
-        return None
-    judges = ids.column("judge")
-    first = judges[0].as_py()
-    if judge is not None and judge != first:
-        return None
-    if not pc.all(pc.equal(judges, pa.scalar(first, judges.type))).as_py():
-        return None
-    if lengths is None:
-        lengths = _arrow_run_lengths(ids.column("rollout_id"), rollouts["rollout_id"])
-    if lengths is None:
-        return None
-    rows = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    return rows, _arrow_codes(ids.column("criterion_id"))
-
-
-def _with_verdict_ids(verdicts: pl.DataFrame, ids: pa.Table | None) -> pl.DataFrame:
-    """The verdicts with their Arrow id columns as polars ones (for the general paths)."""
-    if ids is None:
-        return verdicts
-    return verdicts.with_columns(
-        [cast(pl.Series, pl.from_arrow(ids.column(c))).alias(c) for c in ids.column_names])
-
-
-def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
-                   crits: tuple[np.ndarray, int] | None = None) -> tuple[np.ndarray, int] | None:
-    """A dense integer id per verdict of its (group, criterion) and the number of ids, or None
-    when a group or criterion id is null. ``rows`` are the verdicts' rollout rows, ``crits``
-    the criterion codes when the caller has them: every string is hashed once, and the filter
-    and the criteria count work on integers."""
-    groups = _codes(rollouts["group_id"])
-    crits = crits if crits is not None else _codes(verdicts["criterion_id"])
-    if groups is None or crits is None:
-        return None
-    (g, _), (c, n_c) = groups, crits
-    pair = pa.array(g[rows] * max(n_c, 1) + c)
-    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(pair))
-    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 
 def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
@@ -252,234 +82,6 @@ def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series | None,
         keep &= other
     kept: np.ndarray = keep[key]
     return kept
-
-
-def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
-                        crits: tuple[np.ndarray, int] | None = None,
-                        ids: pa.Table | None = None) -> None:
-    """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
-    rollout rows) and ``crits`` (criterion codes) of one judge's verdicts, integer (rollout row,
-    criterion) pairs are checked first; the exact string check runs otherwise, and names the
-    repeat. ``ids`` are the id columns in Arrow when ``verdicts`` leaves them out."""
-    from draco_cli.io import conform
-    from draco_cli.schemas import VerdictAggregated
-
-    if crits is not None and rows is not None:  # callers pass rows for one judge only
-        c, n_c = crits
-        if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
-            return
-    conform(_with_verdict_ids(verdicts, ids), VerdictAggregated, source, only=[],
-            check_keys=True)
-
-
-@dataclass
-class StepArrays:
-    """Steps sorted by (rollout, step) as numpy columns; ``r`` indexes the rollouts frame.
-
-    ``offsets[i]:offsets[i + 1]`` are rollout i's steps, so per-rollout sums are bincounts and
-    no per-rollout Python loop is needed anywhere.
-    """
-
-    rollout_ids: pl.Series  # per rollout
-    r: np.ndarray  # per step: rollout index (int64)
-    step: np.ndarray  # int32
-    n: np.ndarray  # int32
-    token_start: np.ndarray  # int32, -1 where null
-    offsets: np.ndarray  # per rollout, length R + 1
-    # the steps' own rollout_id column when they came already sorted (it is then the
-    # per-step id; reusing it spares gathering millions of strings). A caller that kept the
-    # file's Arrow column may put that here instead: output tables are then built without a
-    # rollout_id column and the caller adds the Arrow column when writing (no conversion of
-    # 20M ids to polars and back; a table used without it fails on the missing column
-    # rather than carrying wrong ids).
-    step_rollout_ids: pl.Series | pa.ChunkedArray[Any] | None = None
-
-    @functools.cached_property
-    def M(self) -> np.ndarray:
-        """Steps per rollout (computed once: block loops slice it many times)."""
-        return np.diff(self.offsets)
-
-    def order(self) -> pl.DataFrame:
-        """rollout_id and step of the sorted steps, for output tables (step alone when the ids
-        are the caller's Arrow column, see ``step_rollout_ids``)."""
-        step = pl.Series("step", self.step, dtype=pl.Int32)
-        ids = self.step_rollout_ids
-        if isinstance(ids, pa.ChunkedArray):
-            return pl.DataFrame([step])
-        if ids is None:
-            ids = self.rollout_ids.gather(pl.Series(self.r))
-        return pl.DataFrame({"rollout_id": ids, "step": step})
-
-
-def _run_lengths(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Lengths of the runs of equal ``ids`` when they are such runs, one per rollout of
-    ``rollout_ids`` in the same order (how ingest writes steps and verdicts); None otherwise.
-    This spares hashing every id string against the rollouts (the cost of a join)."""
-    if ids.len() == 0 or rollout_ids.len() == 0:
-        return None
-    runs = ids.rle().struct.unnest()  # one pass: (length, value) per run
-    if runs.height != rollout_ids.len():
-        return None
-    length, value = runs.to_series(0), runs.to_series(1)
-    if not bool((value == rollout_ids).all()):
-        return None
-    lengths: np.ndarray = length.to_numpy().astype(np.int64)
-    return lengths
-
-
-def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Row in ``rollout_ids`` of each of ``ids`` when ``ids`` are runs of equal values, one run
-    per rollout in the same order (see ``_run_lengths``); None otherwise."""
-    lengths = _run_lengths(ids, rollout_ids)
-    return None if lengths is None else np.repeat(np.arange(lengths.size), lengths)
-
-
-def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
-    """Row of each step's rollout in ``rollouts`` (int64), or an error naming an orphan step.
-
-    Logs keep a rollout's steps together, so the string join runs over the first step of each
-    run of equal rollout_id (one per rollout) instead of over every step. (``index_steps``
-    has tried the cheaper case, one run per rollout in the rollouts' order, first.)
-    """
-    rid = steps["rollout_id"]
-    if rid.len() == 0:
-        return np.zeros(0, dtype=np.int64)
-    head = (rid != rid.shift(1)).fill_null(True).to_numpy()
-    run = np.cumsum(head) - 1
-    heads = pl.DataFrame({"rollout_id": rid.filter(pl.Series(head)),
-                          "__run": np.arange(int(head.sum()))})
-    idx = rollouts.select("rollout_id").with_row_index("__r")
-    joined = heads.join(idx, on="rollout_id", how="left", maintain_order="left")
-    missing = joined["__r"].is_null().to_numpy()
-    if missing.any():
-        first_run = int(np.flatnonzero(missing)[0])
-        row = int(np.flatnonzero(run == first_run)[0])
-        raise InputError(f"step of unknown rollout {rid[row]!r}", file=source, row=row,
-                         field="rollout_id")
-    owner: np.ndarray = joined["__r"].to_numpy().astype(np.int64)[run]
-    return owner
-
-
-def _arrow_run_lengths(ids: pa.ChunkedArray[Any], rollout_ids: pl.Series) -> np.ndarray | None:
-    """``_run_lengths`` of an Arrow string column without converting it to polars (one
-    run-end encoding per chunk; runs cut by chunk bounds are joined)."""
-    if len(ids) == 0 or rollout_ids.len() == 0 or ids.null_count:
-        return None
-    length, value = arrow_runs(ids)
-    if len(value) != rollout_ids.len() or rollout_ids.null_count():
-        return None
-    if not pc.all(pc.equal(value, large_strings(rollout_ids))).as_py():
-        return None
-    return length
-
-
-def large_strings(values: pl.Series) -> pa.Array[Any]:
-    """A polars string column as one Arrow large_string array (what ``arrow_runs`` gives)."""
-    arr = values.to_arrow()
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    return arr.cast(pa.large_string())
-
-
-def arrow_runs(ids: pa.ChunkedArray[Any]) -> tuple[np.ndarray, pa.Array[Any]]:
-    """(length, value) of each run of equal values of a non-empty Arrow string column without
-    nulls, values as large_string (one run-end encoding per chunk; runs cut by chunk bounds
-    are joined)."""
-    lengths, values = [], []
-    for chunk in ids.chunks:
-        if len(chunk) == 0:
-            continue
-        ree = pc.run_end_encode(chunk)  # type: ignore[attr-defined]  # not in the stubs
-        ends = ree.run_ends.to_numpy().astype(np.int64)
-        lengths.append(np.diff(ends, prepend=0))
-        values.append(ree.values.cast(pa.large_string()))
-    length = np.concatenate(lengths)
-    value = pa.chunked_array(values).combine_chunks()
-    if len(value) > 1:  # a run cut by a chunk bound continues in the next chunk
-        same = pc.equal(value.slice(0, len(value) - 1), value.slice(1)).to_numpy(
-            zero_copy_only=False)
-        if same.any():
-            head = np.concatenate([[True], ~same])
-            length = np.add.reduceat(length, np.flatnonzero(head))
-            value = value.filter(pa.array(head))
-    return length, value
-
-
-def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
-                ids: pa.ChunkedArray[Any] | None = None,
-                lengths: np.ndarray | None = None) -> StepArrays:
-    """Sort steps by rollout (in ``rollouts`` order) and step; check they belong to known
-    rollouts and run 1..M without gaps or repeats.
-
-    ``ids`` is the steps' rollout_id as read (Arrow, no nulls) when ``steps`` leaves it out:
-    steps in the rollouts' order never convert it to polars. ``lengths`` are their run
-    lengths, one per rollout in order, when the caller has checked that (``_run_lengths``)."""
-    R = rollouts.height
-    # the columns' own buffers when they are int32 already (read-only views: nothing below
-    # writes into them)
-    step = steps["step"].to_numpy().astype(np.int32, copy=False)
-    n = steps["n_tokens"].to_numpy().astype(np.int32, copy=False)
-    token_start = (steps["token_start"].fill_null(-1).to_numpy().astype(np.int32, copy=False)
-                   if "token_start" in steps.columns else np.full(step.size, -1, dtype=np.int32))
-    offsets = np.zeros(R + 1, dtype=np.int64)
-    if lengths is None:
-        lengths = (_arrow_run_lengths(ids, rollouts["rollout_id"]) if ids is not None
-                   else _run_lengths(steps["rollout_id"], rollouts["rollout_id"]))
-    rows = None
-    if lengths is not None:  # one run per rollout, in order: offsets are the run bounds
-        np.cumsum(lengths, out=offsets[1:])
-        r = np.repeat(np.arange(R, dtype=np.int64), lengths)
-        # numbered 1..M in place means sorted too: the check below is then done
-        bad = _misnumbered(step, offsets)
-    else:
-        bad = -1
-    if bad is not None and ids is not None:  # off the fast path: the ids as polars
-        steps = steps.with_columns(cast(pl.Series, pl.from_arrow(ids)).alias("rollout_id"))
-        ids = None
-    if lengths is None:
-        r = _rollout_index(steps, rollouts, source)
-    if bad is not None:
-        if r.size > 1 and not bool(np.all((r[1:] > r[:-1])
-                                          | ((r[1:] == r[:-1]) & (step[1:] > step[:-1])))):
-            rows = np.lexsort((step, r))
-            r, step, n, token_start = r[rows], step[rows], n[rows], token_start[rows]
-        np.cumsum(np.bincount(r, minlength=R), out=offsets[1:])
-        bad = _misnumbered(step, offsets)
-    if bad is not None:
-        rid = rollouts["rollout_id"][int(r[bad])]
-        row = int(np.flatnonzero(steps["rollout_id"].to_numpy() == rid)[0])
-        raise InputError(f"steps of rollout {rid!r} do not run 1..M without gaps or repeats",
-                         file=source, row=row, field="step")
-    step_ids: pl.Series | pa.ChunkedArray[Any] | None = None
-    if rows is None:
-        step_ids = ids if ids is not None else steps["rollout_id"].alias("rollout_id")
-    return StepArrays(rollout_ids=rollouts["rollout_id"], r=r, step=step, n=n,
-                      token_start=token_start, offsets=offsets, step_rollout_ids=step_ids)
-
-
-def _misnumbered(step: np.ndarray, offsets: np.ndarray) -> int | None:
-    """First position of sorted steps (rollout i's at ``offsets[i]:offsets[i + 1]``) whose
-    number is not its place in its rollout (1, 2, 3, ...), or None: a rollout's first step
-    must be 1 and each next step one more than the one before."""
-    if step.size == 0:
-        return None
-    # The common case in a few whole-array passes: each step one more than the one before,
-    # but where a rollout begins (then it must be 1). The search below runs only on failure.
-    d = np.diff(step)
-    begins = offsets[1:-1]
-    d[begins[(begins > 0) & (begins < step.size)] - 1] = 1
-    if step[0] == 1 and bool(np.all(d == 1)) and bool(np.all(step[begins[begins < step.size]] == 1)):
-        return None
-    del d
-    firsts = offsets[:-1][np.diff(offsets) > 0]
-    bad_first = firsts[step[firsts] != 1]
-    jumps = np.flatnonzero(np.diff(step) != 1) + 1  # a rollout's first step aside
-    head = np.zeros(step.size, dtype=bool)
-    head[firsts] = True
-    bad_next = jumps[~head[jumps]]
-    if bad_first.size == 0 and bad_next.size == 0:
-        return None
-    return int(min(bad_first.min(initial=step.size), bad_next.min(initial=step.size)))
 
 
 # --- §3.3 discriminative filter -----------------------------------------------------------
@@ -648,28 +250,10 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame,
     return p, f, dropped
 
 
-CHUNK_STEPS = 1 << 20  # steps per block: temporaries stay small and their memory is reused
-
-
-def rollout_chunks(offsets: np.ndarray, target: int | None = None,
-                   ) -> Iterator[tuple[int, int, int, int]]:
-    """(first rollout, end rollout, first step, end step) blocks of about ``target`` steps
-    (default CHUNK_STEPS), cut at rollout boundaries: per-rollout sums never straddle blocks."""
-    target = target or CHUNK_STEPS
-    R = offsets.size - 1
-    total = int(offsets[-1])
-    cuts = np.searchsorted(offsets, np.arange(target, total, target), side="right") - 1
-    bounds = np.unique(np.concatenate([[0], cuts, [R]]))
-    for r0, r1 in zip(bounds[:-1], bounds[1:]):
-        yield int(r0), int(r1), int(offsets[r0]), int(offsets[r1])
-
-
 def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.ndarray,
                        credit: CreditKind = "step") -> dict[str, Any]:
     """SPEC §3.6 over whole columns, block by block. ``adv_r`` is A_i per rollout. Returns
     numpy columns per step, and ``mode_r``: credit_mode per rollout (a polars Series)."""
-    from draco_cli.token_advantages import _sum_by_offsets
-
     if credit not in ("step", "uniform"):
         raise UsageError(f"--credit {credit!r}: choose step or uniform")
     R = sa.offsets.size - 1
@@ -699,7 +283,7 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             # Sums of integers (cited flags, token counts) are exact in any order: integer
             # sums, as floats, equal the float bincounts bit for bit. The sums of q and w
             # below keep their bincounts (their order of addition is part of the result).
-            n_cited = _sum_by_offsets(c, local).astype(np.float64)
+            n_cited = sum_by_offsets(c, local).astype(np.float64)
             qbar = np.bincount(rl, weights=q, minlength=Rl) / n_cited
             qual = np.where(c, q, per_step(qbar))       # an uncited step takes the mean Q̄
             A = per_step(adv_r[r0:r1])
@@ -711,7 +295,7 @@ def step_credit_arrays(sa: StepArrays, p: np.ndarray, f: np.ndarray, adv_r: np.n
             sumw = per_step(sumw_r)
             equal = sumw == 0  # e.g. a winner whose every cited step failed: equal shares
             wt = np.where(equal, per_step(1.0 / Ml), w)
-            N = per_step(_sum_by_offsets(sa.n[s0:s1], local).astype(np.float64))
+            N = per_step(sum_by_offsets(sa.n[s0:s1], local).astype(np.float64))
             # A · N · w / (n · Σw), the same operations in the same order, in place
             step_adv = A * N
             step_adv *= wt
@@ -802,7 +386,6 @@ def compute_credit(
     steps_source: str = "steps",
     check_verdict_keys: bool = False,
     verdict_ids: pa.Table | None = None,
-    verdict_lengths: np.ndarray | None = None,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
@@ -812,12 +395,10 @@ def compute_credit(
     without that check: on integer codes it costs a fraction of the string check).
     ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
     string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
-    the rollouts' order are then indexed and coded without converting their ids to polars;
-    ``verdict_lengths`` are their run lengths when the caller has checked them.
+    the rollouts' order are then indexed and coded without converting their ids to polars.
     """
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge,
-                                                                 verdict_lengths)
+    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
     if fast is not None:
         rows, crits_known = fast
         crits: tuple[np.ndarray, int] | None = crits_known
@@ -867,13 +448,9 @@ def compute_credit(
     if firsts is not None:
         criteria_kept = int(np.count_nonzero(verdicts["retained"].to_numpy()[firsts]))
         criteria = firsts.size
-    else:
-        if keys is not None:
-            crit = pl.DataFrame({"k": keys[0], "retained": verdicts["retained"]}).group_by(
-                "k").agg(pl.col("retained").first())
-        else:
-            crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
-                "group_id", "criterion_id").agg(pl.col("retained").first())
+    else:  # a null group or criterion id: no integer keys
+        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
+            "group_id", "criterion_id").agg(pl.col("retained").first())
         criteria_kept = int(crit["retained"].sum())
         criteria = crit.height
         del crit

@@ -1,0 +1,142 @@
+"""``draco credit compute`` / ``expand``: read rollouts, steps and verdicts, compute rewards,
+step credit and token advantages, publish them as one set; convert token advantages between
+their spans and dense forms.
+
+Inputs of more than ``blocks.BLOCK_ROLLOUTS`` rollouts in the order ingest and the judge write them
+are computed block by block, read and written as they go (``credit.blocks``); any others, and
+any error a block raises, take the whole-table computation here, which raises the error naming
+file, row and field.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from draco_cli.credit.blocks import WholeTables, credit_by_blocks, plan_blocks
+from draco_cli.credit.core import CreditStats, compute_credit
+from draco_cli.credit.inputs import index_steps
+from draco_cli.credit.tables import (CREDIT_ROLLOUT_COLUMNS, CREDIT_STEP_COLUMNS,
+                                     CREDIT_VERDICT_COLUMNS, no_verdicts, rollouts_frame,
+                                     steps_frame, verdicts_frame, with_step_ids)
+from draco_cli.credit.tokens import (LAYOUT_KEY, dense_to_spans, form_of, layout_label,
+                                     spans_to_dense, token_form, token_spans)
+from draco_cli.errors import DracoError, InputError, OutputError, UsageError
+from draco_cli.io import OutputSet, check_writable, read_arrow, read_table
+from draco_cli.ops import publish_file, source_name
+from draco_cli.options import CreditOptions
+from draco_cli.schemas import Reward, Rollout, StepCredit, TokenAdvantages
+
+OUTPUTS = ("rewards.parquet", "step_credit.parquet", "token_advantages.parquet")
+
+
+def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
+                   out: str | Path, *, tokens: str | None = None, force: bool = False,
+                   options: CreditOptions | None = None, **kwargs: Any) -> CreditStats:
+    """Rewards, step credit and token advantages of ``rollouts`` into ``out``.
+
+    ``options`` (or the same fields as keywords) says how; ``verdicts`` may be None only with
+    ``reward="outcome"`` and uniform credit: the environment's outcome, no criteria filter.
+    """
+    if options is None:
+        options = CreditOptions.build(**kwargs, **({"tokens": tokens} if tokens else {}))
+    elif kwargs or tokens:
+        raise TypeError("pass either options= or keyword options, not both")
+    if verdicts is None and (options.reward != "outcome" or options.credit != "uniform"):
+        raise UsageError("--verdicts is needed unless --reward outcome with --credit uniform "
+                         "(no rubric: nothing to filter or spread credit by)")
+    out = Path(out)
+    for name in OUTPUTS:
+        check_writable(out / name, force)
+    plan = plan_blocks(rollouts, steps, verdicts)
+    if plan is not None:
+        try:
+            return credit_by_blocks(plan, rollouts, steps, verdicts, out, options=options,
+                                    force=force)
+        except OutputError:
+            raise
+        except (WholeTables, DracoError):
+            pass  # the whole-table computation below raises the error as it always has
+    return _whole_tables(rollouts, steps, verdicts, out, options=options, force=force)
+
+
+def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
+                  out: Path, *, options: CreditOptions, force: bool) -> CreditStats:
+    r, spans, flat_spans = rollouts_frame(read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS),
+                                          source_name(rollouts))
+    s, step_ids = steps_frame(read_arrow(steps, CREDIT_STEP_COLUMNS), source_name(steps))
+    v, v_ids = (no_verdicts(), None) if verdicts is None else verdicts_frame(
+        read_arrow(verdicts, CREDIT_VERDICT_COLUMNS), source_name(verdicts))
+    sa = index_steps(s, r, source_name(steps), ids=step_ids)
+    del s, step_ids  # the steps' own columns are copied or kept by sa: freed before the computation
+    # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
+    # with them (arguments pass to the callee's frame).
+    held: dict[str, Any] = {"verdicts": v, "ids": v_ids}
+    del v, v_ids
+    result = compute_credit(r, sa, held.pop("verdicts"),
+                            verdicts_source=source_name(verdicts or "verdicts"),
+                            steps_source=source_name(steps), check_verdict_keys=True,
+                            verdict_ids=held.pop("ids"),
+                            **options.model_dump(exclude={"tokens"}))
+    rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
+                                       result.steps)
+    del result
+    step_adv = step_credit["advantage"].to_numpy()
+    # token_spans finds each step's rollout from the offsets: the per-step index (8 bytes a
+    # step) goes before the writes instead of adding to their peak.
+    sa.r = np.zeros(0, dtype=np.int64)
+    with OutputSet(out, list(OUTPUTS), force=force) as output:
+        # step_credit is written, then freed, before token advantages are built: the two
+        # largest tables never coexist (an error below still publishes nothing).
+        output.write_table(rewards, OUTPUTS[0], Reward)
+        output.write_table(with_step_ids(step_credit, sa.step_rollout_ids), OUTPUTS[1],
+                           StepCredit)
+        del step_credit
+        sa.step_rollout_ids = None
+        ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
+                         rewards["credit_mode"], source_name(steps), spans,
+                         policy_flat=flat_spans)
+        ta = token_form(ta, options.tokens)
+        meta = {LAYOUT_KEY: layout_label(ta["layout"].unique().to_list()),
+                "draco.token_form": options.tokens}
+        output.write_table(ta, OUTPUTS[2], TokenAdvantages, drop_absent_optional=True,
+                           metadata=meta)
+    return stats
+
+
+def credit_expand(token_advantages: str | Path, out: str | Path, *,
+                  rollouts: str | Path | None = None, to: str | None = None,
+                  force: bool = False) -> str:
+    """``token_advantages`` in the other form (or ``to``) → ``out``, exactly; returns the
+    form written."""
+    check_writable(out, force)
+    ta = read_table(token_advantages, TokenAdvantages)
+    from draco_cli.validate import raise_first, token_advantage_issues
+
+    for field, issue in token_advantage_issues(ta)[:1]:
+        raise_first([issue], source_name(token_advantages), field)
+    present = [c for c in ("advantages", "span_start", "span_end", "span_value")
+               if c in ta.columns and ta[c].null_count() < ta.height]
+    ta = ta.select("rollout_id", "length", "layout", *present)
+    if rollouts is not None:
+        r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
+        missing = r.join(ta, on="rollout_id", how="anti")
+        if missing.height:
+            raise InputError(f"no token advantages for rollout {missing['rollout_id'][0]!r}",
+                             file=source_name(token_advantages), field="rollout_id")
+    form = form_of(ta)
+    target = to or ("dense" if form == "spans" else "spans")
+    if target == "dense":
+        res = ta if form in ("dense", "both") else spans_to_dense(ta)
+        res = res.drop("span_start", "span_end", "span_value", strict=False)
+    elif target == "spans":
+        res = ta if form in ("spans", "both") else dense_to_spans(ta)
+        res = res.drop("advantages", strict=False)
+    else:
+        res = spans_to_dense(ta).with_columns(ta.select("span_start", "span_end", "span_value")) \
+            if form == "spans" else dense_to_spans(ta).with_columns(ta.select("advantages"))
+    publish_file(res, out, TokenAdvantages, force=force, drop_absent_optional=True,
+                 metadata={"draco.token_form": target})
+    return target
