@@ -241,7 +241,7 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
 
 def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
     """One StageReport from the partitions' (phases summed, notes kept once each)."""
-    from draco_cli.llm.client import PhaseStats
+    from draco_cli.llm.types import PhaseStats
     from draco_cli.ops.llmstage import StageReport
 
     out = StageReport()
