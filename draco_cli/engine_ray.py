@@ -346,7 +346,7 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     """One LLM stage on the cluster, its union written into ``run_dir/<stage>``; returns the
     merged StageReport (``outputs`` in the run folder)."""
     from draco_cli.io import OutputSet, read_arrow
-    from draco_cli.llm.calllog import export_parquet
+    from draco_cli.llm.export import export_parquet
     from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
 
     parts = run_partitions(stage, rollouts, steps, run_dir, work, partitions=partitions,

@@ -594,7 +594,7 @@ def test_temperature_and_seed_reach_the_request_and_the_cache_key(server, tmp_pa
 
 def test_damaged_call_logs_are_named_never_restarted(server, tmp_path):
     from draco_cli.errors import InputError
-    from draco_cli.llm.calllog import read_totals
+    from draco_cli.llm.export import read_totals
 
     good = tmp_path / "good.sqlite"
     with CallLog(good) as log:

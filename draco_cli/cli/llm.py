@@ -25,7 +25,7 @@ def export(
 
     Example: draco llm export --calls runs/step-3/llm_calls.sqlite -o calls.parquet
     """
-    from draco_cli.llm.calllog import export_parquet
+    from draco_cli.llm.export import export_parquet
 
     chosen = pick_format(fmt, as_json)
     n = export_parquet(calls, out, force=force)

@@ -14,17 +14,16 @@ recorded as unanswered with the reason — never guessed.
 from __future__ import annotations
 
 import asyncio
-import json
 import os
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Mapping
+from collections.abc import AsyncIterator, Callable, Iterable
 from contextlib import asynccontextmanager
 from dataclasses import replace
-from typing import Any
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from draco_cli.llm.adaptive import AdaptiveLimit
+from draco_cli.llm.answers import parse_choice, reask
 from draco_cli.llm.batch import run_batch
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.collector import calm_collector
@@ -35,6 +34,7 @@ from draco_cli.llm.pool import EndpointPool
 from draco_cli.llm.prices import PriceTable
 from draco_cli.llm.providers import Provider, make_provider, parse_model_id
 from draco_cli.llm.retry import RetryPolicy
+from draco_cli.llm.rows import Rows
 from draco_cli.llm.types import (Answer, Choice, LLMRequest, PhaseStats, Progress, Reply,
                                  RequestStream, Usage)
 
@@ -102,6 +102,7 @@ class LLMClient:
         self.deadline = deadline
         self._shared: Provider | None = None   # the provider of an open ``session()``
         self._cache = call_log.answered()
+        self.rows = Rows(call_log, self.provider_name, model, self.priced)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -345,8 +346,9 @@ class LLMClient:
         usage = reply.usage.scaled(share)
         cost = self._cost_of(reply) * share
         while True:
-            value, status, error = self._parse(req, choice)
-            self._record(req, sample, attempt, status, error, reply, choice, value, share)
+            value, status, error = parse_choice(req, choice)
+            self.rows.answer(req, sample, attempt, status, error, reply, choice, value, share,
+                             self._cost_of(reply) * share)
             if status == "ok":
                 self.stats[req.phase].answered += 1
                 return Answer(sample, "ok", value, text=choice.text, usage=usage, cost_usd=cost,
@@ -354,17 +356,9 @@ class LLMClient:
             if status == "refused" or attempt >= self.parse_retries:
                 return self._final_unanswered(req, sample, error, usage, cost, attempt)
             attempt += 1
-            if status == "truncated":
-                messages = req.messages  # same question again: sampling may end sooner
-            else:
-                messages = req.messages + [
-                    {"role": "assistant", "content": choice.text or ""},
-                    {"role": "user", "content": (
-                        "That answer is not valid JSON for the required schema: "
-                        f"{error}. Reply again with only a JSON object that matches the schema.")},
-                ]
             try:
-                reply = await self._call(provider, req, messages, [sample])
+                reply = await self._call(provider, req, reask(req, choice, status, error),
+                                         [sample])
             except BudgetReached:
                 return self._final_unanswered(req, sample, "budget reached during re-ask",
                                               usage, cost, attempt)
@@ -376,11 +370,7 @@ class LLMClient:
     def _final_unanswered(self, req: LLMRequest, sample: int, reason: str | None, usage: Usage,
                           cost: float, attempt: int) -> Answer:
         self.stats[req.phase].unanswered += 1
-        self.log.record(request_hash=req.hash(sample, self.model),
-                        content_hash=req.hash(sample, None), sample=sample, phase=req.phase,
-                        key=req.key, provider=self.provider_name, model=self.model,
-                        attempt=attempt, status="unanswered", error=scrub(reason),
-                        cost_usd=0.0 if self.priced else None)
+        self.rows.unanswered(req, sample, attempt, reason)
         return Answer(sample, "unanswered", reason=reason, usage=usage, cost_usd=cost,
                       attempts=attempt + 1)
 
@@ -388,60 +378,6 @@ class LLMClient:
                     attempt: int) -> Answer:
         return self._final_unanswered(req, sample, reason, reply.usage.scaled(share),
                                       self._cost_of(reply) * share, attempt)
-
-    @staticmethod
-    def _parse(req: LLMRequest, choice: Choice) -> tuple[BaseModel | None, str, str | None]:
-        if choice.finish == "refusal" or choice.refusal:
-            return None, "refused", f"refused: {(choice.refusal or choice.text or '')[:200]}"
-        if choice.finish == "length":
-            return None, "truncated", "truncated at max_tokens " \
-                f"({req.sampling.max_tokens}): raise --max-tokens"
-        if not choice.text:
-            return None, "invalid", "empty answer"
-        try:
-            value = req.answer_model.model_validate_json(choice.text)
-        except ValidationError as exc:
-            first: Mapping[str, Any] = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            kind = "not JSON" if first.get("type") == "json_invalid" else "schema violation"
-            return None, "invalid", f"{kind}: {where + ': ' if where else ''}{first.get('msg', exc)}"
-        problem = req.problem(value)
-        if problem is not None:
-            return None, "invalid", problem
-        return value, "ok", None
-
-    def _record(self, req: LLMRequest, sample: int, attempt: int, status: str, error: str | None,
-                reply: Reply, choice: Choice, value: BaseModel | None, share: float) -> None:
-        """One row per sample per HTTP call; a call that answered n samples at once is split
-        evenly over its n rows, so the rows sum to what was billed."""
-        u = reply.usage if share == 1.0 else reply.usage.scaled(share)   # read only here
-        cost = self._cost_of(reply) * share
-        self.log.record(
-            request_hash=req.hash(sample, self.model), content_hash=req.hash(sample, None),
-            sample=sample, phase=req.phase, key=req.key, provider=self.provider_name,
-            model=self.model, attempt=attempt, status=status, error=scrub(error),
-            request=self._logged(reply, "request_body"),
-            response=self._logged(reply, "response_body"),
-            answer_text=choice.text,
-            parsed=value.model_dump_json() if value is not None else None,
-            input_tokens=u.input_tokens, cached_tokens=u.cached_tokens,
-            cache_write_tokens=u.cache_write_tokens, output_tokens=u.output_tokens,
-            reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s,
-            cost_usd=cost if self.priced else None, batch_id=reply.batch_id,
-            endpoint=reply.endpoint,
-        )
-
-    @staticmethod
-    def _logged(reply: Reply, which: str) -> str | None:
-        """The scrubbed JSON of a call's request or response, made once per HTTP call (a call
-        answering n samples writes n rows; long prompts make this the costly part)."""
-        cache: dict[str, str | None] = reply.__dict__.setdefault("_logged", {})
-        if which not in cache:
-            text = reply.request_text if which == "request_body" else reply.response_text
-            if text is None:
-                text = json.dumps(getattr(reply, which), ensure_ascii=False)
-            cache[which] = scrub(text)
-        return cache[which]
 
     # -- one HTTP call, with retries ---------------------------------------------------------
 
@@ -473,22 +409,13 @@ class LLMClient:
         usd = self._cost(Usage(input_tokens=prompt, output_tokens=req.sampling.max_tokens * n))
         return tokens, usd
 
-    def _log_failure(self, req: LLMRequest, samples: list[int], attempt: int, error: str,
-                     response: str | None = None, endpoint: str | None = None) -> None:
-        self.log.record(request_hash=req.hash(samples[0], self.model),
-                        content_hash=req.hash(samples[0], None), sample=None,
-                        phase=req.phase, key=req.key, provider=self.provider_name,
-                        model=self.model, attempt=attempt, status="http_error",
-                        error=scrub(error), response=response, endpoint=endpoint,
-                        cost_usd=0.0 if self.priced else None)
-
     def _pool_failure(self, req: LLMRequest, samples: list[int], exc: Retryable,
                       endpoint: str) -> None:
         """An endpoint of the fleet failed a call (retried elsewhere, or by ``_call``)."""
         stats = self.stats[req.phase]
         stats.failed_attempts += 1
         stats.calls += 1
-        self._log_failure(req, samples, 0, str(exc), exc.body, endpoint)
+        self.rows.failure(req, samples, 0, str(exc), exc.body, endpoint)
 
     @property
     def where(self) -> str:
@@ -521,14 +448,14 @@ class LLMClient:
                     return await provider.complete(req, messages, samples)
                 except RequestRejected as exc:
                     stats.calls += 1
-                    self._log_failure(req, samples, n, str(exc), exc.body)
+                    self.rows.failure(req, samples, n, str(exc), exc.body)
                     self.rejections.append(str(exc))
                     raise
                 except Retryable as exc:
                     if not exc.logged:  # the fleet logs its own failures
                         stats.failed_attempts += 1
                         stats.calls += 1
-                        self._log_failure(req, samples, n, str(exc), exc.body)
+                        self.rows.failure(req, samples, n, str(exc), exc.body)
                     if exc.kind == "timeout":
                         await self._sem.timed_out(self.timeout)
                     same = same + 1 if exc.body and exc.body == last_body else 0

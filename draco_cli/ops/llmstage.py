@@ -17,7 +17,7 @@ import pyarrow.parquet as pq
 
 from draco_cli._allocator import release_freed_memory
 from draco_cli.io import OutputSet, read_table
-from draco_cli.llm.calllog import export_parquet
+from draco_cli.llm.export import export_parquet
 from draco_cli.redact import Redactor
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Step, Table
