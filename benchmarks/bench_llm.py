@@ -189,7 +189,10 @@ def plain_sdk(url: str, conc: int, calls: int, model) -> tuple[float, float, int
     schema = {"name": "judgement", "strict": True, "schema": model.model_json_schema()}
 
     async def go() -> int:
-        sdk = openai.AsyncOpenAI(base_url=url, api_key="sk-bench-local-only", max_retries=0)
+        # a generous connect timeout: 256 connects at once on a loaded machine can outlast
+        # the SDK's default 5 s, and this arm is a comparison, not a test of timeouts
+        sdk = openai.AsyncOpenAI(base_url=url, api_key="sk-bench-local-only", max_retries=0,
+                                 timeout=openai.Timeout(600, connect=60))
         sem = asyncio.Semaphore(conc)
 
         async def one(i: int) -> bool:

@@ -15,6 +15,7 @@ from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, BatchState, Provider,
 from draco_cli.llm.providers.sdk import get_json, get_text, http_client, jsonl, post_json
 from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
 
+
 class AnthropicProvider(Provider):
     """Anthropic's Messages API with structured output (``output_config.format``) or a forced
     tool whose input schema is the answer schema."""
@@ -81,7 +82,7 @@ class AnthropicProvider(Provider):
             raise ValueError("Anthropic answers one sample per call")
         body = self.body(req, messages)
         message, latency = await post_json(self._anthropic, self.client, "/v1/messages", body,
-                                            f"anthropic/{self.model}")
+                                           f"anthropic/{self.model}")
         return Reply([anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
                      body, message, latency)
 
@@ -109,18 +110,18 @@ class AnthropicProvider(Provider):
 
     async def poll_batch(self, batch_id: str) -> BatchState:
         b = await get_json(self._anthropic, self.client, f"/v1/messages/batches/{batch_id}",
-                            self._label(f"polling batch {batch_id}"))
+                           self._label(f"polling batch {batch_id}"))
         status = b.get("processing_status") or "unknown"
         return BatchState(batch_id, status, status == "ended",
                           dict(b.get("request_counts") or {}))
 
     async def batch_results(self, batch_id: str) -> dict[str, Reply]:
         b = await get_json(self._anthropic, self.client, f"/v1/messages/batches/{batch_id}",
-                            self._label(f"reading batch {batch_id}"))
+                           self._label(f"reading batch {batch_id}"))
         url = b.get("results_url") or f"/v1/messages/batches/{batch_id}/results"
         text = await get_text(self._anthropic, self.client, url,
-                               self._label(f"reading the results of batch {batch_id}"),
-                               accept="application/binary")
+                              self._label(f"reading the results of batch {batch_id}"),
+                              accept="application/binary")
         out = {}
         for entry in jsonl(text):
             result = entry.get("result") or {}
@@ -130,7 +131,6 @@ class AnthropicProvider(Provider):
                     [anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
                     {}, message, 0.0, batch_id)
         return out
-
 
 
 def anthropic_choice(message: dict[str, Any]) -> Choice:
@@ -155,4 +155,3 @@ def anthropic_usage(u: dict[str, Any]) -> Usage:
                  cache_write_tokens=u.get("cache_creation_input_tokens") or 0,
                  output_tokens=u.get("output_tokens") or 0,
                  reasoning_tokens=details.get("thinking_tokens") or 0)
-

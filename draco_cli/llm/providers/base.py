@@ -29,6 +29,7 @@ STRUCTURED_FORMS = {
 OPENAI_FORMS = ("json-schema", "json-schema-loose", "json-object", "vllm", "prompt")
 ANTHROPIC_FORMS = ("output-format", "tool", "prompt")
 
+
 def split_system(messages: list[dict[str, str]]) -> tuple[str | None, list[dict[str, str]]]:
     system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
     return system, [m for m in messages if m["role"] != "system"]
@@ -63,7 +64,6 @@ def with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[str
     return out + [{"role": "user", "content": text}]
 
 
-
 @dataclass
 class BatchState:
     """Where a submitted batch stands: ``ended`` once nothing more will be answered."""
@@ -72,7 +72,6 @@ class BatchState:
     status: str
     ended: bool
     counts: dict[str, int] = field(default_factory=dict)
-
 
 
 class Provider(abc.ABC):
@@ -127,4 +126,3 @@ class Provider(abc.ABC):
         """``custom_id -> reply`` for every line the batch answered (errored, expired or
         cancelled lines are absent)."""
         raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
-

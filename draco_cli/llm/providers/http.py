@@ -13,6 +13,7 @@ from typing import Any
 from draco_cli.llm.errors import ModelSpecError, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
 
+
 def refused(exc: BaseException) -> bool:
     """A connection refused somewhere in the exception's cause chain (no server listening)."""
     seen = 0
@@ -142,7 +143,7 @@ def _reply(status: int, headers: Any, raw: bytes, charset: str | None, latency: 
     if not 200 <= status < 300:
         body, message = _sdk_error(status, raw, charset)
         raise status_failure(status, body, message, headers, label,
-                              busy=status == 429 or status >= 500)
+                             busy=status == 429 or status >= 500)
     try:
         text: str | None = raw.decode()
     except UnicodeDecodeError:
@@ -196,7 +197,7 @@ def body_text(body: object) -> str:
 
 
 def status_failure(status: int, body: object, message: str, headers: Any, label: str,
-                    busy: bool) -> Exception:
+                   busy: bool) -> Exception:
     """What an HTTP error status means to the client, whichever transport got it: ``busy``
     (429, 5xx) and the other retry statuses are ``Retryable``; anything else is the server
     rejecting the request itself (``RequestRejected``, its reason in the message). ``body``

@@ -32,8 +32,6 @@ def direct_headers(client: openai.AsyncOpenAI, timeout: float) -> dict[str, str]
     return headers
 
 
-
-
 class OpenAIProvider(Provider):
     """OpenAI's API, or any OpenAI-compatible server (vLLM, SGLang, Ollama, llama.cpp)."""
 
@@ -128,7 +126,7 @@ class OpenAIProvider(Provider):
                                                              label)
         else:  # sent as bytes: the SDK neither copies nor encodes the body again
             data, latency = await post_json(self._openai, self.client, self._chat_url,
-                                             text.encode(), label)
+                                            text.encode(), label)
         if not isinstance(data, dict):
             raise Retryable("the server sent JSON that is not a chat completion object")
         reply = openai_reply(data, wire)
@@ -169,18 +167,18 @@ class OpenAIProvider(Provider):
 
     async def poll_batch(self, batch_id: str) -> BatchState:
         b = await get_json(self._openai, self.client, f"/batches/{batch_id}",
-                            self._label(f"polling batch {batch_id}"))
+                           self._label(f"polling batch {batch_id}"))
         status = b.get("status") or "unknown"
         return BatchState(batch_id, status, status in self.BATCH_ENDED,
                           dict(b.get("request_counts") or {}))
 
     async def batch_results(self, batch_id: str) -> dict[str, Reply]:
         b = await get_json(self._openai, self.client, f"/batches/{batch_id}",
-                            self._label(f"reading batch {batch_id}"))
+                           self._label(f"reading batch {batch_id}"))
         if not b.get("output_file_id"):
             return {}  # failed, expired or cancelled before any line was answered
         text = await get_text(self._openai, self.client, f"/files/{b['output_file_id']}/content",
-                               self._label(f"reading the results of batch {batch_id}"))
+                              self._label(f"reading the results of batch {batch_id}"))
         out = {}
         for item in jsonl(text):
             resp = item.get("response") or {}
@@ -209,7 +207,6 @@ def wire_json(wire: dict[str, Any], req: LLMRequest, cache: dict[Any, str] | Non
             cache[key] = rest
     return (rest[:-1] + ("," if len(wire) > 1 else "") + '"messages":' + req.messages_json()
             + "}")
-
 
 
 def openai_reply(body: dict[str, Any], request_body: dict[str, Any],

@@ -5,9 +5,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from draco_cli.llm.calllog import ReplayLog
 from draco_cli.llm.errors import ReplayMiss
 from draco_cli.llm.providers.base import Provider
 from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
+
 
 class ReplayProvider(Provider):
     """Answers only from a recorded call log; anything else is an error (offline demos, tests)."""
@@ -16,8 +18,6 @@ class ReplayProvider(Provider):
     supports_n = True
 
     def __init__(self, path: str, **_: Any) -> None:
-        from draco_cli.llm.calllog import ReplayLog
-
         self.model = path
         self.log = ReplayLog(path)
 
@@ -36,4 +36,3 @@ class ReplayProvider(Provider):
 
     async def close(self) -> None:
         return None
-

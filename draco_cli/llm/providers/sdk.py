@@ -15,6 +15,7 @@ from draco_cli.llm.providers.http import refused, status_failure, tls_context, t
 
 T = TypeVar("T")
 
+
 def http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
     concurrency (the SDK's own transport if the aiohttp extra is missing)."""
@@ -39,8 +40,6 @@ def _sdk_body(exc: Any) -> object:
     return body
 
 
-
-
 async def mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) -> T:
     """Await ``call()`` with the SDK's typed errors mapped once, for single calls and batch
     operations alike: failures worth retrying become ``Retryable``, a request the server
@@ -49,7 +48,7 @@ async def mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) 
         return await call()
     except (sdk.RateLimitError, sdk.InternalServerError) as exc:
         raise status_failure(exc.status_code, _sdk_body(exc), str(exc.message),
-                              exc.response.headers, label, busy=True) from None
+                             exc.response.headers, label, busy=True) from None
     except sdk.APITimeoutError as exc:
         raise transport_failure(exc) from None
     except sdk.APIConnectionError as exc:
@@ -60,7 +59,7 @@ async def mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) 
                         kind="connection") from None
     except sdk.APIStatusError as exc:
         raise status_failure(exc.status_code, _sdk_body(exc), str(exc.message),
-                              exc.response.headers, label, busy=False) from None
+                             exc.response.headers, label, busy=False) from None
 
 
 def _json_of(raw: Any) -> dict[str, Any]:
@@ -72,7 +71,7 @@ def _json_of(raw: Any) -> dict[str, Any]:
 
 
 async def post_json(sdk: ModuleType, client: Any, path: str, body: dict[str, Any] | bytes,
-                     label: str) -> tuple[dict[str, Any], float]:
+                    label: str) -> tuple[dict[str, Any], float]:
     """POST through the SDK's public low-level ``post`` (its transport, auth and typed errors,
     without re-walking the request through typed params and the reply through pydantic, which
     cost more CPU than everything else per call at high concurrency). A body already serialised
@@ -93,7 +92,7 @@ async def get_json(sdk: ModuleType, client: Any, path: str, label: str) -> dict[
 
 
 async def get_text(sdk: ModuleType, client: Any, path: str, label: str,
-                    accept: str | None = None) -> str:
+                   accept: str | None = None) -> str:
     import httpx2
 
     options = {"headers": {"Accept": accept}} if accept else {}
@@ -115,4 +114,3 @@ def jsonl(text: str) -> list[dict[str, Any]]:
             except ValueError:
                 raise Retryable("a batch result file with a line that is not JSON") from None
     return out
-
