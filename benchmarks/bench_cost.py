@@ -37,7 +37,7 @@ def main() -> None:
     import polars as pl
 
     from draco_cli.audit import billed_vs_naive, read_cost_rows
-    from draco_cli.llm.mockserver import FakeLLMServer, schema_answer
+    from tests.llm_server import FakeLLMServer, schema_answer
     from tests.conftest import TAU
 
     ap = argparse.ArgumentParser()

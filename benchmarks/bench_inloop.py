@@ -35,7 +35,7 @@ sys.path.insert(0, str(REPO))
 
 
 def serve(port_q: mp.Queue, latency: float, serial: bool) -> None:
-    from draco_cli.llm.mockserver import FakeLLMServer, schema_answer
+    from tests.llm_server import FakeLLMServer, schema_answer
 
     s = FakeLLMServer(answer=schema_answer, latency=latency)
     s.serial = serial

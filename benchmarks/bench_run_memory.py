@@ -4,9 +4,9 @@
         [--against SRC [--against-sizes 10000]]
 
 Tiles the sample rollouts (sample_data/appworld_mini: rollouts and steps repeated with suffixed
-ids, so groups keep their size) to each size, starts ``draco llm mock-server`` in another
-process (answers made from each request's schema, ``--latency`` seconds per call; a fresh
-server per run), and runs the
+ids, so groups keep their size) to each size, starts the test LLM server
+(``tests/llm_server.py``) in another process (answers made from each request's schema,
+``--latency`` seconds per call; a fresh server per run), and runs the
 real ``draco run`` command against it (``openai/mock``, ``--concurrency 64``) in a fresh
 process per size. Prints wall time and the process's peak RSS (``wait4``) per size, and the
 ratio of the largest size's peak to the smallest's. Target (issue 19): flat, within ±20%.
@@ -72,10 +72,10 @@ def free_port() -> int:
 
 @contextlib.contextmanager
 def mock_server(latency: float) -> Iterator[int]:
-    """A fresh ``draco llm mock-server`` (its prompt-cache state starts empty for every run,
+    """A fresh test LLM server (its prompt-cache state starts empty for every run,
     so neither of two runs in turn finds the other's prompts warm); yields its port."""
     port = free_port()
-    server = subprocess.Popen([sys.executable, "-m", "draco_cli", "llm", "mock-server",
+    server = subprocess.Popen([sys.executable, "-m", "tests.llm_server",
                                "--port", str(port), "--latency", str(latency)],
                               stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=REPO)
     try:

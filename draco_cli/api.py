@@ -39,8 +39,8 @@ from draco_cli.schemas import Rollout, Step
 if TYPE_CHECKING:
     from polars._typing import SchemaDict
 
-    from draco_cli.llm.client import LLMClient, Progress
-    from draco_cli.llm.types import Answer, LLMRequest
+    from draco_cli.llm.client import LLMClient
+    from draco_cli.llm.types import Answer, LLMRequest, Progress
 
 __all__ = ["Scorer", "GroupScore", "CallTally"]
 

@@ -241,7 +241,7 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
 
 def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
     """One StageReport from the partitions' (phases summed, notes kept once each)."""
-    from draco_cli.llm.client import PhaseStats
+    from draco_cli.llm.types import PhaseStats
     from draco_cli.ops.llmstage import StageReport
 
     out = StageReport()
@@ -346,7 +346,7 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     """One LLM stage on the cluster, its union written into ``run_dir/<stage>``; returns the
     merged StageReport (``outputs`` in the run folder)."""
     from draco_cli.io import OutputSet, read_arrow
-    from draco_cli.llm.calllog import export_parquet
+    from draco_cli.llm.export import export_parquet
     from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
 
     parts = run_partitions(stage, rollouts, steps, run_dir, work, partitions=partitions,

@@ -24,8 +24,8 @@ from draco_cli.prompts import load_prompt
 from draco_cli.render import RenderOptions, fenced, render_steps, task_block
 
 if TYPE_CHECKING:
-    from draco_cli.llm.client import Progress
-    from draco_cli.llm.drive import Stage
+    from draco_cli.llm.drive import Client, Stage
+    from draco_cli.llm.types import Progress
 
 Aggregate = Literal["all", "majority"]
 
@@ -260,7 +260,7 @@ class ScoreResult:
     rollouts_without_rubric: int
 
 
-def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client: Any,
+def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client: Client,
                    *, samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
                    sampling: Sampling | None = None, render: RenderOptions | None = None,
                    batch: bool | None = False,
@@ -277,7 +277,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
                 sampling: Sampling | None = None, render: RenderOptions | None = None,
                 ) -> Stage[ScoreResult]:
     """The judge stage as a generator of request lists (``draco_cli.llm.drive``)."""
-    from draco_cli.llm.drive import RequestStream
+    from draco_cli.llm.types import RequestStream
 
     render = render or RenderOptions()
     sampling = sampling or Sampling()

@@ -82,7 +82,8 @@ class EmbeddingMatcher:
     async def _embed(self, texts: list[str]) -> list[list[float]]:
         import httpx2
 
-        from draco_cli.llm.providers import OpenAIProvider, make_provider
+        from draco_cli.llm.providers import make_provider
+        from draco_cli.llm.providers.openai import OpenAIProvider
 
         p = make_provider(f"openai/{self.name}", base_url=self.base_url, concurrency=4)
         assert isinstance(p, OpenAIProvider)  # an openai/ model: the embeddings endpoint

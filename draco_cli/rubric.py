@@ -27,7 +27,8 @@ from draco_cli.prompts import load_prompt
 from draco_cli.render import RenderOptions, fenced, render_rollout, task_block
 
 if TYPE_CHECKING:
-    from draco_cli.llm.client import LLMClient, Progress
+    from draco_cli.llm.drive import Client
+    from draco_cli.llm.types import Progress
     from draco_cli.llm.drive import Stage
 
 STAGES = ("generate", "union", "merge")
@@ -177,7 +178,7 @@ def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: LLMClient, *,
+def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: Client, *,
                      stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
                      render: RenderOptions | None = None, sampling: Sampling | None = None,
                      batch: bool | None = False,

@@ -7,7 +7,7 @@ import pytest
 
 from draco_cli.audit import billed_vs_naive, read_cost_rows
 from draco_cli.llm import CallLog, LLMClient, PriceTable
-from draco_cli.llm.mockserver import PrefixCache, anthropic_prompt, openai_prompt
+from tests.llm_server import PrefixCache, anthropic_prompt, openai_prompt
 from tests.llm_server import FakeLLMServer
 from tests.test_llm import PLANTED, req
 

@@ -10,7 +10,7 @@ import threading
 import polars as pl
 import pytest
 
-from draco_cli.llm.calllog import endpoint_totals
+from draco_cli.llm.export import endpoint_totals
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 from tests.test_run import SAMPLE_RA, SAMPLE_SA, draco, paid_twice, wait_for

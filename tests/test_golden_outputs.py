@@ -73,7 +73,7 @@ def _seeded_instance(schema: dict[str, Any], rng: random.Random, root: dict[str,
 
 
 def seeded_answer(body: dict[str, Any], index: int) -> str:
-    from draco_cli.llm.mockserver import _schema_of
+    from tests.llm_server import _schema_of
 
     schema = _schema_of(body)
     seed = hashlib.sha256(json.dumps(body.get("messages"), sort_keys=True).encode()).digest()

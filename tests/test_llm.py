@@ -356,7 +356,8 @@ def test_rpm_limit_is_never_exceeded(server, tmp_path):
 
 
 def test_thinking_maps_to_each_provider(monkeypatch):
-    from draco_cli.llm.providers import AnthropicProvider, OpenAIProvider
+    from draco_cli.llm.providers.anthropic import AnthropicProvider
+    from draco_cli.llm.providers.openai import OpenAIProvider
 
     monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
     monkeypatch.setenv("ANTHROPIC_API_KEY", PLANTED)
@@ -593,7 +594,7 @@ def test_temperature_and_seed_reach_the_request_and_the_cache_key(server, tmp_pa
 
 def test_damaged_call_logs_are_named_never_restarted(server, tmp_path):
     from draco_cli.errors import InputError
-    from draco_cli.llm.calllog import read_totals
+    from draco_cli.llm.export import read_totals
 
     good = tmp_path / "good.sqlite"
     with CallLog(good) as log:
@@ -644,32 +645,22 @@ def test_shipped_sample_log_still_replays():
     assert ReplayLog(REPO / "sample_data" / "llm_calls.sqlite").answers
 
 
-def test_mock_server_command_serves_schema_answers_for_llm_check(tmp_path, monkeypatch):
-    import socket
-
+def test_the_mock_provider_answers_offline_with_no_key_for_llm_check_and_a_run(tmp_path,
+                                                                              monkeypatch):
+    """``mock/`` answers in-process from each request's own schema: no server, no key."""
     from tests.conftest import run_draco
 
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    env = {k: v for k, v in os.environ.items() if not k.endswith("_API_KEY")}
-    proc = subprocess.Popen([sys.executable, "-m", "draco_cli", "llm", "mock-server", "--port",
-                             str(port)], cwd=REPO, env=env, stderr=subprocess.PIPE)
-    try:
-        line = proc.stderr.readline().decode()
-        assert f"127.0.0.1:{port}" in line
-        for model, url in (("openai/mock", f"http://127.0.0.1:{port}/v1"),
-                           ("anthropic/mock", f"http://127.0.0.1:{port}")):
-            for key in [k for k in os.environ if k.endswith("_API_KEY")]:
-                monkeypatch.delenv(key)
-            res = run_draco("llm", "check", "--model", model, "--base-url", url,
-                            "--no-parallelism")
-            assert res.returncode == 0, res.stderr.decode()
-            assert b"answered valid JSON" in res.stderr
-    finally:
-        proc.send_signal(signal.SIGINT)
-        proc.wait(10)
+    for key in [k for k in os.environ if k.endswith("_API_KEY")]:
+        monkeypatch.delenv(key)
+    res = run_draco("llm", "check", "--model", "mock/any", "--no-parallelism")
+    assert res.returncode == 0, res.stderr.decode()
+    assert b"answered valid JSON" in res.stderr
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = LLMClient("mock/any", call_log=log)
+        [answers] = c.run([req("a", samples=3)])
+    assert [a.status for a in answers] == ["ok"] * 3
+    assert [a.value.verdict for a in answers] == ["pass", "fail", "pass"]
+    assert c.stats["score"].calls == 1 and c.spent == 0.0
 
 
 @pytest.mark.parametrize("extra", [[], ["--setting", "static"], ["--setting", "static-no-credit"],
@@ -747,7 +738,7 @@ def test_calls_run_with_the_older_heap_frozen_and_it_is_thawed_after(server, tmp
     sees the heap frozen while it answers; after the run it is not."""
     import gc
 
-    from draco_cli.llm.mockserver import default_answer
+    from tests.llm_server import default_answer
 
     gc.unfreeze()
     seen: list[int] = []

@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from draco_cli.judge import ScoreAnswer
 from draco_cli.llm.adaptive import AdaptiveLimit
-from draco_cli.llm.providers import wire_json
+from draco_cli.llm.providers.openai import wire_json
 from draco_cli.llm.types import LLMRequest, Sampling
 
 
@@ -84,7 +84,8 @@ def test_tls_context_made_once_per_process_and_follows_ssl_cert_file(monkeypatch
 
     import httpx2
 
-    from draco_cli.llm.providers import make_provider, tls_context
+    from draco_cli.llm.providers import make_provider
+    from draco_cli.llm.providers.http import tls_context
 
     monkeypatch.delenv("SSL_CERT_FILE", raising=False)
     monkeypatch.delenv("SSL_CERT_DIR", raising=False)
@@ -123,7 +124,7 @@ def test_collector_calmed_during_a_run_and_restored_after():
     alone."""
     import gc
 
-    from draco_cli.llm.client import YOUNG_THRESHOLD, calm_collector
+    from draco_cli.llm.collector import YOUNG_THRESHOLD, calm_collector
 
     gc.unfreeze()
     before = gc.get_threshold()

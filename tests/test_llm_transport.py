@@ -1,8 +1,7 @@
-"""The three ways a single call reaches an OpenAI-compatible server (``DRACO_LLM_TRANSPORT``):
-draco's own posting ("direct", the default: its HTTP/1.1 client for ``http://`` URLs such as
-these tests' server, its aiohttp session for TLS ones), that aiohttp session for every URL
-("aiohttp") and the openai SDK's ``post`` ("sdk").
-Every fault the local server can inject is run through all three, each against a fresh server:
+"""The two ways a single call reaches an OpenAI-compatible server: draco's own aiohttp session
+("aiohttp", the default) and the openai SDK's ``post`` ("sdk": a key that is not static, or a
+proxy from the environment; here chosen by making ``direct_headers`` say so).
+Every fault the local server can inject is run through both, each against a fresh server:
 what the user sees (the answer or the one-line error) and what the call log holds must be the
 same, and each must be what the client promises (retried or not, the server's reason kept,
 keys redacted)."""
@@ -18,20 +17,29 @@ from typing import Any
 
 import pytest
 
+import draco_cli.llm.providers.openai as openai_provider
 from draco_cli.errors import UsageError
 from draco_cli.llm import CallLog, LLMClient, LLMError
-from draco_cli.llm.providers import make_provider, wire_json
+from draco_cli.llm.providers import make_provider
+from draco_cli.llm.providers.openai import wire_json
 from tests.llm_server import FakeLLMServer
 from tests.test_llm import PLANTED, PRICES, req
 
-TRANSPORTS = ("direct", "aiohttp", "sdk")
+TRANSPORTS = ("aiohttp", "sdk")
+_DIRECT_HEADERS = openai_provider.direct_headers
+
+
+def _route(transport: str, monkeypatch) -> None:
+    """The SDK's route, as a client whose key is not static takes it; else draco's own."""
+    monkeypatch.setattr(openai_provider, "direct_headers", _DIRECT_HEADERS
+                        if transport == "aiohttp" else lambda client, timeout: None)
 
 
 def _run(transport: str, tmp_path, monkeypatch, faults: list[tuple[str, dict[str, Any]]],
          **kw: Any) -> dict[str, Any]:
     """One request through ``transport`` against a fresh server holding ``faults``: what the
     caller got, the call-log rows, the HTTP requests the server saw and the time taken."""
-    monkeypatch.setenv("DRACO_LLM_TRANSPORT", transport)
+    _route(transport, monkeypatch)
     monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
     server = FakeLLMServer().start()
     try:
@@ -68,16 +76,13 @@ def _comparable(rows: list[tuple[Any, ...]]) -> list[tuple[Any, ...]]:
 
 
 def _both(tmp_path, monkeypatch, faults, **kw) -> dict[str, Any]:
-    """Every transport's run of ``faults``; each must match the SDK's (returns "direct"'s)."""
+    """Both routes' runs of ``faults``; draco's must match the SDK's (returns draco's)."""
     sdk = _run("sdk", tmp_path, monkeypatch, faults, **kw)
-    for transport in ("direct", "aiohttp"):
-        out = _run(transport, tmp_path, monkeypatch, faults, **kw)
-        assert out["got"] == sdk["got"], transport
-        assert _comparable(out["rows"]) == _comparable(sdk["rows"]), transport
-        assert out["hits"] == sdk["hits"], transport
-        if transport == "direct":
-            direct = out
-    return direct
+    out = _run("aiohttp", tmp_path, monkeypatch, faults, **kw)
+    assert out["got"] == sdk["got"]
+    assert _comparable(out["rows"]) == _comparable(sdk["rows"])
+    assert out["hits"] == sdk["hits"]
+    return out
 
 
 def _error_json(message: str, kind: str = "invalid_request_error") -> str:
@@ -160,16 +165,16 @@ def test_connection_refused_reads_the_same(tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
     said = {}
     for transport in TRANSPORTS:
-        monkeypatch.setenv("DRACO_LLM_TRANSPORT", transport)
+        _route(transport, monkeypatch)
         with CallLog(tmp_path / f"{transport}.sqlite") as log:
             c = LLMClient("openai/m", call_log=log, base_url=f"http://127.0.0.1:{port}/v1",
                           backoff_base=0.01)
             with pytest.raises(LLMError) as err:
                 c.run([req("a")])
         said[transport] = str(err.value)
-    assert said["direct"] == said["sdk"] == said["aiohttp"]
-    assert "connection refused (is the server running?)" in said["direct"]
-    assert "after 3 attempts" in said["direct"]
+    assert said["sdk"] == said["aiohttp"]
+    assert "connection refused (is the server running?)" in said["aiohttp"]
+    assert "after 3 attempts" in said["aiohttp"]
 
 
 def test_the_direct_path_sends_what_the_sdk_sends(tmp_path, monkeypatch):
@@ -179,16 +184,14 @@ def test_the_direct_path_sends_what_the_sdk_sends(tmp_path, monkeypatch):
     for name in ("authorization", "content-type", "accept", "user-agent", "openai-organization",
                  "x-stainless-lang", "x-stainless-package-version", "x-stainless-async",
                  "x-stainless-retry-count", "x-stainless-read-timeout", "content-length"):
-        assert lower["direct"].get(name) == lower["sdk"].get(name), name
         assert lower["aiohttp"].get(name) == lower["sdk"].get(name), name
-    # what the transports add themselves (each run has its own server: the port differs)
-    assert lower["direct"]["accept-encoding"] == lower["aiohttp"]["accept-encoding"]
-    assert lower["direct"]["host"].rsplit(":", 1)[0] == "127.0.0.1"
-    assert lower["direct"]["authorization"] == f"Bearer {PLANTED}"
-    assert lower["direct"]["openai-organization"] == "org-test"
+    # what the transport adds itself (each run has its own server: the port differs)
+    assert lower["aiohttp"]["host"].rsplit(":", 1)[0] == "127.0.0.1"
+    assert lower["aiohttp"]["authorization"] == f"Bearer {PLANTED}"
+    assert lower["aiohttp"]["openai-organization"] == "org-test"
 
 
-def test_the_transport_is_chosen_and_checked(monkeypatch):
+def test_the_route_is_chosen(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
     for var in ("HTTP_PROXY", "HTTPS_PROXY", "ALL_PROXY", "http_proxy", "https_proxy",
                 "all_proxy", "NO_PROXY", "no_proxy"):
@@ -201,31 +204,18 @@ def test_the_transport_is_chosen_and_checked(monkeypatch):
         finally:
             asyncio.run(p.close())
 
-    def http1(url: str) -> bool:
-        p = make_provider("openai/m", base_url=url)
-        try:
-            route = p.direct._route(url + "/chat/completions")  # type: ignore[attr-defined]
-            return route is not None
-        finally:
-            asyncio.run(p.close())
-
-    monkeypatch.delenv("DRACO_LLM_TRANSPORT", raising=False)
-    assert direct()                      # the default
-    # plain HTTP on draco's own HTTP/1.1 client; TLS and credentials in the URL on aiohttp
-    assert http1("http://127.0.0.1:9/v1") and http1("http://[::1]:8000/v1")
-    assert not http1("https://127.0.0.1:9/v1") and not http1("http://u:p@127.0.0.1:9/v1")
-    monkeypatch.setenv("DRACO_LLM_TRANSPORT", "aiohttp")
-    assert direct() and not http1("http://127.0.0.1:9/v1")
-    monkeypatch.setenv("DRACO_LLM_TRANSPORT", "sdk")
-    assert not direct()
-    monkeypatch.setenv("DRACO_LLM_TRANSPORT", "direct")
+    assert direct() and direct("https://127.0.0.1:9/v1")   # the default
     monkeypatch.setenv("HTTP_PROXY", "http://proxy.invalid:3128")
     assert not direct()                  # a proxy from the environment: the SDK's route
     monkeypatch.setenv("NO_PROXY", "127.0.0.1")
     assert direct()
-    monkeypatch.setenv("DRACO_LLM_TRANSPORT", "fast")
-    with pytest.raises(UsageError, match="DRACO_LLM_TRANSPORT='fast'"):
-        direct()
+
+
+def test_a_key_http_cannot_carry_is_refused_without_showing_it(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED + "\n")
+    with pytest.raises(UsageError, match="holds a character HTTP does not allow") as err:
+        make_provider("openai/m", base_url="http://127.0.0.1:9/v1")
+    assert PLANTED not in str(err.value)
 
 
 def test_the_json_sent_is_the_body_built_when_its_rest_is_reused(monkeypatch):

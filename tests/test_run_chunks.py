@@ -114,7 +114,7 @@ def test_budget_reached_in_a_chunk_publishes_nothing(server, shuffled, tmp_path)
 def test_the_answer_cache_reads_the_log_as_the_dict_did(tmp_path):
     """``CallLog.answered()`` looks answers up on demand: the last answered row of a hash, only
     rows logged before it was opened, misses (hex or not) None, the export unchanged."""
-    from draco_cli.llm.calllog import export_parquet
+    from draco_cli.llm.export import export_parquet
 
     h1, h2 = "ab" * 32, "cd" * 32
     with CallLog(tmp_path / "calls.sqlite") as log:

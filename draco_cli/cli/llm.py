@@ -25,7 +25,7 @@ def export(
 
     Example: draco llm export --calls runs/step-3/llm_calls.sqlite -o calls.parquet
     """
-    from draco_cli.llm.calllog import export_parquet
+    from draco_cli.llm.export import export_parquet
 
     chosen = pick_format(fmt, as_json)
     n = export_parquet(calls, out, force=force)
@@ -71,33 +71,3 @@ def check(
         err_console.print(f"use: {result.options()}", highlight=False, markup=False)
     if not result.ok:
         raise typer.Exit(1)
-
-
-@app.command("mock-server")
-def mock_server(
-    port: Annotated[int, typer.Option(help="Port to listen on (0: any free port).")] = 8000,
-    host: Annotated[str, typer.Option(help="Interface (loopback by default).")] = "127.0.0.1",
-    latency: Annotated[float, typer.Option(min=0.0, help="Seconds before each answer.")] = 0.0,
-) -> None:
-    """Serve the OpenAI and Anthropic protocols locally with answers made from each request's
-    own JSON schema: for testing a draco setup (or your CI) offline, with no key and no cost.
-    Tokens are counted from each request, and prompt caching is accounted as each provider
-    does (OpenAI's automatic prefix cache, Anthropic's cache_control reads and writes); batches
-    end at their first poll.
-
-    Example: draco llm mock-server --port 8000 & draco llm check --model openai/mock --base-url http://127.0.0.1:8000/v1
-    """
-    import time
-
-    from draco_cli.llm.mockserver import FakeLLMServer, schema_answer
-
-    server = FakeLLMServer(answer=schema_answer, latency=latency, caching=True,
-                           batch_polls=1).start(host, port)
-    err_console.print(f"mock LLM server on http://{host}:{server.port}/v1 (OpenAI) and "
-                      f"http://{host}:{server.port} (Anthropic); Ctrl-C stops it",
-                      highlight=False)
-    try:
-        while True:
-            time.sleep(3600)
-    except KeyboardInterrupt:
-        server.stop()

@@ -30,8 +30,7 @@ from draco_cli.credo.heads import draco_features, fit_heads, task_split, trainin
 from draco_cli.errors import InputError, UsageError
 
 if TYPE_CHECKING:
-    from draco_cli.llm.client import Progress
-    from draco_cli.llm.types import Answer, LLMRequest
+    from draco_cli.llm.types import Answer, LLMRequest, Progress
 
 PROMPT_VERSION = "evolve.v1"
 PHASE = "evolve"

@@ -16,44 +16,53 @@ methods (``Provider.submit_batch`` and friends) and the client's ``recorded``, `
 from __future__ import annotations
 
 import asyncio
-import random
 from collections.abc import Awaitable, Callable
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import Any, Protocol, TypeVar
 
-from draco_cli.llm.errors import LLMError
-from draco_cli.llm.keys import scrub
-from draco_cli.llm.providers import Provider, RequestRejected, Retryable
-from draco_cli.llm.types import Answer, LLMRequest
-
-if TYPE_CHECKING:  # the client imports this module (lazily), so only for the checker
-    from draco_cli.llm.client import LLMClient, Progress
+from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.errors import LLMError, RequestRejected
+from draco_cli.llm.providers import Provider
+from draco_cli.llm.retry import RetryPolicy
+from draco_cli.llm.types import Answer, LLMRequest, Progress, Reply
 
 T = TypeVar("T")
 
 
-async def retrying(client: LLMClient, call: Callable[[], Awaitable[T]]) -> T:
-    """``call()`` under the client's retry policy (``max_retries``, ``backoff_base``,
-    ``backoff_cap``, Retry-After honoured): the same policy as a single call's."""
-    attempt = 0
-    while True:
-        try:
-            return await call()
-        except RequestRejected as exc:
-            raise LLMError(f"{exc} (a server without a batch API? drop --batch, or pass "
-                           "--no-batch)" if exc.status in (404, 405) else str(exc)) from None
-        except Retryable as exc:
-            limit = 2 if exc.kind == "refused" else client.max_retries
-            if attempt >= limit:
-                where = f" at {client.base_url}" if client.base_url else ""
-                raise LLMError(f"{client.model}{where}: batch API: giving up after "
-                               f"{attempt + 1} attempts ({scrub(str(exc))})") from None
-            delay = exc.retry_after if exc.retry_after is not None else min(
-                client.backoff_cap, client.backoff_base * 2 ** attempt)
-            attempt += 1
-            await asyncio.sleep(delay * random.uniform(1.0, 1.25))
+class BatchClient(Protocol):
+    """The client as the batch path sees it (``LLMClient`` is one): its cache, bookkeeping,
+    validation and re-asks, the same as online calls'."""
+
+    model: str
+    log: CallLog
+    spent: float
+    retry: RetryPolicy
+
+    @property
+    def where(self) -> str: ...
+
+    def ticker(self, requests: list[LLMRequest], progress: Callable[[Progress], None] | None,
+               ) -> Callable[[list[Answer]], None]: ...
+
+    def recorded(self, req: LLMRequest) -> list[Answer | None]: ...
+
+    def account(self, req: LLMRequest, reply: Reply) -> None: ...
+
+    async def settle(self, provider: Provider, req: LLMRequest, samples: list[int],
+                     reply: Reply) -> list[Answer]: ...
+
+    def unanswered(self, req: LLMRequest, sample: int, reason: str) -> Answer: ...
 
 
-async def run_batch(client: LLMClient, provider: Provider, requests: list[LLMRequest],
+async def retrying(client: BatchClient, call: Callable[[], Awaitable[T]]) -> T:
+    """``call()`` under the client's retry policy: the same policy as a single call's."""
+    try:
+        return await client.retry.run(lambda _: call(), f"{client.where}: batch API")
+    except RequestRejected as exc:
+        raise LLMError(f"{exc} (a server without a batch API? drop --batch, or pass "
+                       "--no-batch)" if exc.status in (404, 405) else str(exc)) from None
+
+
+async def run_batch(client: BatchClient, provider: Provider, requests: list[LLMRequest],
                     poll_seconds: float,
                     progress: Callable[[Progress], None] | None) -> list[list[Answer]]:
     if not provider.offers_batch:
@@ -84,7 +93,7 @@ async def run_batch(client: LLMClient, provider: Provider, requests: list[LLMReq
 Job = tuple[str, dict[str, tuple[int, list[int]]]]
 
 
-def _pending(client: LLMClient, provider: Provider, requests: list[LLMRequest]) -> list[Job]:
+def _pending(client: BatchClient, provider: Provider, requests: list[LLMRequest]) -> list[Job]:
     """The batches the call log records as submitted and not yet collected, for these
     requests (lines for requests no longer asked are left out)."""
     by_hash = {req.hash(0, client.model): k for k, req in enumerate(requests)}
@@ -96,13 +105,11 @@ def _pending(client: LLMClient, provider: Provider, requests: list[LLMRequest]) 
     return jobs
 
 
-async def _collect(client: LLMClient, provider: Provider, requests: list[LLMRequest],
+async def _collect(client: BatchClient, provider: Provider, requests: list[LLMRequest],
                    batch_id: str, mapping: dict[str, tuple[int, list[int]]],
                    answers: list[list[Answer | None]], poll_seconds: float,
                    progress: Callable[[Progress], None] | None) -> None:
     """Poll one batch until it ends, then settle its lines into ``answers``."""
-    from draco_cli.llm.client import Progress  # the client imports this module lazily
-
     total = sum(r.samples for r in requests)
     state = await retrying(client, lambda: provider.poll_batch(batch_id))
     while not state.ended:
@@ -128,7 +135,7 @@ async def _collect(client: LLMClient, provider: Provider, requests: list[LLMRequ
     client.log.finish_batch(batch_id)
 
 
-async def _submit(client: LLMClient, provider: Provider, requests: list[LLMRequest],
+async def _submit(client: BatchClient, provider: Provider, requests: list[LLMRequest],
                   todo: list[tuple[int, list[int]]]) -> Job:
     lines: dict[str, dict[str, Any]] = {}
     mapping: dict[str, tuple[int, list[int]]] = {}

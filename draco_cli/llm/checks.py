@@ -21,10 +21,10 @@ from typing import Literal
 
 from pydantic import BaseModel, ValidationError
 
-from draco_cli.llm.errors import LLMError
+from draco_cli.llm.errors import LLMError, Retryable
 from draco_cli.llm.keys import scrub
-from draco_cli.llm.providers import (ANTHROPIC_FORMS, OPENAI_FORMS, Provider, Retryable,
-                                     make_provider, parse_model_id)
+from draco_cli.llm.providers import (ANTHROPIC_FORMS, OPENAI_FORMS, Provider, make_provider,
+                                     parse_model_id)
 from draco_cli.llm.types import LLMRequest, Reply, Sampling
 
 

@@ -14,142 +14,37 @@ recorded as unanswered with the reason — never guessed.
 from __future__ import annotations
 
 import asyncio
-import gc
-import json
 import os
-import random
-import threading
-import time
 from collections import defaultdict
-from collections.abc import AsyncIterator, Callable, Iterable, Iterator, Mapping
-from contextlib import asynccontextmanager, contextmanager
-from dataclasses import dataclass, field, replace
-from typing import Any
+from collections.abc import AsyncIterator, Callable, Iterable
+from contextlib import asynccontextmanager
+from dataclasses import replace
 
-from pydantic import BaseModel, ValidationError
+from pydantic import ValidationError
 
 from draco_cli.llm.adaptive import AdaptiveLimit
+from draco_cli.llm.answers import parse_choice, reask
+from draco_cli.llm.batch import run_batch
 from draco_cli.llm.calllog import CallLog
-from draco_cli.llm.drive import RequestStream
-from draco_cli.llm.errors import LLMError
+from draco_cli.llm.collector import calm_collector
+from draco_cli.llm.errors import BudgetReached, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
+from draco_cli.llm.limits import RateLimiter
+from draco_cli.llm.pool import EndpointPool
 from draco_cli.llm.prices import PriceTable
-from draco_cli.llm.providers import (
-    Provider,
-    RequestRejected,
-    Retryable,
-    make_provider,
-    parse_model_id,
-)
-from draco_cli.llm.types import Answer, Choice, LLMRequest, Reply, Usage
-
-
-@dataclass
-class PhaseStats:
-    calls: int = 0            # HTTP calls made (every attempt, re-asks included)
-    cached: int = 0           # samples answered from the call log
-    answered: int = 0
-    unanswered: int = 0
-    skipped: int = 0          # not asked: budget reached
-    failed_attempts: int = 0  # HTTP attempts that failed and were retried
-    usage: Usage = field(default_factory=Usage)
-    cost_usd: float = 0.0
-    priced: bool = True       # False: the model is not in the price table (cost unknown)
-
-
-@dataclass
-class Progress:
-    done: int
-    total: int
-    failed: int
-    cost_usd: float
-    note: str | None = None   # what a long wait is waiting for (a submitted batch)
-
-
-class RateLimiter:
-    """Requests and tokens per minute, as a pair of token buckets holding one second's worth
-    (so a start-up burst cannot spend a whole minute's allowance at once)."""
-
-    def __init__(self, rpm: float | None, tpm: float | None) -> None:
-        self.rpm, self.tpm = rpm, tpm
-        self._req_cap = max(1.0, (rpm or 0) / 60)
-        self._tok_cap = max(1.0, (tpm or 0) / 60)
-        self._req = self._req_cap
-        self._tok = self._tok_cap
-        self._t = time.monotonic()
-        self._lock = asyncio.Lock()
-
-    async def acquire(self, tokens: int) -> None:
-        if not self.rpm and not self.tpm:
-            return
-        async with self._lock:
-            while True:
-                now = time.monotonic()
-                dt, self._t = now - self._t, now
-                if self.rpm:
-                    self._req = min(self._req_cap, self._req + dt * self.rpm / 60)
-                if self.tpm:
-                    self._tok = min(self._tok_cap, self._tok + dt * self.tpm / 60)
-                need_r = 0 if not self.rpm or self._req >= 1 else (1 - self._req) * 60 / self.rpm
-                cap = min(tokens, self._tok_cap) if self.tpm else 0
-                need_t = 0 if not self.tpm or self._tok >= cap else (cap - self._tok) * 60 / self.tpm
-                wait = max(need_r, need_t)
-                if wait <= 0:
-                    if self.rpm:
-                        self._req -= 1
-                    if self.tpm:
-                        self._tok -= cap
-                    return
-                await asyncio.sleep(wait)
-
-
-class BudgetReached(Exception):
-    pass
-
+from draco_cli.llm.providers import Provider, make_provider, parse_model_id
+from draco_cli.llm.retry import RetryPolicy
+from draco_cli.llm.rows import Rows
+from draco_cli.llm.types import (Answer, Choice, LLMRequest, PhaseStats, Progress, Reply,
+                                 RequestStream, Usage)
 
 # A streamed request list yields to the event loop after this many requests are built.
 STREAM_STEP = 4
-
-_calm = [0]   # runs in progress under ``calm_collector`` (threads and nested sessions count)
-_calm_lock = threading.Lock()
-_saved_threshold: list[tuple[int, ...]] = []
-YOUNG_THRESHOLD = 10_000   # allocations between young collections during a run (default 700)
-
-
-@contextmanager
-def calm_collector() -> Iterator[None]:
-    """While calls run, keep the cyclic garbage collector off the event loop's back. A run
-    allocates tasks, futures and parsed replies fast enough to set off ~15 young and one or
-    two full collections per 2,000 calls, and each full one walked the whole heap (the SDKs'
-    thousands of classes, pydantic's schemas, the caller's tables): 40-120 ms of CPU per
-    2,000 calls with the loop stopped, at concurrency 256 its longest pauses. So the objects
-    that existed before the run are left out of the collector's passes (``gc.freeze``;
-    handed back with ``gc.unfreeze`` when the last run ends) and the young generation is
-    collected every 10,000 allocations instead of 700 (restored after). Objects made during
-    the run are collected as before, only less often. A process that froze objects itself (a
-    pre-forking server) or turned the collector off is left as it is."""
-    with _calm_lock:
-        mine = _calm[0] > 0 or (gc.isenabled() and gc.get_freeze_count() == 0)
-        if mine:
-            if _calm[0] == 0:
-                gc.freeze()
-                threshold = gc.get_threshold()
-                _saved_threshold[:] = [threshold]
-                gc.set_threshold(max(threshold[0], YOUNG_THRESHOLD), *threshold[1:])
-            _calm[0] += 1
-    try:
-        yield
-    finally:
-        if mine:
-            with _calm_lock:
-                _calm[0] -= 1
-                if _calm[0] == 0:
-                    gc.set_threshold(*_saved_threshold.pop())
-                    gc.unfreeze()
+# Providers that answer locally: nothing to pay, nothing to adapt to.
+FREE = ("replay", "mock")
 
 
 class LLMClient:
-    streams = True   # ``arun`` takes a RequestStream (``draco_cli.llm.drive``)
 
     def __init__(
         self,
@@ -180,17 +75,17 @@ class LLMClient:
         self.log = call_log
         self.concurrency = concurrency
         self.max_retries = max_retries
+        self.retry = RetryPolicy(max_retries, backoff_base, backoff_cap)
         self.parse_retries = parse_retries
         self.max_cost = max_cost
         self.prices = prices or PriceTable.load()
         self.base_url = base_url
         self.timeout = timeout
-        self.backoff_base, self.backoff_cap = backoff_base, backoff_cap
         self.rpm, self.tpm = rpm, tpm
         self.stats: dict[str, PhaseStats] = defaultdict(PhaseStats)
         self.spent = 0.0
         self.budget_reached = False
-        self.priced = self.provider_name == "replay" or self.prices.price(model) is not None
+        self.priced = self.provider_name in FREE or self.prices.price(model) is not None
         self.structured_output = structured_output
         self.system_role = system_role
         self.use_n = use_n
@@ -201,12 +96,13 @@ class LLMClient:
         # Default: adapt for self-hosted servers; hosted APIs limit by rate, not parallelism.
         self.adaptive = adaptive if adaptive is not None else (
             (base_url or os.environ.get("DRACO_BASE_URL")) is not None
-            and self.provider_name != "replay")
+            and self.provider_name not in FREE)
         self.rejections: list[str] = []
         # seconds a request (every attempt and re-ask of it) may take before it ends unanswered
         self.deadline = deadline
         self._shared: Provider | None = None   # the provider of an open ``session()``
         self._cache = call_log.answered()
+        self.rows = Rows(call_log, self.provider_name, model, self.priced)
 
     # -- public ----------------------------------------------------------------------------
 
@@ -231,8 +127,6 @@ class LLMClient:
             self.log.flush()
 
     def _open(self) -> Provider:
-        from draco_cli.llm.pool import EndpointPool
-
         urls: list[str | None] = [self.base_url] \
             if isinstance(self.base_url, str) or self.base_url is None else list(self.base_url)
 
@@ -275,8 +169,6 @@ class LLMClient:
                     progress: Callable[[Progress], None] | None, batch: bool | None,
                     poll_seconds: float) -> list[list[Answer]]:
         if batch or (batch is None and self.batches_by_default(provider)):
-            from draco_cli.llm.batch import run_batch
-
             requests = [self._with_defaults(r) for r in requests]
             return await run_batch(self, provider, requests, poll_seconds, progress)
         if not isinstance(requests, RequestStream):
@@ -454,8 +346,9 @@ class LLMClient:
         usage = reply.usage.scaled(share)
         cost = self._cost_of(reply) * share
         while True:
-            value, status, error = self._parse(req, choice)
-            self._record(req, sample, attempt, status, error, reply, choice, value, share)
+            value, status, error = parse_choice(req, choice)
+            self.rows.answer(req, sample, attempt, status, error, reply, choice, value, share,
+                             self._cost_of(reply) * share)
             if status == "ok":
                 self.stats[req.phase].answered += 1
                 return Answer(sample, "ok", value, text=choice.text, usage=usage, cost_usd=cost,
@@ -463,17 +356,9 @@ class LLMClient:
             if status == "refused" or attempt >= self.parse_retries:
                 return self._final_unanswered(req, sample, error, usage, cost, attempt)
             attempt += 1
-            if status == "truncated":
-                messages = req.messages  # same question again: sampling may end sooner
-            else:
-                messages = req.messages + [
-                    {"role": "assistant", "content": choice.text or ""},
-                    {"role": "user", "content": (
-                        "That answer is not valid JSON for the required schema: "
-                        f"{error}. Reply again with only a JSON object that matches the schema.")},
-                ]
             try:
-                reply = await self._call(provider, req, messages, [sample])
+                reply = await self._call(provider, req, reask(req, choice, status, error),
+                                         [sample])
             except BudgetReached:
                 return self._final_unanswered(req, sample, "budget reached during re-ask",
                                               usage, cost, attempt)
@@ -485,11 +370,7 @@ class LLMClient:
     def _final_unanswered(self, req: LLMRequest, sample: int, reason: str | None, usage: Usage,
                           cost: float, attempt: int) -> Answer:
         self.stats[req.phase].unanswered += 1
-        self.log.record(request_hash=req.hash(sample, self.model),
-                        content_hash=req.hash(sample, None), sample=sample, phase=req.phase,
-                        key=req.key, provider=self.provider_name, model=self.model,
-                        attempt=attempt, status="unanswered", error=scrub(reason),
-                        cost_usd=0.0 if self.priced else None)
+        self.rows.unanswered(req, sample, attempt, reason)
         return Answer(sample, "unanswered", reason=reason, usage=usage, cost_usd=cost,
                       attempts=attempt + 1)
 
@@ -498,64 +379,10 @@ class LLMClient:
         return self._final_unanswered(req, sample, reason, reply.usage.scaled(share),
                                       self._cost_of(reply) * share, attempt)
 
-    @staticmethod
-    def _parse(req: LLMRequest, choice: Choice) -> tuple[BaseModel | None, str, str | None]:
-        if choice.finish == "refusal" or choice.refusal:
-            return None, "refused", f"refused: {(choice.refusal or choice.text or '')[:200]}"
-        if choice.finish == "length":
-            return None, "truncated", "truncated at max_tokens " \
-                f"({req.sampling.max_tokens}): raise --max-tokens"
-        if not choice.text:
-            return None, "invalid", "empty answer"
-        try:
-            value = req.answer_model.model_validate_json(choice.text)
-        except ValidationError as exc:
-            first: Mapping[str, Any] = exc.errors()[0] if exc.errors() else {}
-            where = ".".join(str(x) for x in first.get("loc", ()))
-            kind = "not JSON" if first.get("type") == "json_invalid" else "schema violation"
-            return None, "invalid", f"{kind}: {where + ': ' if where else ''}{first.get('msg', exc)}"
-        problem = req.problem(value)
-        if problem is not None:
-            return None, "invalid", problem
-        return value, "ok", None
-
-    def _record(self, req: LLMRequest, sample: int, attempt: int, status: str, error: str | None,
-                reply: Reply, choice: Choice, value: BaseModel | None, share: float) -> None:
-        """One row per sample per HTTP call; a call that answered n samples at once is split
-        evenly over its n rows, so the rows sum to what was billed."""
-        u = reply.usage if share == 1.0 else reply.usage.scaled(share)   # read only here
-        cost = self._cost_of(reply) * share
-        self.log.record(
-            request_hash=req.hash(sample, self.model), content_hash=req.hash(sample, None),
-            sample=sample, phase=req.phase, key=req.key, provider=self.provider_name,
-            model=self.model, attempt=attempt, status=status, error=scrub(error),
-            request=self._logged(reply, "request_body"),
-            response=self._logged(reply, "response_body"),
-            answer_text=choice.text,
-            parsed=value.model_dump_json() if value is not None else None,
-            input_tokens=u.input_tokens, cached_tokens=u.cached_tokens,
-            cache_write_tokens=u.cache_write_tokens, output_tokens=u.output_tokens,
-            reasoning_tokens=u.reasoning_tokens, latency_s=reply.latency_s,
-            cost_usd=cost if self.priced else None, batch_id=reply.batch_id,
-            endpoint=reply.endpoint,
-        )
-
-    @staticmethod
-    def _logged(reply: Reply, which: str) -> str | None:
-        """The scrubbed JSON of a call's request or response, made once per HTTP call (a call
-        answering n samples writes n rows; long prompts make this the costly part)."""
-        cache: dict[str, str | None] = reply.__dict__.setdefault("_logged", {})
-        if which not in cache:
-            text = reply.request_text if which == "request_body" else reply.response_text
-            if text is None:
-                text = json.dumps(getattr(reply, which), ensure_ascii=False)
-            cache[which] = scrub(text)
-        return cache[which]
-
     # -- one HTTP call, with retries ---------------------------------------------------------
 
     def _cost(self, usage: Usage, batch: bool = False) -> float:
-        if self.provider_name == "replay" or not self.priced:
+        if self.provider_name in FREE or not self.priced:
             return 0.0   # (an unpriced model's lookup would scan the whole table each call)
         return self.prices.cost(self.model, usage, batch)
 
@@ -582,31 +409,28 @@ class LLMClient:
         usd = self._cost(Usage(input_tokens=prompt, output_tokens=req.sampling.max_tokens * n))
         return tokens, usd
 
-    def _log_failure(self, req: LLMRequest, samples: list[int], attempt: int, error: str,
-                     response: str | None = None, endpoint: str | None = None) -> None:
-        self.log.record(request_hash=req.hash(samples[0], self.model),
-                        content_hash=req.hash(samples[0], None), sample=None,
-                        phase=req.phase, key=req.key, provider=self.provider_name,
-                        model=self.model, attempt=attempt, status="http_error",
-                        error=scrub(error), response=response, endpoint=endpoint,
-                        cost_usd=0.0 if self.priced else None)
-
     def _pool_failure(self, req: LLMRequest, samples: list[int], exc: Retryable,
                       endpoint: str) -> None:
         """An endpoint of the fleet failed a call (retried elsewhere, or by ``_call``)."""
         stats = self.stats[req.phase]
         stats.failed_attempts += 1
         stats.calls += 1
-        self._log_failure(req, samples, 0, str(exc), exc.body, endpoint)
+        self.rows.failure(req, samples, 0, str(exc), exc.body, endpoint)
+
+    @property
+    def where(self) -> str:
+        """The model, and the server when one is named: the head of a giving-up message."""
+        return f"{self.model} at {self.base_url}" if self.base_url else self.model
 
     async def _call(self, provider: Provider, req: LLMRequest, messages: list[dict[str, str]],
                     samples: list[int]) -> Reply:
         stats = self.stats[req.phase]
         estimate, usd = self._estimate(req, messages, len(samples))
-        attempt = 0
         last_body: str | None = None
         same = 0
-        while True:
+
+        async def attempt(n: int) -> Reply:
+            nonlocal usd, last_body, same
             await self._limiter.acquire(estimate)
             async with self._sem.slot():
                 # The call's estimated cost is reserved before it is sent, so the calls in
@@ -621,17 +445,17 @@ class LLMClient:
                     raise BudgetReached()
                 self.reserved += usd
                 try:
-                    reply = await provider.complete(req, messages, samples)
+                    return await provider.complete(req, messages, samples)
                 except RequestRejected as exc:
                     stats.calls += 1
-                    self._log_failure(req, samples, attempt, str(exc), exc.body)
+                    self.rows.failure(req, samples, n, str(exc), exc.body)
                     self.rejections.append(str(exc))
                     raise
                 except Retryable as exc:
-                    if not getattr(exc, "logged", False):  # the fleet logs its own failures
+                    if not exc.logged:  # the fleet logs its own failures
                         stats.failed_attempts += 1
                         stats.calls += 1
-                        self._log_failure(req, samples, attempt, str(exc), exc.body)
+                        self.rows.failure(req, samples, n, str(exc), exc.body)
                     if exc.kind == "timeout":
                         await self._sem.timed_out(self.timeout)
                     same = same + 1 if exc.body and exc.body == last_body else 0
@@ -643,27 +467,15 @@ class LLMClient:
                             f"server rejects the request itself: {(scrub(exc.body) or '')[:500]}",
                             body=exc.body, status=500) from None
                     last_body = exc.body
-                    limit = 2 if exc.kind == "refused" else self.max_retries
-                    if attempt >= limit:
-                        where = f" at {self.base_url}" if self.base_url else ""
-                        raise LLMError(f"{self.model}{where}: giving up after {attempt + 1} "
-                                       f"attempts ({scrub(str(exc))})") from None
-                    delay = exc.retry_after if exc.retry_after is not None else min(
-                        self.backoff_cap, self.backoff_base * 2 ** attempt)
-                    delay *= random.uniform(1.0, 1.25)  # jitter: spread the herd
-                    attempt += 1
-                    wait = delay
-                else:
-                    wait = None
+                    raise
                 finally:
                     self.reserved -= usd
-            if wait is not None:
-                await asyncio.sleep(wait)
-                continue
-            self._sem.completed()
-            stats.calls += 1
-            stats.usage = stats.usage + reply.usage
-            cost = self._cost_of(reply)
-            stats.cost_usd += cost
-            self.spent += cost
-            return reply
+
+        reply = await self.retry.run(attempt, self.where)
+        self._sem.completed()
+        stats.calls += 1
+        stats.usage = stats.usage + reply.usage
+        cost = self._cost_of(reply)
+        stats.cost_usd += cost
+        self.spent += cost
+        return reply

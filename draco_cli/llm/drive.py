@@ -7,65 +7,61 @@ on one event loop while the stage's logic exists once.
 
 A stage may yield a ``RequestStream`` instead of a list: requests built one at a time while the
 client is already answering the first ones (a producer feeding the client, not a serial pre-pass
-over every prompt). A client that takes streams says so (``streams = True``); any other gets the
-stream as a list.
+over every prompt). ``LLMClient`` takes the stream as it is; any other client (a wrapper of
+one) gets it as a list.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Iterable, Iterator
-from typing import TYPE_CHECKING, Any, TypeVar
+from collections.abc import Callable, Generator
+from typing import Protocol, TypeVar
 
-from draco_cli.llm.types import Answer, LLMRequest
-
-if TYPE_CHECKING:  # client.py imports this module
-    from draco_cli.llm.client import Progress
+from draco_cli.llm.client import LLMClient
+from draco_cli.llm.types import Answer, LLMRequest, Progress, RequestStream
 
 T = TypeVar("T")
-
-
-class RequestStream:
-    """Requests yielded by a producer as it builds them; iterable once. ``count`` requests
-    asking ``samples`` answers in all (known up front, for progress)."""
-
-    def __init__(self, requests: Iterator[LLMRequest], count: int, samples: int) -> None:
-        self._requests = requests
-        self.count, self.samples = count, samples
-
-    def __iter__(self) -> Iterator[LLMRequest]:
-        return self._requests
-
-    def __len__(self) -> int:
-        return self.count
-
 
 Stage = Generator["list[LLMRequest] | RequestStream", list[list[Answer]], T]
 
 
-def _for(client: Any, requests: Iterable[LLMRequest]) -> Iterable[LLMRequest]:
-    if isinstance(requests, RequestStream) and not getattr(client, "streams", False):
-        return list(requests)
-    return requests
+class Client(Protocol):
+    """What ``drive`` answers a stage with: ``LLMClient``, or a wrapper of one."""
+
+    def run(self, requests: list[LLMRequest],
+            progress: Callable[[Progress], None] | None = None,
+            batch: bool | None = False) -> list[list[Answer]]: ...
 
 
-def drive(stage: Stage[T], client: Any, *,
+class AsyncClient(Protocol):
+    """What ``adrive`` answers a stage with: ``LLMClient``, or a wrapper of one."""
+
+    async def arun(self, requests: list[LLMRequest],
+                   progress: Callable[[Progress], None] | None = None) -> list[list[Answer]]: ...
+
+
+def drive(stage: Stage[T], client: Client, *,
           progress: Callable[[Progress], None] | None = None, batch: bool | None = False) -> T:
     try:
         requests = next(stage)
         while True:
-            requests = stage.send(client.run(_for(client, requests), progress=progress,
-                                             batch=batch))
+            answers = client.run(requests, progress=progress, batch=batch) \
+                if isinstance(client, LLMClient) \
+                else client.run(list(requests), progress=progress, batch=batch)
+            requests = stage.send(answers)
     except StopIteration as stop:
         result: T = stop.value   # the generator's return value (StopIteration types it Any)
         return result
 
 
-async def adrive(stage: Stage[T], client: Any, *,
+async def adrive(stage: Stage[T], client: AsyncClient, *,
                  progress: Callable[[Progress], None] | None = None) -> T:
     try:
         requests = next(stage)
         while True:
-            requests = stage.send(await client.arun(_for(client, requests), progress=progress))
+            answers = await client.arun(requests, progress=progress) \
+                if isinstance(client, LLMClient) \
+                else await client.arun(list(requests), progress=progress)
+            requests = stage.send(answers)
     except StopIteration as stop:
         result: T = stop.value   # the generator's return value (StopIteration types it Any)
         return result

@@ -15,3 +15,34 @@ class ReplayMiss(LLMError):
 
 class ModelSpecError(UsageError):
     pass
+
+
+class RequestRejected(LLMError):
+    """The server refused the request itself (a 4xx, or a 500 repeating the same body): sending
+    it again cannot help. ``body`` is the server's reply, kept in the call log."""
+
+    def __init__(self, message: str, *, body: str | None = None, status: int | None = None):
+        super().__init__(message)
+        self.body = body
+        self.status = status
+
+
+class Retryable(Exception):
+    """A failure worth another attempt (429, 5xx, timeout, dropped connection). ``body`` is
+    the server's own text (scrubbed), so a 500 that repeats the same body can be told from a
+    transient one; ``kind`` is "http", "timeout", "refused" or "connection". ``endpoint`` is
+    the fleet endpoint that failed, ``logged`` whether the fleet logged the failure itself."""
+
+    def __init__(self, message: str, retry_after: float | None = None, *,
+                 body: str | None = None, kind: str = "http", status: int | None = None) -> None:
+        super().__init__(message)
+        self.retry_after = retry_after
+        self.body = body
+        self.kind = kind
+        self.status = status
+        self.endpoint: str | None = None
+        self.logged = False
+
+
+class BudgetReached(Exception):
+    """A call not sent: the budget (``--max-cost``) is spent or committed."""

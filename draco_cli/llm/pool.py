@@ -22,7 +22,8 @@ from typing import Any
 from urllib.parse import urlsplit
 
 from draco_cli.errors import UsageError
-from draco_cli.llm.providers import Provider, Retryable
+from draco_cli.llm.errors import Retryable
+from draco_cli.llm.providers import Provider
 from draco_cli.llm.types import LLMRequest, Reply
 
 BACKOFF_BASE = 1.0
@@ -132,11 +133,11 @@ class EndpointPool(Provider):
             except Retryable as exc:
                 ep.fail()
                 exc.args = (f"{exc.args[0] if exc.args else exc} [{ep.url}]",)
-                exc.endpoint = ep.url  # type: ignore[attr-defined]
+                exc.endpoint = ep.url
                 last = exc
                 if self.on_failure is not None:
                     self.on_failure(req, samples, exc, ep.url)
-                    exc.logged = True  # type: ignore[attr-defined]
+                    exc.logged = True
                 continue
             finally:
                 ep.outstanding -= 1

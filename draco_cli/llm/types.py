@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Hashable
+from collections.abc import Callable, Hashable, Iterator
 from dataclasses import asdict, dataclass, field
 from typing import Any, Literal
 
@@ -231,3 +231,40 @@ class Answer:
     cost_usd: float = 0.0
     attempts: int = 0
     cached: bool = False
+
+
+@dataclass
+class PhaseStats:
+    calls: int = 0            # HTTP calls made (every attempt, re-asks included)
+    cached: int = 0           # samples answered from the call log
+    answered: int = 0
+    unanswered: int = 0
+    skipped: int = 0          # not asked: budget reached
+    failed_attempts: int = 0  # HTTP attempts that failed and were retried
+    usage: Usage = field(default_factory=Usage)
+    cost_usd: float = 0.0
+    priced: bool = True       # False: the model is not in the price table (cost unknown)
+
+
+@dataclass
+class Progress:
+    done: int
+    total: int
+    failed: int
+    cost_usd: float
+    note: str | None = None   # what a long wait is waiting for (a submitted batch)
+
+
+class RequestStream:
+    """Requests yielded by a producer as it builds them; iterable once. ``count`` requests
+    asking ``samples`` answers in all (known up front, for progress)."""
+
+    def __init__(self, requests: Iterator[LLMRequest], count: int, samples: int) -> None:
+        self._requests = requests
+        self.count, self.samples = count, samples
+
+    def __iter__(self) -> Iterator[LLMRequest]:
+        return self._requests
+
+    def __len__(self) -> int:
+        return self.count

@@ -17,15 +17,16 @@ import pyarrow.parquet as pq
 
 from draco_cli._allocator import release_freed_memory
 from draco_cli.io import OutputSet, read_table
-from draco_cli.llm.calllog import export_parquet
+from draco_cli.llm.export import export_parquet
 from draco_cli.redact import Redactor
 from draco_cli.render import RenderOptions
 from draco_cli.schemas import Rollout, Step, Table
 
 if TYPE_CHECKING:
-    from draco_cli.llm.client import PhaseStats
+    from draco_cli.llm.client import LLMClient
     from draco_cli.llm.drive import Stage
     from draco_cli.llm.settings import LLMSettings
+    from draco_cli.llm.types import PhaseStats
 
 R = TypeVar("R")
 
@@ -80,7 +81,7 @@ def call_log_path(out: Path, call_log: Path | None) -> Path:
     return call_log if call_log is not None else out / "llm_calls.sqlite"
 
 
-def finish(client: Any, log_path: Path, out: Path, report: StageReport) -> None:
+def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) -> None:
     """The client's phase statistics into ``report``, and the call log's Parquet export."""
     report.phases.update(client.stats)
     report.budget_reached = client.budget_reached
@@ -237,7 +238,7 @@ class _ChunkProgress:
             self.done += p.done - last[0]
             self.failed += p.failed - last[1]
             last[:] = [p.done, p.failed]
-            from draco_cli.llm.client import Progress
+            from draco_cli.llm.types import Progress
 
             assert self.progress is not None
             self.progress(Progress(self.done, self.total, self.failed, p.cost_usd,
@@ -246,7 +247,7 @@ class _ChunkProgress:
         return tick
 
 
-async def _drive_chunk(stage: Stage[R], client: Any, progress: _ChunkProgress) -> R:
+async def _drive_chunk(stage: Stage[R], client: LLMClient, progress: _ChunkProgress) -> R:
     try:
         requests = next(stage)
         while True:
@@ -261,7 +262,7 @@ class _Unpublished(Exception):
     """Leaves an output set unpublished (the budget was reached)."""
 
 
-def publish_chunks(out: Path, models: dict[str, type[Table]], client: Any, log_path: Path,
+def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient, log_path: Path,
                    stages: Iterable[Stage[R]], tables_of: Callable[[R], dict[str, pl.DataFrame]],
                    report: StageReport, *, force: bool,
                    progress: Callable[[Any], None] | None, total: int) -> None:
@@ -289,7 +290,7 @@ def publish_chunks(out: Path, models: dict[str, type[Table]], client: Any, log_p
         pass
 
 
-def run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
+def run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
                progress: Callable[[Any], None] | None = None, total: int = 0,
                in_flight: int = CHUNKS_IN_FLIGHT) -> None:
     """Drive each chunk's stage on one client session, ``in_flight`` at a time, and hand the
@@ -298,7 +299,7 @@ def run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R],
                             max(1, in_flight)))
 
 
-async def _run_chunks(client: Any, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
+async def _run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
                       progress: _ChunkProgress, in_flight: int) -> None:
     pending: deque[asyncio.Future[R]] = deque()
     async with client.session():

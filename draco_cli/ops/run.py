@@ -453,7 +453,7 @@ class _Run:
         ta = self.folder.path / "credit" / "token_advantages.parquet"
         calls = {}
         if Path(self.log).exists():
-            from draco_cli.llm.calllog import read_totals
+            from draco_cli.llm.export import read_totals
 
             calls = read_totals(self.log)
         return Manifest(

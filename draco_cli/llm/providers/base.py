@@ -1,0 +1,128 @@
+"""What every provider shares: the ``Provider`` interface, the structured-output forms, a
+submitted batch's state and the message rewrites some chat formats need."""
+
+from __future__ import annotations
+
+import abc
+import json
+from dataclasses import dataclass, field
+from typing import Any
+
+from draco_cli.llm.errors import LLMError, ModelSpecError
+from draco_cli.llm.types import LLMRequest, Reply
+
+# How a request asks for a JSON answer (``--structured-output``). Servers differ; `draco llm
+# check` probes which of these a server accepts and prints the one to use.
+STRUCTURED_FORMS = {
+    "auto": "json-schema for openai/ and OpenAI-compatible servers, output-format for anthropic/",
+    "json-schema": "OpenAI response_format json_schema, strict (OpenAI, vLLM, SGLang)",
+    "json-schema-loose": "response_format json_schema with strict false (SGLang, Ollama, "
+                         "servers that refuse strict)",
+    "json-object": "response_format {type: json_object, schema: ...} (llama.cpp server, "
+                   "llama-cpp-python)",
+    "vllm": "vLLM >= 0.12 extra field structured_outputs: {json: schema}",
+    "prompt": "no server constraint: the schema is put in the prompt; answers are validated "
+              "and re-asked",
+    "output-format": "Anthropic structured output (output_config.format json_schema)",
+    "tool": "Anthropic tool use: one forced tool whose input schema is the answer schema",
+}
+OPENAI_FORMS = ("json-schema", "json-schema-loose", "json-object", "vllm", "prompt")
+ANTHROPIC_FORMS = ("output-format", "tool", "prompt")
+
+
+def split_system(messages: list[dict[str, str]]) -> tuple[str | None, list[dict[str, str]]]:
+    system = "\n\n".join(m["content"] for m in messages if m["role"] == "system") or None
+    return system, [m for m in messages if m["role"] != "system"]
+
+
+def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
+    """System instructions moved to the head of the first user message, for chat formats that
+    drop the system role (Gemma's template, some llama.cpp chat formats)."""
+    system, chat = split_system(messages)
+    if not system:
+        return list(messages)
+    chat = [dict(m) for m in chat]
+    for m in chat:
+        if m["role"] == "user":
+            m["content"] = f"{system}\n\n{m['content']}"
+            return chat
+    return [{"role": "user", "content": system}] + chat
+
+
+def schema_instruction(schema: dict[str, Any]) -> str:
+    """For servers that constrain nothing: the schema, stated in the prompt."""
+    return ("Reply with one JSON object only (no prose, no code fence) that matches this JSON "
+            "schema:\n" + json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+
+
+def with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
+    out = [dict(m) for m in messages]
+    for m in reversed(out):
+        if m["role"] == "user":
+            m["content"] = f"{m['content']}\n\n{text}"
+            return out
+    return out + [{"role": "user", "content": text}]
+
+
+@dataclass
+class BatchState:
+    """Where a submitted batch stands: ``ended`` once nothing more will be answered."""
+
+    batch_id: str
+    status: str
+    ended: bool
+    counts: dict[str, int] = field(default_factory=dict)
+
+
+class Provider(abc.ABC):
+    """What the client needs from an API: build a body, make one call, close. Subclasses are
+    registered by ``provider/`` prefix in ``REGISTRY``; batch APIs are optional methods."""
+
+    name = "provider"
+    supports_n = False
+    forms: tuple[str, ...] = ()
+    default_form = "prompt"
+
+    def __init__(self, model: str, *, base_url: str | None = None, concurrency: int = 16,
+                 timeout: float = 120.0, structured_output: str | None = None,
+                 system_role: bool = True, use_n: bool = True) -> None:
+        """Every provider is made with these (``make_provider``) and uses those its API has."""
+        self.model = model
+
+    def _form(self, form: str | None) -> str:
+        form = form or "auto"
+        if form == "auto":
+            return self.default_form
+        if form not in self.forms:
+            raise ModelSpecError(f"--structured-output {form}: {self.name}/ models take "
+                                 f"{', '.join(('auto',) + self.forms)}")
+        return form
+
+    @abc.abstractmethod
+    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
+                       samples: list[int]) -> Reply:
+        """One HTTP call for ``samples`` of ``req``."""
+
+    async def close(self) -> None:
+        return None
+
+    # -- batch APIs (optional): each method is one HTTP exchange, its errors mapped like a
+    # single call's (``Retryable`` / ``RequestRejected``), so the caller retries them alike.
+
+    offers_batch = False  # the protocol has a batch API (a given server may still lack it)
+
+    def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
+        """The body one batch line sends for ``samples`` of ``req``."""
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
+
+    async def submit_batch(self, lines: dict[str, dict[str, Any]]) -> str:
+        """Submit ``custom_id -> body``; return the batch id."""
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
+
+    async def poll_batch(self, batch_id: str) -> BatchState:
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")
+
+    async def batch_results(self, batch_id: str) -> dict[str, Reply]:
+        """``custom_id -> reply`` for every line the batch answered (errored, expired or
+        cancelled lines are absent)."""
+        raise LLMError(f"{self.name}/ models have no batch API; drop --batch")

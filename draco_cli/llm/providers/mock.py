@@ -1,0 +1,61 @@
+"""``mock/ANYTHING``: an in-process provider for a user's CI. Each request is answered with a
+small instance of its own JSON schema: no server, no key, no cost. Each call's choices are
+numbered from 0 (enums cycle with the number, strings carry it), as the test server's are."""
+
+from __future__ import annotations
+
+import json
+from typing import Any
+
+from draco_cli.llm.providers.base import Provider
+from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
+
+
+def instance(schema: dict[str, Any], seed: int = 0, path: str = "",
+             root: dict[str, Any] | None = None) -> object:
+    """A small value valid against ``schema``: enums cycle with the position, arrays take
+    their minimum length (at least one item), strings are distinct per position."""
+    root = root if root is not None else schema
+    if "$ref" in schema:  # pydantic puts nested models under #/$defs/Name
+        node: Any = root  # JSON: a bad reference fails here as a KeyError
+        for part in schema["$ref"].lstrip("#/").split("/"):
+            node = node[part]
+        return instance(node, seed, path, root)
+    if "const" in schema:
+        return schema["const"]
+    if "enum" in schema:
+        return schema["enum"][seed % len(schema["enum"])]
+    kind = schema.get("type")
+    if kind == "object":
+        return {k: instance(v, seed, f"{path}.{k}", root)
+                for k, v in (schema.get("properties") or {}).items()}
+    if kind == "array":
+        n = max(schema.get("minItems", 1), 1)
+        n = min(n, schema.get("maxItems", n))
+        return [instance(schema.get("items") or {}, k, f"{path}[{k}]", root) for k in range(n)]
+    if kind == "integer":
+        return schema.get("minimum", 1)
+    if kind == "number":
+        return schema.get("minimum", 1.0)
+    if kind == "boolean":
+        return True
+    return f"mock {path.strip('.') or 'text'} {seed}"
+
+
+class MockProvider(Provider):
+    name = "mock"
+    supports_n = True
+    forms = ("json-schema",)
+    default_form = "json-schema"
+
+    def __init__(self, model: str, *, structured_output: str | None = None, **_: Any) -> None:
+        self.model = model
+        self.form = self._form(structured_output)
+
+    async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
+                       samples: list[int]) -> Reply:
+        schema = req.schema()
+        choices = [Choice(text=json.dumps(instance(schema, k)), finish="stop")
+                   for k in range(len(samples))]
+        body = {"model": self.model, "messages": messages, "n": len(samples)}
+        return Reply(choices, Usage(), body, {"mock": True}, 0.0)

@@ -1,0 +1,46 @@
+"""The retry policy of every exchange with an API (a single call, a batch upload or poll),
+written once: a ``Retryable`` failure waits (the server's Retry-After, else exponential
+backoff with jitter) and tries again, up to ``max_retries`` times (a refused connection twice:
+no server is listening); anything else propagates at once."""
+
+from __future__ import annotations
+
+import asyncio
+import random
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import TypeVar
+
+from draco_cli.llm.errors import LLMError, Retryable
+from draco_cli.llm.keys import scrub
+
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RetryPolicy:
+    max_retries: int = 6
+    backoff_base: float = 1.0
+    backoff_cap: float = 60.0
+
+    def delay(self, exc: Retryable, attempt: int, what: str) -> float:
+        """Seconds to wait after attempt ``attempt`` (from 0) failed with ``exc``; an
+        ``LLMError`` naming ``what`` when no attempt is left."""
+        limit = 2 if exc.kind == "refused" else self.max_retries
+        if attempt >= limit:
+            raise LLMError(f"{what}: giving up after {attempt + 1} attempts "
+                           f"({scrub(str(exc))})") from None
+        delay = exc.retry_after if exc.retry_after is not None else min(
+            self.backoff_cap, self.backoff_base * 2 ** attempt)
+        return delay * random.uniform(1.0, 1.25)  # jitter: spread the herd
+
+    async def run(self, call: Callable[[int], Awaitable[T]], what: str) -> T:
+        """``await call(attempt)`` until it returns, retrying ``Retryable`` failures."""
+        attempt = 0
+        while True:
+            try:
+                return await call(attempt)
+            except Retryable as exc:
+                wait = self.delay(exc, attempt, what)
+            attempt += 1
+            await asyncio.sleep(wait)
