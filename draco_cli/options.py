@@ -112,7 +112,7 @@ class PromptOptions(_Options):
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise ValueError(f"--redact {pattern!r} is not a regular expression: {exc}")
+                raise ValueError(f"--redact: not a regular expression ({pattern!r}: {exc})")
         return self
 
 
