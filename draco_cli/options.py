@@ -171,22 +171,28 @@ class RunOptions(_Options):
 
     @classmethod
     def for_setting(cls, setting: str = "draco", *, credit: str | None = None,
-                    reward: str | None = None, rubric: RubricOptions | None = None,
-                    prompt: PromptOptions | None = None, judge: JudgeOptions | None = None,
+                    reward: str | None = None,
+                    rubric: RubricOptions | dict[str, Any] | None = None,
+                    prompt: PromptOptions | dict[str, Any] | None = None,
+                    judge: JudgeOptions | dict[str, Any] | None = None,
                     credit_options: dict[str, Any] | None = None,
                     **run: Any) -> "RunOptions":
         """Options of one setting; ``credit`` / ``reward`` override what the setting implies
         (e.g. ``--setting draco --reward outcome``: dynamic rubrics, outcome reward, step
-        credit spread by the judge's citations); the rubric's kind is the setting's."""
+        credit spread by the judge's citations). Stage options are objects or their fields as
+        dicts; the rubric's kind is the setting's."""
         if setting not in SETTINGS:
             raise UsageError(f"--setting {setting!r}: choose {', '.join(SETTINGS)}")
         kind, default_credit, default_reward = SETTINGS[setting]
         try:
             return cls(
                 setting=cast(Setting, setting),
-                rubric=(rubric or RubricOptions()).model_copy(
+                rubric=(rubric if isinstance(rubric, RubricOptions) else
+                        RubricOptions(**(rubric or {}))).model_copy(
                     update={"kind": cast(RubricKind, kind)}),
-                prompt=prompt or PromptOptions(), judge=judge or JudgeOptions(),
+                prompt=PromptOptions(**prompt) if isinstance(prompt, dict) else
+                prompt or PromptOptions(),
+                judge=JudgeOptions(**judge) if isinstance(judge, dict) else judge or JudgeOptions(),
                 credit=CreditOptions(credit=cast(CreditKind, credit or default_credit),
                                      reward=cast(RewardSource, reward or default_reward),
                                      **(credit_options or {})),

@@ -57,7 +57,8 @@ app.add_typer(schema_cmd.app, name="schema")
 @app.callback(invoke_without_command=True)
 def _root(
     ctx: typer.Context,
-    version: bool = typer.Option(False, "--version", metavar="", help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", metavar="",
+                                 help="Print the version and exit."),
 ) -> None:
     if version:
         from draco_cli import __version__

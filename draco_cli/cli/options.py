@@ -58,7 +58,8 @@ Concurrency = Annotated[int, typer.Option(
     min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
     "does not serve more in parallel.", rich_help_panel=LLM_PANEL)]
 Adapt = Annotated[Optional[bool], typer.Option(
-    "--adapt/--no-adapt", metavar="", help="Measure the server's useful parallelism and keep in-flight "
+    "--adapt/--no-adapt", metavar="",
+    help="Measure the server's useful parallelism and keep in-flight "
     "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.",
         rich_help_panel=LLM_PANEL)]
 Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute limit.",
@@ -77,7 +78,8 @@ Prices = Annotated[Optional[Path], typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).",
         rich_help_panel=LLM_PANEL)]
 Batch = Annotated[Optional[bool], typer.Option(
-    "--batch/--no-batch", metavar="", help="The provider's batch API (half price, answers within hours; "
+    "--batch/--no-batch", metavar="",
+    help="The provider's batch API (half price, answers within hours; "
     "resumable). Default: on for openai/ and anthropic/ hosted APIs, off with --base-url "
     "(self-hosted servers rarely have one).", rich_help_panel=LLM_PANEL)]
 Thinking = Annotated[Literal["on", "off"], typer.Option(
@@ -92,12 +94,14 @@ Redact = Annotated[Optional[list[str]], typer.Option(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "
     "tokens and passwords are masked by default.", rich_help_panel=PROMPT_PANEL)]
 NoDefaultRedact = Annotated[bool, typer.Option(
-    "--no-default-redact", metavar="", help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
+    "--no-default-redact", metavar="",
+    help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
 CallLogPath = Annotated[Optional[Path], typer.Option(
     "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.",
         rich_help_panel=LLM_PANEL)]
 ShowPrompt = Annotated[bool, typer.Option(
-    "--show-prompt", metavar="", help="Print the rendered prompt for the first rollout and exit; no call.",
+    "--show-prompt", metavar="",
+    help="Print the rendered prompt for the first rollout and exit; no call.",
         rich_help_panel=PROMPT_PANEL)]
 StructuredOutput = Annotated[str, typer.Option(
     help="How answers are constrained to JSON: auto, json-schema (OpenAI strict), "
@@ -109,7 +113,8 @@ SystemRole = Annotated[Literal["keep", "fold"], typer.Option(
     help="keep: instructions in the system role; fold: into the first user message (chat "
     "formats that drop system messages, e.g. Gemma).", rich_help_panel=LLM_PANEL)]
 UseN = Annotated[bool, typer.Option(
-    "--use-n/--no-use-n", metavar="", help="Ask k samples in one request with n (servers that ignore n "
+    "--use-n/--no-use-n", metavar="",
+    help="Ask k samples in one request with n (servers that ignore n "
     "get the missing samples re-asked one per call either way).", rich_help_panel=LLM_PANEL)]
 Temperature = Annotated[Optional[float], typer.Option(
     min=0.0, help="Sampling temperature (default: the server's).", rich_help_panel=LLM_PANEL)]

@@ -133,7 +133,8 @@ def correct_cmd(
     = None,
     steps: Annotated[Optional[Path], typer.Option(help="steps.parquet: also write token "
                                                   "advantages.")] = None,
-    no_correction: Annotated[bool, typer.Option("--no-correction", metavar="", help="Use the stored "
+    no_correction: Annotated[bool, typer.Option("--no-correction", metavar="",
+                                                help="Use the stored "
                                                 "predictions alone (the ablation).")] = False,
     clip: Annotated[Optional[float], typer.Option(help="Clip corrected credit to ±CLIP (breaks "
                                                   "unbiasedness; recorded).")] = None,
@@ -296,7 +297,8 @@ def diagnose_cmd(
     rewards: Annotated[Optional[Path], typer.Option(
         "--rewards", help="rewards.parquet, when --features is a step_credit table.")] = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Output folder.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the figures as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="",
+                                          help="Print the figures as JSON.")] = False,
     force: Force = False,
 ) -> None:
     """The measurements CREDO asks to report: importance-weight tails (max S/p, effective
@@ -327,7 +329,8 @@ def exact_check_cmd(
     sweep: Annotated[Optional[str], typer.Option(
         "--sweep-replays", help="Also sweep M (replays per side) under one fixed expected "
         "budget, e.g. 1,2,4: the paper asks not to treat M as a free accuracy knob.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", metavar="", help="Print the rows as JSON on stdout.")]
+    as_json: Annotated[bool, typer.Option("--json", metavar="",
+                                          help="Print the rows as JSON on stdout.")]
     = False,
 ) -> None:
     """Enumerate a two-decision, 16-trajectory model (the shape of the paper's §4.1 check)
