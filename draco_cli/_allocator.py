@@ -1,19 +1,11 @@
-"""Process-level allocator tuning for the command line.
+"""Allocator tuning for the ``draco`` command's own process (the library never calls it).
 
-numpy's large temporaries come from glibc ``malloc``, which serves each one with a fresh ``mmap``
-and returns it on free, so every temporary pays its page faults again. On the VMs we measured,
-that made whole-column arithmetic 5–8x slower than the arithmetic itself. Raising glibc's mmap
-and trim thresholds keeps freed blocks for reuse. The ``draco`` command applies this once at
-start-up; library users decide for their own process (``tune_allocator()``).
-
-polars allocates through its own jemalloc, which keeps freed pages for ~10 s before handing
-them back: within one command every phase's polars temporaries stay resident, and a later
-phase (numpy, Arrow) stacks its peak on top of them. ``tune_allocator(release_polars_pages=
-True)`` tells it to hand them back at once, when it runs before polars is first imported (an
-explicit ``_RJEM_MALLOC_CONF`` wins). Only ``draco run`` asks for it: its wall is the LLM
-calls', its peak the credit stage's on top of the LLM stages' (~40 MiB less at 100k
-rollouts); a compute command pays for it in page faults (credit at 1M rollouts: +8-12% CPU,
-median of 3, docs/credit.md §6).
+glibc serves numpy's large temporaries with a fresh ``mmap`` each and returns them on free, so
+every temporary pays its page faults again (whole-column arithmetic 5-8x slower on the VMs we
+measured): ``tune_allocator`` raises glibc's mmap and trim thresholds once at start-up.
+polars' jemalloc keeps freed pages ~10 s; ``release_polars_pages`` (``draco run`` only) hands
+them back at once. Between ``draco run``'s stages the command calls ``release_freed_memory``,
+so a stage does not stack its peak on the heap the previous one freed.
 """
 
 from __future__ import annotations

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import asyncio
 from contextlib import AbstractAsyncContextManager
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Callable, cast
 
@@ -112,11 +112,6 @@ class Scorer:
             raise UsageError("rubric kind none scores by --reward outcome only")
         if deadline is not None and deadline <= 0:
             raise UsageError(f"deadline {deadline!r}: must be > 0 seconds")
-        if llm.get("base_url") is not None:   # one URL, several (a fleet), or a file of them
-            from draco_cli.llm.pool import base_urls
-
-            urls = base_urls(llm["base_url"])
-            llm["base_url"] = urls[0] if len(urls) == 1 else tuple(urls)
         try:
             self.llm = LLMSettings(model=model, **llm)
         except TypeError as exc:
@@ -145,8 +140,7 @@ class Scorer:
             if role == "judge" and model == self.llm.model:
                 self._clients["judge"] = self._clients["rubric"]
                 continue
-            settings = LLMSettings(**{**self.llm.__dict__, "model": model})
-            client = settings.client(self._log)
+            client = replace(self.llm, model=model).client(self._log)
             client.deadline = self.deadline
             session = client.session()
             await session.__aenter__()

@@ -18,7 +18,6 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import polars as pl
 from pydantic import BaseModel
 
-from draco_cli.errors import UsageError
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.render import RenderOptions, fenced, render_steps, task_block
@@ -213,8 +212,6 @@ def aggregate_verdicts(raw: pl.DataFrame, how: Aggregate = "all") -> pl.DataFram
     majority: the most frequent answered verdict, ties fail > na > pass; none answered → null.
     cited_steps: the union of the citations of the samples agreeing with the result.
     """
-    if how not in ("all", "majority"):
-        raise UsageError(f"--aggregate {how!r}: choose all or majority")
     keys = ["rollout_id", "criterion_id", "judge"]
     v = pl.col("verdict")
     counts = raw.group_by(keys, maintain_order=True).agg(
@@ -281,8 +278,6 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
 
     render = render or RenderOptions()
     sampling = sampling or Sampling()
-    if samples < 1:
-        raise UsageError("--samples must be at least 1")
     # Per group once: its criterion ids and their listing (shared by the group's prompts).
     by_group = {k[0]: (v["criterion_id"].to_list(), criteria_listing(v))
                 for k, v in rubrics.partition_by("group_id", as_dict=True).items()

@@ -10,7 +10,8 @@ from __future__ import annotations
 from pathlib import Path
 from typing import Annotated, Any, Literal, Optional, TypeVar, cast
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
+                      model_validator)
 
 from draco_cli.errors import UsageError
 
@@ -77,6 +78,22 @@ class RubricOptions(_Options):
     kind: RubricKind = "dynamic"
     max_criteria: Annotated[int, Field(ge=1)] = 8
     static_rubric: Optional[Path] = None  # None: draco's own default rubric
+    # the LLM phases, in order; merge combines what generate and union wrote in the same run
+    stages: tuple[Literal["generate", "union", "merge"], ...] = ("generate", "union", "merge")
+
+    @field_validator("stages", mode="before")
+    @classmethod
+    def _listed(cls, value: Any) -> Any:   # "generate,union" as the command line spells it
+        if isinstance(value, str):
+            return tuple(x.strip() for x in value.split(",") if x.strip())
+        return value
+
+    @model_validator(mode="after")
+    def _merge_has_candidates(self) -> "RubricOptions":
+        if "merge" in self.stages and not {"generate", "union"} & set(self.stages):
+            raise ValueError("--stages merge: merge combines the candidates that generate and "
+                             "union write in the same run; add them (e.g. --stages union,merge)")
+        return self
 
 
 class PromptOptions(_Options):
@@ -95,7 +112,7 @@ class PromptOptions(_Options):
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise ValueError(f"--redact {pattern!r} is not a regular expression: {exc}")
+                raise ValueError(f"--redact: not a regular expression ({pattern!r}: {exc})")
         return self
 
 
@@ -154,22 +171,28 @@ class RunOptions(_Options):
 
     @classmethod
     def for_setting(cls, setting: str = "draco", *, credit: str | None = None,
-                    reward: str | None = None, rubric: dict[str, Any] | None = None,
-                    prompt: dict[str, Any] | None = None, judge: dict[str, Any] | None = None,
+                    reward: str | None = None,
+                    rubric: RubricOptions | dict[str, Any] | None = None,
+                    prompt: PromptOptions | dict[str, Any] | None = None,
+                    judge: JudgeOptions | dict[str, Any] | None = None,
                     credit_options: dict[str, Any] | None = None,
                     **run: Any) -> "RunOptions":
         """Options of one setting; ``credit`` / ``reward`` override what the setting implies
         (e.g. ``--setting draco --reward outcome``: dynamic rubrics, outcome reward, step
-        credit spread by the judge's citations)."""
+        credit spread by the judge's citations). Stage options are objects or their fields as
+        dicts; the rubric's kind is the setting's."""
         if setting not in SETTINGS:
             raise UsageError(f"--setting {setting!r}: choose {', '.join(SETTINGS)}")
         kind, default_credit, default_reward = SETTINGS[setting]
         try:
             return cls(
                 setting=cast(Setting, setting),
-                rubric=RubricOptions(kind=cast(RubricKind, kind), **(rubric or {})),
-                prompt=PromptOptions(**(prompt or {})),
-                judge=JudgeOptions(**(judge or {})),
+                rubric=(rubric if isinstance(rubric, RubricOptions) else
+                        RubricOptions(**(rubric or {}))).model_copy(
+                    update={"kind": cast(RubricKind, kind)}),
+                prompt=PromptOptions(**prompt) if isinstance(prompt, dict) else
+                prompt or PromptOptions(),
+                judge=JudgeOptions(**judge) if isinstance(judge, dict) else judge or JudgeOptions(),
                 credit=CreditOptions(credit=cast(CreditKind, credit or default_credit),
                                      reward=cast(RewardSource, reward or default_reward),
                                      **(credit_options or {})),

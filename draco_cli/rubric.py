@@ -197,16 +197,6 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
     """The rubric stage as a generator of request lists (``draco_cli.llm.drive``)."""
     render = render or RenderOptions()
     sampling = sampling or Sampling()
-    for s in stages:
-        if s not in STAGES:
-            from draco_cli.errors import UsageError
-
-            raise UsageError(f"--stages: unknown stage {s!r}; choose from {', '.join(STAGES)}")
-    if "merge" in stages and not ({"generate", "union"} & set(stages)):
-        from draco_cli.errors import UsageError
-
-        raise UsageError("--stages merge: merge combines the candidates that generate and union "
-                         "write in the same run; add them (e.g. --stages union,merge)")
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
     answers = (yield [j[3] for j in jobs]) if jobs else []
     cand_rows = []

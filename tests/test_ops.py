@@ -275,15 +275,37 @@ def test_report_shows_the_criteria_the_run_kept(run, constant_verdicts, tmp_path
     assert counts["constant"] == counts["all-pass"] - 1
 
 
-def test_llm_settings_by_name_only():
-    import inspect
+def test_llm_settings_checked_once_where_made():
+    from draco_cli.errors import UsageError
+    from draco_cli.llm.settings import LLMSettings
 
-    from draco_cli.cli.llmrun import settings
+    s = LLMSettings("openai/m", base_url=["http://a/v1"], thinking=True)
+    assert s.base_url == "http://a/v1" and s.thinking is True
+    assert LLMSettings("openai/m", base_url=["http://a/v1", "http://b/v1"]).base_url == (
+        "http://a/v1", "http://b/v1")
+    with pytest.raises(UsageError, match="--structured-output nope"):
+        LLMSettings("openai/m", structured_output="nope")
 
-    params = inspect.signature(settings).parameters.values()
-    assert all(p.kind is inspect.Parameter.KEYWORD_ONLY for p in params)
-    s = settings(model="openai/m", base_url=["http://a/v1"], thinking="on")
-    assert s.model == "openai/m" and s.base_url == "http://a/v1" and s.thinking is True
+
+def test_option_groups_declare_each_option_once():
+    """The LLM, prompt, judge and rubric options of every command come from one group each:
+    the same flags, defaults and help in run, judge score and rubric generate."""
+    import typer
+
+    from draco_cli.cli import app
+
+    root = typer.main.get_command(app)
+    cmds = {"run": root.commands["run"], "score": root.commands["judge"].commands["score"],
+            "generate": root.commands["rubric"].commands["generate"]}
+    seen = {}
+    for name, cmd in cmds.items():
+        for p in cmd.params:
+            if p.name in ("model", "help", "out", "rollouts", "steps"):
+                continue
+            seen.setdefault(p.name, set()).add((tuple(p.opts), repr(p.default), p.help))
+    for option in ("base_url", "concurrency", "max_tokens", "redact", "samples",
+                   "max_criteria", "call_log", "adapt"):
+        assert len(seen[option]) == 1, (option, seen[option])
 
 
 @pytest.mark.parametrize("command, panels", [

@@ -148,7 +148,8 @@ def test_every_option_says_what_it_does_and_flags_show_no_type():
     assert [k for k, v in shown.items() if v == "<bool>"] == []
     for args in (["run"], ["eval"], ["audit", "cost"]):
         res = run_draco(*args, "-h")
-        assert res.returncode == 0 and "<bool>" not in res.stdout.decode()
+        # typer's own --help shows its type; none of draco's flags does
+        assert res.returncode == 0 and res.stdout.decode().count("<bool>") == 1
 
 
 @pytest.mark.parametrize("args", [

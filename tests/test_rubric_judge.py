@@ -281,7 +281,8 @@ def test_static_rubric_files(tmp_path, tau):
 def test_show_prompt_and_merge_alone_say_what_is_wrong(server, tau, tmp_path):
     r, s = str(tau / "rollouts.parquet"), str(tau / "steps.parquet")
     res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
-                    str(tmp_path / "x"), "--stages", "merge", "--show-prompt", *llm_args(server))
+                    str(tmp_path / "x"), "--stages", "merge,union", "--show-prompt",
+                    *llm_args(server))
     assert res.returncode == 2 and b"merge prompt" in res.stderr and b"Traceback" not in res.stderr
     res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
                     str(tmp_path / "x"), "--stages", "merge", *llm_args(server))

@@ -28,27 +28,7 @@ from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
 
 if TYPE_CHECKING:
-    from typer import _click as click
-
     from draco_cli.storage import StagedArgs
-
-def _flags_take_no_value() -> None:
-    """typer prints a type beside on/off flags (``--force <bool>``), as if they took a value;
-    show nothing there, as click and every peer CLI do."""
-    from typer.core import TyperOption
-
-    shown = getattr(TyperOption, "display_type_rich", None)
-    if shown is None:  # another typer: leave its help as it is
-        return
-
-    def display_type_rich(self: TyperOption, ctx: click.Context) -> str | None:
-        return None if self.is_flag else shown(self, ctx)
-
-    # a patch of typer's help rendering, applied once at import (see the docstring)
-    TyperOption.display_type_rich = display_type_rich  # type: ignore[method-assign]
-
-
-_flags_take_no_value()
 
 app = typer.Typer(
     name="draco",
@@ -77,7 +57,8 @@ app.add_typer(schema_cmd.app, name="schema")
 @app.callback(invoke_without_command=True)
 def _root(
     ctx: typer.Context,
-    version: bool = typer.Option(False, "--version", help="Print the version and exit."),
+    version: bool = typer.Option(False, "--version", metavar="",
+                                 help="Print the version and exit."),
 ) -> None:
     if version:
         from draco_cli import __version__
@@ -93,12 +74,6 @@ def main() -> None:
     from draco_cli._allocator import tune_allocator
     from draco_cli.errors import DracoError
 
-    try:  # typer >= 0.20 carries its own copy of click
-        from typer._click import exceptions as cx
-    except ImportError:  # pragma: no cover
-        # the same module under an older typer: mypy sees one of the two
-        from click import exceptions as cx  # type: ignore[no-redef]
-
     global _staged
     # the only option before a command is --version/--help: argv[1] names the command
     tune_allocator(release_polars_pages=sys.argv[1:2] == ["run"])
@@ -113,16 +88,17 @@ def main() -> None:
         if code == 0:
             _staged.publish()
         sys.exit(code)
-    except cx.NoArgsIsHelpError as exc:
-        typer.echo(exc.ctx.get_help() if exc.ctx else str(exc))
-        sys.exit(2)
-    except cx.ClickException as exc:
+    except typer.TyperException as exc:   # click's errors: usage (exit 2) and the others
         from rich.markup import escape
 
         ctx = getattr(exc, "ctx", None)
-        hint = f" (see '{ctx.command_path} -h')" if ctx is not None and isinstance(
-            exc, cx.UsageError) else ""
-        message = exc.format_message().replace("Value error, ", "")  # pydantic's prefix
+        message = exc.format_message()
+        if ctx is not None and message == ctx.get_help():   # a group called without a command
+            typer.echo(message)
+            sys.exit(2)
+        hint = f" (see '{ctx.command_path} -h')" if ctx is not None and exc.exit_code == 2 \
+            else ""
+        message = message.replace("Value error, ", "")  # pydantic's prefix
         err_console.print(f"[bold red]error:[/] {escape(message)}{hint}",
                           highlight=False, markup=True, soft_wrap=True)
         sys.exit(exc.exit_code)

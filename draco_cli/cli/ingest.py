@@ -44,7 +44,7 @@ def ingest(
         Optional[int], typer.Option(help="train_step for rollouts whose log does not say.")
     ] = None,
     skip_invalid: Annotated[
-        bool, typer.Option(help="Write bad entries to OUT/rejects.jsonl and go on.")
+        bool, typer.Option(metavar="", help="Write bad entries to OUT/rejects.jsonl and go on.")
     ] = False,
     force: Force = False,
 ) -> None:

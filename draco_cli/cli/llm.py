@@ -48,7 +48,7 @@ def check(
     seed: Seed = None,
     structured_output: StructuredOutput = "auto",
     parallelism: Annotated[bool, typer.Option(
-        "--parallelism/--no-parallelism",
+        "--parallelism/--no-parallelism", metavar="",
         help="Measure the server's useful parallelism (1, 2, 4, 8 requests at once).")] = True,
 ) -> None:
     """Probe a model setup with a few tiny requests: which structured-output form the server

@@ -1,47 +1,17 @@
-"""What every LLM command shares: settings from options, a progress bar, the closing summary."""
+"""What every LLM command shares: a progress bar and the closing summary."""
 
 from __future__ import annotations
 
 import contextlib
 from collections.abc import Callable, Iterator
-from pathlib import Path
 from typing import TYPE_CHECKING, Protocol
 
 import typer
-
-from draco_cli.llm.settings import LLMSettings
 
 from draco_cli.cli.console import err_console
 
 if TYPE_CHECKING:
     from draco_cli.ops.llmstage import StageReport
-
-
-def settings(*, model: str, base_url: list[str] | str | None = None, concurrency: int = 16,
-             rpm: float | None = None, tpm: float | None = None, timeout: float = 120.0,
-             parse_retries: int = 2, max_cost: float | None = None, prices: Path | None = None,
-             batch: bool | None = None, thinking: str = "off", structured_output: str = "auto",
-             system_role: str = "keep", use_n: bool = True, temperature: float | None = None,
-             seed: int | None = None, adapt: bool | None = None) -> LLMSettings:
-    """The LLM options of a command (its "LLM options" panel) as the library's LLMSettings,
-    by name: one object, checked before any work."""
-    from draco_cli.llm.providers import STRUCTURED_FORMS
-    if thinking not in ("on", "off"):
-        raise typer.BadParameter("--thinking takes on or off")
-    if structured_output not in STRUCTURED_FORMS:
-        raise typer.BadParameter(f"--structured-output {structured_output}: choose from "
-                                 f"{', '.join(STRUCTURED_FORMS)}")
-    if system_role not in ("keep", "fold"):
-        raise typer.BadParameter("--system-role takes keep or fold")
-    from draco_cli.llm.pool import base_urls
-
-    urls = base_urls(base_url)
-    endpoints = None if not urls else urls[0] if len(urls) == 1 else tuple(urls)
-    return LLMSettings(model=model, base_url=endpoints, concurrency=concurrency, rpm=rpm, tpm=tpm,
-                       timeout=timeout, parse_retries=parse_retries, max_cost=max_cost,
-                       prices=prices, batch=batch, thinking=thinking == "on",
-                       structured_output=structured_output, system_role=system_role == "keep",
-                       use_n=use_n, temperature=temperature, seed=seed, adaptive=adapt)
 
 
 class BarProgress(Protocol):

@@ -1,21 +1,31 @@
-"""Options shared by several commands, as Annotated aliases.
+"""The command line's options, each declared once as an Annotated alias, and its option groups.
 
-Each option belongs to the help panel of the library's option object it fills (one typer option
-group per object): LLM options → ``LLMSettings``, prompt options → ``PromptOptions``, rubric,
-judge and credit options → ``RubricOptions``, ``JudgeOptions``, ``CreditOptions``."""
+A group is a decorator: it adds its options to a command (in the help panel of the library
+object they fill) and hands the command that object, built from them and so checked once,
+before any work (a bad value: one line naming the option, exit 2). ``llm_options`` makes the
+``LLMSettings``, ``prompt_options`` the ``PromptOptions``; a command may take a subset."""
 
 from __future__ import annotations
 
+import functools
+import inspect
+from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
 
 import typer
+
+if TYPE_CHECKING:
+    from draco_cli.llm.settings import LLMSettings
+    from draco_cli.options import JudgeOptions, PromptOptions, RubricOptions
 
 LLM_PANEL = "LLM options"
 PROMPT_PANEL = "Prompt options"
 RUBRIC_PANEL = "Rubric options"
 JUDGE_PANEL = "Judge options"
 CREDIT_PANEL = "Credit options"
+
+Command = Callable[..., None]
 
 
 def folder_path(value: Path | None) -> Path | None:
@@ -25,7 +35,7 @@ def folder_path(value: Path | None) -> Path | None:
     return value
 
 
-Force = Annotated[bool, typer.Option("--force", help="Overwrite existing outputs.")]
+Force = Annotated[bool, typer.Option("--force", metavar="", help="Overwrite existing outputs.")]
 OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False,
                                       callback=folder_path)]
 
@@ -48,7 +58,8 @@ Concurrency = Annotated[int, typer.Option(
     min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
     "does not serve more in parallel.", rich_help_panel=LLM_PANEL)]
 Adapt = Annotated[Optional[bool], typer.Option(
-    "--adapt/--no-adapt", help="Measure the server's useful parallelism and keep in-flight "
+    "--adapt/--no-adapt", metavar="",
+    help="Measure the server's useful parallelism and keep in-flight "
     "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.",
         rich_help_panel=LLM_PANEL)]
 Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute limit.",
@@ -67,27 +78,30 @@ Prices = Annotated[Optional[Path], typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).",
         rich_help_panel=LLM_PANEL)]
 Batch = Annotated[Optional[bool], typer.Option(
-    "--batch/--no-batch", help="The provider's batch API (half price, answers within hours; "
+    "--batch/--no-batch", metavar="",
+    help="The provider's batch API (half price, answers within hours; "
     "resumable). Default: on for openai/ and anthropic/ hosted APIs, off with --base-url "
     "(self-hosted servers rarely have one).", rich_help_panel=LLM_PANEL)]
 Thinking = Annotated[Literal["on", "off"], typer.Option(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
     "enable_thinking on vLLM/SGLang).", rich_help_panel=LLM_PANEL)]
-MaxTokens = Annotated[int, typer.Option(min=16, help="Token limit per answer.",
+MaxTokens = Annotated[int, typer.Option(help="Token limit per answer (at least 16).",
     rich_help_panel=PROMPT_PANEL)]
 MaxPromptTokens = Annotated[int, typer.Option(
-    min=500, help="Prompt budget: long observations are shortened in the middle to fit.",
+    help="Prompt budget (at least 500): long observations are shortened in the middle to fit.",
         rich_help_panel=PROMPT_PANEL)]
 Redact = Annotated[Optional[list[str]], typer.Option(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "
     "tokens and passwords are masked by default.", rich_help_panel=PROMPT_PANEL)]
 NoDefaultRedact = Annotated[bool, typer.Option(
-    "--no-default-redact", help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
+    "--no-default-redact", metavar="",
+    help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
 CallLogPath = Annotated[Optional[Path], typer.Option(
     "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.",
         rich_help_panel=LLM_PANEL)]
 ShowPrompt = Annotated[bool, typer.Option(
-    "--show-prompt", help="Print the rendered prompt for the first rollout and exit; no call.",
+    "--show-prompt", metavar="",
+    help="Print the rendered prompt for the first rollout and exit; no call.",
         rich_help_panel=PROMPT_PANEL)]
 StructuredOutput = Annotated[str, typer.Option(
     help="How answers are constrained to JSON: auto, json-schema (OpenAI strict), "
@@ -95,14 +109,138 @@ StructuredOutput = Annotated[str, typer.Option(
     "(structured_outputs, vLLM >= 0.12), prompt (schema in the prompt, validated and re-asked), "
     "output-format or tool (Anthropic). `draco llm check` says which one a server takes.",
         rich_help_panel=LLM_PANEL)]
-SystemRole = Annotated[str, typer.Option(
+SystemRole = Annotated[Literal["keep", "fold"], typer.Option(
     help="keep: instructions in the system role; fold: into the first user message (chat "
     "formats that drop system messages, e.g. Gemma).", rich_help_panel=LLM_PANEL)]
 UseN = Annotated[bool, typer.Option(
-    "--use-n/--no-use-n", help="Ask k samples in one request with n (servers that ignore n "
+    "--use-n/--no-use-n", metavar="",
+    help="Ask k samples in one request with n (servers that ignore n "
     "get the missing samples re-asked one per call either way).", rich_help_panel=LLM_PANEL)]
 Temperature = Annotated[Optional[float], typer.Option(
     min=0.0, help="Sampling temperature (default: the server's).", rich_help_panel=LLM_PANEL)]
 Seed = Annotated[Optional[int], typer.Option(
     help="Sampling seed, where the server honours one (enters the cache key).",
         rich_help_panel=LLM_PANEL)]
+
+
+def _group(param: str, options: dict[str, tuple[Any, Any]], build: Callable[..., Any]
+           ) -> Callable[[Command], Command]:
+    """A decorator adding ``options`` ({name: (Annotated alias, default)}) to a command's
+    signature (what typer reads) and passing the command ``param`` = ``build(**values)``."""
+
+    def decorate(fn: Command) -> Command:
+        own = [p.replace(annotation=_resolved(p.annotation, fn))
+               for p in inspect.signature(fn).parameters.values() if p.name != param]
+        added = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY, annotation=alias,
+                                   default=default) for name, (alias, default) in options.items()]
+
+        @functools.wraps(fn)
+        def command(**values: Any) -> None:
+            grouped = {name: values.pop(name) for name in options}
+            fn(**values, **{param: build(**grouped)})
+
+        command.__signature__ = inspect.Signature(own + added)  # type: ignore[attr-defined]
+        command.__annotations__ = {p.name: p.annotation for p in own + added}
+        return command
+
+    return decorate
+
+
+def _resolved(annotation: Any, fn: Command) -> Any:
+    """A string annotation evaluated where ``fn`` was written; one naming a type imported for
+    type checking only (another group's object, which that group removes) stays a string."""
+    if not isinstance(annotation, str):
+        return annotation
+    try:
+        return eval(annotation, inspect.unwrap(fn).__globals__)  # noqa: S307 - the source's own
+    except NameError:
+        return annotation
+
+
+_LLM: dict[str, tuple[Any, Any]] = {
+    "base_url": (BaseUrls, None), "concurrency": (Concurrency, 16), "rpm": (Rpm, None),
+    "tpm": (Tpm, None), "timeout": (Timeout, 120.0), "parse_retries": (ParseRetries, 2),
+    "max_cost": (MaxCost, None), "prices": (Prices, None), "batch": (Batch, None),
+    "thinking": (Thinking, "off"), "structured_output": (StructuredOutput, "auto"),
+    "system_role": (SystemRole, "keep"), "use_n": (UseN, True),
+    "temperature": (Temperature, None), "seed": (Seed, None), "adapt": (Adapt, None)}
+
+
+def llm_options(*names: str, model: tuple[Any, Any] = (Model, ...)
+                ) -> Callable[[Command], Command]:
+    """The "LLM options" (all, or those ``names``) and ``--model`` → ``llm: LLMSettings``
+    (None when ``model`` may be left out and was)."""
+    chosen = {"model": model, **{n: o for n, o in _LLM.items() if not names or n in names}}
+
+    def build(model: str | None, thinking: str = "off", system_role: str = "keep",
+              adapt: bool | None = None, **values: Any) -> LLMSettings | None:
+        from draco_cli.llm.settings import LLMSettings
+
+        if model is None:
+            return None
+        return LLMSettings(model=model, thinking=thinking == "on",
+                           system_role=system_role == "keep", adaptive=adapt, **values)
+
+    return _group("llm", chosen, build)
+
+
+def prompt_options() -> Callable[[Command], Command]:
+    """The "Prompt options" → ``prompt: PromptOptions``."""
+
+    def build(redact: list[str] | None, **values: Any) -> PromptOptions:
+        from draco_cli.options import PromptOptions
+
+        return PromptOptions.build(redact=tuple(redact or ()), **values)
+
+    return _group("prompt", {"max_tokens": (MaxTokens, 4096),
+                             "max_prompt_tokens": (MaxPromptTokens, 24000),
+                             "redact": (Redact, None),
+                             "no_default_redact": (NoDefaultRedact, False)}, build)
+
+
+# --- rubric and judge stages (RubricOptions, JudgeOptions check the values) -------------
+MaxCriteria = Annotated[int, typer.Option(help="Criteria per group at most, after the merge.",
+                                          rich_help_panel=RUBRIC_PANEL)]
+StaticRubric = Annotated[Optional[Path], typer.Option(
+    help="Static rubric file for the static settings (default: draco's own).",
+    rich_help_panel=RUBRIC_PANEL)]
+RubricStages = Annotated[str, typer.Option(help="Comma-separated stages to run.",
+                                           rich_help_panel=RUBRIC_PANEL)]
+JudgeModel = Annotated[Optional[str], typer.Option(help="Judge model, if not --model.",
+                                                   rich_help_panel=JUDGE_PANEL)]
+Samples = Annotated[int, typer.Option(help="Judge samples per rollout (k).",
+                                      rich_help_panel=JUDGE_PANEL)]
+AggregateOpt = Annotated[Literal["all", "majority"], typer.Option(
+    help="How judge samples combine: all (fail if any sample fails, pass only if all pass) or "
+    "majority.", rich_help_panel=JUDGE_PANEL)]
+JudgeLabel = Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.",
+                                         rich_help_panel=JUDGE_PANEL)]
+
+_RUBRIC: dict[str, tuple[Any, Any]] = {
+    "max_criteria": (MaxCriteria, 8), "stages": (RubricStages, "generate,union,merge"),
+    "static_rubric": (StaticRubric, None)}
+_JUDGE: dict[str, tuple[Any, Any]] = {
+    "judge_model": (JudgeModel, None), "samples": (Samples, 1), "aggregate": (AggregateOpt, "all"),
+    "judge_label": (JudgeLabel, "judge")}
+
+
+def rubric_options(*names: str) -> Callable[[Command], Command]:
+    """The "Rubric options" ``names`` → ``rubric: RubricOptions``."""
+
+    def build(**values: Any) -> RubricOptions:
+        from draco_cli.options import RubricOptions
+
+        return RubricOptions.build(**values)
+
+    return _group("rubric", {n: _RUBRIC[n] for n in names}, build)
+
+
+def judge_options(*names: str) -> Callable[[Command], Command]:
+    """The "Judge options" ``names`` → ``judge: JudgeOptions``."""
+
+    def build(**values: Any) -> JudgeOptions:
+        from draco_cli.options import JudgeOptions
+
+        return JudgeOptions.build(**values)
+
+    return _group("judge", {n: _JUDGE[n] for n in names}, build)

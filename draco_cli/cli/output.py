@@ -42,7 +42,7 @@ Format = Annotated[Optional[OutputFormat], typer.Option(
     "--format", show_default=False,
     help="How results are printed on stdout: table (aligned, for reading; the default), json "
     "(one JSON document) or csv (the main table). Messages go to stderr.")]
-Json = Annotated[bool, typer.Option("--json", help="Same as --format json.")]
+Json = Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")]
 
 
 def pick_format(fmt: OutputFormat | str | None, as_json: bool) -> str:

@@ -8,11 +8,13 @@ from typing import TYPE_CHECKING, Annotated, Optional
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import BaseUrls, Concurrency, Force, MaxCost, Model, Prices, Timeout
+from draco_cli.cli.options import Force, llm_options
 from draco_cli.cli.options import folder_path
 
 if TYPE_CHECKING:
     import polars as pl
+
+    from draco_cli.llm.settings import LLMSettings
 
 app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric evolution.",
                   no_args_is_help=True)
@@ -131,7 +133,8 @@ def correct_cmd(
     = None,
     steps: Annotated[Optional[Path], typer.Option(help="steps.parquet: also write token "
                                                   "advantages.")] = None,
-    no_correction: Annotated[bool, typer.Option("--no-correction", help="Use the stored "
+    no_correction: Annotated[bool, typer.Option("--no-correction", metavar="",
+                                                help="Use the stored "
                                                 "predictions alone (the ablation).")] = False,
     clip: Annotated[Optional[float], typer.Option(help="Clip corrected credit to ±CLIP (breaks "
                                                   "unbiasedness; recorded).")] = None,
@@ -239,6 +242,7 @@ def evolve_cmd(
 
 
 @app.command("propose")
+@llm_options("base_url", "concurrency", "max_cost", "prices", "timeout")
 def propose_cmd(
     plan_path: Annotated[Path, typer.Option("--plan", help="The plan.")],
     labels: Annotated[Path, typer.Option("--labels", help="Its replay labels.")],
@@ -249,15 +253,13 @@ def propose_cmd(
                                           "criteria shared by every group, e.g. static).")],
     verdicts: Annotated[Path, typer.Option("--verdicts", help="Verdicts under it.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
-    model: Model,
     max_edits: Annotated[int, typer.Option("--max-edits", min=1, help="Edits asked for.")] = 3,
     evidence: Annotated[int, typer.Option("--evidence", min=1, help="Worst-predicted held-out "
                                           "steps shown to the LLM.")] = 8,
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head refitted per edit.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
-    base_url: BaseUrls = None, concurrency: Concurrency = 16, max_cost: MaxCost = None,
-    prices: Prices = None, timeout: Timeout = 120.0,
     force: Force = False,
+    *, llm: LLMSettings,
 ) -> None:
     """An LLM proposes add / remove / merge rubric edits from the held-out positions the credit
     head predicts worst; each edit is judged (new criteria only, cached in the call log, phase
@@ -267,12 +269,9 @@ def propose_cmd(
 
     Example: draco replay propose --plan plan.parquet --labels r/labels.parquet --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --model openai/gpt-4.1 -o evolve
     """
-    from draco_cli.cli import llmrun
     from draco_cli.ops.replay import propose_replay
 
-    s = llmrun.settings(model=model, base_url=base_url, concurrency=concurrency,
-                        timeout=timeout, max_cost=max_cost, prices=prices)
-    res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, s,
+    res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, llm,
                          max_edits=max_edits, evidence=evidence, ridge=ridge, holdout=holdout,
                          force=force)
     _print_table(res.scores.select("candidate", "held_out_objective", "held_out_mse",
@@ -298,7 +297,8 @@ def diagnose_cmd(
     rewards: Annotated[Optional[Path], typer.Option(
         "--rewards", help="rewards.parquet, when --features is a step_credit table.")] = None,
     out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Output folder.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the figures as JSON.")] = False,
+    as_json: Annotated[bool, typer.Option("--json", metavar="",
+                                          help="Print the figures as JSON.")] = False,
     force: Force = False,
 ) -> None:
     """The measurements CREDO asks to report: importance-weight tails (max S/p, effective
@@ -329,7 +329,8 @@ def exact_check_cmd(
     sweep: Annotated[Optional[str], typer.Option(
         "--sweep-replays", help="Also sweep M (replays per side) under one fixed expected "
         "budget, e.g. 1,2,4: the paper asks not to treat M as a free accuracy knob.")] = None,
-    as_json: Annotated[bool, typer.Option("--json", help="Print the rows as JSON on stdout.")]
+    as_json: Annotated[bool, typer.Option("--json", metavar="",
+                                          help="Print the rows as JSON on stdout.")]
     = False,
 ) -> None:
     """Enumerate a two-decision, 16-trajectory model (the shape of the paper's §4.1 check)

@@ -1,19 +1,18 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import TYPE_CHECKING, Annotated, Optional
 
 import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import folder_path
-from draco_cli.cli.options import RUBRIC_PANEL
-from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN,
-                                   BaseUrls, Batch, CallLogPath, Concurrency, Force, MaxCost,
-                                   MaxPromptTokens, MaxTokens, Model, NoDefaultRedact,
-                                   ParseRetries, Prices, Redact, Rpm, ShowPrompt, Thinking,
-                                   Timeout, Tpm)
+from draco_cli.cli.options import (CallLogPath, Force, ShowPrompt, folder_path, llm_options,
+                                   prompt_options, rubric_options)
+
+if TYPE_CHECKING:
+    from draco_cli.llm.settings import LLMSettings
+    from draco_cli.options import PromptOptions, RubricOptions
 
 app = typer.Typer(help="Rubrics: dynamic (written by an LLM per group) or static.",
                   no_args_is_help=True)
@@ -24,22 +23,13 @@ OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", call
 
 
 @app.command("generate")
+@llm_options()
+@prompt_options()
+@rubric_options("max_criteria", "stages")
 def generate(
-    rollouts: RolloutsOpt, steps: StepsOpt, out: OutOpt, model: Model,
-    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group after merge.",
-        rich_help_panel=RUBRIC_PANEL)] = 8,
-    stages: Annotated[str, typer.Option(help="Comma-separated stages to run.",
-        rich_help_panel=RUBRIC_PANEL)]
-    = "generate,union,merge",
-    base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
-    timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
-    prices: Prices = None, batch: Batch = None, thinking: Thinking = "off",
-    max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
-    redact: Redact = None, no_default_redact: NoDefaultRedact = False,
+    rollouts: RolloutsOpt, steps: StepsOpt, out: OutOpt,
+    llm: LLMSettings, prompt: PromptOptions, rubric: RubricOptions,
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
-    structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
-    use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
-    adapt: Adapt = None,
 ) -> None:
     """Write rubrics for each group: criteria per rollout (generate), per group (union), merged
     and capped (merge) → OUT/rubric_candidates.parquet, OUT/rubrics.parquet.
@@ -49,26 +39,21 @@ def generate(
     from draco_cli.ops.llmstage import render_options
     from draco_cli.ops.rubric import rubric_generate, rubric_prompt
 
-    render = render_options(max_prompt_tokens, redact or [], no_default_redact)
-    stage_list = tuple(x.strip() for x in stages.split(",") if x.strip())
+    render = render_options(prompt.max_prompt_tokens, list(prompt.redact),
+                            prompt.no_default_redact)
     if show_prompt:
-        if stage_list[0] not in ("generate", "union"):
+        if rubric.stages[0] not in ("generate", "union"):
             raise typer.BadParameter(
                 "--show-prompt shows the generate or union prompt (the first of --stages); the "
                 "merge prompt lists their candidates, which exist only after they ran",
                 param_hint="--stages")
-        typer.echo(rubric_prompt(rollouts, steps, stage_list[0], max_criteria=max_criteria,
-                                 render=render))
+        typer.echo(rubric_prompt(rollouts, steps, rubric.stages[0],
+                                 max_criteria=rubric.max_criteria, render=render))
         return
-    s = llmrun.settings(
-        model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
-        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost, prices=prices,
-        batch=batch, thinking=thinking, structured_output=structured_output,
-        system_role=system_role, use_n=use_n, temperature=temperature, seed=seed, adapt=adapt)
     with llmrun.progress_bar("rubrics") as bar:
-        report = rubric_generate(rollouts, steps, out, s, stages=stage_list,
-                                 max_criteria=max_criteria, render=render,
-                                 max_tokens=max_tokens, call_log=call_log, force=force,
+        report = rubric_generate(rollouts, steps, out, llm, stages=rubric.stages,
+                                 max_criteria=rubric.max_criteria, render=render,
+                                 max_tokens=prompt.max_tokens, call_log=call_log, force=force,
                                  progress=bar)
     llmrun.print_report(report)
 

@@ -10,15 +10,13 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
-from draco_cli.cli.options import folder_path
-from draco_cli.cli.options import LLM_PANEL, JUDGE_PANEL, RUBRIC_PANEL, CREDIT_PANEL
-from draco_cli.cli.options import (Adapt, Seed, StructuredOutput, SystemRole, Temperature, UseN)
-from draco_cli.cli.options import (BaseUrls, Batch, CallLogPath, Concurrency, MaxCost,
-                                   MaxPromptTokens, MaxTokens, NoDefaultRedact, ParseRetries,
-                                   Prices, Redact, Rpm, Thinking, Timeout, Tpm)
+from draco_cli.cli.options import (CREDIT_PANEL, LLM_PANEL, CallLogPath, folder_path,
+                                   judge_options, llm_options, prompt_options, rubric_options)
 
 if TYPE_CHECKING:
+    from draco_cli.llm.settings import LLMSettings
     from draco_cli.ops.run import RunResult, StageEvent
+    from draco_cli.options import JudgeOptions, PromptOptions, RubricOptions
 
 
 class Setting(str, Enum):
@@ -35,41 +33,26 @@ class Stage(str, Enum):
     credit = "credit"
 
 
-class Aggregate(str, Enum):
-    all = "all"
-    majority = "majority"
+RunModel = Annotated[Optional[str], typer.Option(
+    "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with --base-url, "
+    "replay/PATH); not needed for --setting outcome.", rich_help_panel=LLM_PANEL)]
 
 
+@llm_options(model=(RunModel, None))
+@prompt_options()
+@judge_options("judge_model", "samples", "aggregate", "judge_label")
+@rubric_options("max_criteria", "static_rubric")
 def run(
     rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
     steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
                                       "--train-step: RUN_ROOT/step-N).",
                                       callback=folder_path)],
-    model: Annotated[Optional[str], typer.Option(
-        "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with "
-        "--base-url, replay/PATH); not needed for --setting outcome.",
-            rich_help_panel=LLM_PANEL)] = None,
     setting: Annotated[Setting, typer.Option(
         help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
         "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "
         "the environment outcome, uniform, no LLM call).")] = Setting.draco,
-    judge_model: Annotated[Optional[str], typer.Option(help="Judge model, if not --model.",
-        rich_help_panel=JUDGE_PANEL)]
-    = None,
-    samples: Annotated[int, typer.Option(min=1, help="Judge samples per rollout.",
-        rich_help_panel=JUDGE_PANEL)] = 1,
-    aggregate: Annotated[Aggregate, typer.Option(help="How judge samples combine.",
-        rich_help_panel=JUDGE_PANEL)]
-    = Aggregate.all,
-    judge_label: Annotated[str, typer.Option(help="Judge arm label.",
-        rich_help_panel=JUDGE_PANEL)] = "judge",
-    max_criteria: Annotated[int, typer.Option(min=1, help="Criteria per group at most.",
-        rich_help_panel=RUBRIC_PANEL)] = 8,
-    static_rubric: Annotated[Optional[Path], typer.Option(
-        help="Static rubric file for the static settings (default: draco's own).",
-            rich_help_panel=RUBRIC_PANEL)] = None,
-    train_step: Annotated[Optional[int], typer.Option(min=0, help="Write into OUT/step-N.")]
+    train_step: Annotated[Optional[int], typer.Option(help="Write into OUT/step-N (N ≥ 0).")]
     = None,
     credit: Annotated[Optional[Credit], typer.Option(
         help="Override the setting's credit: step or uniform.",
@@ -92,11 +75,11 @@ def run(
         help="Redo this stage and every stage after it even if unchanged (repeatable); "
         "answers already in the call log are reused.")] = None,
     min_answered: Annotated[float, typer.Option(
-        min=0.0, max=1.0, help="Health check: fail the run (exit 1) when a stage's share of "
-        "answered calls is below this.")] = 0.9,
+        help="Health check: fail the run (exit 1) when a stage's share of answered calls is "
+        "below this (0 to 1).")] = 0.9,
     no_wait: Annotated[bool, typer.Option(
-        "--no-wait", help="Refuse, instead of waiting, when another draco run is writing the "
-        "same folder.")] = False,
+        "--no-wait", metavar="", help="Refuse, instead of waiting, when another draco run is "
+        "writing the same folder.")] = False,
     call_log: CallLogPath = None,
     fmt: Format = None,
     as_json: Json = False,
@@ -106,16 +89,10 @@ def run(
     ray_address: Annotated[Optional[str], typer.Option(
         help="Ray cluster address for --engine ray (default: a local cluster).")] = None,
     partitions: Annotated[Optional[int], typer.Option(
-        min=1, help="Partitions of the groups for --engine ray, each one task with its own "
+        help="Partitions of the groups for --engine ray, each one task with its own "
         "call log (default: the cluster's CPUs).")] = None,
-    base_url: BaseUrls = None, concurrency: Concurrency = 16, rpm: Rpm = None, tpm: Tpm = None,
-    timeout: Timeout = 120.0, parse_retries: ParseRetries = 2, max_cost: MaxCost = None,
-    prices: Prices = None, batch: Batch = None, thinking: Thinking = "off",
-    max_tokens: MaxTokens = 4096, max_prompt_tokens: MaxPromptTokens = 24000,
-    redact: Redact = None, no_default_redact: NoDefaultRedact = False,
-    structured_output: StructuredOutput = "auto", system_role: SystemRole = "keep",
-    use_n: UseN = True, temperature: Temperature = None, seed: Seed = None,
-    adapt: Adapt = None,
+    *, llm: Optional[LLMSettings], prompt: PromptOptions, judge: JudgeOptions,
+    rubric: RubricOptions,
 ) -> None:
     """One training step: rubric → judge → filter → credit, resumable and idempotent.
 
@@ -128,23 +105,12 @@ def run(
     # every option is checked here, before any table is read or any call is made
     opts = RunOptions.for_setting(
         setting.value, credit=credit.value if credit else None,
-        reward=reward.value if reward else None,
-        rubric={"max_criteria": max_criteria, "static_rubric": static_rubric},
-        prompt={"max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
-                "redact": tuple(redact or ()), "no_default_redact": no_default_redact},
-        judge={"judge_model": judge_model, "samples": samples, "aggregate": aggregate.value,
-               "judge_label": judge_label},
+        reward=reward.value if reward else None, rubric=rubric, prompt=prompt, judge=judge,
         credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
                         "tokens": tokens.value},
         train_step=train_step, min_answered=min_answered,
         redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
         ray_address=ray_address, partitions=partitions)
-    llm = llmrun.settings(
-        model=model, base_url=base_url, concurrency=concurrency, rpm=rpm, tpm=tpm,
-        timeout=timeout, parse_retries=parse_retries, max_cost=max_cost, prices=prices,
-        batch=batch, thinking=thinking, structured_output=structured_output,
-        system_role=system_role, use_n=use_n, temperature=temperature, seed=seed,
-        adapt=adapt) if model else None
     run_dir = run_dir_for(out, train_step)
 
     def waiting(holder: str) -> None:
@@ -154,13 +120,27 @@ def run(
     try:
         with llmrun.progress_bar("run") as bar:
             result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar,
-                              on_event=_print_event, wait=not no_wait, on_wait=waiting)
+                              on_event=_on_event, wait=not no_wait, on_wait=waiting)
     except KeyboardInterrupt:
         log = call_log or run_dir / "llm_calls.sqlite"
         err_console.print(f"interrupted: rerun the same command to resume (answered calls are "
                           f"kept in {log}; none is paid twice)", highlight=False)
         raise typer.Exit(130) from None
     _summary(result, run_dir, fmt_name)
+
+
+def _on_event(e: StageEvent) -> None:
+    if e.event == "start" and e.stage in ("judge", "credit"):
+        # this process only (the library leaves the allocators alone): the memory the earlier
+        # stage freed goes back to the system before this stage allocates afresh
+        import pyarrow as pa
+
+        from draco_cli._allocator import release_freed_memory
+
+        release_freed_memory()
+        if e.stage == "credit":   # Arrow's buffers from the C heap, which numpy reuses
+            pa.set_memory_pool(pa.system_memory_pool())
+    _print_event(e)
 
 
 def _print_event(e: StageEvent) -> None:

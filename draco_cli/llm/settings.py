@@ -1,10 +1,12 @@
-"""The LLM settings every LLM stage takes (one place, so every command spells them alike)."""
+"""The LLM settings every LLM stage takes: one typed object, checked when it is made (the
+command line's "LLM options" build it, and so does the Python API)."""
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from pathlib import Path
 
+from draco_cli.errors import UsageError
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.client import LLMClient
 from draco_cli.llm.prices import PriceTable
@@ -13,7 +15,8 @@ from draco_cli.llm.prices import PriceTable
 @dataclass
 class LLMSettings:
     model: str
-    base_url: str | tuple[str, ...] | None = None   # several: a fleet (llm/pool.py)
+    # one URL, several (a fleet, llm/pool.py) or files listing them: kept as one URL or a tuple
+    base_url: str | list[str] | tuple[str, ...] | None = None
     concurrency: int = 16
     rpm: float | None = None
     tpm: float | None = None
@@ -31,12 +34,23 @@ class LLMSettings:
     seed: int | None = None
     adaptive: bool | None = None  # None: on for self-hosted servers (--base-url)
 
+    def __post_init__(self) -> None:
+        from draco_cli.llm.pool import base_urls
+        from draco_cli.llm.providers import STRUCTURED_FORMS
+
+        if self.structured_output not in STRUCTURED_FORMS:
+            raise UsageError(f"--structured-output {self.structured_output}: choose from "
+                             f"{', '.join(STRUCTURED_FORMS)}")
+        urls = base_urls(self.base_url)
+        self.base_url = None if not urls else urls[0] if len(urls) == 1 else tuple(urls)
+
     def client(self, log: CallLog) -> LLMClient:
         return LLMClient(self.model, call_log=log, concurrency=self.concurrency, rpm=self.rpm,
                          tpm=self.tpm, timeout=self.timeout, max_retries=self.max_retries,
                          parse_retries=self.parse_retries, max_cost=self.max_cost,
                          prices=PriceTable.load(self.prices),
-                         base_url=self.base_url,
+                         base_url=tuple(self.base_url) if isinstance(self.base_url, list)
+                         else self.base_url,
                          structured_output=self.structured_output, system_role=self.system_role,
                          use_n=self.use_n, temperature=self.temperature, seed=self.seed,
                          adaptive=self.adaptive)

@@ -15,7 +15,6 @@ from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
-from draco_cli._allocator import release_freed_memory
 from draco_cli.ops import publish_file, source_name
 from draco_cli.ops.llmstage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
                                     chunk_frames, finish, publish_chunks, read_inputs,
@@ -45,9 +44,6 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     targets = [out / "verdicts_raw.parquet", out / "verdicts.parquet"]
     for t in targets:
         check_writable(t, force)
-    # after a rubric stage in the same process (``draco run``), its freed heap would stay
-    # under the inputs read here
-    release_freed_memory()
     r, s = read_inputs(rollouts, steps)
     rb = read_table(rubrics, Rubric)
     report = StageReport(outputs=targets)

@@ -15,7 +15,6 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draco_cli._allocator import release_freed_memory
 from draco_cli.io import OutputSet, read_table
 from draco_cli.llm.export import export_parquet
 from draco_cli.redact import Redactor
@@ -281,8 +280,6 @@ def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient,
                 run_chunks(client, stages, write, progress=progress, total=total)
             finally:
                 tables.close()
-            # the chunks' requests and answers are garbage now: the export allocates anew
-            release_freed_memory()
             finish(client, log_path, out, report)
             if report.budget_reached:
                 raise _Unpublished()

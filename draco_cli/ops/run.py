@@ -11,15 +11,14 @@ locked while a run writes it, so two runs into one folder never pay a call twice
 
 from __future__ import annotations
 
-import contextlib
 import datetime as _dt
 import hashlib
 import json
 import os
 import sys
 import time
-from collections.abc import Callable, Iterator
-from dataclasses import asdict, dataclass, field
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -83,26 +82,6 @@ def _rss_probe(where: str) -> None:
         Path("/proc/self/clear_refs").write_text("5")
     except (OSError, KeyError, ValueError):
         pass
-
-
-@contextlib.contextmanager
-def _fresh_heap() -> Iterator[None]:
-    """Give the memory earlier stages freed back to the system, and take Arrow's buffers from
-    the C heap while the body runs.
-
-    The LLM stages free what they held, but the allocators keep it: glibc (told by
-    ``tune_allocator`` to keep freed blocks), and Arrow's own pool (mimalloc), whose retained
-    segments serve Arrow only. The credit stage would stack its peak on top: at 100k rollouts
-    it started at 313 MiB and peaked at 499. Arrow buffers from the C heap (``malloc``) are
-    reused by numpy and freed buffers by Arrow, so credit's own growth is smaller too (in a
-    fresh process at 100k rollouts: +220 MiB against +310 with mimalloc)."""
-    import pyarrow as pa
-
-    from draco_cli._allocator import arrow_pool, release_freed_memory
-
-    release_freed_memory()
-    with arrow_pool(pa.system_memory_pool()):
-        yield
 
 
 def _key(*parts: Any) -> str:
@@ -294,8 +273,7 @@ class _Run:
 
     def _judge_llm(self) -> LLMSettings:
         assert self.llm is not None
-        return LLMSettings(**{**asdict(self.llm),
-                              "model": self.opts.judge.judge_model or self.llm.model})
+        return replace(self.llm, model=self.opts.judge.judge_model or self.llm.model)
 
     def _judge_key(self) -> str:
         return _key("judge", self.input_hashes, _contents(self.folder.table("rubrics")),
@@ -391,12 +369,10 @@ class _Run:
         from draco_cli.credit import credit_compute
 
         verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
-        with _fresh_heap():
-            _rss_probe("credit after release")
-            # by blocks of whole groups when large: memory set by the block, the same tables
-            stats = credit_compute(self.rollouts, self.steps, verdicts,
-                                   self.folder.path / "credit", options=self.opts.credit,
-                                   force=True)
+        # by blocks of whole groups when large: memory set by the block, the same tables
+        stats = credit_compute(self.rollouts, self.steps, verdicts,
+                               self.folder.path / "credit", options=self.opts.credit,
+                               force=True)
         return StageRecord(key="", status="done", stats=asdict(stats), rows=stats.rollouts,
                            reward=self.opts.credit.reward)
 
@@ -439,7 +415,7 @@ class _Run:
                 counts[rel] = _row_count(p)
         settings: dict[str, Any] = {
             "setting": self.opts.setting,
-            **self.opts.rubric.model_dump(mode="json", exclude={"kind"}),
+            **self.opts.rubric.model_dump(mode="json", exclude={"kind", "stages"}),
             "rubric": self.opts.rubric.kind,
             **self.opts.prompt.model_dump(mode="json"),
             **self.opts.judge.model_dump(mode="json"),
