@@ -124,7 +124,7 @@ def test_collector_calmed_during_a_run_and_restored_after():
     alone."""
     import gc
 
-    from draco_cli.llm.collector import YOUNG_THRESHOLD, calm_collector
+    from draco_cli._allocator import YOUNG_THRESHOLD, calm_collector
 
     gc.unfreeze()
     before = gc.get_threshold()

@@ -71,7 +71,7 @@ def _root(
 
 
 def main() -> None:
-    from draco_cli._allocator import tune_allocator
+    from draco_cli._allocator import calm_collector, tune_allocator
     from draco_cli.errors import DracoError
 
     global _staged
@@ -83,7 +83,8 @@ def main() -> None:
         # remote paths (s3://…) staged locally; outputs published only if the command succeeds
         _staged = stage_argv(sys.argv[1:])
         # Not standalone: usage errors come out here too, so every error has one style.
-        code = app(args=_staged.argv, standalone_mode=False)
+        with calm_collector():
+            code = app(args=_staged.argv, standalone_mode=False)
         code = code if isinstance(code, int) else 0
         if code == 0:
             _staged.publish()

@@ -26,7 +26,6 @@ from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.answers import parse_choice, reask
 from draco_cli.llm.batch import run_batch
 from draco_cli.llm.calllog import CallLog
-from draco_cli.llm.collector import calm_collector
 from draco_cli.llm.errors import BudgetReached, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
 from draco_cli.llm.limits import RateLimiter
@@ -119,8 +118,7 @@ class LLMClient:
         under one bound."""
         provider = self._shared = self._open()
         try:
-            with calm_collector():
-                yield self
+            yield self
         finally:
             self._shared = None
             await provider.close()
@@ -158,8 +156,7 @@ class LLMClient:
         shared = self._shared
         provider = shared if shared is not None else self._open()
         try:
-            with calm_collector():
-                return await self._arun(provider, requests, progress, batch, poll_seconds)
+            return await self._arun(provider, requests, progress, batch, poll_seconds)
         finally:
             if shared is None:
                 await provider.close()
