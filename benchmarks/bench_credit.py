@@ -105,7 +105,7 @@ tune_allocator()  # as the draco command does at start-up, before polars is load
 try:
     from draco_cli.credit import credit_compute
 except ImportError:  # a --baseline tree from before draco_cli/credit/
-    from draco_cli.ops.credit import credit_compute
+    from draco_cli.publish.credit import credit_compute
 d, out = sys.argv[1], sys.argv[2]
 t, c = time.perf_counter(), time.process_time()
 credit_compute(f"{d}/rollouts.parquet", f"{d}/steps.parquet", f"{d}/verdicts.parquet",

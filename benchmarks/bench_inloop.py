@@ -1,4 +1,4 @@
-"""Judge throughput of the in-loop API (draco_cli.api) against the CLI path (draco run's
+"""Judge throughput of the in-loop API (draco_cli.run.inloop) against the CLI path (draco run's
 library function), at equal concurrency, on local latency-injecting servers; then the in-loop
 API over a fleet of 1, 2 and 4 endpoints that each serve one request at a time.
 
@@ -91,7 +91,7 @@ def by_group(rollouts, steps):
 
 
 def inloop(urls, rollouts, steps, log: Path, concurrency: int) -> tuple[float, float, int]:
-    from draco_cli import api
+    from draco_cli.run import inloop as api
 
     async def go():
         async with api.Scorer("openai/bench", base_url=urls if len(urls) > 1 else urls[0],
@@ -108,7 +108,7 @@ def inloop(urls, rollouts, steps, log: Path, concurrency: int) -> tuple[float, f
 
 def cli(url, tmp: Path, out: Path, concurrency: int) -> tuple[float, float, int]:
     from draco_cli.llm.settings import LLMSettings
-    from draco_cli.ops.run import run_step
+    from draco_cli.run.pipeline import run_step
 
     llm = LLMSettings(model="openai/bench", base_url=url, concurrency=concurrency,
                       adaptive=False)
@@ -146,7 +146,7 @@ def _proc_cpu(exclude: set[int]) -> float:
 def engine_run(engine: str, url: str, tmp: Path, out: Path, concurrency: int,
                partitions: int | None, exclude: set[int]) -> tuple[float, float, int]:
     from draco_cli.llm.settings import LLMSettings
-    from draco_cli.ops.run import RunOptions, run_step
+    from draco_cli.run.pipeline import RunOptions, run_step
 
     llm = LLMSettings(model="openai/bench", base_url=url, concurrency=concurrency,
                       adaptive=False)
@@ -159,8 +159,8 @@ def engine_run(engine: str, url: str, tmp: Path, out: Path, concurrency: int,
 
 
 def _import_draco(batch):
-    import draco_cli.engine_ray  # noqa: F401
-    import draco_cli.ops.judge  # noqa: F401
+    import draco_cli.run.ray_engine  # noqa: F401
+    import draco_cli.judge.stage  # noqa: F401
 
     return batch
 

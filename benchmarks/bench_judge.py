@@ -114,10 +114,10 @@ def main() -> None:
 
     import polars as pl
 
-    from draco_cli.judge import score_rollouts, score_stage
+    from draco_cli.judge.core import score_rollouts, score_stage
     from draco_cli.llm import CallLog, LLMClient
     from draco_cli.redact import Redactor
-    from draco_cli.render import RenderOptions
+    from draco_cli.prompts.render import RenderOptions
 
     q: mp.Queue = mp.Queue()
     proc = mp.Process(target=serve, args=(q,), daemon=True)

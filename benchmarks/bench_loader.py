@@ -26,7 +26,7 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draco_cli.trainer import fingerprint, load_token_advantages
+from draco_cli.trainers.loader import fingerprint, load_token_advantages
 
 TURNS = 8
 

@@ -19,7 +19,7 @@ folder equal row for row; the call logs equal as sets of answered requests) and 
 fails the benchmark.
 
 ``DRACO_RSS_PROBE=1`` in the environment makes ``draco run`` print its RSS and its peak per
-stage (``draco_cli.ops.run``); they are printed under each run (the process's peak is then the
+stage (``draco_cli.run.pipeline``); they are printed under each run (the process's peak is then the
 largest of them, as the probe resets the kernel's figure at each stage boundary).
 ``--keep DIR`` keeps the tiled inputs and run folders there, to measure a stage alone after.
 """

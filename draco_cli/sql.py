@@ -23,7 +23,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.runfolder import TABLES, RunFolder
+from draco_cli.run.folder import TABLES, RunFolder
 
 if TYPE_CHECKING:
     import duckdb  # imported where used: `draco sql` alone needs it

@@ -69,7 +69,7 @@ VERDICTS = {
 
 
 # The static setting judges every rollout against draco's default rubric
-# (draco_cli/rubrics/default.yaml), in its order: secrets, pagination, stopping, error recovery,
+# (draco_cli/rubric/default.yaml), in its order: secrets, pagination, stopping, error recovery,
 # dates, confirmation before changes. Also written by hand from the episodes.
 STATIC_VERDICTS = {
     "spotify-follow-0": [("pass", [1]), ("pass", [2]), ("pass", [5]), ("na", []), ("na", []),
@@ -147,7 +147,7 @@ def main() -> None:
         crit = CRITERIA[task_in(user)]
         return json.dumps({"criteria": [{"title": t, "requirement": r} for t, r in crit]})
 
-    from draco_cli.rubric import load_static_rubric
+    from draco_cli.rubric.core import load_static_rubric
 
     static_titles = [c["title"] for c in load_static_rubric(None)]
     os.environ.setdefault("OPENAI_API_KEY", "sk-local-recording-only")

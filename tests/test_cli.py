@@ -120,8 +120,8 @@ def test_debug_env_shows_traceback(tmp_path):
 
 
 def test_cli_reference_is_current_and_every_command_has_help_and_example():
-    from draco_cli.cli_reference import missing_help, render
+    from draco_cli.cli.reference import missing_help, render
 
     assert missing_help() == []
     on_disk = (REPO / "docs" / "cli.md").read_text()
-    assert on_disk == render(), "docs/cli.md is stale: python -m draco_cli.cli_reference"
+    assert on_disk == render(), "docs/cli.md is stale: python -m draco_cli.cli.reference"

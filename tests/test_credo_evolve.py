@@ -13,7 +13,7 @@ import polars as pl
 import pytest
 
 from draco_cli.credo import plan
-from draco_cli.rubric import static_rubrics
+from draco_cli.rubric.core import static_rubrics
 from tests.conftest import REPO, run_draco
 from tests.llm_server import FakeLLMServer
 

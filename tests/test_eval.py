@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draco_cli.evaluate import compare, evaluate
+from draco_cli.evaluate.core import compare, evaluate
 from tests.conftest import TAU, run_draco
 
 

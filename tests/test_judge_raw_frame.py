@@ -9,7 +9,7 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from draco_cli.judge import RAW_SCHEMA, raw_frame
+from draco_cli.judge.core import RAW_SCHEMA, raw_frame
 
 
 def _rows(n: int, seed: int) -> list[dict]:

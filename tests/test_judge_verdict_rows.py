@@ -7,7 +7,7 @@ from __future__ import annotations
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draco_cli.judge import ScoreAnswer, ScoreStats, VerdictItem, verdict_rows
+from draco_cli.judge.core import ScoreAnswer, ScoreStats, VerdictItem, verdict_rows
 from draco_cli.llm.types import Answer
 
 

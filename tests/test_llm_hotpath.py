@@ -12,7 +12,7 @@ from dataclasses import asdict
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draco_cli.judge import ScoreAnswer
+from draco_cli.judge.core import ScoreAnswer
 from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.providers.openai import wire_json
 from draco_cli.llm.types import LLMRequest, Sampling

@@ -9,7 +9,7 @@ import re
 import polars as pl
 import pytest
 
-import draco_cli.report as report
+from draco_cli.report import build_report, data, sections
 from tests.conftest import run_draco
 
 SAMPLE = ["--rollouts", "sample_data/appworld_mini/rollouts.parquet", "--steps",
@@ -26,8 +26,8 @@ def run(tmp_path_factory):
 
 def test_criteria_rows_capped_and_rest_counted(run, monkeypatch):
     n_criteria = pl.read_parquet(run / "rubric" / "rubrics.parquet").height
-    monkeypatch.setattr(report, "MAX_CRITERIA_ROWS", 3)
-    page = report.build_report([run])
+    monkeypatch.setattr(sections, "MAX_CRITERIA_ROWS", 3)
+    page = build_report([run])
     section = page.split("id='criteria'")[1].split("<h2")[0]
     assert len(re.findall(r"<tr class='(kept|dropped)'>", section)) == 3
     assert f"The first 3 of {n_criteria} criteria (by group) are shown; {n_criteria - 3} more" \
@@ -35,8 +35,8 @@ def test_criteria_rows_capped_and_rest_counted(run, monkeypatch):
 
 
 def test_histograms_are_binned_counts_of_every_rollout(run, monkeypatch):
-    monkeypatch.setattr(report, "MAX_GROUP_STRIPS", 1)
-    page = report.build_report([run])
+    monkeypatch.setattr(sections, "MAX_GROUP_STRIPS", 1)
+    page = build_report([run])
     rewards = pl.read_parquet(run / "credit" / "rewards.parquet")
     figs = re.findall(r"Plotly\.newPlot\(\s*\"[^\"]+\",\s*(\[.*?\]),\s*\{", page, flags=re.S)
     bars = [t for f in figs for t in json.loads(f) if t.get("type") == "bar"
@@ -44,15 +44,15 @@ def test_histograms_are_binned_counts_of_every_rollout(run, monkeypatch):
     assert {t["name"] for t in bars} == {"reward", "advantage"}
     for t in bars:
         assert sum(t["y"]) == rewards[t["name"]].drop_nulls().len()
-        assert len(t["y"]) == report.HISTOGRAM_BINS
+        assert len(t["y"]) == sections.HISTOGRAM_BINS
 
 
 def test_call_log_read_as_totals_per_phase_and_status(run):
     import sqlite3
 
-    con = report._connect(report._runs([run]))
-    assert "calls" not in report._views(con)  # never a row per call, nor any prompt text
-    got = report._frame(con, "SELECT phase, status, n_rows FROM call_totals ORDER BY 1, 2")
+    con = data._connect(data._runs([run]))
+    assert "calls" not in data._views(con)  # never a row per call, nor any prompt text
+    got = data._frame(con, "SELECT phase, status, n_rows FROM call_totals ORDER BY 1, 2")
     assert "request" not in got.columns and "response" not in got.columns
     log = sqlite3.connect(run / "llm_calls.sqlite")
     want = log.execute("SELECT phase, status, count(*) FROM calls GROUP BY 1, 2 ORDER BY 1, 2")
@@ -129,7 +129,7 @@ def test_report_figures_unchanged_by_reading_totals(run, tmp_path):
     manifest = json.loads((d / "manifest.json").read_text())
     manifest["health"] = None  # the unanswered shares then come from the call log
     (d / "manifest.json").write_text(json.dumps(manifest))
-    page = report.build_report([d])
+    page = build_report([d])
     con = sqlite3.connect(d / "llm_calls.sqlite")
     n, usd = con.execute("SELECT count(*), sum(coalesce(cost_usd, 0)) FROM calls").fetchone()
     steps = page.split("id='steps'")[1].split("<h2")[0]

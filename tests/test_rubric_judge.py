@@ -11,7 +11,7 @@ import re
 import polars as pl
 import pytest
 
-from draco_cli.judge import aggregate_verdicts
+from draco_cli.judge.core import aggregate_verdicts
 from tests.conftest import TAU, run_draco
 from tests.llm_server import FakeLLMServer
 
@@ -246,7 +246,7 @@ def test_show_prompt_calls_nothing(server, tau):
 
 
 def test_long_observations_are_shortened_visibly():
-    from draco_cli.render import RenderOptions, render_rollout
+    from draco_cli.prompts.render import RenderOptions, render_rollout
 
     steps = pl.DataFrame({"step": [1, 2], "action": ["a1", "a2"],
                           "observation": ["x" * 50_000, "short"]})
@@ -257,7 +257,7 @@ def test_long_observations_are_shortened_visibly():
 
 def test_static_rubric_files(tmp_path, tau):
     from draco_cli.errors import InputError
-    from draco_cli.rubric import load_static_rubric
+    from draco_cli.rubric.core import load_static_rubric
 
     default = load_static_rubric(None)
     titles = " ".join(c["title"].lower() for c in default)

@@ -522,7 +522,7 @@ def test_outcome_setting_matches_verls_grpo(tmp_path):
 def test_python_api_takes_the_same_option_objects(tmp_path):
     from draco_cli.errors import UsageError
     from draco_cli.options import RunOptions
-    from draco_cli.ops.run import run_step
+    from draco_cli.run.pipeline import run_step
 
     with pytest.raises(UsageError, match="--tokens 'bogus'"):
         RunOptions.for_setting("outcome", credit_options={"tokens": "bogus"})
@@ -543,7 +543,7 @@ def test_manifest_versions(tmp_path):
     """A version-1 manifest (paths as typed, relative to where draco ran) still opens; a
     manifest from a newer draco is refused with what to do."""
     from draco_cli.errors import InputError
-    from draco_cli.runfolder import RunFolder, file_sha256
+    from draco_cli.run.folder import RunFolder, file_sha256
 
     run = tmp_path / "old"
     run.mkdir()
@@ -601,7 +601,7 @@ def test_credit_stage_takes_arrow_buffers_from_the_c_heap_and_gives_the_pool_bac
     import pyarrow as pa
 
     import draco_cli.credit as credit_ops
-    from draco_cli.ops.run import run_step
+    from draco_cli.run.pipeline import run_step
     from draco_cli.options import RunOptions
 
     before = pa.default_memory_pool()

@@ -8,14 +8,14 @@ import polars as pl
 import pytest
 
 from draco_cli.io import _to_arrow
-from draco_cli.judge import score_rollouts
+from draco_cli.judge.core import score_rollouts
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
-from draco_cli.ops.judge import judge_score
-from draco_cli.ops.llmstage import render_options
-from draco_cli.ops.rubric import rubric_generate
-from draco_cli.rubric import generate_rubrics
+from draco_cli.judge.stage import judge_score
+from draco_cli.llm.stage import render_options
+from draco_cli.rubric.stage import rubric_generate
+from draco_cli.rubric.core import generate_rubrics
 from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
 from tests.conftest import TAU, run_draco
 from tests.llm_server import FakeLLMServer

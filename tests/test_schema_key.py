@@ -11,11 +11,11 @@ from dataclasses import asdict, replace
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draco_cli.judge import _score_request, score_schema
+from draco_cli.judge.core import _score_request, score_schema
 from draco_cli.llm.providers.openai import OpenAIProvider
 from draco_cli.llm.types import LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
-from draco_cli.render import RenderOptions
+from draco_cli.prompts.render import RenderOptions
 
 
 def documented_hash(r: LLMRequest, sample: int, model: str | None) -> str:

@@ -1,4 +1,4 @@
-"""draco_cli.trainer on arrays shaped as verl, TRL and OpenRLHF shape them."""
+"""draco_cli.trainers.loader on arrays shaped as verl, TRL and OpenRLHF shape them."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from draco_cli.io import write_table
 from draco_cli.schemas import TokenAdvantages
 from draco_cli.credit.tokens import spans_to_dense
-from draco_cli.trainer import (
+from draco_cli.trainers.loader import (
     AlignmentError,
     fingerprint,
     group_rollout_ids,
@@ -77,7 +77,7 @@ def test_misalignment_is_caught(table):
 
 
 def test_trainer_module_imports_no_torch_and_no_polars():
-    code = ("import sys, draco_cli.trainer; "
+    code = ("import sys, draco_cli.trainers.loader; "
             "print(any(m in sys.modules for m in ('torch', 'polars', 'typer')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
@@ -153,15 +153,15 @@ def test_group_rollout_ids_warns_that_order_must_hold():
 
 
 def test_integrations_import_no_torch():
-    code = ("import sys, draco_cli, draco_cli.integrations.verl, draco_cli.integrations.trl, "
-            "draco_cli.integrations.openrlhf; "
+    code = ("import sys, draco_cli, draco_cli.trainers.verl, draco_cli.trainers.trl, "
+            "draco_cli.trainers.openrlhf; "
             "print(any(m in sys.modules for m in ('torch', 'verl', 'trl', 'openrlhf', 'ray')))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert out.stdout.strip() == "False", out.stderr
 
 
 def test_trl_ids_count_the_group_index_across_processes():
-    from draco_cli.integrations.trl import rollout_ids
+    from draco_cli.trainers.trl import rollout_ids
 
     # 2 processes, 4 rows each, groups of 4 contiguous in the all-process order.
     rows = [{"task_id": t} for t in ["a", "a", "a", "a", "b", "b", "b", "b"]]

@@ -9,7 +9,7 @@ import pytest
 from draco_cli.io import write_table
 from draco_cli.schemas import TokenAdvantages
 from draco_cli.credit.tokens import spans_to_dense
-from draco_cli.trainer import AlignmentError, fingerprint, load_token_advantages
+from draco_cli.trainers.loader import AlignmentError, fingerprint, load_token_advantages
 
 
 def _random_file(rng, R):

@@ -9,7 +9,7 @@ import pytest
 
 from draco_cli.errors import InputError
 from draco_cli.ingest import ingest
-from draco_cli.trainer import fingerprint
+from draco_cli.trainers.loader import fingerprint
 
 
 def _write(path, entries):

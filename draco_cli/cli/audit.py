@@ -39,7 +39,7 @@ def self_judge(
 
     Example: draco audit self-judge --self run/self/verdicts.parquet --reference run/gpt/verdicts.parquet --rollouts run/rollouts.parquet -o run/audit
     """
-    from draco_cli.ops.audit import audit_self_judge
+    from draco_cli.audit.stage import audit_self_judge
 
     shape = pick_format(fmt, as_json)
     agreement, tests = audit_self_judge(self_v, reference, out, rollouts=rollouts,
@@ -79,7 +79,7 @@ def overlap(
     Example: draco audit overlap --own self/rubrics.parquet --reference gpt/rubrics.parquet --level group --rollouts d/rollouts.parquet -o audit
     """
 
-    from draco_cli.ops.audit import Matcher, audit_overlap
+    from draco_cli.audit.stage import Matcher, audit_overlap
 
     summary, _ = audit_overlap(own, reference, out, level=level,
                                matcher=Matcher(matcher, model, base_url, threshold),
@@ -104,7 +104,7 @@ def rubric(
 
     Example: draco audit rubric --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --rollouts d/rollouts.parquet -o audit
     """
-    from draco_cli.ops.audit import audit_rubric
+    from draco_cli.audit.stage import audit_rubric
 
     summary, per = audit_rubric(rubrics, verdicts, out, rollouts=rollouts, judge=judge,
                                 force=force)
@@ -144,7 +144,7 @@ def cost(
     Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
 
-    from draco_cli.ops.audit import audit_cost
+    from draco_cli.audit.stage import audit_cost
 
     c = audit_cost(calls, out, rollouts=rollouts, replay_cost=replay_cost, steps=steps,
                    prices=prices, force=force)

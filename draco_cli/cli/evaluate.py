@@ -105,8 +105,8 @@ def evaluate(
     """
     import polars as pl
 
-    from draco_cli.evaluate import missing_note
-    from draco_cli.ops.evaluate import compare_runs, evaluate_runs
+    from draco_cli.evaluate.core import missing_note
+    from draco_cli.evaluate.stage import compare_runs, evaluate_runs
 
     shape = pick_format(fmt, as_json)
     ks = _parse_ks(k)

@@ -32,7 +32,7 @@ def filter_(
 
     Example: draco judge filter --rollouts run/rollouts.parquet --verdicts run/verdicts.parquet -o run/verdicts.filtered.parquet
     """
-    from draco_cli.ops.judge import judge_filter
+    from draco_cli.judge.stage import judge_filter
 
     kept, total = judge_filter(rollouts, verdicts, out, drop=drop.value, judge=judge, force=force)
     err_console.print(f"kept {kept} of {total} (group, criterion) pairs → {out}", highlight=False)
@@ -55,8 +55,8 @@ def score(
 
     Example: draco judge score --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --model openai/gpt-4.1 -o d/judge
     """
-    from draco_cli.ops.judge import judge_prompt, judge_score
-    from draco_cli.ops.llmstage import render_options
+    from draco_cli.judge.stage import judge_prompt, judge_score
+    from draco_cli.llm.stage import render_options
 
     render = render_options(prompt.max_prompt_tokens, list(prompt.redact),
                             prompt.no_default_redact)

@@ -11,7 +11,7 @@ import typer
 from draco_cli.cli.console import err_console
 
 if TYPE_CHECKING:
-    from draco_cli.ops.llmstage import StageReport
+    from draco_cli.llm.stage import StageReport
 
 
 class BarProgress(Protocol):

@@ -53,7 +53,7 @@ def plan_cmd(
 
     Example: draco replay plan --positions positions.parquet --budget 5000 --seed 7 -o plan.parquet
     """
-    from draco_cli.ops.replay import plan_replay
+    from draco_cli.credo.stage import plan_replay
 
     result = plan_replay(positions, budget, out, p_min=p_min, seed=seed, replays=replays,
                          steps=steps, allocation=allocation, heads=heads, features=features,
@@ -90,7 +90,7 @@ def run_cmd(
     Example: draco replay run --plan plan.parquet --env "python examples/chain_env.py serve" -o replays
     """
     from draco_cli.cli.llmrun import progress_bar
-    from draco_cli.ops.replay import run_replay
+    from draco_cli.credo.stage import run_replay
 
     with progress_bar("replaying") as bar:
         @dataclass
@@ -145,7 +145,7 @@ def correct_cmd(
 
     Example: draco replay correct --plan plan.parquet --labels labels.parquet -o credo
     """
-    from draco_cli.ops.replay import correct_replay
+    from draco_cli.credo.stage import correct_replay
 
     info = correct_replay(plan_path, labels, out, beta=beta, rollouts=rollouts, steps=steps,
                           no_correction=no_correction, clip=clip, force=force)
@@ -184,7 +184,7 @@ def fit_cmd(
 
     Example: draco replay fit --plan plan.parquet --labels labels.parquet --features credit/step_credit.parquet -o heads.json
     """
-    from draco_cli.ops.replay import fit_replay
+    from draco_cli.credo.stage import fit_replay
 
     res = fit_replay(plan_path, labels, features, out, rewards=rewards, rollouts=rollouts,
                      ridge=ridge, holdout=holdout, folds=cross_fit, predictions=predictions,
@@ -231,7 +231,7 @@ def evolve_cmd(
 
     Example: draco replay evolve --plan plan.parquet --labels labels.parquet --rollouts d/rollouts.parquet --baseline sc0.parquet --candidate sc_merge.parquet -o evolve.parquet
     """
-    from draco_cli.ops.replay import evolve_replay
+    from draco_cli.credo.stage import evolve_replay
 
     scores = evolve_replay(plan_path, labels, rollouts, baseline, candidate, out, ridge=ridge,
                            holdout=holdout, force=force)
@@ -269,7 +269,7 @@ def propose_cmd(
 
     Example: draco replay propose --plan plan.parquet --labels r/labels.parquet --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --model openai/gpt-4.1 -o evolve
     """
-    from draco_cli.ops.replay import propose_replay
+    from draco_cli.credo.stage import propose_replay
 
     res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, llm,
                          max_edits=max_edits, evidence=evidence, ridge=ridge, holdout=holdout,
@@ -307,7 +307,7 @@ def diagnose_cmd(
 
     Example: draco replay diagnose --plan plan.parquet --labels replays/labels.parquet -o diag
     """
-    from draco_cli.ops.replay import diagnose_replay
+    from draco_cli.credo.stage import diagnose_replay
 
     d = diagnose_replay(plan_path, labels=labels, heads=heads, features=features,
                         rewards=rewards, out=out, force=force)
@@ -342,7 +342,7 @@ def exact_check_cmd(
     """
     from rich.table import Table
 
-    from draco_cli.ops.replay import biased, exact_check_rows
+    from draco_cli.credo.stage import biased, exact_check_rows
 
     Ms = None
     if sweep:

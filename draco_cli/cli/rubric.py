@@ -36,8 +36,8 @@ def generate(
 
     Example: draco rubric generate --rollouts d/rollouts.parquet --steps d/steps.parquet --model openai/gpt-4.1 -o d/rubric
     """
-    from draco_cli.ops.llmstage import render_options
-    from draco_cli.ops.rubric import rubric_generate, rubric_prompt
+    from draco_cli.llm.stage import render_options
+    from draco_cli.rubric.stage import rubric_generate, rubric_prompt
 
     render = render_options(prompt.max_prompt_tokens, list(prompt.redact),
                             prompt.no_default_redact)
@@ -71,7 +71,7 @@ def static(
 
     Example: draco rubric static --rollouts d/rollouts.parquet -o d/rubric
     """
-    from draco_cli.ops.rubric import rubric_static
+    from draco_cli.rubric.stage import rubric_static
 
     n, groups, target = rubric_static(rollouts, rubric, out, force=force)
     err_console.print(f"{n} criteria applied to {groups} groups → {target}", highlight=False)

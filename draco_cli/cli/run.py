@@ -15,7 +15,7 @@ from draco_cli.cli.options import (CREDIT_PANEL, LLM_PANEL, CallLogPath, folder_
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
-    from draco_cli.ops.run import RunResult, StageEvent
+    from draco_cli.run.pipeline import RunResult, StageEvent
     from draco_cli.options import JudgeOptions, PromptOptions, RubricOptions
 
 
@@ -98,7 +98,7 @@ def run(
 
     Example: draco run --rollouts sample_data/appworld_mini/rollouts.parquet --steps sample_data/appworld_mini/steps.parquet --model replay/sample_data/llm_calls.sqlite -o runs/demo
     """
-    from draco_cli.ops.run import RunOptions, run_dir_for, run_step
+    from draco_cli.run.pipeline import RunOptions, run_dir_for, run_step
 
     fmt_name = pick_format(fmt, as_json)
 

@@ -39,7 +39,7 @@ from draco_cli.credit.tables import (CREDIT_ROLLOUT_COLUMNS, CREDIT_STEP_COLUMNS
                                      steps_frame, verdicts_frame, with_step_ids)
 from draco_cli.credit.tokens import LAYOUT_KEY, layout_label, token_form, token_spans
 from draco_cli.io import STDIO, BlockWriter, OutputSet, contract_table
-from draco_cli.ops import source_name
+from draco_cli.publish import source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, StepCredit, TokenAdvantages
 

@@ -25,7 +25,7 @@ from draco_cli.credit.tokens import (LAYOUT_KEY, dense_to_spans, form_of, layout
                                      spans_to_dense, token_form, token_spans)
 from draco_cli.errors import DracoError, InputError, OutputError, UsageError
 from draco_cli.io import OutputSet, check_writable, read_arrow, read_table
-from draco_cli.ops import publish_file, source_name
+from draco_cli.publish import publish_file, source_name
 from draco_cli.options import CreditOptions
 from draco_cli.schemas import Reward, Rollout, StepCredit, TokenAdvantages
 

@@ -83,7 +83,7 @@ class _AsPhase:
 def rubric_keys(rubrics: pl.DataFrame) -> pl.DataFrame:
     """The distinct criteria of a shared rubric, keyed c1, c2, ... by first appearance; one row
     per (group_id, criterion_id) with its key."""
-    from draco_cli.rubric import normalise
+    from draco_cli.rubric.core import normalise
 
     text = rubrics.with_columns(pl.concat_str(
         pl.col("title").map_elements(normalise, return_dtype=pl.String), pl.lit("\x1f"),
@@ -100,7 +100,7 @@ def rubric_keys(rubrics: pl.DataFrame) -> pl.DataFrame:
 def apply_edit(rubrics: pl.DataFrame, keyed: pl.DataFrame, edit: Edit
                ) -> tuple[pl.DataFrame, list[str], dict[str, str] | None]:
     """(edited rubric, criterion ids removed, new criterion {title, requirement} or None)."""
-    from draco_cli.rubric import criterion_id
+    from draco_cli.rubric.core import criterion_id
 
     known = set(keyed["key"])
     bad = [k for k in edit.keys if k not in known]
@@ -179,7 +179,7 @@ def _evidence(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFram
               steps: pl.DataFrame, verdicts: pl.DataFrame, keyed: pl.DataFrame,
               features: pl.DataFrame, train: set[str], held: set[str], ridge: float,
               n: int) -> list[str]:
-    from draco_cli.render import fenced, shorten
+    from draco_cli.prompts.render import fenced, shorten
 
     h = fit_heads(plan_df.filter(pl.col("rollout_id").is_in(list(train))), labels, features,
                   ridge)
@@ -212,7 +212,7 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
                  client: Client, *, max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
                  holdout: float = 0.2, judge_label: str = "judge",
                  progress: Callable[[Progress], None] | None = None) -> EvolveResult:
-    from draco_cli.judge import score_rollouts
+    from draco_cli.judge.core import score_rollouts
 
     if max_edits < 1:
         raise UsageError("--max-edits must be at least 1")

@@ -20,7 +20,7 @@ from typing import Any, Literal
 
 from draco_cli.errors import InputError
 from draco_cli.ingest.tokens import TokenCounter, apportion
-from draco_cli.trainer import fingerprint
+from draco_cli.trainers.loader import fingerprint
 
 StepUnit = Literal["message", "code-block", "tool-call"]
 STEP_UNITS: tuple[str, ...] = ("message", "code-block", "tool-call")

@@ -20,7 +20,7 @@ from draco_cli.ingest import ingest
 from draco_cli.io import write_table
 from draco_cli.credit import credit_compute
 from draco_cli.schemas import VerdictAggregated
-from draco_cli.trainer import load_token_advantages
+from draco_cli.trainers.loader import load_token_advantages
 
 
 @dataclass

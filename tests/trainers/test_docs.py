@@ -13,7 +13,7 @@ import numpy as np
 import polars as pl
 import pytest
 
-from draco_cli.trainer import load_token_advantages
+from draco_cli.trainers.loader import load_token_advantages
 
 REPO = Path(__file__).resolve().parents[2]
 DOC = REPO / "docs" / "trainers.md"

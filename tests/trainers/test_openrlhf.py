@@ -1,4 +1,4 @@
-"""draco_cli.integrations.openrlhf against OpenRLHF 0.11.2's own code on CPU.
+"""draco_cli.trainers.openrlhf against OpenRLHF 0.11.2's own code on CPU.
 
 Experiences are built by OpenRLHF's ``SamplesGenerator._process_response_into_experience`` from
 agent outputs shaped as its ``utils/agent.py`` returns them (observation tokens, action ranges,
@@ -24,10 +24,10 @@ with stubs.installed():
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
-    from draco_cli.integrations import openrlhf as draco_orl
+    from draco_cli.trainers import openrlhf as draco_orl
 
     _ = draco_orl.DracoExperienceMaker  # built now, while OpenRLHF's imports resolve
-from draco_cli.trainer import AlignmentError, load_token_advantages
+from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 
 MAX_LEN = 200
 

@@ -1,4 +1,4 @@
-"""draco_cli.integrations.trl: one real GRPOTrainer.train() step of TRL 1.16 on CPU.
+"""draco_cli.trainers.trl: one real GRPOTrainer.train() step of TRL 1.16 on CPU.
 
 A tiny randomly initialised Qwen2 model built from a config and a locally built ChatML
 tokenizer; a reward function logs each completion (its rollout id, token ids, train step) the
@@ -41,7 +41,7 @@ def test_one_train_step_loss_is_minus_sum_of_draco_advantages(tmp_path, mask_tru
     from datasets import Dataset
     from trl import GRPOConfig
 
-    from draco_cli.integrations.trl import DracoGRPOTrainer, rollout_ids
+    from draco_cli.trainers.trl import DracoGRPOTrainer, rollout_ids
 
     tok = chatml_tokenizer()
     logged: list[Rollout] = []
@@ -89,7 +89,7 @@ def test_one_train_step_loss_is_minus_sum_of_draco_advantages(tmp_path, mask_tru
     mask = inputs["completion_mask"].numpy()
     assert A.shape == mask.shape and A.ndim == 2  # per-token, (B, T)
     # Every row holds exactly its own rollout's values (found by id and checked by fingerprint).
-    from draco_cli.trainer import load_token_advantages
+    from draco_cli.trainers.loader import load_token_advantages
 
     table = load_token_advantages(tmp_path / "step-0" / "credit" / "token_advantages.parquet")
     comp = inputs["completion_ids"].numpy()

@@ -1,4 +1,4 @@
-"""draco_cli.integrations.verl against verl 0.9.1's own code on CPU.
+"""draco_cli.trainers.verl against verl 0.9.1's own code on CPU.
 
 verl's ``_balance_batch`` reorders the batch exactly as the trainer does before computing
 advantages; the draco estimator then runs through verl's own ``compute_advantage`` (legacy) and
@@ -14,7 +14,7 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 
-from draco_cli.trainer import AlignmentError, group_rollout_ids, load_token_advantages
+from draco_cli.trainers.loader import AlignmentError, group_rollout_ids, load_token_advantages
 from tests.trainers.draco_files import (
     draco_token_file,
     expected_rows,
@@ -32,7 +32,7 @@ with warnings.catch_warnings():
     from verl.trainer.ppo import core_algos, ray_trainer
     from verl.trainer.ppo.v1 import utils as v1_utils
 
-from draco_cli.integrations import verl as draco_verl
+from draco_cli.trainers import verl as draco_verl
 
 P = 12  # prompt tokens
 
@@ -207,7 +207,7 @@ def test_setup_hook_reaches_a_ray_actor(tmp_path):
     if ray.is_initialized():   # joined by an earlier in-process test: this one needs its hook
         ray.shutdown()
     ray.init(num_cpus=1, include_dashboard=False, log_to_driver=False,
-             runtime_env={"worker_process_setup_hook": "draco_cli.integrations.verl.setup",
+             runtime_env={"worker_process_setup_hook": "draco_cli.trainers.verl.setup",
                           "env_vars": {draco_verl.ENV_FILES: str(path)}})
     try:
         @ray.remote(num_cpus=1)

@@ -16,7 +16,7 @@ import pytest
 
 from draco_cli.ingest import ingest
 from draco_cli.ingest.episode import mask_runs
-from draco_cli.trainer import fingerprint
+from draco_cli.trainers.loader import fingerprint
 from tests.trainers.chatml import chatml_tokenizer
 
 pytestmark = pytest.mark.trainers

@@ -1,0 +1,325 @@
+"""What the LLM calls cost: per phase and step, billed against a naive client, by category."""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Sequence
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, cast
+
+import polars as pl
+
+from draco_cli.errors import InputError
+
+if TYPE_CHECKING:
+
+    from draco_cli.llm.prices import PriceTable
+from draco_cli.audit.self_judge import _number
+
+_WORD = re.compile(r"[a-z0-9]+")
+
+
+_STOP = {"the", "a", "an", "of", "to", "and", "or", "in", "on", "for", "with", "is", "are", "be",
+         "before", "after", "any", "all", "every", "each", "that", "it", "its", "agent", "task"}
+
+
+def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
+               ) -> tuple[pl.DataFrame, pl.DataFrame, float | None]:
+    """(per phase, per train_step, projected dollars per 100 train steps)."""
+    tokens = ["input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"]
+    c = calls.with_columns(pl.col(tokens).fill_null(0), pl.col("cost_usd").fill_null(0.0))
+    if "train_step" in c.columns and rollouts is not None and c["train_step"].null_count() == c.height:
+        c = c.drop("train_step")  # unlabelled: attribute calls through the rollouts instead
+    http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
+    per_phase = c.group_by("phase").agg(
+        http.sum().alias("calls"), (pl.col("status") == "ok").sum().alias("answered"),
+        *[pl.col(t).sum() for t in tokens], pl.col("cost_usd").sum()).sort("phase")
+    per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
+    projected = None
+    if "train_step" in c.columns and c["train_step"].null_count() < c.height:
+        # calls already labelled by the run folder they came from; a run folder without a
+        # train step keeps its own row (train_step null) rather than vanishing
+        per_step = c.group_by("train_step").agg(
+            http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
+            pl.col("cost_usd").sum()).sort("train_step", nulls_last=True)
+        projected = _number(per_step.drop_nulls("train_step")["cost_usd"].mean()) * 100
+    elif rollouts is not None and "train_step" in rollouts.columns:
+        by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
+        by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \
+            .rename({"group_id": "key"})
+        keys = pl.concat([by_rollout, by_group.select("key", "train_step")]).unique("key")
+        j = c.join(keys, on="key", how="left")
+        per_step = j.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
+            http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
+            pl.col("cost_usd").sum()).sort("train_step")
+        if per_step.height:
+            projected = _number(per_step["cost_usd"].mean()) * 100
+    return per_phase, per_step, projected
+
+
+def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:
+    """A call log: SQLite (llm_calls.sqlite) or its Parquet export."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such call log", file=str(p))
+    if p.suffix == ".parquet":
+        return pl.read_parquet(p)
+    from draco_cli.llm.calllog import read_only
+
+    with read_only(p) as (conn, _):
+        cur = conn.execute("SELECT * FROM calls")
+        names = [d[0] for d in cur.description]
+        return pl.DataFrame(cur.fetchall(), schema=names, orient="row",
+                            infer_schema_length=None)
+
+
+# Rows that carry a paid reply's usage (an http_error or unanswered row paid nothing).
+BILLED_STATUS = ["ok", "invalid", "truncated", "refused"]
+
+
+COST_COLUMNS = ["phase", "provider", "model", "status", "input_tokens", "cached_tokens",
+                "cache_write_tokens", "output_tokens", "reasoning_tokens", "cost_usd",
+                "batch_id"]
+
+
+# What `audit cost` needs: the cost columns and the key that attributes a call to a rollout
+# or group (a train step through the rollouts); never the prompt or response text.
+AUDIT_COST_COLUMNS = [*COST_COLUMNS, "key"]
+
+
+def _call_key(text: str | None) -> int | None:
+    import hashlib
+
+    if text is None:
+        return None
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "big",
+                          signed=True)
+
+
+_COST_TYPES: dict[str, type[pl.DataType]] = {
+    **dict.fromkeys(["phase", "provider", "model", "status", "batch_id", "key"], pl.String),
+    **dict.fromkeys(["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens",
+                     "reasoning_tokens", "call_key"], pl.Int64),
+    "cost_usd": pl.Float64}
+
+
+def _typed_cost_rows(df: pl.DataFrame, path: Path) -> pl.DataFrame:
+    """The cost rows with the call log's types (an empty or all-null column has none of its
+    own); a value of another type is an error naming the file and column, not a wrong sum."""
+    for name in df.columns:
+        if name in _COST_TYPES and df[name].dtype != _COST_TYPES[name]:
+            try:
+                df = df.with_columns(pl.col(name).cast(_COST_TYPES[name]))
+            except pl.exceptions.PolarsError:
+                raise InputError(f"not a draco call log (column {name} holds values that "
+                                 f"are not {_COST_TYPES[name].__name__})", file=str(path)
+                                 ) from None
+    return df
+
+
+def read_cost_rows(path: str | os.PathLike[str],
+                   columns: Sequence[str] = COST_COLUMNS) -> pl.DataFrame:
+    """The call log's cost columns (those of ``columns`` it has) and ``call_key`` (one value
+    per HTTP reply: the rows a reply with n choices was split into share it), without loading
+    prompts or responses. SQLite or its Parquet export."""
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such call log", file=str(p))
+    if p.suffix == ".parquet":
+        import pyarrow.parquet as pq
+
+        pf = pq.ParquetFile(p, pre_buffer=False)  # pre-buffering reads whole columns ahead
+        have = set(pf.schema_arrow.names)
+        cols = [c for c in columns if c in have]
+        # in batches: all that is kept of a response is its reply's key
+        frames = [cast(pl.DataFrame, pl.from_arrow(b.select(cols))).with_columns(pl.Series(
+            "call_key", [_call_key(t) for t in b.column("response").to_pylist()]
+            if "response" in have else [None] * b.num_rows, pl.Int64))
+            for b in pf.iter_batches(batch_size=1024, columns=[*cols, "response"]
+                                     if "response" in have else cols)]
+        names = [*cols, "call_key"]
+    else:
+        from draco_cli.llm.calllog import read_only
+
+        with read_only(p) as (conn, have):
+            conn.create_function("call_key", 1, _call_key, deterministic=True)
+            cols = [c for c in columns if c in have]
+            key_sql = "call_key(response)" if "response" in have else "NULL"
+            order = " ORDER BY id" if "id" in have else ""
+            cur = conn.execute(f"SELECT {', '.join([*cols, key_sql])} AS call_key "
+                               f"FROM calls{order}")
+            names = [d[0] for d in cur.description]
+            frames = []
+            while rows := cur.fetchmany(10_000):
+                frames.append(pl.DataFrame(rows, schema=names, orient="row",
+                                           infer_schema_length=None))
+    if not frames:
+        return pl.DataFrame(schema={n: _COST_TYPES.get(n, pl.String) for n in names})
+    # each batch typed on its own: one whose column is all null has no type to stack on
+    return pl.concat([_typed_cost_rows(f, p) for f in frames], how="vertical")
+
+
+def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl.DataFrame:
+    """Per phase and in total: the tokens and dollars the call log says were billed, next to
+    what a naive client would have paid for the same answers — one call per sample (no ``n``),
+    every prompt token at the full input price (no prompt caching), no batch discount.
+
+    A reply that answered n samples was logged as n rows sharing its ``call_key`` (or its
+    ``response`` text); its prompt is what each of the naive client's n calls would have sent.
+    Rows of replay/ models and of models missing from the price table are left out of the
+    dollars (``unpriced_rows`` counts them)."""
+    from draco_cli.llm.prices import PriceTable
+
+    prices = prices or PriceTable.load()
+    schema = {"phase": pl.String, "calls": pl.Int64, "naive_calls": pl.Int64,
+              "input_tokens": pl.Int64, "cached_tokens": pl.Int64,
+              "cache_write_tokens": pl.Int64, "output_tokens": pl.Int64,
+              "naive_input_tokens": pl.Int64, "batch_share": pl.Float64,
+              "billed_usd": pl.Float64, "naive_usd": pl.Float64,
+              "billed_over_naive": pl.Float64, "unpriced_rows": pl.Int64}
+    if calls.height == 0 or "status" not in calls.columns:
+        return pl.DataFrame(schema=schema)
+    tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
+    c = calls.filter(pl.col("status").is_in(BILLED_STATUS))
+    if "provider" in c.columns:
+        c = c.filter(pl.col("provider").fill_null("") != "replay")
+    if "call_key" not in c.columns:
+        c = c.with_columns((pl.col("response").map_elements(_call_key, return_dtype=pl.Int64)
+                            if "response" in c.columns else pl.lit(None, pl.Int64))
+                           .alias("call_key"))
+    for t in tok:
+        if t not in c.columns:
+            c = c.with_columns(pl.lit(0, pl.Int64).alias(t))
+    for col in ("batch_id", "model"):  # a slimmed log: no batches, no known prices
+        if col not in c.columns:
+            c = c.with_columns(pl.lit(None, pl.String).alias(col))
+    if "cost_usd" not in c.columns:
+        c = c.with_columns(pl.lit(None, pl.Float64).alias("cost_usd"))
+    c = c.with_row_index("_row").with_columns(
+        pl.col(tok).fill_null(0).cast(pl.Int64),
+        # a row without a response (older logs) counts as a call of its own
+        pl.coalesce(pl.col("call_key"), -pl.col("_row").cast(pl.Int64) - 1).alias("_call"))
+    c = c.with_columns((pl.col("input_tokens") + pl.col("cached_tokens")
+                        + pl.col("cache_write_tokens")).sum().over("_call").alias("_prompt"))
+    models = c["model"].unique().drop_nulls().to_list()
+    table = pl.DataFrame(
+        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
+         for m in models for p in [prices.price(m)]],
+        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
+    c = c.join(table, on="model", how="left").with_columns(
+        ((pl.col("_prompt") * pl.col("_p_in") + pl.col("output_tokens") * pl.col("_p_out"))
+         / 1e6).alias("_naive"),
+        pl.col("_p_in").is_null().alias("_unpriced"))
+
+    def agg(frame: pl.DataFrame, phase: str) -> dict[str, Any]:
+        priced = frame.filter(~pl.col("_unpriced"))
+        billed = float(priced["cost_usd"].fill_null(0.0).sum()) if priced.height else None
+        naive = float(priced["_naive"].sum()) if priced.height else None
+        return {"phase": phase, "calls": frame["_call"].n_unique(), "naive_calls": frame.height,
+                **{t: int(frame[t].sum()) for t in tok},
+                "naive_input_tokens": int(frame["_prompt"].sum()),
+                "batch_share": _number(frame["batch_id"].is_not_null().mean())
+                if frame.height else None,
+                "billed_usd": billed, "naive_usd": naive,
+                "billed_over_naive": billed / naive if billed is not None and naive else None,
+                "unpriced_rows": int(frame["_unpriced"].sum())}
+
+    rows = [agg(c.filter(pl.col("phase") == ph), ph)
+            for ph in sorted(c["phase"].drop_nulls().unique().to_list())]
+    if c.height:
+        rows.append(agg(c, "all"))
+    return pl.DataFrame(rows, schema=schema)
+
+
+def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
+                         prices: PriceTable | None = None) -> pl.DataFrame:
+    """``billed_vs_naive`` of SQLite call logs, summed inside SQLite: no row per call ever
+    reaches Python, so memory does not grow with the log (the report's path). The same table,
+    up to float rounding, except that a reply found in two logs counts as a call in each."""
+    from draco_cli.llm.calllog import read_only
+    from draco_cli.llm.prices import PriceTable
+
+    prices = prices or PriceTable.load()
+    sums: list[tuple[Any, ...]] = []  # phase, model, rows, 4 tokens, prompt, batched, cost
+    calls: dict[str, int] = {}  # distinct replies per phase, and over all phases ("")
+    for log in logs:
+        with read_only(log) as (conn, have):
+            if "status" not in have:
+                continue
+            conn.create_function("call_key", 1, _call_key, deterministic=True)
+            conn.execute("PRAGMA temp_store = FILE")  # temp tables beyond the page cache
+            col = {c: (f"coalesce({c}, 0)" if c.endswith("tokens") else c) if c in have
+                   else "NULL" for c in ["phase", "model", "batch_id", "cost_usd",
+                                         "input_tokens", "cached_tokens",
+                                         "cache_write_tokens", "output_tokens"]}
+            where = "status IN ({})".format(", ".join(f"'{s}'" for s in BILLED_STATUS))
+            if "provider" in have:
+                where += " AND coalesce(provider, '') <> 'replay'"
+            # one row per billed row, on disk (temp store): its reply's key, and the
+            # reply's whole prompt (a row without a response is a reply of its own)
+            conn.execute(f"""CREATE TEMP TABLE billed AS SELECT {col['phase']} AS phase,
+                {col['model']} AS model, {col['batch_id']} IS NOT NULL AS batched,
+                {col['cost_usd']} AS cost_usd, {col['input_tokens']} AS i,
+                {col['cached_tokens']} AS c, {col['cache_write_tokens']} AS w,
+                {col['output_tokens']} AS o,
+                {'call_key(response)' if 'response' in have else 'NULL'} AS k
+                FROM calls WHERE {where}""")
+            conn.execute("CREATE TEMP TABLE prompt (k INTEGER PRIMARY KEY, p INTEGER)")
+            conn.execute("""INSERT INTO prompt SELECT k, sum(i + c + w) FROM billed
+                            WHERE k IS NOT NULL GROUP BY k""")
+            sums += conn.execute("""
+                SELECT b.phase, b.model, count(*), sum(b.i), sum(b.c), sum(b.w), sum(b.o),
+                       sum(coalesce(pr.p, b.i + b.c + b.w)), sum(b.batched),
+                       total(b.cost_usd)
+                FROM billed b LEFT JOIN prompt pr ON pr.k = b.k
+                GROUP BY 1, 2""").fetchall()
+            distinct = "count(DISTINCT k) + count(*) - count(k)"  # keyless: 1 each
+            for phase, n in conn.execute(
+                    f"SELECT phase, {distinct} FROM billed GROUP BY 1").fetchall() + \
+                    conn.execute(f"SELECT '', {distinct} FROM billed").fetchall():
+                if phase is not None:
+                    calls[phase] = calls.get(phase, 0) + n
+    cols = ["phase", "model", "naive_calls", "input_tokens", "cached_tokens",
+            "cache_write_tokens", "output_tokens", "naive_input_tokens", "batched", "cost_usd"]
+    t = pl.DataFrame(sums, schema=dict.fromkeys(cols[:2], pl.String) | dict.fromkeys(
+        cols[2:-1], pl.Int64) | {"cost_usd": pl.Float64}, orient="row")
+    models = t["model"].unique().drop_nulls().to_list()
+    table = pl.DataFrame(
+        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
+         for m in models for p in [prices.price(m)]],
+        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
+    t = t.join(table, on="model", how="left").with_columns(
+        ((pl.col("naive_input_tokens") * pl.col("_p_in")
+          + pl.col("output_tokens") * pl.col("_p_out")) / 1e6).alias("_naive"),
+        pl.col("_p_in").is_null().alias("_unpriced"))
+    tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
+
+    def agg(frame: pl.DataFrame, phase: str, key: str) -> dict[str, Any]:
+        priced = frame.filter(~pl.col("_unpriced"))
+        billed = float(priced["cost_usd"].sum()) if priced.height else None
+        naive = float(priced["_naive"].sum()) if priced.height else None
+        rows = int(frame["naive_calls"].sum())
+        return {"phase": phase, "calls": calls.get(key, 0), "naive_calls": rows,
+                **{c: int(frame[c].sum()) for c in tok},
+                "naive_input_tokens": int(frame["naive_input_tokens"].sum()),
+                "batch_share": int(frame["batched"].sum()) / rows if rows else None,
+                "billed_usd": billed, "naive_usd": naive,
+                "billed_over_naive": billed / naive if billed is not None and naive else None,
+                "unpriced_rows": int(frame.filter(pl.col("_unpriced"))["naive_calls"].sum())}
+
+    rows = [agg(t.filter(pl.col("phase") == ph), ph, ph)
+            for ph in sorted(t["phase"].drop_nulls().unique().to_list())]
+    if t.height:
+        rows.append(agg(t, "all", ""))
+    return pl.DataFrame(rows, schema=billed_vs_naive(pl.DataFrame(), prices).schema)
+
+
+def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = None,
+                    steps: pl.DataFrame | None = None,
+                    replay_costs: pl.DataFrame | None = None) -> pl.DataFrame:
+    """Cost by category (original, replay, reconstruction, judge, rubric writing, candidate
+    scoring, environment calls): the one function `audit cost` and the report share."""
+    from draco_cli.credo.diagnostics import cost_by_category
+
+    return cost_by_category(calls, rollouts, steps, replay_costs)

@@ -1,0 +1,130 @@
+"""Self-judge agreement with a reference judge, and its trend over training steps."""
+
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING, Any, cast
+
+import polars as pl
+
+from draco_cli.audit.stats import logistic_trend, two_proportion_z
+from draco_cli.errors import UsageError
+
+if TYPE_CHECKING:
+    from polars._typing import PythonLiteral
+
+
+
+
+KEYS = ["rollout_id", "criterion_id"]
+
+
+def _one_judge(v: pl.DataFrame, source: str) -> pl.DataFrame:
+    dup = v.select(pl.struct(KEYS).is_duplicated().any()).item()
+    if dup:
+        judges = sorted(v["judge"].unique().to_list()) if "judge" in v.columns else []
+        raise UsageError(f"{source}: several verdicts per (rollout, criterion)"
+                         + (f" (judges {', '.join(judges)}): pass one judge's file" if judges
+                            else ""))
+    return v
+
+
+def agreement_rows(self_v: pl.DataFrame, ref_v: pl.DataFrame,
+                   rollouts: pl.DataFrame | None) -> pl.DataFrame:
+    """One row per (rollout, criterion) the reference judged (null reference verdicts are
+    left out): the two verdicts, train_step, and the indicators."""
+    ref = _one_judge(ref_v, "reference").filter(pl.col("verdict").is_not_null()).select(
+        *KEYS, pl.col("verdict").alias("ref"))
+    me = _one_judge(self_v, "self").select(*KEYS, pl.col("verdict").alias("self"))
+    rows = ref.join(me, on=KEYS, how="left")
+    if rollouts is not None and "train_step" in rollouts.columns:
+        rows = rows.join(rollouts.select("rollout_id", "train_step"), on="rollout_id",
+                         how="left")
+    else:
+        rows = rows.with_columns(pl.lit(None, pl.Int32).alias("train_step"))
+    return rows.with_columns(
+        (pl.col("self") == pl.col("ref")).fill_null(False).alias("agree"),
+        ((pl.col("ref") == "fail") & (pl.col("self") == "pass")).fill_null(False).alias("fp"),
+        ((pl.col("ref") == "pass") & (pl.col("self") == "fail")).fill_null(False).alias("ff"),
+        pl.col("self").is_null().alias("unanswered"),
+    )
+
+
+def _number(value: PythonLiteral | None) -> float:
+    """A polars aggregate (typed as any Python literal) that is a number here: the mean of a
+    non-empty numeric or boolean column."""
+    return float(cast(float, value))
+
+
+def _scope_metrics(rows: pl.DataFrame, scope: str) -> dict[str, Any]:
+    n = rows.height
+    ref_fail = int((rows["ref"] == "fail").sum())
+    ref_pass = int((rows["ref"] == "pass").sum())
+    fpr = int(rows["fp"].sum()) / ref_fail if ref_fail else None
+    ffr = int(rows["ff"].sum()) / ref_pass if ref_pass else None
+    return {
+        "scope": scope,
+        "n_rows": n,
+        "agreement": _number(rows["agree"].mean()) if n else None,
+        "pass_all_baseline": ref_pass / n if n else None,
+        "false_pass_rate": fpr,
+        "false_fail_rate": ffr,
+        "leniency_ratio": fpr / ffr if fpr is not None and ffr else None,
+        "unanswered_rate": _number(rows["unanswered"].mean()) if n else None,
+        "criteria_per_rollout": n / rows["rollout_id"].n_unique() if n else None,
+        "reference_fail_share": ref_fail / n if n else None,
+    }
+
+
+def quarters(train_steps: list[int]) -> tuple[list[int], list[int]]:
+    """First and last ⌈S/4⌉ distinct train steps."""
+    s = sorted(set(train_steps))
+    q = math.ceil(len(s) / 4)
+    return s[:q], s[-q:] if q else []
+
+
+# metric -> (indicator column, rows it is a rate over)
+TESTED = {
+    "agreement": ("agree", None),
+    "false_pass_rate": ("fp", "fail"),
+    "false_fail_rate": ("ff", "pass"),
+}
+
+
+def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
+                     rollouts: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """(agreement table: one row per scope, tests table: metric, test, statistic, p_value)."""
+    rows = agreement_rows(self_v, ref_v, rollouts)
+    out = [_scope_metrics(rows, "overall")]
+    steps = sorted(rows["train_step"].drop_nulls().unique().to_list())
+    for s in steps:
+        out.append(_scope_metrics(rows.filter(pl.col("train_step") == s), f"step:{s}"))
+    tests = []
+    if steps:
+        first, last = quarters(steps)
+        a = rows.filter(pl.col("train_step").is_in(first))
+        b = rows.filter(pl.col("train_step").is_in(last))
+        out.append(_scope_metrics(a, "first_quarter"))
+        out.append(_scope_metrics(b, "last_quarter"))
+        for metric, (ind, ref) in TESTED.items():
+            aa = a if ref is None else a.filter(pl.col("ref") == ref)
+            bb = b if ref is None else b.filter(pl.col("ref") == ref)
+            z, p = two_proportion_z(int(aa[ind].sum()), aa.height, int(bb[ind].sum()), bb.height)
+            tests.append({"metric": metric, "test": "two_proportion_z_first_vs_last_quarter",
+                          "statistic": z, "p_value": p})
+            rr = rows.filter(pl.col("train_step").is_not_null())
+            if ref is not None:
+                rr = rr.filter(pl.col("ref") == ref)
+            slope, zt, pt = logistic_trend(rr[ind].to_numpy().astype(float),
+                                           rr["train_step"].to_numpy().astype(float))
+            tests.append({"metric": metric, "test": "logistic_trend_wald", "statistic": zt,
+                          "p_value": pt})
+    agreement = pl.DataFrame(out, schema={
+        "scope": pl.String, "n_rows": pl.Int64, "agreement": pl.Float64,
+        "pass_all_baseline": pl.Float64, "false_pass_rate": pl.Float64,
+        "false_fail_rate": pl.Float64, "leniency_ratio": pl.Float64,
+        "unanswered_rate": pl.Float64, "criteria_per_rollout": pl.Float64,
+        "reference_fail_share": pl.Float64})
+    tests_df = pl.DataFrame(tests, schema={"metric": pl.String, "test": pl.String,
+                                           "statistic": pl.Float64, "p_value": pl.Float64})
+    return agreement, tests_df

@@ -1,0 +1,170 @@
+"""Judge operations (``draco judge score`` / ``filter``): score rollouts against their group's
+rubric with an LLM, or mark the criteria the discriminative filter keeps; each publishes its
+outputs as one set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+
+from draco_cli.errors import InputError
+from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
+from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.settings import LLMSettings
+from draco_cli.llm.types import Sampling
+from draco_cli.publish import publish_file, source_name
+from draco_cli.llm.stage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
+                                    chunk_frames, finish, publish_chunks, read_inputs,
+                                    render_messages)
+from draco_cli.options import Aggregate, Drop
+from draco_cli.prompts.render import RenderOptions
+from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
+
+if TYPE_CHECKING:
+    from draco_cli.judge.core import ScoreResult
+    from draco_cli.llm.drive import Stage
+
+
+def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, out: Path,
+                settings: LLMSettings, *, samples: int, aggregate: Aggregate, judge_label: str,
+                render: RenderOptions, max_tokens: int = 4096, call_log: Path | None = None,
+                force: bool = False, progress: Callable[[Any], None] | None = None,
+                chunk_rollouts: int = CHUNK_ROLLOUTS) -> StageReport:
+    """Verdicts citing steps → ``out/verdicts_raw.parquet`` (one row per sample) and
+    ``out/verdicts.parquet`` (aggregated).
+
+    Rollouts are scored in chunks of ``chunk_rollouts`` in file order (``llmstage``): memory
+    follows the chunk, not the input; the tables are the same as from one pass over all."""
+    from draco_cli.judge.core import score_rollouts, score_stage
+
+    out = Path(out)
+    targets = [out / "verdicts_raw.parquet", out / "verdicts.parquet"]
+    for t in targets:
+        check_writable(t, force)
+    r, s = read_inputs(rollouts, steps)
+    rb = read_table(rubrics, Rubric)
+    report = StageReport(outputs=targets)
+    log_path = call_log_path(out, call_log)
+    sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
+    summary = _Summary()
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
+        client = settings.client(log)
+        if batching(settings):   # one batch for the whole stage, as the batch API wants
+            res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
+                                 judge=judge_label, render=render, batch=settings.batch,
+                                 progress=progress, sampling=sampling)
+            finish(client, log_path, out, report)
+            if not report.budget_reached:
+                with OutputSet(out, [t.name for t in targets], force=force) as output:
+                    output.write_table(res.raw, targets[0].name, VerdictRaw)
+                    output.write_table(res.verdicts, targets[1].name, VerdictAggregated)
+                summary.add(res)
+        else:
+            size = max(1, chunk_rollouts)
+            chunk = pl.int_range(0, r.height, dtype=pl.Int64, eager=True) // size
+            judged = r["group_id"].is_in(rb["group_id"].unique().implode()).sum() * samples
+            frames = chunk_frames(r, s, chunk)
+            del chunk, r, s
+
+            def tables(res: ScoreResult) -> dict[str, pl.DataFrame]:
+                summary.add(res)
+                return {targets[0].name: res.raw, targets[1].name: res.verdicts}
+
+            def stages() -> Iterator[Stage[ScoreResult]]:
+                for cr, cs in frames:
+                    mine = cr["group_id"].unique().implode()
+                    yield score_stage(cr, cs, rb.filter(pl.col("group_id").is_in(mine)),
+                                      samples=samples, aggregate=aggregate, judge=judge_label,
+                                      sampling=sampling, render=render)
+
+            publish_chunks(out, {targets[0].name: VerdictRaw,
+                                 targets[1].name: VerdictAggregated},
+                           client, log_path, stages(), tables, report, force=force,
+                           progress=progress, total=int(judged))
+    if report.budget_reached:
+        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
+        return report
+    n = summary.verdicts
+    unanswered = summary.unanswered
+    report.rows = n
+    # per sample: a sample verdict left null is an unanswered call or a criterion the answer
+    # left out; aggregated nulls also count samples that disagree, which is not a failure
+    report.items = summary.raw
+    report.items_answered = summary.raw - summary.raw_null
+    report.notes.append(f"{n} verdicts ({summary.raw} sample rows); unanswered "
+                        f"{unanswered} ({unanswered / n:.1%})" if n else "no verdicts")
+    st = summary.stats
+    if st.citations_dropped:
+        report.notes.append(f"{st.citations_dropped} citations outside 1..M dropped")
+    if st.unknown_ids:
+        report.notes.append(f"{st.unknown_ids} verdicts for unknown criterion ids ignored")
+    if st.missing:
+        report.notes.append(f"{st.missing} criteria missing from answers (unanswered)")
+    if summary.without_rubric:
+        report.notes.append(f"{summary.without_rubric} rollouts skipped: their group has no "
+                            "rubric")
+    return report
+
+
+class _Summary:
+    """What the report says about the verdict tables, added up over the chunks."""
+
+    def __init__(self) -> None:
+        from draco_cli.judge.core import ScoreStats
+
+        self.verdicts = self.unanswered = self.raw = self.raw_null = self.without_rubric = 0
+        self.stats = ScoreStats()
+
+    def add(self, res: ScoreResult) -> None:
+        self.verdicts += res.verdicts.height
+        self.unanswered += res.verdicts["verdict"].null_count()
+        self.raw += res.raw.height
+        self.raw_null += res.raw["verdict"].null_count()
+        self.without_rubric += res.rollouts_without_rubric
+        for name in ("unknown_ids", "citations_dropped", "missing", "unanswered_samples"):
+            setattr(self.stats, name, getattr(self.stats, name) + getattr(res.stats, name))
+
+
+def judge_prompt(rollouts: str | Path, steps: str | Path, rubrics: str | Path, *,
+                 render: RenderOptions, samples: int = 1) -> str:
+    """The rendered judge prompt of the first rollout, without calling anything."""
+    from draco_cli.judge.core import score_request
+
+    r, s = read_inputs(rollouts, steps)
+    if r.height == 0:
+        raise InputError("no rollouts, so no prompt to show", file=str(rollouts))
+    rb = read_table(rubrics, Rubric)
+    first = r.row(0, named=True)
+    crit = rb.filter(pl.col("group_id") == first["group_id"])
+    req = score_request(first["rollout_id"], first["instruction"],
+                        s.filter(pl.col("rollout_id") == first["rollout_id"]).sort("step"),
+                        crit, samples, Sampling(), render)
+    return render_messages(req.messages)
+
+
+def filtered_verdicts(rollouts: str | Path, verdicts: str | Path, *, drop: Drop = "all-pass",
+                      judge: str | None = None) -> pl.DataFrame:
+    """Aggregated verdicts of one judge with ``retained`` set by the discriminative filter,
+    ``group_id`` attached."""
+    from draco_cli.credit import attach_groups, discriminative_filter, narrow_judge
+
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
+    v = read_table(verdicts, VerdictAggregated)
+    v = narrow_judge(v, judge, source_name(verdicts))
+    return discriminative_filter(attach_groups(v, r, source_name(verdicts)), drop)
+
+
+def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
+                 drop: Drop = "all-pass", judge: str | None = None, force: bool = False
+                 ) -> tuple[int, int]:
+    """The filtered verdicts → ``out`` (published whole, under the folder's lock); returns
+    (retained, all) (group, criterion) pairs."""
+    check_writable(out, force)
+    v = filtered_verdicts(rollouts, verdicts, drop=drop, judge=judge)
+    publish_file(v.drop("group_id", "__r", strict=False), out, VerdictAggregated, force=force)
+    pairs = v.unique(["group_id", "criterion_id"])
+    return int(pairs["retained"].sum()), pairs.height

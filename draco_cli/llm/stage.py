@@ -1,0 +1,313 @@
+"""What the LLM operations (rubric generation, judge scoring) share: the inputs they read, the
+prompt rendering options, the call log they resume from and the report they end with."""
+
+from __future__ import annotations
+
+import asyncio
+import sqlite3
+from collections import deque
+from collections.abc import Callable, Iterable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, TypeVar
+
+import polars as pl
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from draco_cli.io import OutputSet, read_table
+from draco_cli.llm.export import export_parquet
+from draco_cli.redact import Redactor
+from draco_cli.prompts.render import RenderOptions
+from draco_cli.schemas import Rollout, Step, Table
+
+if TYPE_CHECKING:
+    from draco_cli.llm.client import LLMClient
+    from draco_cli.llm.drive import Stage
+    from draco_cli.llm.settings import LLMSettings
+    from draco_cli.llm.types import PhaseStats
+
+R = TypeVar("R")
+
+ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction"]
+STEP_COLUMNS = ["rollout_id", "step", "action", "observation"]
+
+
+@dataclass
+class StageReport:
+    """What an LLM operation reports at its end (the command prints it)."""
+
+    phases: dict[str, PhaseStats] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+    outputs: list[Path] = field(default_factory=list)
+    budget_reached: bool = False
+    rows: int = 0                 # rows of the stage's main output table
+    items: int = 0                # what the stage's answers had to cover (judge: verdicts)
+    items_answered: int = 0
+
+
+def read_inputs(rollouts: str | Path, steps: str | Path) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The rollout and step columns a prompt is rendered from."""
+    return (_read_text_table(rollouts, Rollout, ROLLOUT_COLUMNS),
+            _read_text_table(steps, Step, STEP_COLUMNS))
+
+
+def _read_text_table(path: str | Path, model: type[Table], columns: list[str]) -> pl.DataFrame:
+    """``read_table`` with the same checks, for the columns holding the rollouts' text: a
+    Parquet file is read by polars itself (through Arrow the text was held 2-3 times over while
+    it was converted: +263 MiB at 100k rollouts of the benchmark, against +97); stdin, or a
+    file polars cannot read as asked, goes through ``read_table`` and its errors."""
+    from draco_cli.io import STDIO, conform
+
+    wanted = list(dict.fromkeys([*model.keys, *columns]))
+    if str(path) != STDIO and Path(path).is_file():
+        try:
+            df = pl.read_parquet(path, columns=wanted)
+        except Exception:   # noqa: BLE001 - read_table names what is wrong with the file
+            pass
+        else:
+            return conform(df, model, str(path), wanted)
+    return read_table(path, model, columns=columns)
+
+
+def render_options(max_prompt_tokens: int, redact: list[str], no_default_redact: bool
+                   ) -> RenderOptions:
+    return RenderOptions(max_prompt_tokens=max_prompt_tokens,
+                         redactor=Redactor(redact, defaults=not no_default_redact))
+
+
+def call_log_path(out: Path, call_log: Path | None) -> Path:
+    return call_log if call_log is not None else out / "llm_calls.sqlite"
+
+
+def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) -> None:
+    """The client's phase statistics into ``report``, and the call log's Parquet export."""
+    report.phases.update(client.stats)
+    report.budget_reached = client.budget_reached
+    export_parquet(log_path, out / "llm_calls.parquet", force=True)
+    if not client.priced:
+        report.notes.append(f"{client.model} is not in the price table: its cost shows as $0 "
+                            "(pass --prices FILE to price it)")
+
+
+def log_position(log_path: Path) -> int:
+    """The call log's last row id (0 when there is none yet): rows after it are this run's."""
+    if not Path(log_path).exists():
+        return 0
+    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    try:
+        return int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM calls").fetchone()[0])
+    except sqlite3.OperationalError:  # a log without its table yet
+        return 0
+    finally:
+        conn.close()
+
+
+def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[str, int]:
+    """Why samples of ``phases`` logged after row ``after`` stayed unanswered, counted per
+    reason, read-only from the call log."""
+    if not Path(log_path).exists() or not phases:
+        return {}
+    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    try:
+        rows = conn.execute(
+            f"SELECT error, COUNT(*) FROM calls WHERE status = 'unanswered' AND phase IN "
+            f"({','.join('?' * len(phases))}) AND rowid > ? GROUP BY error",
+            (*phases, after)).fetchall()
+    finally:
+        conn.close()
+    out: dict[str, int] = {}
+    for error, n in rows:
+        # one line, short: the reason names a kind of failure, not a whole server answer
+        reason = (str(error or "no reason recorded").splitlines() or ["?"])[0][:120]
+        out[reason] = out.get(reason, 0) + int(n)
+    return out
+
+
+def render_messages(messages: list[dict[str, Any]]) -> str:
+    """A request's messages as text (``--show-prompt``)."""
+    return "\n\n".join(f"===== {m['role']} =====\n{m['content']}" for m in messages)
+
+
+# --- chunked stages: memory set by the chunk size, not by the number of rollouts ----------
+#
+# Rubrics and verdicts of a group depend on that group alone, so a stage runs over chunks of
+# about CHUNK_ROLLOUTS rollouts: each chunk's requests are built, answered and turned into
+# rows, and its rows are appended to the output tables in the staging folder of the stage's
+# output set (published whole at the end, or not at all). CHUNKS_IN_FLIGHT chunks run at once
+# on one client session, so the client's concurrency stays full while a chunk finishes its last
+# calls (and, for rubrics, its merge phase). Outputs are written in chunk order, which is the
+# order the whole-table stage wrote: the same tables, row for row.
+
+CHUNK_ROLLOUTS = 1024
+CHUNKS_IN_FLIGHT = 2
+
+
+def batching(settings: LLMSettings) -> bool:
+    """Whether the stage goes through the provider's batch API (then it is one batch, run
+    whole as before: chunks would make many batches)."""
+    import os
+
+    from draco_cli.llm.providers import REGISTRY, parse_model_id
+
+    if settings.batch is not None:
+        return bool(settings.batch)
+    provider = REGISTRY.get(parse_model_id(settings.model)[0])
+    hosted = (settings.base_url or os.environ.get("DRACO_BASE_URL")) is None
+    return hosted and bool(getattr(provider, "offers_batch", False))
+
+
+def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series
+                 ) -> Iterator[tuple[pl.DataFrame, pl.DataFrame]]:
+    """(rollouts, steps) of each chunk, in chunk order; ``chunk`` numbers each rollout row's
+    chunk (0, 1, ... with none left empty). Rows keep their order within a chunk; steps of
+    rollouts not listed are left out. Each chunk's rows are gathered when its turn comes (by
+    positions found once), so the inputs are not copied whole."""
+    n = int(chunk.max() or 0) + 1 if len(chunk) else 1   # type: ignore[arg-type]
+    keyed = pl.DataFrame({"rollout_id": rollouts["rollout_id"], "__c": chunk})
+    step_chunk = steps.select("rollout_id").join(keyed, on="rollout_id", how="left",
+                                                 maintain_order="left")["__c"]
+    del keyed
+    r_at, r_counts = _positions(chunk, n)
+    s_at, s_counts = _positions(step_chunk, n)
+    del step_chunk
+    contiguous = chunk.is_sorted()
+    a = b = 0
+    for k in range(n):
+        r = rollouts.slice(a, r_counts[k]) if contiguous else \
+            rollouts[r_at.slice(a, r_counts[k])]
+        yield r, steps[s_at.slice(b, s_counts[k])]
+        a += r_counts[k]
+        b += s_counts[k]
+
+
+def _positions(chunk: pl.Series, n: int) -> tuple[pl.Series, list[int]]:
+    """Row positions ordered by chunk (stable; rows of no chunk last) and rows per chunk."""
+    counts = [0] * n
+    for k, c in chunk.drop_nulls().value_counts().iter_rows():
+        counts[int(k)] = int(c)
+    order = chunk.to_frame("c").select(
+        pl.arg_sort_by("c", maintain_order=True, nulls_last=True)).to_series()
+    return order, counts
+
+
+class ChunkTables:
+    """Tables of an output set written chunk by chunk into its staging folder (published with
+    the set). Each table is converted as ``OutputSet.write_table`` converts a whole one."""
+
+    def __init__(self, output: OutputSet, models: dict[str, type[Table]]) -> None:
+        self.output, self.models = output, models
+        self._writers: dict[str, tuple[pq.ParquetWriter, pa.Schema]] = {}
+
+    def write(self, name: str, df: pl.DataFrame) -> None:
+        from draco_cli.io import _to_arrow
+
+        table = _to_arrow(df, self.models[name])
+        if name not in self._writers:
+            meta = dict(table.schema.metadata or {})
+            meta.update({k.encode(): v.encode() for k, v in self.output.metadata.items()})
+            schema = table.schema.with_metadata(meta)
+            self._writers[name] = (pq.ParquetWriter(self.output.path(name), schema,
+                                                    compression="zstd"), schema)
+        writer, schema = self._writers[name]
+        if not table.schema.equals(schema, check_metadata=False):
+            table = table.cast(schema)
+        writer.write_table(table)
+
+    def close(self) -> None:
+        for writer, _ in self._writers.values():
+            writer.close()
+        self._writers = {}
+
+
+class _ChunkProgress:
+    """One progress count over every chunk and phase of a stage (the client counts each of its
+    runs from zero); ``total`` is fixed up front, so a progress bar keeps one line."""
+
+    def __init__(self, progress: Callable[[Any], None] | None, total: int) -> None:
+        self.progress, self.total = progress, total
+        self.done = self.failed = 0
+
+    def sub(self) -> Callable[[Any], None] | None:
+        if self.progress is None:
+            return None
+        last = [0, 0]
+
+        def tick(p: Any) -> None:
+            self.done += p.done - last[0]
+            self.failed += p.failed - last[1]
+            last[:] = [p.done, p.failed]
+            from draco_cli.llm.types import Progress
+
+            assert self.progress is not None
+            self.progress(Progress(self.done, self.total, self.failed, p.cost_usd,
+                                   getattr(p, "note", None)))
+
+        return tick
+
+
+async def _drive_chunk(stage: Stage[R], client: LLMClient, progress: _ChunkProgress) -> R:
+    try:
+        requests = next(stage)
+        while True:
+            requests = stage.send(await client.arun(requests, progress=progress.sub(),
+                                                    batch=False))
+    except StopIteration as stop:
+        result: R = stop.value
+        return result
+
+
+class _Unpublished(Exception):
+    """Leaves an output set unpublished (the budget was reached)."""
+
+
+def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient, log_path: Path,
+                   stages: Iterable[Stage[R]], tables_of: Callable[[R], dict[str, pl.DataFrame]],
+                   report: StageReport, *, force: bool,
+                   progress: Callable[[Any], None] | None, total: int) -> None:
+    """Run a stage's chunks (``run_chunks``), append each chunk's tables (``tables_of``: file
+    name → rows) to the output set ``models`` names in ``out``, export the call log
+    (``finish``) and publish the set, unless the budget was reached: then nothing is."""
+    try:
+        with OutputSet(out, list(models), force=force) as output:
+            tables = ChunkTables(output, models)
+
+            def write(result: R) -> None:
+                for name, df in tables_of(result).items():
+                    tables.write(name, df)
+
+            try:
+                run_chunks(client, stages, write, progress=progress, total=total)
+            finally:
+                tables.close()
+            finish(client, log_path, out, report)
+            if report.budget_reached:
+                raise _Unpublished()
+    except _Unpublished:
+        pass
+
+
+def run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
+               progress: Callable[[Any], None] | None = None, total: int = 0,
+               in_flight: int = CHUNKS_IN_FLIGHT) -> None:
+    """Drive each chunk's stage on one client session, ``in_flight`` at a time, and hand the
+    results to ``on_result`` in chunk order."""
+    asyncio.run(_run_chunks(client, stages, on_result, _ChunkProgress(progress, total),
+                            max(1, in_flight)))
+
+
+async def _run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
+                      progress: _ChunkProgress, in_flight: int) -> None:
+    pending: deque[asyncio.Future[R]] = deque()
+    async with client.session():
+        try:
+            for stage in stages:
+                pending.append(asyncio.ensure_future(_drive_chunk(stage, client, progress)))
+                if len(pending) >= in_flight:
+                    on_result(await pending.popleft())
+            while pending:
+                on_result(await pending.popleft())
+        finally:
+            for task in pending:
+                task.cancel()
+            await asyncio.gather(*pending, return_exceptions=True)

@@ -1,0 +1,343 @@
+"""Rubrics (SPEC §3.1): dynamic ones written by an LLM in three stages, or one static set.
+
+generate — one call per rollout: criteria specific to that episode that some member of the
+           group is likely to fail;
+union    — one call per group: criteria that distinguish the group's members;
+merge    — one call per group: deduplicate the candidates, keep the discriminative ones, cap
+           at ``max_criteria``.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import re
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from importlib import resources
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+from pydantic import BaseModel, Field
+
+from draco_cli.errors import InputError
+from draco_cli.llm.types import Answer, LLMRequest, Sampling
+from draco_cli.prompts import load_prompt
+from draco_cli.prompts.render import RenderOptions, fenced, render_rollout, task_block
+
+if TYPE_CHECKING:
+    from draco_cli.llm.drive import Client
+    from draco_cli.llm.types import Progress
+    from draco_cli.llm.drive import Stage
+
+STAGES = ("generate", "union", "merge")
+
+
+class CriterionDraft(BaseModel):
+    title: str = Field(description="At most 8 words.")
+    requirement: str = Field(description="One sentence: what passing means.")
+
+
+class CriteriaAnswer(BaseModel):
+    criteria: list[CriterionDraft]
+
+
+def criteria_schema(max_items: int) -> dict[str, Any]:
+    """The answer schema sent: at least one criterion and at most ``max_items`` (a model that
+    loops on one criterion stops at the bound instead of at the token limit)."""
+    from draco_cli.llm.types import strict_schema
+
+    schema = strict_schema(CriteriaAnswer.model_json_schema())
+    schema["properties"]["criteria"].update(minItems=1, maxItems=max(1, max_items))
+    return schema
+
+
+def criteria_check(max_items: int) -> Callable[[BaseModel], str | None]:
+    """What the schema cannot say: no empty, repeated or surplus criterion (re-asked)."""
+
+    def check(answer: BaseModel) -> str | None:
+        assert isinstance(answer, CriteriaAnswer)  # the requests' answer_model
+        if not answer.criteria:
+            return "the criteria list is empty: propose at least one criterion"
+        if len(answer.criteria) > max_items:
+            return f"{len(answer.criteria)} criteria: give at most {max_items}"
+        seen: dict[str, int] = {}
+        for i, c in enumerate(answer.criteria, start=1):
+            if not c.title.strip() or not c.requirement.strip():
+                return f"criterion {i} has an empty title or requirement"
+            key = normalise(c.title)
+            if key in seen:
+                return f"criterion {i} repeats criterion {seen[key]} ({c.title.strip()!r}): " \
+                    "give each criterion once"
+            seen[key] = i
+        return None
+
+    return check
+
+
+def normalise(text: str) -> str:
+    return re.sub(r"\s+", " ", re.sub(r"[^\w\s]", " ", text.lower())).strip()
+
+
+def criterion_id(group_id: str, title: str, requirement: str) -> str:
+    """Stable id: the same criterion text in the same group always gets the same id."""
+    digest = hashlib.sha256(f"{group_id}\n{normalise(title)}\n{normalise(requirement)}"
+                            .encode()).hexdigest()
+    return "c" + digest[:12]
+
+
+@dataclass
+class RubricResult:
+    candidates: pl.DataFrame
+    rubrics: pl.DataFrame
+    groups_without_rubric: list[str] = field(default_factory=list)
+    capped: int = 0
+
+
+def _groups(rollouts: pl.DataFrame) -> list[tuple[str, str, list[str]]]:
+    g = rollouts.group_by("group_id", maintain_order=True).agg(
+        pl.col("instruction").first(), pl.col("rollout_id"))
+    return [(r["group_id"], r["instruction"], r["rollout_id"]) for r in g.iter_rows(named=True)]
+
+
+def _steps_of(steps: pl.DataFrame) -> dict[str, pl.DataFrame]:
+    return {k[0]: v.sort("step") for k, v in steps.partition_by("rollout_id", as_dict=True).items()}
+
+
+def _drafts(answer: Answer) -> list[CriterionDraft]:
+    """The criteria of an answer whose status is ok (parsed as its CriteriaAnswer)."""
+    assert isinstance(answer.value, CriteriaAnswer)
+    return answer.value.criteria
+
+
+def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[str, ...],
+                   max_criteria: int, render: RenderOptions, sampling: Sampling
+                   ) -> list[tuple[str, str, str | None, LLMRequest]]:
+    """The generate and union requests: (stage, group_id, origin rollout or None, request)."""
+    by_rollout = _steps_of(steps)
+    empty = steps.clear()
+    out: list[tuple[str, str, str | None, LLMRequest]] = []
+    for group_id, instruction, members in _groups(rollouts):
+        if "generate" in stages:
+            template, version = load_prompt("generate")
+            for rid in members:
+                task, traj = render_rollout(instruction, by_rollout.get(rid, empty), render)
+                out.append(("generate", group_id, rid, LLMRequest(
+                    phase="generate", key=rid, answer_model=CriteriaAnswer,
+                    json_schema=criteria_schema(max_criteria), schema_name="criteria",
+                    check=criteria_check(max_criteria),
+                    template_version=version, sampling=sampling,
+                    messages=[{"role": "system", "content": template.format(
+                                  max_candidates=max_criteria)},
+                              {"role": "user", "content": f"Task:\n{task_block(task)}\n\n"
+                               f"Rollout:\n{fenced('rollout', traj)}"}])))
+        if "union" in stages:
+            template, version = load_prompt("union")
+            share = max(render.max_prompt_tokens // max(len(members), 1), 500)
+            blocks = []
+            for k, rid in enumerate(members, start=1):
+                task, traj = render_rollout(instruction, by_rollout.get(rid, empty), render, share)
+                blocks.append(f"Attempt {k}:\n{fenced(f'attempt {k}', traj)}")
+            out.append(("union", group_id, None, LLMRequest(
+                phase="union", key=group_id, answer_model=CriteriaAnswer,
+                json_schema=criteria_schema(max_criteria), schema_name="criteria",
+                check=criteria_check(max_criteria),
+                template_version=version, sampling=sampling,
+                messages=[{"role": "system", "content": template.format(
+                              max_candidates=max_criteria)},
+                          {"role": "user", "content": f"Task:\n{task_block(task)}\n\n"
+                           + "\n\n".join(blocks)}])))
+    return out
+
+
+def merge_request(group_id: str, instruction: str, candidates: list[dict[str, Any]],
+                  max_criteria: int,
+                  render: RenderOptions, sampling: Sampling) -> LLMRequest:
+    template, version = load_prompt("merge")
+    red = render.redactor or (lambda s: s)
+    listing = "\n".join(json.dumps({"title": c["title"], "requirement": c["requirement"]},
+                                   ensure_ascii=False) for c in candidates)
+    return LLMRequest(
+        phase="merge", key=group_id, answer_model=CriteriaAnswer, template_version=version,
+        sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
+        check=criteria_check(max_criteria),
+        messages=[{"role": "system", "content": template.format(max_criteria=max_criteria)},
+                  {"role": "user", "content": f"Task:\n{task_block(red(instruction))}\n\n"
+                   f"Candidate criteria:\n{fenced('candidates', listing)}"}])
+
+
+def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    seen: set[tuple[str, str]] = set()
+    out = []
+    for c in criteria:
+        key = (normalise(c["title"]), normalise(c["requirement"]))
+        if key not in seen and c["title"].strip() and c["requirement"].strip():
+            seen.add(key)
+            out.append(c)
+    return out
+
+
+def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: Client, *,
+                     stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
+                     render: RenderOptions | None = None, sampling: Sampling | None = None,
+                     batch: bool | None = False,
+                     progress: Callable[[Progress], None] | None = None) -> RubricResult:
+    from draco_cli.llm.drive import drive
+
+    return drive(rubric_stage(rollouts, steps, stages=stages, max_criteria=max_criteria,
+                              render=render, sampling=sampling), client, progress=progress,
+                 batch=batch)
+
+
+def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
+                 stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
+                 render: RenderOptions | None = None, sampling: Sampling | None = None
+                 ) -> Stage[RubricResult]:
+    """The rubric stage as a generator of request lists (``draco_cli.llm.drive``)."""
+    render = render or RenderOptions()
+    sampling = sampling or Sampling()
+    jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
+    answers = (yield [j[3] for j in jobs]) if jobs else []
+    cand_rows = []
+    for (stage, group_id, origin, _), [answer] in zip(jobs, answers):
+        if answer.status != "ok":
+            continue
+        for c in _drafts(answer)[: max_criteria * 2]:
+            cand_rows.append({
+                "group_id": group_id,
+                "candidate_id": f"{stage}-" + hashlib.sha256(
+                    f"{origin}\n{c.title}\n{c.requirement}".encode()).hexdigest()[:12],
+                "stage": stage, "origin_rollout_id": origin,
+                "title": c.title.strip(), "requirement": c.requirement.strip()})
+    candidates = pl.DataFrame(cand_rows, schema={
+        "group_id": pl.String, "candidate_id": pl.String, "stage": pl.String,
+        "origin_rollout_id": pl.String, "title": pl.String, "requirement": pl.String})
+    candidates = candidates.unique(["group_id", "candidate_id"], keep="first", maintain_order=True)
+
+    final: dict[str, list[dict[str, Any]]] = {}
+    sources: dict[str, str] = {}
+    groups = _groups(rollouts)
+    capped = 0
+    # Each group's deduplicated candidates, partitioned once (not filtered per group).
+    by_group = {k[0]: dedupe(v.to_dicts())
+                for k, v in candidates.partition_by("group_id", as_dict=True).items()}
+    if "merge" in stages:
+        merge_jobs = []
+        for group_id, instruction, _ in groups:
+            mine = by_group.get(group_id, [])
+            if mine:
+                merge_jobs.append((group_id, merge_request(group_id, instruction, mine,
+                                                           max_criteria, render, sampling)))
+        merged = (yield [r for _, r in merge_jobs]) if merge_jobs else []
+        for (group_id, _), [answer] in zip(merge_jobs, merged):
+            if answer.status == "ok":
+                crit = dedupe([c.model_dump() for c in _drafts(answer)])
+                capped += max(len(crit) - max_criteria, 0)
+                final[group_id] = crit[:max_criteria]
+                sources[group_id] = "merge"
+    else:
+        for group_id, _, _ in groups:
+            mine = by_group.get(group_id, [])
+            capped += max(len(mine) - max_criteria, 0)
+            final[group_id] = [{"title": c["title"], "requirement": c["requirement"],
+                                "source": c["stage"]} for c in mine[:max_criteria]]
+    rows = []
+    for group_id, crit in final.items():
+        for kept in crit:
+            rows.append({"group_id": group_id,
+                         "criterion_id": criterion_id(group_id, kept["title"], kept["requirement"]),
+                         "title": kept["title"].strip(), "requirement": kept["requirement"].strip(),
+                         "source": kept.get("source", sources.get(group_id, "merge"))})
+    rubrics = pl.DataFrame(rows, schema={"group_id": pl.String, "criterion_id": pl.String,
+                                         "title": pl.String, "requirement": pl.String,
+                                         "source": pl.String})
+    missing = [g for g, _, _ in groups if not final.get(g)]
+    return RubricResult(candidates, rubrics, missing, capped)
+
+
+# --- static rubrics -----------------------------------------------------------------------
+
+
+def load_static_rubric(path: str | Path | None) -> list[dict[str, str]]:
+    """Criteria from YAML, JSON or Parquet (``title``, ``requirement``); None = the default
+    shipped with draco."""
+    if path is None:
+        text = resources.files("draco_cli.rubric").joinpath("default.yaml").read_text()
+        return _criteria_from(_yaml(text, "draco_cli/rubric/default.yaml"),
+                              "draco_cli/rubric/default.yaml")
+    p = Path(path)
+    if not p.exists():
+        raise InputError("no such rubric file", file=str(p))
+    if p.is_dir():
+        raise InputError("is a folder, expected a rubric file (.yaml, .json or .parquet)",
+                         file=str(p))
+    suffix = p.suffix.lower()
+    if suffix == ".parquet":
+        from draco_cli.io import as_frame, read_arrow
+
+        df = as_frame(read_arrow(p))
+        for col in ("title", "requirement"):
+            if col not in df.columns:
+                raise InputError("missing column", file=str(p), field=col)
+        return _criteria_from({"criteria": df.select("title", "requirement").to_dicts()}, str(p))
+    try:
+        text = p.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise InputError(f"not UTF-8 text (byte {exc.start}): a rubric file is YAML or JSON",
+                         file=str(p)) from None
+    if "\x00" in text:
+        raise InputError("binary data: a rubric file is YAML or JSON text", file=str(p))
+    if suffix == ".json":
+        try:
+            data = json.loads(text)
+        except json.JSONDecodeError as exc:
+            raise InputError(f"not JSON ({exc.msg}, line {exc.lineno})", file=str(p)) from None
+    elif suffix in (".yaml", ".yml"):
+        data = _yaml(text, str(p))
+    else:
+        raise InputError("rubric files are .yaml, .yml, .json or .parquet", file=str(p))
+    return _criteria_from(data, str(p))
+
+
+def _yaml(text: str, source: str) -> Any:
+    import yaml
+
+    try:
+        return yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        raise InputError(f"not YAML ({exc})", file=source) from None
+
+
+def _criteria_from(data: Any, source: str) -> list[dict[str, str]]:
+    items = data.get("criteria") if isinstance(data, dict) else data
+    if not isinstance(items, list) or not items:
+        raise InputError("expected a non-empty list of criteria (or {criteria: [...]})",
+                         file=source, field="criteria")
+    out = []
+    seen: dict[tuple[str, str], int] = {}
+    for i, c in enumerate(items):
+        if not isinstance(c, dict):
+            raise InputError("a criterion must be a mapping", file=source, row=f"criterion {i}")
+        for name in ("title", "requirement"):
+            if not isinstance(c.get(name), str) or not c[name].strip():
+                raise InputError("missing or empty", file=source, row=f"criterion {i}",
+                                 field=name)
+        key = (normalise(c["title"]), normalise(c["requirement"]))
+        if key in seen:
+            # The same text gets the same criterion id: two rows with one key downstream.
+            raise InputError(f"repeats criterion {seen[key]} (same title and requirement)",
+                             file=source, row=f"criterion {i}", field="title")
+        seen[key] = i
+        out.append({"title": c["title"].strip(), "requirement": c["requirement"].strip()})
+    return out
+
+
+def static_rubrics(rollouts: pl.DataFrame, criteria: list[dict[str, str]]) -> pl.DataFrame:
+    """The same criteria for every group, ids per group (verdict keys stay unique)."""
+    rows = [{"group_id": g, "criterion_id": criterion_id(g, c["title"], c["requirement"]),
+             "title": c["title"], "requirement": c["requirement"], "source": "static"}
+            for g in rollouts["group_id"].unique(maintain_order=True) for c in criteria]
+    return pl.DataFrame(rows, schema={"group_id": pl.String, "criterion_id": pl.String,
+                                      "title": pl.String, "requirement": pl.String,
+                                      "source": pl.String})

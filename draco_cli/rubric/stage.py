@@ -1,0 +1,140 @@
+"""Rubric operations (``draco rubric generate`` / ``static``): read rollouts and steps, write
+criteria with an LLM (or apply a fixed rubric), publish the rubric tables as one set."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import polars as pl
+
+from draco_cli.errors import InputError
+from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
+from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.settings import LLMSettings
+from draco_cli.llm.types import Sampling
+from draco_cli.llm.stage import (CHUNK_ROLLOUTS, ROLLOUT_COLUMNS, StageReport, batching,
+                                    call_log_path, chunk_frames, finish, publish_chunks,
+                                    read_inputs, render_messages)
+from draco_cli.prompts.render import RenderOptions
+from draco_cli.schemas import Rollout, Rubric, RubricCandidate
+
+if TYPE_CHECKING:
+    from draco_cli.rubric.core import RubricResult
+
+
+def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings: LLMSettings,
+                    *, stages: tuple[str, ...], max_criteria: int, render: RenderOptions,
+                    max_tokens: int = 4096, call_log: Path | None = None, force: bool = False,
+                    progress: Callable[[Any], None] | None = None,
+                    chunk_rollouts: int = CHUNK_ROLLOUTS) -> StageReport:
+    """Criteria per group → ``out/rubric_candidates.parquet`` and ``out/rubrics.parquet``.
+
+    Groups are written in chunks of about ``chunk_rollouts`` rollouts (``llmstage``): memory
+    follows the chunk, not the input; the tables are the same as from one pass over all."""
+    from draco_cli.rubric.core import generate_rubrics, rubric_stage
+
+    out = Path(out)
+    targets = [out / "rubric_candidates.parquet", out / "rubrics.parquet"]
+    for t in targets:
+        check_writable(t, force)
+    r, s = read_inputs(rollouts, steps)
+    report = StageReport(outputs=targets)
+    log_path = call_log_path(out, call_log)
+    sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
+    summary = _Summary()
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
+        client = settings.client(log)
+        if batching(settings):   # one batch for the whole stage, as the batch API wants
+            res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
+                                   render=render, progress=progress, batch=settings.batch,
+                                   sampling=sampling)
+            finish(client, log_path, out, report)
+            if not report.budget_reached:
+                with OutputSet(out, [t.name for t in targets], force=force) as output:
+                    output.write_table(res.candidates, targets[0].name, RubricCandidate)
+                    output.write_table(res.rubrics, targets[1].name, Rubric)
+                summary.add(res)
+        else:
+            groups = r.group_by("group_id", maintain_order=True).agg(pl.len().alias("n"))
+            start = pl.col("n").cum_sum() - pl.col("n")
+            groups = groups.with_columns(
+                ((start // max(1, chunk_rollouts)).rank("dense") - 1).alias("__c"))
+            chunk = r.select("group_id").join(groups.select("group_id", "__c"), on="group_id",
+                                               how="left", maintain_order="left")["__c"]
+            total = r.height + 2 * groups.height   # generate + union, merge
+            frames = chunk_frames(r, s, chunk)
+            del groups, chunk, r, s
+
+            def tables(res: RubricResult) -> dict[str, pl.DataFrame]:
+                summary.add(res)
+                return {targets[0].name: res.candidates, targets[1].name: res.rubrics}
+
+            publish_chunks(out, {targets[0].name: RubricCandidate, targets[1].name: Rubric},
+                           client, log_path,
+                           (rubric_stage(cr, cs, stages=stages, max_criteria=max_criteria,
+                                         render=render, sampling=sampling) for cr, cs in frames),
+                           tables, report, force=force, progress=progress, total=total)
+    if report.budget_reached:
+        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
+        return report
+    if summary.missing:
+        report.notes.append(f"{summary.missing} group(s) got no criteria "
+                            f"(unanswered calls): {', '.join(summary.missing_first)}")
+    if summary.capped:
+        report.notes.append(f"{summary.capped} criteria beyond --max-criteria {max_criteria} "
+                            "dropped")
+    report.notes.append(f"{summary.criteria} criteria for {summary.groups} "
+                        f"groups, {summary.candidates} candidates")
+    report.rows = summary.criteria
+    return report
+
+
+class _Summary:
+    """What the report says about the rubric tables, added up over the chunks."""
+
+    def __init__(self) -> None:
+        self.missing = self.capped = self.criteria = self.groups = self.candidates = 0
+        self.missing_first: list[str] = []
+
+    def add(self, res: RubricResult) -> None:
+        self.missing += len(res.groups_without_rubric)
+        self.missing_first += res.groups_without_rubric[: 5 - len(self.missing_first)]
+        self.capped += res.capped
+        self.criteria += res.rubrics.height
+        self.groups += res.rubrics["group_id"].n_unique()   # a group is in one chunk only
+        self.candidates += res.candidates.height
+
+
+def rubric_static(rollouts: str | Path, rubric_file: Path | None, out: Path,
+                  force: bool = False) -> tuple[int, int, Path]:
+    """One fixed rubric for every group → ``out/rubrics.parquet``; returns (criteria, groups,
+    the table written)."""
+    from draco_cli.rubric.core import load_static_rubric, static_rubrics
+
+    out = Path(out)
+    target = out / "rubrics.parquet"
+    check_writable(target, force)
+    r = read_table(rollouts, Rollout, columns=ROLLOUT_COLUMNS)
+    criteria = load_static_rubric(rubric_file)
+    rb = static_rubrics(r, criteria)
+    with OutputSet(out, [target.name], force=force) as output:
+        output.write_table(rb, target.name, Rubric)
+    return len(criteria), r["group_id"].n_unique(), target
+
+
+def rubric_prompt(rollouts: str | Path, steps: str | Path, stage: str, *, max_criteria: int = 8,
+                  render: RenderOptions) -> str:
+    """The rendered ``stage`` prompt (generate or union) of the first group, without calling
+    anything (``--show-prompt``)."""
+    from draco_cli.rubric.core import stage_requests
+
+    r, s = read_inputs(rollouts, steps)
+    if r.height == 0:
+        raise InputError("no rollouts, so no prompt to show", file=str(rollouts))
+    first_group = r["group_id"][0]
+    jobs = stage_requests(r.filter(pl.col("group_id") == first_group), s, (stage,),
+                          max_criteria, render, Sampling())
+    return render_messages(jobs[0][3].messages)

@@ -1,0 +1,255 @@
+"""The in-loop Python API: score one group of rollouts as soon as its n rollouts finish, while
+other groups are still generating.
+
+    from draco_cli.run import inloop as api
+
+    async with api.Scorer("openai/judge", base_url="http://127.0.0.1:8000/v1",
+                          call_log="runs/step-7/llm_calls.sqlite", deadline=60) as scorer:
+        scored = await scorer.score_group(rollouts, steps)   # polars or Arrow tables
+        scored.token_advantages                               # one row per rollout
+
+Each ``score_group`` runs the stages of ``draco run`` on one group — rubric, judge, filter,
+credit, token advantages — with the same library functions, so the tables are the ones
+``draco run`` writes for that group. Every group scored through one ``Scorer`` shares one call
+log (an answered call is never paid twice, a restarted trainer resumes from it, costs add up),
+one concurrency limit and rate limiter, and the per-call ``deadline``: a request not answered
+within it (every retry and re-ask included) ends unanswered instead of stalling the step.
+Nothing here writes a table to disk; the call log is the only file.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from contextlib import AbstractAsyncContextManager
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable, cast
+
+import polars as pl
+import pyarrow as pa
+
+from draco_cli.errors import InputError, UsageError
+from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.drive import adrive
+from draco_cli.llm.settings import LLMSettings
+from draco_cli.llm.types import Sampling
+from draco_cli.options import RunOptions
+from draco_cli.schemas import Rollout, Step
+
+if TYPE_CHECKING:
+    from polars._typing import SchemaDict
+
+    from draco_cli.llm.client import LLMClient
+    from draco_cli.llm.types import Answer, LLMRequest, Progress
+
+__all__ = ["Scorer", "GroupScore", "CallTally"]
+
+_ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction", "outcome",
+                    "response_len", "train_step", "response_fingerprint"]
+_STEP_COLUMNS = ["rollout_id", "step", "action", "observation", "n_tokens", "token_start"]
+
+
+@dataclass
+class CallTally:
+    """What one group's LLM calls came to (samples, not HTTP attempts)."""
+
+    answered: int = 0        # answered by a call made for this group
+    cached: int = 0          # answered from the call log: paid before, free now
+    unanswered: int = 0
+    cost_usd: float = 0.0
+    reasons: dict[str, int] = field(default_factory=dict)
+
+
+@dataclass
+class GroupScore:
+    group_id: str
+    rubrics: pl.DataFrame
+    verdicts_raw: pl.DataFrame
+    verdicts: pl.DataFrame         # aggregated, with ``retained`` from the filter
+    rewards: pl.DataFrame
+    step_credit: pl.DataFrame
+    token_advantages: pl.DataFrame
+    calls: CallTally
+
+
+class _Tallied:
+    """The client as the stages see it, counting this group's answers on the way through."""
+
+    def __init__(self, client: LLMClient, tally: CallTally) -> None:
+        self.client, self.tally = client, tally
+
+    async def arun(self, requests: list[LLMRequest],
+                   progress: Callable[[Progress], None] | None = None) -> list[list[Answer]]:
+        answers = await self.client.arun(requests, progress=progress)
+        t = self.tally
+        for per_request in answers:
+            for a in per_request:
+                if a.status == "ok":
+                    t.cached += a.cached
+                    t.answered += not a.cached
+                else:
+                    t.unanswered += 1
+                    reason = (a.reason or a.status).splitlines()[0][:120] if (
+                        a.reason or a.status) else "?"
+                    t.reasons[reason] = t.reasons.get(reason, 0) + 1
+                t.cost_usd += a.cost_usd or 0.0
+        return answers
+
+
+class Scorer:
+    """Scores groups concurrently under one call log, concurrency limit and deadline.
+
+    ``model`` and the keywords of ``LLMSettings`` (``base_url``, ``concurrency``, ``rpm``,
+    ``tpm``, ``timeout``, ``max_cost``, ``temperature``, ``seed``, …) say how to call the LLM;
+    ``options`` are ``draco run``'s (setting, rubric, judge, credit); ``deadline`` is seconds
+    per request. Use as ``async with``; the call log is opened once for every group.
+    """
+
+    def __init__(self, model: str, *, call_log: str | Path, options: RunOptions | None = None,
+                 deadline: float | None = None, **llm: Any) -> None:
+        self.options = options or RunOptions()
+        if self.options.rubric.kind == "none" and self.options.credit.reward != "outcome":
+            raise UsageError("rubric kind none scores by --reward outcome only")
+        if deadline is not None and deadline <= 0:
+            raise UsageError(f"deadline {deadline!r}: must be > 0 seconds")
+        try:
+            self.llm = LLMSettings(model=model, **llm)
+        except TypeError as exc:
+            raise UsageError(f"Scorer: {exc}") from None
+        self.call_log_path = Path(call_log)
+        self.deadline = deadline
+        p = self.options.prompt
+        from draco_cli.llm.stage import render_options
+
+        self.render = render_options(p.max_prompt_tokens, list(p.redact), p.no_default_redact)
+        self.sampling = Sampling(max_tokens=p.max_tokens, thinking=self.llm.thinking)
+        self._log: CallLog | None = None
+        self._clients: dict[str, LLMClient] = {}
+        self._sessions: list[AbstractAsyncContextManager[Any]] = []
+        self.static_criteria = None
+        if self.options.rubric.kind == "static":
+            from draco_cli.rubric.core import load_static_rubric
+
+            self.static_criteria = load_static_rubric(self.options.rubric.static_rubric)
+
+    async def __aenter__(self) -> "Scorer":
+        self.call_log_path.parent.mkdir(parents=True, exist_ok=True)
+        self._log = CallLog(self.call_log_path).__enter__()
+        judge_model = self.options.judge.judge_model or self.llm.model
+        for role, model in (("rubric", self.llm.model), ("judge", judge_model)):
+            if role == "judge" and model == self.llm.model:
+                self._clients["judge"] = self._clients["rubric"]
+                continue
+            client = replace(self.llm, model=model).client(self._log)
+            client.deadline = self.deadline
+            session = client.session()
+            await session.__aenter__()
+            self._sessions.append(session)
+            self._clients[role] = client
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for session in reversed(self._sessions):
+            await session.__aexit__(*exc)
+        self._sessions.clear()
+        if self._log is not None:
+            self._log.__exit__(*exc)
+            self._log = None
+
+    @property
+    def cost_usd(self) -> float:
+        """Spent by calls made through this scorer (answers from the log cost nothing)."""
+        return sum(c.spent for c in {id(c): c for c in self._clients.values()}.values())
+
+    @property
+    def budget_reached(self) -> bool:
+        return any(c.budget_reached for c in self._clients.values())
+
+    async def score_group(self, rollouts: pl.DataFrame | pa.Table,
+                          steps: pl.DataFrame | pa.Table) -> GroupScore:
+        """Rubric, judge, filter, credit and token advantages of one group's rollouts."""
+        if self._log is None:
+            raise UsageError("Scorer.score_group: use the scorer inside `async with`")
+        arrow = rollouts if isinstance(rollouts, pa.Table) else rollouts.to_arrow()
+        spans = arrow.column("policy_spans") if "policy_spans" in arrow.column_names else None
+        from draco_cli.io import as_frame, conform
+
+        r = conform(as_frame(arrow.drop_columns(["policy_spans"]) if spans is not None
+                             else arrow), Rollout, "rollouts",
+                    [c for c in _ROLLOUT_COLUMNS if c in arrow.column_names or c in
+                     ("rollout_id", "group_id", "task_id")])
+        s = conform(steps if isinstance(steps, pl.DataFrame) else as_frame(steps), Step,
+                    "steps", [c for c in _STEP_COLUMNS if c in steps.columns or c in
+                              ("rollout_id", "step")])
+        groups = r["group_id"].unique(maintain_order=True).to_list()
+        if len(groups) != 1:
+            raise InputError(f"score_group takes one group's rollouts, got {len(groups)} "
+                             f"groups ({', '.join(map(str, groups[:3]))})", file="rollouts",
+                             field="group_id")
+        s = s.filter(pl.col("rollout_id").is_in(r["rollout_id"].implode()))
+        tally = CallTally()
+        rubrics, raw, verdicts = await self._judge(r, s, tally)
+        tables = await asyncio.to_thread(self._credit, r, s, verdicts, spans)
+        return GroupScore(groups[0], rubrics, raw, *tables, calls=tally)
+
+    async def _judge(self, r: pl.DataFrame, s: pl.DataFrame, tally: CallTally
+                     ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+        """(rubrics, raw verdicts, aggregated verdicts) of one group."""
+        from draco_cli.judge.core import RAW_SCHEMA, score_stage
+        from draco_cli.rubric.core import rubric_stage, static_rubrics
+
+        o = self.options
+        if o.rubric.kind == "none":
+            empty = pl.DataFrame(schema={"group_id": pl.String, "criterion_id": pl.String,
+                                         "title": pl.String, "requirement": pl.String,
+                                         "source": pl.String})
+            # RAW_SCHEMA holds polars dtypes (judge.py types it as a dict of objects)
+            raw = pl.DataFrame(schema=cast("SchemaDict", RAW_SCHEMA))
+            return empty, raw, raw.drop("sample")
+        if self.static_criteria is not None:   # rubric kind static
+            rubrics = static_rubrics(r, self.static_criteria)
+        else:
+            res = await adrive(rubric_stage(r, s, stages=("generate", "union", "merge"),
+                                            max_criteria=o.rubric.max_criteria,
+                                            render=self.render, sampling=self.sampling),
+                               _Tallied(self._clients["rubric"], tally))
+            rubrics = res.rubrics
+        scored = await adrive(score_stage(r, s, rubrics, samples=o.judge.samples,
+                                          aggregate=o.judge.aggregate,
+                                          judge=o.judge.judge_label, sampling=self.sampling,
+                                          render=self.render),
+                              _Tallied(self._clients["judge"], tally))
+        return rubrics, scored.raw, scored.verdicts
+
+    def _credit(self, r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
+                spans: pa.ChunkedArray[Any] | None
+                ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+        """(filtered verdicts, rewards, step credit, token advantages) of one group."""
+        from draco_cli.credit import attach_groups, compute_credit, discriminative_filter, \
+            narrow_judge
+        from draco_cli.credit.tokens import spans_to_dense, token_spans
+        from draco_cli.validate import policy_span_issues, raise_first
+
+        c = self.options.credit
+        if spans is not None:
+            raise_first(policy_span_issues(spans, r["response_len"]), "rollouts",
+                        "policy_spans")
+        v = verdicts.with_columns(pl.lit(None, dtype=pl.Boolean).alias("retained")) \
+            if "retained" not in verdicts.columns else verdicts
+        result = compute_credit(r, s, v.select("rollout_id", "criterion_id", "judge", "verdict",
+                                               "cited_steps", "retained"),
+                                verdicts_source="verdicts", steps_source="steps",
+                                **c.model_dump(exclude={"tokens"}))
+        ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
+                         result.rewards["advantage"].to_numpy(),
+                         result.rewards["credit_mode"].to_numpy(), "steps", spans)
+        if c.tokens in ("dense", "both"):
+            dense = spans_to_dense(ta)
+            ta = dense if c.tokens == "dense" else dense.with_columns(ta.select(
+                "span_start", "span_end", "span_value"))
+        filtered = verdicts
+        if verdicts.height:
+            filtered = discriminative_filter(
+                attach_groups(narrow_judge(verdicts, c.judge), r, "verdicts"), c.drop
+            ).drop("group_id", "__r", strict=False)
+        return filtered, result.rewards, result.step_credit, ta

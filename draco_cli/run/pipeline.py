@@ -1,0 +1,464 @@
+"""``draco run``: one training step, rubric → judge → filter → credit, into one run folder.
+
+Each stage's key hashes its options and the contents of what it reads: the input tables, the
+static rubric's criteria, the previous stage's output tables. A rerun skips a finished stage
+whose key is unchanged and whose outputs exist, redoes it (and so everything after it) when
+anything it reads changed, and resumes an unfinished LLM stage from the call log: answered
+calls come free, unanswered ones are asked again. The manifest is rewritten as each stage
+starts and ends, so a killed run leaves a manifest saying what finished. The run folder is
+locked while a run writes it, so two runs into one folder never pay a call twice.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import hashlib
+import json
+import os
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field, replace
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from draco_cli import __version__
+from draco_cli.errors import InputError, UsageError
+from draco_cli.llm.settings import LLMSettings
+from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOptions,
+                               RubricOptions, RunOptions)
+from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
+from draco_cli.run.folder import (Health, Manifest, RunFolder, StageHealth, StageRecord,
+                                 file_sha256, input_record)
+
+if TYPE_CHECKING:
+    from draco_cli.llm.stage import StageReport
+
+__all__ = ["SETTINGS", "RunOptions", "RubricOptions", "PromptOptions", "JudgeOptions",
+           "CreditOptions", "RunResult", "StageEvent", "run_step", "run_dir_for"]
+
+LLM_PHASES = {"rubric": ["generate", "union", "merge"], "judge": ["score"]}
+
+
+@dataclass
+class StageEvent:
+    """What a stage reports as it starts, ends or is reused (the command prints it)."""
+
+    stage: str
+    event: str                   # start | end | reused
+    status: str = ""
+    rows: int | None = None
+    calls_new: int = 0
+    calls_reused: int = 0
+    cost_usd: float = 0.0
+    seconds: float = 0.0
+    unanswered: int = 0
+    reasons: dict[str, int] = field(default_factory=dict)
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class RunResult:
+    run_dir: Path
+    manifest: dict[str, Any]        # the manifest as JSON
+    skipped: list[str]
+    budget_reached: bool = False
+    healthy: bool = True
+    events: list[StageEvent] = field(default_factory=list)
+
+
+def _rss_probe(where: str) -> None:
+    """With ``DRACO_RSS_PROBE=1`` (a debugging aid, off by default): print the process's RSS
+    and its peak since the last probe to stderr, then reset the peak (Linux ``clear_refs``),
+    so each stage's own peak shows in one run."""
+    if os.environ.get("DRACO_RSS_PROBE") != "1":
+        return
+    try:
+        status = Path("/proc/self/status").read_text()
+        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines())
+              if k in ("VmRSS", "VmHWM")}
+        print(f"draco rss-probe {where}: rss {kb['VmRSS'] / 1024:.1f} MiB, peak since last "
+              f"{kb['VmHWM'] / 1024:.1f} MiB", file=sys.stderr, flush=True)
+        Path("/proc/self/clear_refs").write_text("5")
+    except (OSError, KeyError, ValueError):
+        pass
+
+
+def _key(*parts: Any) -> str:
+    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
+
+
+def _contents(*paths: Path) -> list[str | None]:
+    """SHA-256 of each file, None where absent: a stage keyed on these reruns exactly when
+    what it reads changed."""
+    return [file_sha256(p) if p.exists() else None for p in paths]
+
+
+def run_dir_for(out: Path, train_step: int | None) -> Path:
+    if train_step is not None and train_step < 0:
+        raise UsageError(f"--train-step {train_step}: must be ≥ 0")
+    return Path(out) / f"step-{train_step}" if train_step is not None else Path(out)
+
+
+def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
+             opts: RunOptions | None = None, train_step: int | None = None,
+             progress: Callable[[Any], None] | None = None,
+             on_event: Callable[[StageEvent], None] | None = None, wait: bool = True,
+             on_wait: Callable[[str], None] | None = None) -> RunResult:
+    """Run one training step into ``out`` (or ``out/step-N`` with ``train_step``).
+
+    ``llm`` may be None only for ``--setting outcome``, which makes no LLM call. ``on_event``
+    hears each stage start and end; ``on_wait`` hears who holds the folder's lock when this
+    run has to wait for it (``wait=False`` refuses instead).
+    """
+    opts = opts or RunOptions()
+    if train_step is None:
+        train_step = opts.train_step
+    if opts.uses_llm and llm is None:
+        raise UsageError(f"--model is required for --setting {opts.setting} (only --setting "
+                         "outcome makes no LLM call)")
+    for path in (rollouts, steps):
+        if not Path(path).is_file():
+            raise InputError("no such file", file=str(path))
+    if llm is not None:  # a bad --judge-model must not wait until the rubric is paid for
+        for model in {llm.model, opts.judge.judge_model or llm.model}:
+            _check_model(model)
+    static_criteria = None
+    if opts.rubric.kind == "static":
+        from draco_cli.rubric.core import load_static_rubric
+
+        static_criteria = load_static_rubric(opts.rubric.static_rubric)  # refused up front
+    folder = RunFolder(run_dir_for(Path(out), train_step))
+    with folder.lock(wait=wait, on_wait=on_wait):
+        return _Run(folder, Path(rollouts), Path(steps), llm, opts, train_step,
+                    static_criteria, progress, on_event).run()
+
+
+def _row_count(path: Path) -> int:
+    """A table's rows from its Parquet footer (the manifest is rewritten at every stage: reading
+    the tables themselves would hold the largest of them in memory each time)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    if path.is_dir():
+        raise InputError("is a folder, expected a Parquet file", file=str(path))
+    try:
+        return int(pq.read_metadata(path).num_rows)
+    except (pa.ArrowInvalid, OSError) as exc:
+        raise InputError(f"not a readable Parquet file ({exc})", file=str(path)) from None
+
+
+def _check_model(model: str) -> None:
+    from draco_cli.llm.providers import parse_model_id
+
+    provider, name = parse_model_id(model)
+    if provider == "replay" and not Path(name).is_file():
+        raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
+                         file=name)
+
+
+class _Run:
+    def __init__(self, folder: RunFolder, rollouts: Path, steps: Path, llm: LLMSettings | None,
+                 opts: RunOptions, train_step: int | None,
+                 static_criteria: list[dict[str, str]] | None,
+                 progress: Callable[[Any], None] | None,
+                 on_event: Callable[[StageEvent], None] | None) -> None:
+        self.folder, self.llm, self.opts, self.train_step = folder, llm, opts, train_step
+        self.rollouts, self.steps = rollouts, steps
+        self.static_criteria = static_criteria
+        self.progress = progress
+        self.on_event = on_event or (lambda e: None)
+        self.old = folder.read_manifest(for_writing=True) or Manifest()
+        self.log = opts.call_log or folder.path / "llm_calls.sqlite"
+        self.t0 = time.perf_counter()
+        self.stages: dict[str, StageRecord] = {}
+        self.skipped: list[str] = []
+        self.events: list[StageEvent] = []
+        self.forced = False
+        self.inputs = {"rollouts": input_record(rollouts, folder.path),
+                       "steps": input_record(steps, folder.path)}
+        self.input_hashes = {k: v.sha256 for k, v in self.inputs.items()}
+
+    # -- the chain -------------------------------------------------------------------------
+
+    def run(self) -> RunResult:
+        from draco_cli.llm.stage import render_options
+
+        opts = self.opts
+        self.render = render_options(opts.prompt.max_prompt_tokens,
+                                        list(opts.prompt.redact), opts.prompt.no_default_redact)
+        run = self.folder.path
+        try:
+            if opts.rubric.kind != "none":
+                rec = self._stage("rubric", self._rubric_key(), [self.folder.table("rubrics")],
+                                  self._rubric)
+                if rec.status == "budget reached":
+                    return self._finish("budget reached")
+                rec = self._stage("judge", self._judge_key(),
+                                  [self.folder.table("verdicts"),
+                                   self.folder.table("verdicts_raw")], self._judge)
+                if rec.status == "budget reached":
+                    return self._finish("budget reached")
+            self._stage("credit", self._credit_key(),
+                        [run / "credit" / f for f in ("rewards.parquet", "step_credit.parquet",
+                                                      "token_advantages.parquet")],
+                        self._credit)
+        except KeyboardInterrupt:
+            for rec in self.stages.values():
+                if rec.status == "running":
+                    rec.status = "interrupted"
+            self._write("interrupted")
+            raise
+        return self._finish(None)
+
+    def _stage(self, name: str, key: str, outputs: list[Path],
+               body: Callable[[], StageRecord]) -> StageRecord:
+        prev = self.old.stages.get(name)
+        self.forced = self.forced or name in self.opts.redo
+        if not self.forced and prev is not None and prev.key == key and \
+                prev.status == "done" and all(p.exists() for p in outputs):
+            self.stages[name] = prev
+            self.skipped.append(name)
+            self._emit(StageEvent(name, "reused", status="done", rows=getattr(prev, "rows", None),
+                                  seconds=prev.seconds or 0.0))
+            return prev
+        self.stages[name] = StageRecord(key=key, status="running")
+        self._write("running")
+        self._emit(StageEvent(name, "start"))
+        t = time.perf_counter()
+        from draco_cli.llm.stage import log_position
+
+        self._log_start = log_position(self.log)
+        _rss_probe(f"{name} start")
+        rec = body()
+        _rss_probe(f"{name} end")
+        rec.key = key
+        rec.seconds = round(time.perf_counter() - t, 3)
+        self.stages[name] = rec
+        self._write("running")
+        ev = getattr(rec, "calls", None) or {}
+        self._emit(StageEvent(name, "end", status=rec.status, rows=getattr(rec, "rows", None),
+                              calls_new=ev.get("calls_new", 0),
+                              calls_reused=ev.get("calls_reused", 0),
+                              cost_usd=ev.get("cost_usd", 0.0), seconds=rec.seconds,
+                              unanswered=ev.get("unanswered", 0),
+                              reasons=dict((getattr(rec, "health", None) or {}).get("reasons", {})),
+                              notes=list(rec.notes)))
+        return rec
+
+    def _emit(self, event: StageEvent) -> None:
+        self.events.append(event)
+        self.on_event(event)
+
+    # -- keys: options + contents of what each stage reads ----------------------------------
+
+    def _llm_key(self, llm: LLMSettings) -> dict[str, Any]:
+        key = {"model": llm.model, "base_url": llm.base_url, "thinking": llm.thinking,
+               "prompt": self.opts.prompt.model_dump(mode="json"),
+               "prompt_versions": PROMPT_VERSIONS}
+        # sampling settings change the answers (they are in the call cache key too); left out
+        # when unset so that folders made before they existed keep their keys
+        for name in ("temperature", "seed"):
+            if getattr(llm, name, None) is not None:
+                key[name] = getattr(llm, name)
+        return key
+
+    def _rubric_key(self) -> str:
+        r = self.opts.rubric
+        if r.kind == "static":
+            return _key("rubric", self.input_hashes["rollouts"], "static", self.static_criteria)
+        assert self.llm is not None
+        return _key("rubric", self.input_hashes, "dynamic", r.max_criteria,
+                    self._llm_key(self.llm))
+
+    def _judge_llm(self) -> LLMSettings:
+        assert self.llm is not None
+        return replace(self.llm, model=self.opts.judge.judge_model or self.llm.model)
+
+    def _judge_key(self) -> str:
+        return _key("judge", self.input_hashes, _contents(self.folder.table("rubrics")),
+                    self.opts.judge.model_dump(mode="json", exclude={"judge_model"}),
+                    self._llm_key(self._judge_llm()))
+
+    def _credit_key(self) -> str:
+        verdicts = _contents(self.folder.table("verdicts")) if self.opts.rubric.kind != "none" \
+            else None
+        return _key("credit", self.input_hashes, verdicts,
+                    self.opts.credit.model_dump(mode="json"))
+
+    # -- the stages ------------------------------------------------------------------------
+
+    def _rubric(self) -> StageRecord:
+        from draco_cli.rubric import stage as st
+
+        rubric_dir = self.folder.path / "rubric"
+        if self.opts.rubric.kind == "static":
+            n, groups, _ = st.rubric_static(self.rollouts, self.opts.rubric.static_rubric,
+                                            rubric_dir, force=True)
+            return StageRecord(key="", status="done", kind="static", criteria=n * groups,
+                               rows=n * groups)
+        assert self.llm is not None
+        if self.opts.engine == "ray":
+            from functools import partial
+
+            from draco_cli.run import ray_engine as engine_ray
+
+            work = partial(engine_ray.rubric_work, self.llm, self.opts.rubric.max_criteria,
+                           self.render, self.opts.prompt.max_tokens)
+            report = engine_ray.run_stage("rubric", self.rollouts, self.steps,
+                                          self.folder.path, self.log, work,
+                                          partitions=self.opts.partitions,
+                                          address=self.opts.ray_address)
+            return self._llm_record("rubric", report, kind="dynamic")
+        report = st.rubric_generate(self.rollouts, self.steps, rubric_dir, self.llm,
+                                    stages=("generate", "union", "merge"),
+                                    max_criteria=self.opts.rubric.max_criteria,
+                                    render=self.render, max_tokens=self.opts.prompt.max_tokens,
+                                    call_log=self.log, force=True, progress=self.progress)
+        return self._llm_record("rubric", report, kind="dynamic")
+
+    def _judge(self) -> StageRecord:
+        from draco_cli.judge import stage as st
+
+        if self.opts.engine == "ray":
+            from functools import partial
+
+            from draco_cli.run import ray_engine as engine_ray
+
+            j = self.opts.judge
+            work = partial(engine_ray.judge_work, self._judge_llm(), j.samples, j.aggregate,
+                           j.judge_label, self.render, self.opts.prompt.max_tokens)
+            report = engine_ray.run_stage("judge", self.rollouts, self.steps, self.folder.path,
+                                          self.log, work, partitions=self.opts.partitions,
+                                          address=self.opts.ray_address,
+                                          rubrics=self.folder.table("rubrics"))
+            return self._llm_record("judge", report)
+        report = st.judge_score(self.rollouts, self.steps, self.folder.table("rubrics"),
+                                self.folder.path / "judge", self._judge_llm(),
+                                samples=self.opts.judge.samples,
+                                aggregate=self.opts.judge.aggregate,
+                                judge_label=self.opts.judge.judge_label, render=self.render,
+                                max_tokens=self.opts.prompt.max_tokens, call_log=self.log,
+                                force=True, progress=self.progress)
+        return self._llm_record("judge", report)
+
+    def _llm_record(self, name: str, report: StageReport, **extra: Any) -> StageRecord:
+        from draco_cli.llm.stage import unanswered_reasons
+
+        phases = {p: s for p, s in report.phases.items() if p in LLM_PHASES[name]}
+        reused = sum(s.cached for s in phases.values())
+        new = sum(s.answered + s.unanswered for s in phases.values())
+        unanswered = sum(s.unanswered for s in phases.values())
+        skipped = sum(s.skipped for s in phases.values())
+        reasons = unanswered_reasons(self.log, LLM_PHASES[name], self._log_start)
+        if skipped:
+            reasons["budget reached (--max-cost)"] = skipped
+        calls = reused + new + skipped
+        answered = calls - unanswered - skipped
+        health = {"calls": calls, "answered": answered, "reasons": reasons,
+                  "items": report.items, "items_answered": report.items_answered}
+        status = "budget reached" if report.budget_reached else \
+            "done" if unanswered == 0 and skipped == 0 else "partial"
+        return StageRecord(key="", status=status, notes=list(report.notes), rows=report.rows,
+                           health=health,
+                           calls={"calls_new": new, "calls_reused": reused,
+                                  "cost_usd": round(sum(s.cost_usd for s in phases.values()), 6),
+                                  "unanswered": unanswered + skipped}, **extra)
+
+    def _credit(self) -> StageRecord:
+        from draco_cli.credit import credit_compute
+
+        verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
+        # by blocks of whole groups when large: memory set by the block, the same tables
+        stats = credit_compute(self.rollouts, self.steps, verdicts,
+                               self.folder.path / "credit", options=self.opts.credit,
+                               force=True)
+        return StageRecord(key="", status="done", stats=asdict(stats), rows=stats.rollouts,
+                           reward=self.opts.credit.reward)
+
+    # -- the manifest ----------------------------------------------------------------------
+
+    def _health(self) -> Health:
+        threshold = self.opts.min_answered
+        out: dict[str, StageHealth] = {}
+        messages = []
+        for name, rec in self.stages.items():
+            h = getattr(rec, "health", None)
+            if not h:
+                continue
+            share = h["answered"] / h["calls"] if h["calls"] else 1.0
+            items, items_ok = h.get("items", 0), h.get("items_answered", 0)
+            item_share = items_ok / items if items else 1.0
+            ok = share >= threshold and item_share >= threshold
+            out[name] = StageHealth(calls=h["calls"], answered=h["answered"],
+                                    answered_share=round(share, 6), reasons=h["reasons"], ok=ok)
+            if share < threshold:
+                why = "; ".join(f"{r} ×{n}" for r, n in
+                                sorted(h["reasons"].items(), key=lambda kv: -kv[1])[:3])
+                messages.append(f"{name}: only {h['answered']}/{h['calls']} calls answered "
+                                f"({share:.0%} < --min-answered {threshold:.0%})"
+                                + (f": {why}" if why else ""))
+            elif item_share < threshold:
+                messages.append(f"{name}: only {items_ok}/{items} sample verdicts answered "
+                                f"({item_share:.0%} < --min-answered {threshold:.0%}); the "
+                                "judge's answers left criteria out")
+        return Health(ok=all(h.ok for h in out.values()), threshold=threshold, stages=out,
+                      messages=messages)
+
+    def _manifest(self, status: str) -> Manifest:
+        from draco_cli.run.folder import TABLES
+
+        counts = {}
+        for rel in TABLES.values():
+            p = self.folder.path / rel
+            if p.exists() and not rel.startswith("audit/"):
+                counts[rel] = _row_count(p)
+        settings: dict[str, Any] = {
+            "setting": self.opts.setting,
+            **self.opts.rubric.model_dump(mode="json", exclude={"kind", "stages"}),
+            "rubric": self.opts.rubric.kind,
+            **self.opts.prompt.model_dump(mode="json"),
+            **self.opts.judge.model_dump(mode="json"),
+            **self.opts.credit.model_dump(mode="json"),
+            "min_answered": self.opts.min_answered,
+            "call_log": str(Path(self.log).absolute()),
+        }
+        if self.llm is not None:
+            settings.update(model=self.llm.model, thinking=self.llm.thinking,
+                            base_url=self.llm.base_url)
+        ta = self.folder.path / "credit" / "token_advantages.parquet"
+        calls = {}
+        if Path(self.log).exists():
+            from draco_cli.llm.export import read_totals
+
+            calls = read_totals(self.log)
+        return Manifest(
+            draco_version=__version__, status=status, train_step=self.train_step,
+            settings=settings,
+            prompt_versions={k: f"{k}.{v}" for k, v in PROMPT_VERSIONS.items()},
+            inputs=self.inputs, stages=self.stages, skipped_this_run=self.skipped, rows=counts,
+            llm_calls=calls, wall_seconds=round(time.perf_counter() - self.t0, 3),
+            updated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+            token_advantages=str(ta.absolute()) if ta.exists() else None,
+            health=self._health() if any(getattr(r, "health", None)
+                                         for r in self.stages.values()) else None)
+
+    def _write(self, status: str) -> Manifest:
+        manifest = self._manifest(status)
+        self.folder.write_manifest(manifest)
+        return manifest
+
+    def _finish(self, stopped: str | None) -> RunResult:
+        health = self._health()
+        if stopped:
+            status = stopped
+        elif not health.ok:
+            status = "unhealthy"
+        elif any(r.status != "done" for r in self.stages.values()):
+            status = "partial"
+        else:
+            status = "done"
+        manifest = self._write(status)
+        return RunResult(self.folder.path, manifest.model_dump(mode="json"), self.skipped,
+                         budget_reached=stopped == "budget reached", healthy=health.ok,
+                         events=self.events)

@@ -1,0 +1,231 @@
+"""The pipeline's tables: rollouts and steps, rubrics, verdicts, rewards, step credit, token advantages."""
+
+from __future__ import annotations
+
+from typing import ClassVar, Literal, Optional
+
+from pydantic import Field
+
+from draco_cli.schemas.base import (
+    MAX_TOKENS,
+    CreditMode,
+    Float32,
+    Int32,
+    StepNumber,
+    Table,
+    Termination,
+    Verdict,
+)
+
+
+class Rollout(Table):
+    """One logged episode of an agent on a task."""
+
+    table_name: ClassVar[str] = "rollouts"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
+
+    rollout_id: str = Field(description="Unique id of the rollout.")
+    group_id: str = Field(
+        description="Rollouts sampled together for one task (one GRPO group); "
+        "default task_id, or task_id/train_step when train_step is set."
+    )
+    task_id: str = Field(description="The task this rollout attempts.")
+    train_step: Optional[Int32] = Field(None, description="RL training step that produced it.")
+    trial: Optional[Int32] = Field(
+        None, description="Index of this attempt at the task; pairs the tasks of a scenario."
+    )
+    scenario_id: Optional[str] = Field(None, description="Scenario (AppWorld groups 3 tasks).")
+    difficulty: Optional[str] = Field(None, description="Difficulty label, if the benchmark has one.")
+    instruction: str = Field(description="The task text.")
+    outcome: Optional[float] = Field(
+        None, description="The environment's terminal evaluator; 1 = success."
+    )
+    termination: Optional[Termination] = Field(None, description="What ended the episode.")
+    termination_raw: Optional[str] = Field(
+        None, description="The log's own word for what ended the episode, before mapping."
+    )
+    n_turns: Int32 = Field(ge=0, description="Policy (assistant) messages in the episode.")
+    response_len: Optional[Int32] = Field(
+        None,
+        ge=0,
+        le=MAX_TOKENS,
+        description="Tokens of the trainer's response sequence, observation and gap tokens "
+        "included.",
+    )
+    policy_spans: Optional[list[list[Int32]]] = Field(
+        None,
+        description="Half-open [start, end) token ranges the policy generated: exactly where "
+        "the trainer's response_mask is 1.",
+    )
+    response_fingerprint: Optional[str] = Field(
+        None, description="Hash of the trainer's response token ids, when ingest took positions "
+        "from them (draco_cli.trainers.loader.fingerprint); copied into token_advantages.")
+
+
+class Step(Table):
+    """One step of a rollout, in the step unit recorded in the ingest manifest."""
+
+    table_name: ClassVar[str] = "steps"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout this step belongs to.")
+    step: Int32 = Field(ge=1, description="1-based step number, contiguous within a rollout.")
+    action: str = Field(description="The step's text (message text, code block or tool call).")
+    observation: str = Field(description="What came back before the next step.")
+    n_tokens: Int32 = Field(ge=1, le=MAX_TOKENS,
+                            description="The step's tokens in the trainer's tokenizer.")
+    token_start: Optional[Int32] = Field(
+        None, ge=0, le=MAX_TOKENS,
+        description="Offset of the step's first token in the response sequence."
+    )
+
+
+class RubricCandidate(Table):
+    """A criterion proposed by rubric stage 1 (generate) or 2 (union)."""
+
+    table_name: ClassVar[str] = "rubric_candidates"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "candidate_id")
+
+    group_id: str = Field(description="Group the candidate was written for.")
+    candidate_id: str = Field(description="Id of the candidate within its group.")
+    stage: Literal["generate", "union"] = Field(description="Rubric stage that proposed it.")
+    origin_rollout_id: Optional[str] = Field(
+        None, description="Rollout shown to the generator (stage generate)."
+    )
+    title: str = Field(description="Short title.")
+    requirement: str = Field(description="One sentence: what passing means.")
+
+
+class Rubric(Table):
+    """A criterion of a group's final rubric."""
+
+    table_name: ClassVar[str] = "rubrics"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "criterion_id")
+
+    group_id: str = Field(description="Group the criterion applies to.")
+    criterion_id: str = Field(description="Stable id (hash of group and text).")
+    title: str = Field(description="At most about 8 words.")
+    requirement: str = Field(description="One sentence: what passing means.")
+    source: Literal["merge", "static", "generate", "union", "evolve"] = Field(
+        description="Where the criterion came from (evolve: added by `replay propose`)."
+    )
+
+
+class VerdictRaw(Table):
+    """One judge sample's verdict on one criterion for one rollout."""
+
+    table_name: ClassVar[str] = "verdicts_raw"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "criterion_id", "judge", "sample")
+
+    rollout_id: str = Field(description="Judged rollout.")
+    criterion_id: str = Field(description="Criterion judged.")
+    judge: str = Field(description="Judge arm label, e.g. frontier or self.")
+    sample: int = Field(ge=0, description="Sample index 0..k-1.")
+    verdict: Optional[Verdict] = Field(None, description="pass, fail, na, or null = unanswered.")
+    cited_steps: list[StepNumber] = Field(
+        description="Steps that justify the verdict (1-based)."
+    )
+    reason: Optional[str] = Field(None, description="The judge's short reason.")
+
+
+class VerdictAggregated(Table):
+    """Verdicts aggregated over samples (SPEC §3.2), with the discriminative flag (§3.3)."""
+
+    table_name: ClassVar[str] = "verdicts"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "criterion_id", "judge")
+
+    rollout_id: str = Field(description="Judged rollout.")
+    criterion_id: str = Field(description="Criterion judged.")
+    judge: str = Field(description="Judge arm label.")
+    verdict: Optional[Verdict] = Field(None, description="Aggregated verdict; null = unanswered.")
+    cited_steps: list[StepNumber] = Field(
+        description="Union of citations of the agreeing samples."
+    )
+    reason: Optional[str] = Field(None, description="Reason (or why unanswered).")
+    retained: Optional[bool] = Field(
+        None, description="Criterion failed by at least one member of the group (SPEC §3.3)."
+    )
+
+
+class Reward(Table):
+    """Per-rollout reward and group advantage."""
+
+    table_name: ClassVar[str] = "rewards"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
+
+    rollout_id: str = Field(description="The rollout.")
+    group_id: str = Field(description="Its group.")
+    n_pass: Int32 = Field(ge=0, description="Passed retained criteria.")
+    n_fail: Int32 = Field(ge=0, description="Failed retained criteria.")
+    n_na: Int32 = Field(ge=0, description="Retained criteria judged na.")
+    reward: Optional[float] = Field(None, description="Pass fraction over retained criteria.")
+    pass_rate_all: Optional[float] = Field(None, description="Pass fraction before the filter.")
+    advantage: float = Field(description="Group advantage A_i.")
+    credit_mode: CreditMode = Field(description="How the advantage was spread over tokens.")
+
+
+class StepCredit(Table):
+    """Per-step credit (SPEC §3.6)."""
+
+    table_name: ClassVar[str] = "step_credit"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: Int32 = Field(ge=1, description="1-based step.")
+    n_tokens: Int32 = Field(ge=1, le=MAX_TOKENS, description="Tokens of the step.")
+    p: Int32 = Field(ge=0, description="Passed criteria citing the step.")
+    f: Int32 = Field(ge=0, description="Failed criteria citing the step.")
+    cited: bool = Field(description="Whether any pass/fail criterion cites the step.")
+    quality: Optional[float] = Field(None, description="Q_j.")
+    weight: Optional[float] = Field(None, description="w_j.")
+    advantage: float = Field(description="a_j: advantage of every token of the step.")
+    total: float = Field(description="n_j * a_j.")
+    token_start: Optional[Int32] = Field(
+        None, ge=0, le=MAX_TOKENS,
+        description="The step's token_start, carried over for the token layout."
+    )
+
+
+class TokenAdvantages(Table):
+    """Per-token advantages, dense or as spans (half-open token ranges); both round-trip."""
+
+    table_name: ClassVar[str] = "token_advantages"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id",)
+
+    rollout_id: str = Field(description="The rollout.")
+    length: Int32 = Field(ge=0, le=MAX_TOKENS,
+                          description="Tokens in the rollout's response sequence.")
+    layout: Literal["positions", "end_to_end"] = Field(
+        description="positions: tokens where the steps' token_start put them; end_to_end: no "
+        "positions were known, steps laid end to end in step order (no gap or observation tokens)."
+    )
+    advantages: Optional[list[Float32]] = Field(
+        None, description="Dense form: one value per response token."
+    )
+    span_start: Optional[list[Int32]] = Field(None, description="Spans form: range starts.")
+    span_end: Optional[list[Int32]] = Field(None, description="Spans form: range ends.")
+    span_value: Optional[list[Float32]] = Field(None, description="Spans form: range values.")
+    train_step: Optional[Int32] = Field(
+        None, description="Self-check: the train step of the rollout (a loader refuses rows of "
+        "another step).")
+    n_policy_tokens: Optional[Int32] = Field(
+        None, ge=0, description="Self-check: tokens the trainer's response mask should mark 1.")
+    response_fingerprint: Optional[str] = Field(
+        None, description="Self-check: hash of the trainer's response token ids, when positions "
+        "came from them (draco_cli.trainers.loader.fingerprint).")
+
+
+TABLES: dict[str, type[Table]] = {
+    m.table_name: m
+    for m in (
+        Rollout,
+        Step,
+        RubricCandidate,
+        Rubric,
+        VerdictRaw,
+        VerdictAggregated,
+        Reward,
+        StepCredit,
+        TokenAdvantages,
+    )
+}

@@ -1,0 +1,381 @@
+"""The tables of replay (CREDO), audits, cost and evaluation."""
+
+from __future__ import annotations
+
+from typing import Annotated, ClassVar, Literal, Optional
+
+import annotated_types
+from pydantic import Field
+
+from draco_cli.schemas.base import Int32, Table
+from draco_cli.schemas.pipeline import TABLES
+
+AllocationRule = Literal["sqrt", "uniform"]
+
+
+Side = Literal["realized", "resampled"]
+
+
+Probability = Annotated[float, annotated_types.Ge(0), annotated_types.Le(1)]
+
+
+class ReplayPlan(Table):
+    """`replay plan`: every position with its inclusion probability and selection, stored
+    before any label exists (SPEC §6)."""
+
+    table_name: ClassVar[str] = "replay_plan"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    prediction: float = Field(description="c_t: the credit head's prediction, stored before "
+                              "labels exist.")
+    error: float = Field(ge=0, description="e_t: the predicted squared error of c_t.")
+    score_norm: float = Field(ge=0, description="‖g_t‖ (1 when the trainer gives none).")
+    n_steps: Optional[int] = Field(None, ge=1, description="T: the rollout's number of steps "
+                                   "(when the default cost was computed from it).")
+    cost: float = Field(ge=0, description="ℓ_t: replay cost in environment actions "
+                        "(default K·(T − t + 1) + K·(T − t)).")
+    p: Probability = Field(description="p_t: inclusion probability (Eq. 10).")
+    selected: bool = Field(description="S_t ~ Bernoulli(p_t) with the recorded seed.")
+    lambda_: float = Field(alias="lambda", ge=0, description="λ of the allocation "
+                           "(0: the budget was slack).")
+    seed: int = Field(description="Seed of the Bernoulli selection.")
+    head_version: Optional[str] = Field(None, description="Version of the heads that made "
+                                        "prediction and error (null: given by the user).")
+    budget: float = Field(ge=0, description="The replay budget B.")
+    expected_cost: float = Field(ge=0, description="Σ p_t ℓ_t: the plan's expected cost.")
+    allocation: Optional[AllocationRule] = Field(None, description="sqrt (Eq. 10) or uniform "
+                                             "(one p at the same expected cost).")
+    replays: Optional[int] = Field(None, ge=1, description="K: replays per side.")
+
+
+class ReplayLabel(Table):
+    """`replay run`: one return of one replay (the labels `replay correct` reads)."""
+
+    table_name: ClassVar[str] = "replay_labels"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step", "side", "sample")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    side: Side = Field(description="realized: restored after step t; resampled: restored "
+                       "before step t with a fresh action.")
+    sample: Optional[int] = Field(None, ge=0, description="Index of the continuation on its "
+                                  "side (0..K−1).")
+    return_: float = Field(alias="return", description="The continuation's return.")
+
+
+class ReplayCost(Table):
+    """`replay run`: what replaying one position cost, as the environment reported it."""
+
+    table_name: ClassVar[str] = "replay_cost"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    env_actions: int = Field(ge=0, description="Environment actions the replays ran.")
+    tokens: int = Field(ge=0, description="Policy tokens the replays generated.")
+    reconstruction_actions: int = Field(ge=0, description="Actions spent restoring states.")
+    reconstruction_tokens: int = Field(ge=0, description="Tokens spent restoring states.")
+    seconds: float = Field(ge=0, description="Wall time of the request.")
+
+
+class ReplayCredit(Table):
+    """`replay correct`: corrected credit per position (Eq. 6) and its advantage."""
+
+    table_name: ClassVar[str] = "replay_credit"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    prediction: float = Field(description="c_t from the plan.")
+    p: Probability = Field(description="p_t from the plan.")
+    selected: bool = Field(description="S_t from the plan.")
+    delta: Optional[float] = Field(None, description="Δ_t = mean realized − mean resampled "
+                                   "return (null where not replayed).")
+    corrected: float = Field(description="Ĉ_t = c_t + (S_t/p_t)(Δ_t − c_t) (c_t with "
+                             "--no-correction; clipped only with --clip).")
+    rloo: float = Field(description="Unstandardized RLOO of the rollout's outcome (0 at β = 0).")
+    advantage: float = Field(description="a_t = β·A_RLOO + (1 − β)·Ĉ_t.")
+    settings: str = Field(description="JSON: correction, clip, beta, counts.")
+
+
+class HeadPrediction(Table):
+    """`replay fit --cross-fit`: cross-fitted predictions (a positions table for the next
+    plan)."""
+
+    table_name: ClassVar[str] = "head_predictions"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: int = Field(ge=1, description="1-based step t.")
+    prediction: float = Field(description="c_t from heads fitted on the other folds.")
+    error: float = Field(ge=0, description="e_t from the same heads.")
+    fold: int = Field(ge=0, description="The position's fold (tasks split by hash).")
+    head_version: str = Field(description="Version of the heads that predicted it.")
+
+
+class AllocatorCalibration(Table):
+    """`replay diagnose`: the e_t the allocator used vs realized (Δ_t − c_t)², per e-bin."""
+
+    table_name: ClassVar[str] = "allocator_calibration"
+    keys: ClassVar[tuple[str, ...]] = ("bin",)
+
+    bin: int = Field(ge=0, description="Bin of e_t (by rank).")
+    n: int = Field(ge=0, description="Replayed positions in the bin.")
+    mean_predicted_error: float = Field(description="Inverse-inclusion-weighted mean e_t.")
+    mean_squared_residual: float = Field(description="Inverse-inclusion-weighted mean "
+                                         "(Δ_t − c_t)².")
+
+
+class EvolveScore(Table):
+    """`replay evolve` / `replay propose`: one rubric variant scored on held-out tasks."""
+
+    table_name: ClassVar[str] = "evolve_scores"
+    keys: ClassVar[tuple[str, ...]] = ("candidate",)
+
+    candidate: str = Field(description="The variant: baseline / current rubric, or an edit.")
+    held_out_objective: Optional[float] = Field(
+        None, ge=0, description="Σ (S/p)((1 − p)/p)‖g‖²(Δ − c)² on held-out tasks (lower is "
+        "better; null when the edit could not be applied).")
+    held_out_mse: Optional[float] = Field(None, ge=0, description="Ordinary MSE of c on the "
+                                          "same positions.")
+    accepted: bool = Field(description="The accepted variant (at most one).")
+    op: Optional[str] = Field(None, description="propose: add, remove or merge.")
+    title: Optional[str] = Field(None, description="propose: the new criterion's title.")
+    reason: Optional[str] = Field(None, description="propose: why the LLM proposed it.")
+    outcome_auc: Optional[float] = Field(None, ge=0, le=1, description="propose: AUC of the "
+                                         "rollout reward for the environment outcome.")
+    criteria: Optional[int] = Field(None, ge=0, description="propose: criteria in the rubric.")
+    error: Optional[str] = Field(None, description="propose: why the edit was not scored.")
+    train_rows: Optional[int] = Field(None, ge=0, description="evolve: labelled training "
+                                      "positions.")
+    held_out_rows: Optional[int] = Field(None, ge=0, description="evolve: labelled held-out "
+                                         "positions.")
+
+
+REPLAY_TABLES: tuple[type[Table], ...] = (ReplayPlan, ReplayLabel, ReplayCost, ReplayCredit,
+                                          HeadPrediction, AllocatorCalibration, EvolveScore)
+
+
+TABLES.update({m.table_name: m for m in REPLAY_TABLES})
+
+
+Share = Annotated[float, annotated_types.Ge(0.0), annotated_types.Le(1.0)]
+
+
+Count = Annotated[int, annotated_types.Ge(0)]
+
+
+class Agreement(Table):
+    """``draco audit self-judge``: agreement of a self-judge with a reference, per scope."""
+
+    table_name: ClassVar[str] = "agreement"
+    keys: ClassVar[tuple[str, ...]] = ("scope",)
+
+    scope: str = Field(description="overall, step:N, first_quarter or last_quarter.")
+    n_rows: Count = Field(description="(rollout, criterion) pairs judged by both judges.")
+    agreement: Optional[Share] = Field(None, description="Share of pairs where the verdicts "
+                                       "agree (an unanswered self verdict disagrees).")
+    pass_all_baseline: Optional[Share] = Field(
+        None, description="Agreement of a judge that passes everything (the reference's pass "
+        "share).")
+    false_pass_rate: Optional[Share] = Field(
+        None, description="Self passes among the reference's fails.")
+    false_fail_rate: Optional[Share] = Field(
+        None, description="Self fails among the reference's passes.")
+    leniency_ratio: Optional[float] = Field(
+        None, ge=0, description="False passes over false fails; null without false fails.")
+    unanswered_rate: Optional[Share] = Field(None, description="Self verdicts left unanswered.")
+    criteria_per_rollout: Optional[float] = Field(
+        None, ge=0, description="Mean criteria judged per rollout.")
+    reference_fail_share: Optional[Share] = Field(
+        None, description="Share of the reference's verdicts that are fail.")
+
+
+class AgreementTest(Table):
+    """``draco audit self-judge``: significance tests of drift over training steps."""
+
+    table_name: ClassVar[str] = "tests"
+    keys: ClassVar[tuple[str, ...]] = ("metric", "test")
+
+    metric: str = Field(description="The agreement figure tested (agreement, false_pass_rate, "
+                        "...).")
+    test: str = Field(description="two_proportion_z_first_vs_last_quarter or "
+                      "logistic_trend_wald.")
+    statistic: Optional[float] = Field(None, description="The test's z statistic; null when "
+                                       "it cannot be computed.")
+    p_value: Optional[Share] = Field(None, description="Two-sided p-value; null when the test "
+                                     "cannot be computed.")
+
+
+class Overlap(Table):
+    """``draco audit overlap``: recall and precision of a rubric writer against a reference."""
+
+    table_name: ClassVar[str] = "overlap"
+    keys: ClassVar[tuple[str, ...]] = ("scope",)
+
+    scope: str = Field(description="overall, step:N, or ceiling (the reference against "
+                       "itself across units of one task).")
+    units: Count = Field(description="Groups (or rollouts, --level rollout) compared.")
+    own_criteria: Count = Field(description="Criteria of the own rubric writer.")
+    reference_criteria: Count = Field(description="Criteria of the reference.")
+    matched: Count = Field(description="Criteria matched one-to-one.")
+    recall: Optional[Share] = Field(None, description="matched / reference_criteria.")
+    precision: Optional[Share] = Field(None, description="matched / own_criteria.")
+
+
+class OverlapUnit(Table):
+    """``draco audit overlap``: the match counts of each unit (group or rollout)."""
+
+    table_name: ClassVar[str] = "overlap_units"
+    keys: ClassVar[tuple[str, ...]] = ("unit",)
+
+    unit: str = Field(description="group_id (--level group) or rollout_id (--level rollout).")
+    n_own: Count = Field(description="Own criteria of the unit.")
+    n_reference: Count = Field(description="Reference criteria of the unit.")
+    matched: Count = Field(description="Criteria matched one-to-one.")
+    task_id: Optional[str] = Field(None, description="The unit's task (with --rollouts).")
+    train_step: Optional[Int32] = Field(None, description="The unit's train step (with "
+                                        "--rollouts).")
+
+
+class RubricSummary(Table):
+    """``draco audit rubric``: one row of rubric statistics."""
+
+    table_name: ClassVar[str] = "rubric_summary"
+    keys: ClassVar[tuple[str, ...]] = ()
+
+    criteria: Count = Field(description="Criteria in the rubrics table.")
+    groups: Count = Field(description="Groups with a rubric.")
+    criteria_per_group: Optional[float] = Field(None, ge=0, description="criteria / groups.")
+    discriminative_share: Optional[Share] = Field(
+        None, description="Judged criteria that some rollout failed.")
+    distinct_criteria: Count = Field(description="Distinct criterion texts (normalised).")
+    single_task_share: Optional[Share] = Field(
+        None, description="Distinct criteria used by one task only.")
+    single_task_judgment_share: Optional[Share] = Field(
+        None, description="Judgments made against single-task criteria.")
+    verdict_failure_share: Optional[Share] = Field(
+        None, description="fail among pass and fail verdicts.")
+    na_rate: Optional[Share] = Field(None, description="na among all judgments.")
+
+
+class RubricCriterionStats(Table):
+    """``draco audit rubric``: judgments of each criterion, worst na rate first."""
+
+    table_name: ClassVar[str] = "rubric_criteria"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "criterion_id")
+
+    group_id: str = Field(description="The criterion's group.")
+    criterion_id: str = Field(description="The criterion.")
+    title: str = Field(description="Its title.")
+    requirement: str = Field(description="Its requirement.")
+    judgments: Count = Field(description="Verdicts given on it.")
+    fails: Count = Field(description="fail verdicts.")
+    passes: Count = Field(description="pass verdicts.")
+    nas: Count = Field(description="na verdicts.")
+    na_rate: Optional[Share] = Field(None, description="nas / judgments.")
+    discriminative: bool = Field(description="Some rollout failed it.")
+    single_task: Optional[bool] = Field(None, description="Its text is used by one task only.")
+
+
+class CostPhase(Table):
+    """``draco audit cost``: calls, tokens and dollars per LLM phase."""
+
+    table_name: ClassVar[str] = "cost_phase"
+    keys: ClassVar[tuple[str, ...]] = ("phase",)
+
+    phase: str = Field(description="generate, union, merge, score, ...")
+    calls: Count = Field(description="Requests sent (cached answers are not requests).")
+    answered: Count = Field(description="Calls answered.")
+    input_tokens: Count = Field(description="Prompt tokens.")
+    cached_tokens: Count = Field(description="Prompt tokens the provider served from its cache.")
+    output_tokens: Count = Field(description="Answer tokens.")
+    reasoning_tokens: Count = Field(description="Thinking tokens (part of output_tokens).")
+    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+
+
+class CostStep(Table):
+    """``draco audit cost``: calls, tokens and dollars per train step."""
+
+    table_name: ClassVar[str] = "cost_step"
+    keys: ClassVar[tuple[str, ...]] = ("train_step",)
+
+    train_step: Optional[Int32] = Field(None, description="The train step; null for calls of "
+                                        "no known step.")
+    # the counts are absent (null) when no call could be tied to a step: the table is empty
+    calls: Optional[Count] = Field(None, description="Requests sent.")
+    input_tokens: Optional[Count] = Field(None, description="Prompt tokens.")
+    cached_tokens: Optional[Count] = Field(
+        None, description="Prompt tokens served from the provider's cache.")
+    output_tokens: Optional[Count] = Field(None, description="Answer tokens.")
+    reasoning_tokens: Optional[Count] = Field(None, description="Thinking tokens.")
+    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+
+
+class CostCategory(Table):
+    """``draco audit cost``: tokens, environment actions and dollars by what they paid for."""
+
+    table_name: ClassVar[str] = "cost_category"
+    keys: ClassVar[tuple[str, ...]] = ("category",)
+
+    category: str = Field(description="original, replay, reconstruction, judge, rubric writing "
+                          "or candidate scoring.")
+    tokens: Optional[Count] = Field(None, description="Tokens (generated or read).")
+    env_actions: Optional[Count] = Field(None, description="Environment actions taken.")
+    llm_calls: Optional[Count] = Field(None, description="LLM requests.")
+    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+
+
+class CostNaive(Table):
+    """``draco audit cost``: billed tokens and dollars per phase (and ``total``) next to what a
+    naive client would have paid: one call per sample, no prompt caching, no batch discount."""
+
+    table_name: ClassVar[str] = "cost_naive"
+    keys: ClassVar[tuple[str, ...]] = ("phase",)
+
+    phase: str = Field(description="The LLM phase, or total.")
+    calls: Count = Field(description="Requests billed (one n-choice reply is one request).")
+    naive_calls: Count = Field(description="Requests a naive client sends: one per sample.")
+    input_tokens: Count = Field(description="Uncached prompt tokens billed.")
+    cached_tokens: Count = Field(description="Prompt tokens read from the provider's cache.")
+    cache_write_tokens: Count = Field(description="Prompt tokens written to the cache "
+                                      "(Anthropic).")
+    output_tokens: Count = Field(description="Answer tokens.")
+    naive_input_tokens: Count = Field(description="Prompt tokens a naive client pays in full.")
+    batch_share: Optional[float] = Field(None, ge=0, le=1, description="Share of the rows sent "
+                                         "through a batch API.")
+    billed_usd: Optional[float] = Field(None, ge=0, description="Dollars billed; null if "
+                                        "unpriced.")
+    naive_usd: Optional[float] = Field(None, ge=0, description="Dollars a naive client pays; "
+                                       "null if unpriced.")
+    billed_over_naive: Optional[float] = Field(None, ge=0, description="billed_usd / naive_usd.")
+    unpriced_rows: Count = Field(description="Rows of models without a price, left out of the "
+                                 "dollars.")
+
+
+class Metric(Table):
+    """``draco eval``: one figure of one scope (long form)."""
+
+    table_name: ClassVar[str] = "metrics"
+    keys: ClassVar[tuple[str, ...]] = ("scope", "metric", "k")
+
+    scope: str = Field(description="overall, or COLUMN=VALUE for --by and train_step scopes.")
+    metric: str = Field(description="tgc, sgc, pass_hat_k, pass_at_k, sgc_hat_k, retention, "
+                        "sgc_retention, mean_turns or termination:MODE.")
+    k: Optional[int] = Field(None, ge=1, description="k of the k-metrics; null otherwise.")
+    value: Optional[float] = Field(None, description="The figure; null when it cannot be "
+                                   "computed (e.g. no task with k trials).")
+    n: Optional[Count] = Field(None, description="Tasks (or rollouts, for mean_turns and "
+                               "terminations) the figure is taken over.")
+
+
+OUTPUT_TABLES: dict[str, type[Table]] = {
+    m.table_name: m
+    for m in (Agreement, AgreementTest, Overlap, OverlapUnit, RubricSummary,
+              RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric)
+}
+
+
+TABLES.update(OUTPUT_TABLES)

@@ -1,0 +1,85 @@
+"""The package's public API: every name it lists resolves, importing it stays cheap, and the
+package layout keeps one concept per package with no import circles."""
+
+from __future__ import annotations
+
+import ast
+import subprocess
+import sys
+from pathlib import Path
+
+import draco_cli
+
+PKG = Path(draco_cli.__file__).parent
+
+
+def test_every_public_name_resolves():
+    for name in draco_cli.__all__:
+        assert getattr(draco_cli, name) is not None, name
+    assert draco_cli.Scorer.__module__ == "draco_cli.run.inloop"
+
+
+def test_unknown_name_is_an_attribute_error():
+    try:
+        draco_cli.no_such_thing  # noqa: B018
+    except AttributeError as exc:
+        assert "no_such_thing" in str(exc)
+    else:
+        raise AssertionError("no error")
+
+
+def test_import_is_cheap():
+    code = "import sys, draco_cli; print(sorted(m for m in ('polars', 'pyarrow', 'numpy', 'typer', 'openai') if m in sys.modules))"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def _imports() -> dict[str, set[str]]:
+    """Module -> the draco modules it imports anywhere (a deferred import inside a function
+    still ties the two modules together)."""
+    mods: dict[str, Path] = {}
+    for p in PKG.rglob("*.py"):
+        parts = p.relative_to(PKG.parent).with_suffix("").parts
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        mods[name] = p
+    graph: dict[str, set[str]] = {}
+    for name, p in mods.items():
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(p.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draco_cli"):
+                out |= {m for m in (f"{node.module}.{a.name}" for a in node.names) if m in mods}
+                if node.module in mods:
+                    out.add(node.module)
+            elif isinstance(node, ast.Import):
+                out |= {a.name for a in node.names if a.name in mods}
+        graph[name] = out - {name}
+    return graph
+
+
+def test_no_import_circles_between_modules():
+    graph = _imports()
+    seen: dict[str, int] = {}  # 1 = on the path, 2 = done
+    cycles: list[list[str]] = []
+
+    def visit(node: str, path: list[str]) -> None:
+        seen[node] = 1
+        for nxt in sorted(graph.get(node, ())):
+            # a package's __init__ re-exporting its own modules is not a circle
+            if nxt.startswith(node + ".") or node.startswith(nxt + "."):
+                continue
+            if seen.get(nxt) == 1:
+                cycles.append(path[path.index(nxt):] + [nxt] if nxt in path else [node, nxt])
+            elif nxt not in seen:
+                visit(nxt, path + [nxt])
+        seen[node] = 2
+
+    for node in sorted(graph):
+        if node not in seen:
+            visit(node, [node])
+    assert cycles == []
+
+
+def test_no_library_module_over_500_lines():
+    long = {str(p.relative_to(PKG)): n for p in PKG.rglob("*.py")
+            if (n := len(p.read_text().splitlines())) > 500}
+    assert long == {}
