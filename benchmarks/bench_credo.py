@@ -77,8 +77,8 @@ def one_seed(env: ChainEnv, batch: int, seed: int, budget_share: float):
         G = np.zeros(env.T)
         for r in credit.iter_rows(named=True):
             G += scores[(r["rollout_id"], r["step"])] * r["corrected"]
-        cost = float((pl_df.filter(pl.col("selected"))
-                      .select(pl.col("cost")).sum().item()))
+        cost = float(pl_df.filter(pl.col("selected"))
+                      .select(pl.col("cost")).sum().item())
         out[f"corrected, {name}"] = (G / batch, cost)
     G = np.zeros(env.T)
     for r in positions.iter_rows(named=True):

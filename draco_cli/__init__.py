@@ -57,7 +57,11 @@ _WHERE = {
     "TokenAdvantageTable": "draco_cli.trainers.loader",
     "load_token_advantages": "draco_cli.trainers.loader",
 }
-__all__ = sorted(_WHERE)
+__all__ = ["AlignmentError", "CreditOptions", "DracoError", "GroupScore", "InputError",
+           "JudgeOptions", "LLMSettings", "RubricOptions", "RunOptions", "RunResult", "Scorer",
+           "TokenAdvantageTable", "UsageError", "evaluate", "ingest_logs", "judge_filter",
+           "judge_score", "load_token_advantages", "read_table", "rubric_generate",
+           "rubric_static", "run_step", "write_table"]
 
 
 def __getattr__(name: str) -> Any:

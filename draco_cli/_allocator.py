@@ -49,10 +49,8 @@ def trim_heap() -> None:
     an earlier phase freed (one call, a few milliseconds; no-op elsewhere)."""
     if not _done:
         return
-    try:
+    with contextlib.suppress(OSError, AttributeError):
         ctypes.CDLL("libc.so.6").malloc_trim(0)
-    except (OSError, AttributeError):
-        pass
 
 
 def release_freed_memory() -> None:

@@ -8,7 +8,7 @@ is read or any LLM call is made; the error names the command-line option (``--to
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Any, Literal, Optional, TypeVar, cast
+from typing import Annotated, Any, Literal, TypeVar, cast
 
 from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_validator,
                       model_validator)
@@ -77,7 +77,7 @@ class RubricOptions(_Options):
 
     kind: RubricKind = "dynamic"
     max_criteria: Annotated[int, Field(ge=1)] = 8
-    static_rubric: Optional[Path] = None  # None: draco's own default rubric
+    static_rubric: Path | None = None  # None: draco's own default rubric
     # the LLM phases, in order; merge combines what generate and union wrote in the same run
     stages: tuple[Literal["generate", "union", "merge"], ...] = ("generate", "union", "merge")
 
@@ -89,7 +89,7 @@ class RubricOptions(_Options):
         return value
 
     @model_validator(mode="after")
-    def _merge_has_candidates(self) -> "RubricOptions":
+    def _merge_has_candidates(self) -> RubricOptions:
         if "merge" in self.stages and not {"generate", "union"} & set(self.stages):
             raise ValueError("--stages merge: merge combines the candidates that generate and "
                              "union write in the same run; add them (e.g. --stages union,merge)")
@@ -105,21 +105,21 @@ class PromptOptions(_Options):
     no_default_redact: bool = False
 
     @model_validator(mode="after")
-    def _regexes_compile(self) -> "PromptOptions":
+    def _regexes_compile(self) -> PromptOptions:
         import re
 
         for pattern in self.redact:
             try:
                 re.compile(pattern)
             except re.error as exc:
-                raise ValueError(f"--redact: not a regular expression ({pattern!r}: {exc})")
+                raise ValueError(f"--redact: not a regular expression ({pattern!r}: {exc})") from None
         return self
 
 
 class JudgeOptions(_Options):
     """How the judge stage scores rollouts (``draco judge score``)."""
 
-    judge_model: Optional[str] = None  # None: the run's --model
+    judge_model: str | None = None  # None: the run's --model
     samples: Annotated[int, Field(ge=1)] = 1
     aggregate: Aggregate = "all"
     judge_label: Annotated[str, Field(min_length=1)] = "judge"
@@ -134,7 +134,7 @@ class CreditOptions(_Options):
     drop: Drop = "all-pass"
     tokens: TokenForm = "spans"
     reward: RewardSource = "rubric"
-    judge: Optional[str] = None
+    judge: str | None = None
 
 
 class RunOptions(_Options):
@@ -145,18 +145,18 @@ class RunOptions(_Options):
     prompt: PromptOptions = PromptOptions()
     judge: JudgeOptions = JudgeOptions()
     credit: CreditOptions = CreditOptions()
-    train_step: Annotated[Optional[int], Field(ge=0)] = None
+    train_step: Annotated[int | None, Field(ge=0)] = None
     # the health check: a stage whose share of answered calls falls below this fails the run
     min_answered: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
     redo: tuple[Stage, ...] = ()
-    call_log: Optional[Path] = None  # None: RUN/llm_calls.sqlite
+    call_log: Path | None = None  # None: RUN/llm_calls.sqlite
     # where the LLM stages run: this process, or a Ray cluster's workers (engine_ray.py)
     engine: Literal["local", "ray"] = "local"
-    ray_address: Optional[str] = None   # None: a local cluster (or RAY_ADDRESS)
-    partitions: Optional[Annotated[int, Field(ge=1)]] = None   # None: the cluster's CPUs
+    ray_address: str | None = None   # None: a local cluster (or RAY_ADDRESS)
+    partitions: Annotated[int, Field(ge=1)] | None = None   # None: the cluster's CPUs
 
     @model_validator(mode="after")
-    def _fits_setting(self) -> "RunOptions":
+    def _fits_setting(self) -> RunOptions:
         rubric = SETTINGS[self.setting][0]
         if self.setting == "outcome":
             if self.credit.credit != "uniform":
@@ -176,7 +176,7 @@ class RunOptions(_Options):
                     prompt: PromptOptions | dict[str, Any] | None = None,
                     judge: JudgeOptions | dict[str, Any] | None = None,
                     credit_options: dict[str, Any] | None = None,
-                    **run: Any) -> "RunOptions":
+                    **run: Any) -> RunOptions:
         """Options of one setting; ``credit`` / ``reward`` override what the setting implies
         (e.g. ``--setting draco --reward outcome``: dynamic rubrics, outcome reward, step
         credit spread by the judge's citations). Stage options are objects or their fields as

@@ -236,7 +236,7 @@ class FakeLLMServer:
     def url(self) -> str:
         return f"http://{self.host}:{self.port}"
 
-    def start(self, host: str = "127.0.0.1", port: int = 0) -> "FakeLLMServer":
+    def start(self, host: str = "127.0.0.1", port: int = 0) -> FakeLLMServer:
         ready = threading.Event()
         self.host = host if host not in ("0.0.0.0", "::") else "127.0.0.1"
 

@@ -73,9 +73,8 @@ def test_transient_error_submitting_or_polling_is_retried(server, tmp_path, mode
 def test_permanent_error_while_polling_is_one_line(server, tmp_path, model,
                                                    fault_after_submit):
     fault_after_submit.append("400")
-    with CallLog(tmp_path / "calls.sqlite") as log:
-        with pytest.raises(LLMError) as info:
-            client(server, log, model).run([req("r0")], batch=True, poll_seconds=0.01)
+    with CallLog(tmp_path / "calls.sqlite") as log, pytest.raises(LLMError) as info:
+        client(server, log, model).run([req("r0")], batch=True, poll_seconds=0.01)
     message = str(info.value)
     assert "\n" not in message and "HTTP 400" in message, message
     assert "injected batch 400" in message and "polling batch" in message, message

@@ -307,9 +307,8 @@ def test_batch_resumes_by_batch_id(server, tmp_path):
 
 def test_keys_never_appear_in_logs_errors_or_exports(server, tmp_path):
     server.push("401_echo")
-    with CallLog(tmp_path / "calls.sqlite") as log:
-        with pytest.raises(LLMError) as info:
-            client(server, log).run([req()])
+    with CallLog(tmp_path / "calls.sqlite") as log, pytest.raises(LLMError) as info:
+        client(server, log).run([req()])
     assert PLANTED not in str(info.value)
     assert "[redacted]" in str(info.value)
     with CallLog(tmp_path / "calls.sqlite") as log:

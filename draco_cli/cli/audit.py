@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Literal, Optional
+from typing import Annotated, Literal
 
 import typer
 
@@ -13,7 +13,7 @@ app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statist
 
 OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.",
                                       callback=folder_path)]
-RolloutsOpt = Annotated[Optional[Path], typer.Option(
+RolloutsOpt = Annotated[Path | None, typer.Option(
     "--rollouts", help="rollouts.parquet, for train_step and task_id.")]
 
 
@@ -26,9 +26,9 @@ def self_judge(
         "--reference", help="The reference judge's verdicts (file or run folder).")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
-    self_judge_label: Annotated[Optional[str], typer.Option(
+    self_judge_label: Annotated[str | None, typer.Option(
         "--self-judge", help="Judge label to take from --self if it holds several.")] = None,
-    reference_judge: Annotated[Optional[str], typer.Option(
+    reference_judge: Annotated[str | None, typer.Option(
         help="Judge label to take from --reference if it holds several.")] = None,
     fmt: Format = None,
     as_json: Json = False,
@@ -65,7 +65,7 @@ def overlap(
     matcher: Annotated[Literal["lexical", "embedding", "llm"], typer.Option(
         help="lexical (offline), embedding or llm.")]
     = "lexical",
-    model: Annotated[Optional[str], typer.Option(
+    model: Annotated[str | None, typer.Option(
         help="Matcher model: provider/model for llm, openai/EMBEDDING for embedding.")] = None,
     base_url: BaseUrl = None,
     threshold: Annotated[float, typer.Option(help="Similarity that counts as a match "
@@ -94,7 +94,7 @@ def rubric(
     verdicts: Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
-    judge: Annotated[Optional[str], typer.Option(help="Judge label, if several.")] = None,
+    judge: Annotated[str | None, typer.Option(help="Judge label, if several.")] = None,
     fmt: Format = None,
     as_json: Json = False,
     force: Force = False,
@@ -122,12 +122,12 @@ def cost(
                                               "repeat it for several training steps.")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
-    replay_cost: Annotated[Optional[list[Path]], typer.Option(
+    replay_cost: Annotated[list[Path] | None, typer.Option(
         "--replay-cost", help="replay_cost.parquet of `draco replay run` (or its folder); "
         "repeatable. Adds replay and reconstruction rows to the cost by category.")] = None,
-    steps: Annotated[Optional[Path], typer.Option(
+    steps: Annotated[Path | None, typer.Option(
         "--steps", help="steps.parquet: the original rollouts' actions and tokens.")] = None,
-    prices: Annotated[Optional[Path], typer.Option(
+    prices: Annotated[Path | None, typer.Option(
         help="Price table JSON for the naive client's dollars (default: the shipped one).")]
     = None,
     fmt: Format = None,

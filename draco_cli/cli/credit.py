@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -51,12 +51,12 @@ class RewardSource(str, Enum):
 
 RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet (or - for stdin).")]
 StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
-VerdictsOpt = Annotated[Optional[Path], typer.Option(
+VerdictsOpt = Annotated[Path | None, typer.Option(
     "--verdicts", help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
 DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
                                        "all-pass (no member failed) or also constant (every "
                                        "answered member failed).", rich_help_panel=CREDIT_PANEL)]
-JudgeOpt = Annotated[Optional[str], typer.Option(help="Judge label to use when the verdicts "
+JudgeOpt = Annotated[str | None, typer.Option(help="Judge label to use when the verdicts "
                                                  "hold several judges.",
                                                      rich_help_panel=CREDIT_PANEL)]
 
@@ -67,7 +67,7 @@ def compute(
     steps: StepsOpt,
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     verdicts: VerdictsOpt = None,
-    credit: Annotated[Optional[Credit], typer.Option(
+    credit: Annotated[Credit | None, typer.Option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
         "ablation). Default: step, or uniform with --reward outcome.",
             rich_help_panel=CREDIT_PANEL)] = None,
@@ -161,9 +161,9 @@ def expand(
     token_advantages: Annotated[Path, typer.Option("--token-advantages",
                                                    help="token_advantages.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Output file (- for stdout).")],
-    rollouts: Annotated[Optional[Path], typer.Option(
+    rollouts: Annotated[Path | None, typer.Option(
         "--rollouts", help="rollouts.parquet, to check every rollout is present.")] = None,
-    to: Annotated[Optional[Tokens], typer.Option(
+    to: Annotated[Tokens | None, typer.Option(
         help="Target form; default: the other one.")] = None,
     force: Force = False,
 ) -> None:

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -75,19 +75,19 @@ def metrics_wide(metrics: pl.DataFrame) -> pl.DataFrame:
 
 
 def evaluate(
-    rollouts: Annotated[Optional[list[Path]], typer.Option(
+    rollouts: Annotated[list[Path] | None, typer.Option(
         "--rollouts", help="rollouts.parquet, a folder holding one, a draco run folder, or - "
         "(a table on stdin); repeat it (one per training step) to follow training: figures per "
         "train_step.")] = None,
-    out: Annotated[Optional[Path], typer.Option(
+    out: Annotated[Path | None, typer.Option(
         "-o", "--out", callback=folder_path,
         help="Folder to write metrics.parquet into (optional).")] = None,
     k: Annotated[str, typer.Option("--k", help="Comma-separated k for pass^k and pass@k.")]
     = "1,2,3",
-    by: Annotated[Optional[list[str]], typer.Option(
+    by: Annotated[list[str] | None, typer.Option(
         "--by", help="Also report per value of this rollout column (repeatable): difficulty, "
         "train_step, ...")] = None,
-    compare: Annotated[Optional[list[Path]], typer.Option(
+    compare: Annotated[list[Path] | None, typer.Option(
         "--compare", help="Two runs (rollouts.parquet or folders): A then B. Prints both with "
         "B − A and a paired bootstrap 95% CI over tasks.")] = None,
     missing: Annotated[Literal["fail", "drop"], typer.Option(

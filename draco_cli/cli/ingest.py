@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -31,17 +31,17 @@ def ingest(
                                "block the environment ran, or one tool call.")
     ] = StepUnit.message,
     tokenizer: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="tokenizer.json of the trainer's model, for logs without token "
                      "counts; 'approx' = ceil(chars/4), an approximation."),
     ] = None,
     group_by: Annotated[
-        Optional[str],
+        str | None,
         typer.Option(help="Comma-separated rollout fields forming group_id "
                      "(default: task_id, plus train_step when set)."),
     ] = None,
     train_step: Annotated[
-        Optional[int], typer.Option(help="train_step for rollouts whose log does not say.")
+        int | None, typer.Option(help="train_step for rollouts whose log does not say.")
     ] = None,
     skip_invalid: Annotated[
         bool, typer.Option(metavar="", help="Write bad entries to OUT/rejects.jsonl and go on.")

@@ -11,7 +11,7 @@ import functools
 import inspect
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -44,11 +44,11 @@ Model = Annotated[str, typer.Option(
     "--model", help="provider/model: openai/gpt-4.1, anthropic/claude-sonnet-4-5, openai/NAME "
     "with --base-url for a vLLM/SGLang/Ollama server, or replay/PATH to answer from a recorded "
     "call log. Keys come from OPENAI_API_KEY / ANTHROPIC_API_KEY.", rich_help_panel=LLM_PANEL)]
-BaseUrl = Annotated[Optional[str], typer.Option(
+BaseUrl = Annotated[str | None, typer.Option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.",
         rich_help_panel=LLM_PANEL)]
-BaseUrls = Annotated[Optional[list[str]], typer.Option(
+BaseUrls = Annotated[list[str] | None, typer.Option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1. Repeat it (or "
     "give a file listing one URL a line) for a fleet serving one model: calls go to the endpoint "
@@ -57,27 +57,27 @@ BaseUrls = Annotated[Optional[list[str]], typer.Option(
 Concurrency = Annotated[int, typer.Option(
     min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
     "does not serve more in parallel.", rich_help_panel=LLM_PANEL)]
-Adapt = Annotated[Optional[bool], typer.Option(
+Adapt = Annotated[bool | None, typer.Option(
     "--adapt/--no-adapt", metavar="",
     help="Measure the server's useful parallelism and keep in-flight "
     "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.",
         rich_help_panel=LLM_PANEL)]
-Rpm = Annotated[Optional[float], typer.Option(help="Requests per minute limit.",
+Rpm = Annotated[float | None, typer.Option(help="Requests per minute limit.",
     rich_help_panel=LLM_PANEL)]
-Tpm = Annotated[Optional[float], typer.Option(help="Tokens per minute limit (estimated).",
+Tpm = Annotated[float | None, typer.Option(help="Tokens per minute limit (estimated).",
     rich_help_panel=LLM_PANEL)]
 Timeout = Annotated[float, typer.Option(help="Seconds per call before it is retried.",
     rich_help_panel=LLM_PANEL)]
 ParseRetries = Annotated[int, typer.Option(
     min=0, help="Re-asks after an answer that does not validate, then unanswered.",
         rich_help_panel=LLM_PANEL)]
-MaxCost = Annotated[Optional[float], typer.Option(
+MaxCost = Annotated[float | None, typer.Option(
     help="Stop issuing calls once this many USD are spent; rerun to resume.",
         rich_help_panel=LLM_PANEL)]
-Prices = Annotated[Optional[Path], typer.Option(
+Prices = Annotated[Path | None, typer.Option(
     help="Price table JSON overriding the shipped one (USD per million tokens).",
         rich_help_panel=LLM_PANEL)]
-Batch = Annotated[Optional[bool], typer.Option(
+Batch = Annotated[bool | None, typer.Option(
     "--batch/--no-batch", metavar="",
     help="The provider's batch API (half price, answers within hours; "
     "resumable). Default: on for openai/ and anthropic/ hosted APIs, off with --base-url "
@@ -90,13 +90,13 @@ MaxTokens = Annotated[int, typer.Option(help="Token limit per answer (at least 1
 MaxPromptTokens = Annotated[int, typer.Option(
     help="Prompt budget (at least 500): long observations are shortened in the middle to fit.",
         rich_help_panel=PROMPT_PANEL)]
-Redact = Annotated[Optional[list[str]], typer.Option(
+Redact = Annotated[list[str] | None, typer.Option(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "
     "tokens and passwords are masked by default.", rich_help_panel=PROMPT_PANEL)]
 NoDefaultRedact = Annotated[bool, typer.Option(
     "--no-default-redact", metavar="",
     help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
-CallLogPath = Annotated[Optional[Path], typer.Option(
+CallLogPath = Annotated[Path | None, typer.Option(
     "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.",
         rich_help_panel=LLM_PANEL)]
 ShowPrompt = Annotated[bool, typer.Option(
@@ -116,9 +116,9 @@ UseN = Annotated[bool, typer.Option(
     "--use-n/--no-use-n", metavar="",
     help="Ask k samples in one request with n (servers that ignore n "
     "get the missing samples re-asked one per call either way).", rich_help_panel=LLM_PANEL)]
-Temperature = Annotated[Optional[float], typer.Option(
+Temperature = Annotated[float | None, typer.Option(
     min=0.0, help="Sampling temperature (default: the server's).", rich_help_panel=LLM_PANEL)]
-Seed = Annotated[Optional[int], typer.Option(
+Seed = Annotated[int | None, typer.Option(
     help="Sampling seed, where the server honours one (enters the cache key).",
         rich_help_panel=LLM_PANEL)]
 
@@ -201,12 +201,12 @@ def prompt_options() -> Callable[[Command], Command]:
 # --- rubric and judge stages (RubricOptions, JudgeOptions check the values) -------------
 MaxCriteria = Annotated[int, typer.Option(help="Criteria per group at most, after the merge.",
                                           rich_help_panel=RUBRIC_PANEL)]
-StaticRubric = Annotated[Optional[Path], typer.Option(
+StaticRubric = Annotated[Path | None, typer.Option(
     help="Static rubric file for the static settings (default: draco's own).",
     rich_help_panel=RUBRIC_PANEL)]
 RubricStages = Annotated[str, typer.Option(help="Comma-separated stages to run.",
                                            rich_help_panel=RUBRIC_PANEL)]
-JudgeModel = Annotated[Optional[str], typer.Option(help="Judge model, if not --model.",
+JudgeModel = Annotated[str | None, typer.Option(help="Judge model, if not --model.",
                                                    rich_help_panel=JUDGE_PANEL)]
 Samples = Annotated[int, typer.Option(help="Judge samples per rollout (k).",
                                       rich_help_panel=JUDGE_PANEL)]

@@ -18,7 +18,7 @@ import math
 import sys
 from dataclasses import dataclass, field
 from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any, Optional
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
@@ -38,7 +38,7 @@ class OutputFormat(str, Enum):
     csv = "csv"
 
 
-Format = Annotated[Optional[OutputFormat], typer.Option(
+Format = Annotated[OutputFormat | None, typer.Option(
     "--format", show_default=False,
     help="How results are printed on stdout: table (aligned, for reading; the default), json "
     "(one JSON document) or csv (the main table). Messages go to stderr.")]

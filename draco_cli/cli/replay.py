@@ -3,7 +3,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -33,19 +33,19 @@ def plan_cmd(
     seed: Annotated[int, typer.Option(help="Seed of the Bernoulli selection (recorded).")] = 0,
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side (default "
                                          "cost K·(T − t + 1) + K·(T − t) actions).")] = 2,
-    steps: Annotated[Optional[Path], typer.Option(
+    steps: Annotated[Path | None, typer.Option(
         "--steps", help="steps.parquet: each rollout's number of steps T for the default cost "
         "(needed unless the positions carry cost or n_steps).")] = None,
     allocation: Annotated[str, typer.Option(
         "--allocation", help="sqrt = square-root allocation (Eq. 10); uniform = one p for "
         "every position at the same expected cost (the paper's uniform-replay arm).")] = "sqrt",
-    heads: Annotated[Optional[Path], typer.Option(
+    heads: Annotated[Path | None, typer.Option(
         help="Fitted heads (JSON): take prediction and error from them, recording the version.")]
     = None,
-    features: Annotated[Optional[Path], typer.Option(
+    features: Annotated[Path | None, typer.Option(
         help="Features for --heads (a step_credit.parquet or any rollout_id, step, numeric "
         "columns table).")] = None,
-    rewards: Annotated[Optional[Path], typer.Option(
+    rewards: Annotated[Path | None, typer.Option(
         help="rewards.parquet, when --features is a step_credit table.")] = None,
     force: Force = False,
 ) -> None:
@@ -75,7 +75,7 @@ def run_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder: labels.parquet, "
                                       "replay_cost.parquet, replay_log.jsonl (the resume log).")],
     workers: Annotated[int, typer.Option("--workers", min=1, help="Replays run at once.")] = 2,
-    replays: Annotated[Optional[int], typer.Option(
+    replays: Annotated[int | None, typer.Option(
         "--replays", min=1, help="K per side (default: the plan's).")] = None,
     timeout: Annotated[float, typer.Option("--timeout", help="Seconds to wait for one replay's "
                                            "answer; a silent subprocess is stopped and "
@@ -129,14 +129,14 @@ def correct_cmd(
     out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
     beta: Annotated[float, typer.Option(help="Weight of the rollout's RLOO outcome advantage.")]
     = 0.0,
-    rollouts: Annotated[Optional[Path], typer.Option(help="rollouts.parquet (for --beta).")]
+    rollouts: Annotated[Path | None, typer.Option(help="rollouts.parquet (for --beta).")]
     = None,
-    steps: Annotated[Optional[Path], typer.Option(help="steps.parquet: also write token "
+    steps: Annotated[Path | None, typer.Option(help="steps.parquet: also write token "
                                                   "advantages.")] = None,
     no_correction: Annotated[bool, typer.Option("--no-correction", metavar="",
                                                 help="Use the stored "
                                                 "predictions alone (the ablation).")] = False,
-    clip: Annotated[Optional[float], typer.Option(help="Clip corrected credit to ±CLIP (breaks "
+    clip: Annotated[float | None, typer.Option(help="Clip corrected credit to ±CLIP (breaks "
                                                   "unbiasedness; recorded).")] = None,
     force: Force = False,
 ) -> None:
@@ -163,18 +163,18 @@ def fit_cmd(
     features: Annotated[Path, typer.Option("--features", help="step_credit.parquet (DRACO "
                                            "features) or rollout_id, step, numeric columns.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Heads file (JSON).")],
-    rewards: Annotated[Optional[Path], typer.Option(help="rewards.parquet for the reward "
+    rewards: Annotated[Path | None, typer.Option(help="rewards.parquet for the reward "
                                                     "feature.")] = None,
-    rollouts: Annotated[Optional[Path], typer.Option(help="rollouts.parquet: held-out "
+    rollouts: Annotated[Path | None, typer.Option(help="rollouts.parquet: held-out "
                                                      "calibration split by task.")] = None,
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out for calibration "
                                            "(with --rollouts).")] = 0.2,
-    cross_fit: Annotated[Optional[int], typer.Option(
+    cross_fit: Annotated[int | None, typer.Option(
         "--cross-fit", min=2, help="Also write cross-fitted predictions (tasks in K folds, each "
         "fold predicted by heads fitted on the others) to --predictions; needs --rollouts.")]
     = None,
-    predictions: Annotated[Optional[Path], typer.Option(
+    predictions: Annotated[Path | None, typer.Option(
         "--predictions", help="Where --cross-fit writes rollout_id, step, prediction, error, "
         "fold, head_version (a positions table for replay plan).")] = None,
     force: Force = False,
@@ -288,15 +288,15 @@ def propose_cmd(
 @app.command("diagnose")
 def diagnose_cmd(
     plan_path: Annotated[Path, typer.Option("--plan", help="The plan.")],
-    labels: Annotated[Optional[Path], typer.Option("--labels", help="Its replay labels.")]
+    labels: Annotated[Path | None, typer.Option("--labels", help="Its replay labels.")]
     = None,
-    heads: Annotated[Optional[list[Path]], typer.Option(
+    heads: Annotated[list[Path] | None, typer.Option(
         "--heads", help="Two heads files (old then new) for predictor drift.")] = None,
-    features: Annotated[Optional[Path], typer.Option(
+    features: Annotated[Path | None, typer.Option(
         "--features", help="Features to compare the heads on (with --heads).")] = None,
-    rewards: Annotated[Optional[Path], typer.Option(
+    rewards: Annotated[Path | None, typer.Option(
         "--rewards", help="rewards.parquet, when --features is a step_credit table.")] = None,
-    out: Annotated[Optional[Path], typer.Option("-o", "--out", help="Output folder.")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", help="Output folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="",
                                           help="Print the figures as JSON.")] = False,
     force: Force = False,
@@ -326,7 +326,7 @@ def diagnose_cmd(
 def exact_check_cmd(
     replays: Annotated[int, typer.Option("--replays", min=1, help="K replays per side.")] = 2,
     p_min: Annotated[float, typer.Option("--p-min", help="Smallest inclusion probability.")] = 0.05,
-    sweep: Annotated[Optional[str], typer.Option(
+    sweep: Annotated[str | None, typer.Option(
         "--sweep-replays", help="Also sweep M (replays per side) under one fixed expected "
         "budget, e.g. 1,2,4: the paper asks not to treat M as a free accuracy knob.")] = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="",

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -14,7 +14,7 @@ def report(
     runs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR...", help="Run folders written "
                                                "by draco run (several: one per training step).")],
     out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")],
-    rollout: Annotated[Optional[str], typer.Option(
+    rollout: Annotated[str | None, typer.Option(
         help="Rollout to open first in the step-credit view (default: the largest "
         "|advantage|).")] = None,
     force: Force = False,

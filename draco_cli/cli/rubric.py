@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -61,7 +61,7 @@ def generate(
 @app.command("static")
 def static(
     rollouts: RolloutsOpt, out: OutOpt,
-    rubric: Annotated[Optional[Path], typer.Option(
+    rubric: Annotated[Path | None, typer.Option(
         "--rubric", help="YAML, JSON or Parquet criteria (title, requirement); default: "
         "draco's own rubric (secrets, pagination, stopping, errors, dates, confirmation).")]
     = None,

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 from enum import Enum
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Any, Literal, Optional
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
@@ -33,7 +33,7 @@ class Stage(str, Enum):
     credit = "credit"
 
 
-RunModel = Annotated[Optional[str], typer.Option(
+RunModel = Annotated[str | None, typer.Option(
     "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with --base-url, "
     "replay/PATH); not needed for --setting outcome.", rich_help_panel=LLM_PANEL)]
 
@@ -52,12 +52,12 @@ def run(
         help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
         "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "
         "the environment outcome, uniform, no LLM call).")] = Setting.draco,
-    train_step: Annotated[Optional[int], typer.Option(help="Write into OUT/step-N (N ≥ 0).")]
+    train_step: Annotated[int | None, typer.Option(help="Write into OUT/step-N (N ≥ 0).")]
     = None,
-    credit: Annotated[Optional[Credit], typer.Option(
+    credit: Annotated[Credit | None, typer.Option(
         help="Override the setting's credit: step or uniform.",
             rich_help_panel=CREDIT_PANEL)] = None,
-    reward: Annotated[Optional[RewardSource], typer.Option(
+    reward: Annotated[RewardSource | None, typer.Option(
         help="Override the setting's reward: rubric (pass fraction of retained criteria) or "
         "outcome (the environment's).", rich_help_panel=CREDIT_PANEL)] = None,
     estimator: Annotated[Estimator, typer.Option(help="Group baseline.",
@@ -71,7 +71,7 @@ def run(
     tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
         rich_help_panel=CREDIT_PANEL)]
     = Tokens.spans,
-    redo: Annotated[Optional[list[Stage]], typer.Option(
+    redo: Annotated[list[Stage] | None, typer.Option(
         help="Redo this stage and every stage after it even if unchanged (repeatable); "
         "answers already in the call log are reused.")] = None,
     min_answered: Annotated[float, typer.Option(
@@ -86,12 +86,12 @@ def run(
     engine: Annotated[Literal["local", "ray"], typer.Option(
         help="Where the LLM stages run: local (this process) or ray (a Ray cluster's workers, "
         "partitioned by group; needs the ray extra).")] = "local",
-    ray_address: Annotated[Optional[str], typer.Option(
+    ray_address: Annotated[str | None, typer.Option(
         help="Ray cluster address for --engine ray (default: a local cluster).")] = None,
-    partitions: Annotated[Optional[int], typer.Option(
+    partitions: Annotated[int | None, typer.Option(
         help="Partitions of the groups for --engine ray, each one task with its own "
         "call log (default: the cluster's CPUs).")] = None,
-    *, llm: Optional[LLMSettings], prompt: PromptOptions, judge: JudgeOptions,
+    *, llm: LLMSettings | None, prompt: PromptOptions, judge: JudgeOptions,
     rubric: RubricOptions,
 ) -> None:
     """One training step: rubric → judge → filter → credit, resumable and idempotent.

@@ -2,7 +2,7 @@ from __future__ import annotations
 
 import sys
 from pathlib import Path
-from typing import TYPE_CHECKING, Annotated, Optional
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 
@@ -18,12 +18,12 @@ End a query with ; (it may span lines). .tables lists views and columns; .quit l
 
 
 def sql(
-    args: Annotated[Optional[list[str]], typer.Argument(
+    args: Annotated[list[str] | None, typer.Argument(
         metavar="[RUN_DIR...] [QUERY]", show_default=False,
         help="Run folders (draco run), folders of tables (draco ingest), Parquet files or "
         "call logs, or - for a table on stdin; then the query, unless -c gives it. No query: "
         "an interactive shell (or SQL read from a pipe).")] = None,
-    command: Annotated[Optional[str], typer.Option(
+    command: Annotated[str | None, typer.Option(
         "-c", "--command", help="The query (as duckdb -c): every argument is then an input; "
         "with no input, query files directly, e.g. FROM 'runs/x/rollouts.parquet'.")] = None,
     table: Annotated[str, typer.Option(

@@ -1,7 +1,7 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Annotated, Optional
+from typing import Annotated
 
 import typer
 
@@ -15,7 +15,7 @@ def validate(
                        "(every folder below checked as its own set, e.g. a whole run folder), "
                        "or - for an Arrow IPC stream on stdin."),
     ],
-    table: Annotated[Optional[str], typer.Option(
+    table: Annotated[str | None, typer.Option(
         "--table", help="Which table - (stdin) holds, e.g. verdicts: needed for a stream "
         "draco did not write.")] = None,
 ) -> None:

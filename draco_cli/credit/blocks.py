@@ -90,7 +90,7 @@ def plan_blocks(rollouts: str | Path, steps: str | Path, verdicts: str | Path | 
 
 def _plan(rf: pq.ParquetFile, sf: pq.ParquetFile, block_rollouts: int) -> BlockPlan | None:
     R = rf.metadata.num_rows
-    if R <= block_rollouts or "rollout_id" not in sf.schema_arrow.names:
+    if block_rollouts >= R or "rollout_id" not in sf.schema_arrow.names:
         return None
     rid, group = _column(rf, "rollout_id"), _column(rf, "group_id")
     if not clean_strings(rid) or group is None or group.null_count:

@@ -25,7 +25,8 @@ from __future__ import annotations
 import itertools
 import math
 from dataclasses import dataclass
-from typing import Any, Callable, Sequence
+from typing import Any
+from collections.abc import Callable, Sequence
 
 import numpy as np
 
@@ -187,7 +188,8 @@ def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
         rows.append(_row(f"no correction, {name} predictor", m, v, c, truth))
         _, _, oracle_cost = estimator_moments(trajs, pred, oracle, M, correct=True)
         p_uni = oracle_cost / full_cost
-        m, v, c = estimator_moments(trajs, pred, lambda pos: p_uni, M, correct=True)
+        m, v, c = estimator_moments(trajs, pred, lambda pos: p_uni, M,  # noqa: B023 - used in this iteration
+                                    correct=True)
         rows.append(_row(f"corrected, uniform p={p_uni:.3f}, {name} predictor", m, v, c,
                          truth))
         m, v, c = estimator_moments(trajs, pred, oracle, M, correct=True)

@@ -87,7 +87,7 @@ class Heads:
         return json.dumps(self.__dict__, indent=2)
 
     @classmethod
-    def from_json(cls, text: str, source: str = "heads") -> "Heads":
+    def from_json(cls, text: str, source: str = "heads") -> Heads:
         try:
             return cls(**json.loads(text))
         except (TypeError, ValueError) as exc:

@@ -38,7 +38,8 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Callable, Protocol, cast
+from typing import IO, Any, Protocol, cast
+from collections.abc import Callable
 
 import polars as pl
 
@@ -152,7 +153,7 @@ class _Log:
                 f.write(json.dumps({"protocol": PROTOCOL, "plan": digest}).encode() + b"\n")
                 f.flush()
                 os.fsync(f.fileno())
-        self.f = open(path, "ab")
+        self.f = open(path, "ab")  # noqa: SIM115 - held for the log's lifetime, closed by close()
 
     def add(self, rec: Record) -> None:
         with self.lock:
@@ -200,7 +201,7 @@ class _Subprocess:
             line = self.lines.get(timeout=timeout)
         except queue.Empty:
             self.p.kill()
-            raise TimeoutError(f"no answer within {timeout:g} s (the environment was stopped)")
+            raise TimeoutError(f"no answer within {timeout:g} s (the environment was stopped)") from None
         if line is None:
             raise RuntimeError(f"the environment exited (code {self.p.poll()})")
         return json.loads(line)

@@ -15,6 +15,8 @@ copy on top of the first.
 
 from __future__ import annotations
 
+import contextlib
+
 import asyncio
 import time
 from collections import deque
@@ -71,10 +73,8 @@ class AdaptiveLimit:
                 self.in_flight -= 1   # granted, then cancelled before use: give it back
                 self._wake()
             else:
-                try:
+                with contextlib.suppress(ValueError):
                     self._waiters.remove(fut)
-                except ValueError:
-                    pass
             raise
 
     def _release(self) -> None:

@@ -328,7 +328,7 @@ class CallLog:
         if self._error:
             raise self._error
 
-    def __enter__(self) -> "CallLog":
+    def __enter__(self) -> CallLog:
         return self
 
     def __exit__(self, *exc: object) -> None:

@@ -55,27 +55,27 @@ def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int
         schema = pa.schema([pa.field(n, t) for n, t in zip(names, types)])
         cur = conn.execute(f"SELECT {', '.join(chr(34) + n + chr(34) for n in names)} "
                            "FROM calls ORDER BY id")
-        with atomic_path(out, force) as tmp:
-            with pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
-                group: list[pa.RecordBatch] = []
-                size = 0
-                while True:
-                    batch = cur.fetchmany(_EXPORT_BATCH_ROWS)
-                    more = bool(batch)
-                    if more:
-                        cols = list(zip(*batch))
-                        group.append(pa.record_batch(
-                            [pa.array(c, type=t) for c, t in zip(cols, types)], schema=schema))
-                        size += group[-1].nbytes
-                        rows += len(batch)
-                        del batch, cols
-                    # row groups of some size compress as well as one whole-table write
-                    if group and (not more or size >= _EXPORT_GROUP_BYTES):
-                        writer.write_table(pa.Table.from_batches(group, schema=schema),
-                                           row_group_size=1 << 30)
-                        group, size = [], 0
-                    if not more:
-                        break
+        with atomic_path(out, force) as tmp, \
+                pq.ParquetWriter(tmp, schema, compression="zstd") as writer:
+            group: list[pa.RecordBatch] = []
+            size = 0
+            while True:
+                batch = cur.fetchmany(_EXPORT_BATCH_ROWS)
+                more = bool(batch)
+                if more:
+                    cols = list(zip(*batch))
+                    group.append(pa.record_batch(
+                        [pa.array(c, type=t) for c, t in zip(cols, types)], schema=schema))
+                    size += group[-1].nbytes
+                    rows += len(batch)
+                    del batch, cols
+                # row groups of some size compress as well as one whole-table write
+                if group and (not more or size >= _EXPORT_GROUP_BYTES):
+                    writer.write_table(pa.Table.from_batches(group, schema=schema),
+                                       row_group_size=1 << 30)
+                    group, size = [], 0
+                if not more:
+                    break
     except sqlite3.DatabaseError as exc:
         raise _bad(Path(log), f"corrupt call log ({exc})") from None
     finally:

@@ -38,7 +38,7 @@ class PriceTable:
                     from None
 
     @classmethod
-    def load(cls, path: str | Path | None = None) -> "PriceTable":
+    def load(cls, path: str | Path | None = None) -> PriceTable:
         if path is None:
             text = resources.files("draco_cli.llm").joinpath("prices.json").read_text()
             return cls(json.loads(text), "draco_cli/llm/prices.json")

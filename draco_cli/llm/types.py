@@ -186,10 +186,10 @@ class Usage:
     output_tokens: int = 0
     reasoning_tokens: int = 0
 
-    def __add__(self, other: "Usage") -> "Usage":
+    def __add__(self, other: Usage) -> Usage:
         return Usage(*(a + b for a, b in zip(astuple_usage(self), astuple_usage(other))))
 
-    def scaled(self, share: float) -> "Usage":
+    def scaled(self, share: float) -> Usage:
         return Usage(*(round(a * share) for a in astuple_usage(self)))
 
 

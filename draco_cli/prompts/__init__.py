@@ -10,7 +10,7 @@ from importlib import resources
 CURRENT = {"generate": "v1", "union": "v1", "merge": "v1", "score": "v2"}
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def load_prompt(name: str) -> tuple[str, str]:
     """(template text, version label such as 'score.v1')."""
     version = CURRENT[name]

@@ -14,7 +14,7 @@ import json
 import os
 from collections.abc import Callable, Iterator
 from pathlib import Path
-from typing import Any, Optional
+from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
@@ -43,9 +43,9 @@ class InputRecord(BaseModel):
     model_config = ConfigDict(extra="allow")
 
     path: str                        # absolute when written by manifest version ≥ 2
-    relative: Optional[str] = None   # relative to the run folder
+    relative: str | None = None   # relative to the run folder
     sha256: str
-    bytes: Optional[int] = None
+    bytes: int | None = None
 
 
 class StageRecord(BaseModel):
@@ -55,15 +55,15 @@ class StageRecord(BaseModel):
 
     key: str
     status: str                      # running | done | partial | budget reached | interrupted
-    seconds: Optional[float] = None
+    seconds: float | None = None
     notes: list[str] = Field(default_factory=list)
-    rows: Optional[int] = None       # rows of the stage's main table
-    kind: Optional[str] = None       # rubric: dynamic | static
-    criteria: Optional[int] = None   # static rubric: criteria × groups
-    calls: Optional[dict[str, Any]] = None   # LLM stages: calls new / reused, dollars
-    health: Optional[dict[str, Any]] = None  # LLM stages: what the health check reads
-    stats: Optional[dict[str, Any]] = None   # credit: CreditStats
-    reward: Optional[str] = None     # credit: rubric | outcome
+    rows: int | None = None       # rows of the stage's main table
+    kind: str | None = None       # rubric: dynamic | static
+    criteria: int | None = None   # static rubric: criteria × groups
+    calls: dict[str, Any] | None = None   # LLM stages: calls new / reused, dollars
+    health: dict[str, Any] | None = None  # LLM stages: what the health check reads
+    stats: dict[str, Any] | None = None   # credit: CreditStats
+    reward: str | None = None     # credit: rubric | outcome
 
 
 class StageHealth(BaseModel):
@@ -88,7 +88,7 @@ class Manifest(BaseModel):
     manifest_version: int = MANIFEST_VERSION
     draco_version: str = ""
     status: str = "running"
-    train_step: Optional[int] = None
+    train_step: int | None = None
     settings: dict[str, Any] = Field(default_factory=dict)
     prompt_versions: dict[str, str] = Field(default_factory=dict)
     inputs: dict[str, InputRecord] = Field(default_factory=dict)
@@ -96,10 +96,10 @@ class Manifest(BaseModel):
     skipped_this_run: list[str] = Field(default_factory=list)
     rows: dict[str, int] = Field(default_factory=dict)
     llm_calls: dict[str, dict[str, Any]] = Field(default_factory=dict)
-    wall_seconds: Optional[float] = None
-    updated_at: Optional[str] = None
-    token_advantages: Optional[str] = None
-    health: Optional[Health] = None
+    wall_seconds: float | None = None
+    updated_at: str | None = None
+    token_advantages: str | None = None
+    health: Health | None = None
 
 
 def file_sha256(path: Path) -> str:
@@ -143,7 +143,7 @@ class RunFolder:
         return not isinstance(data, dict) or "stages" in data
 
     @classmethod
-    def open(cls, path: str | os.PathLike[str]) -> "RunFolder":
+    def open(cls, path: str | os.PathLike[str]) -> RunFolder:
         """Open a run folder written by ``draco run``; a missing, unreadable or corrupt
         manifest is a one-line InputError saying what to do."""
         folder = cls(path)

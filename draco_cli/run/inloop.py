@@ -23,7 +23,8 @@ import asyncio
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
 
 import polars as pl
 import pyarrow as pa
@@ -132,7 +133,7 @@ class Scorer:
 
             self.static_criteria = load_static_rubric(self.options.rubric.static_rubric)
 
-    async def __aenter__(self) -> "Scorer":
+    async def __aenter__(self) -> Scorer:
         self.call_log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = CallLog(self.call_log_path).__enter__()
         judge_model = self.options.judge.judge_model or self.llm.model

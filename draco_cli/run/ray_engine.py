@@ -21,7 +21,8 @@ import pickle
 import sqlite3
 from dataclasses import fields
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable, cast
+from typing import TYPE_CHECKING, Any, cast
+from collections.abc import Callable
 
 import polars as pl
 import pyarrow as pa
@@ -139,7 +140,7 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work:
         cause: BaseException = exc
         # Ray's task errors chain the worker's exception as ``.cause``
         while getattr(cause, "cause", None) is not None:
-            cause = getattr(cause, "cause")
+            cause = getattr(cause, "cause")  # noqa: B009 - not an attribute of BaseException to mypy
         if isinstance(cause, DracoError):
             raise cause from None
         first = (str(cause).strip().splitlines() or ["?"])[0][:300]

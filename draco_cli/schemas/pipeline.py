@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import ClassVar, Literal, Optional
+from typing import ClassVar, Literal
 
 from pydantic import Field
 
@@ -30,34 +30,34 @@ class Rollout(Table):
         "default task_id, or task_id/train_step when train_step is set."
     )
     task_id: str = Field(description="The task this rollout attempts.")
-    train_step: Optional[Int32] = Field(None, description="RL training step that produced it.")
-    trial: Optional[Int32] = Field(
+    train_step: Int32 | None = Field(None, description="RL training step that produced it.")
+    trial: Int32 | None = Field(
         None, description="Index of this attempt at the task; pairs the tasks of a scenario."
     )
-    scenario_id: Optional[str] = Field(None, description="Scenario (AppWorld groups 3 tasks).")
-    difficulty: Optional[str] = Field(None, description="Difficulty label, if the benchmark has one.")
+    scenario_id: str | None = Field(None, description="Scenario (AppWorld groups 3 tasks).")
+    difficulty: str | None = Field(None, description="Difficulty label, if the benchmark has one.")
     instruction: str = Field(description="The task text.")
-    outcome: Optional[float] = Field(
+    outcome: float | None = Field(
         None, description="The environment's terminal evaluator; 1 = success."
     )
-    termination: Optional[Termination] = Field(None, description="What ended the episode.")
-    termination_raw: Optional[str] = Field(
+    termination: Termination | None = Field(None, description="What ended the episode.")
+    termination_raw: str | None = Field(
         None, description="The log's own word for what ended the episode, before mapping."
     )
     n_turns: Int32 = Field(ge=0, description="Policy (assistant) messages in the episode.")
-    response_len: Optional[Int32] = Field(
+    response_len: Int32 | None = Field(
         None,
         ge=0,
         le=MAX_TOKENS,
         description="Tokens of the trainer's response sequence, observation and gap tokens "
         "included.",
     )
-    policy_spans: Optional[list[list[Int32]]] = Field(
+    policy_spans: list[list[Int32]] | None = Field(
         None,
         description="Half-open [start, end) token ranges the policy generated: exactly where "
         "the trainer's response_mask is 1.",
     )
-    response_fingerprint: Optional[str] = Field(
+    response_fingerprint: str | None = Field(
         None, description="Hash of the trainer's response token ids, when ingest took positions "
         "from them (draco_cli.trainers.loader.fingerprint); copied into token_advantages.")
 
@@ -74,7 +74,7 @@ class Step(Table):
     observation: str = Field(description="What came back before the next step.")
     n_tokens: Int32 = Field(ge=1, le=MAX_TOKENS,
                             description="The step's tokens in the trainer's tokenizer.")
-    token_start: Optional[Int32] = Field(
+    token_start: Int32 | None = Field(
         None, ge=0, le=MAX_TOKENS,
         description="Offset of the step's first token in the response sequence."
     )
@@ -89,7 +89,7 @@ class RubricCandidate(Table):
     group_id: str = Field(description="Group the candidate was written for.")
     candidate_id: str = Field(description="Id of the candidate within its group.")
     stage: Literal["generate", "union"] = Field(description="Rubric stage that proposed it.")
-    origin_rollout_id: Optional[str] = Field(
+    origin_rollout_id: str | None = Field(
         None, description="Rollout shown to the generator (stage generate)."
     )
     title: str = Field(description="Short title.")
@@ -121,11 +121,11 @@ class VerdictRaw(Table):
     criterion_id: str = Field(description="Criterion judged.")
     judge: str = Field(description="Judge arm label, e.g. frontier or self.")
     sample: int = Field(ge=0, description="Sample index 0..k-1.")
-    verdict: Optional[Verdict] = Field(None, description="pass, fail, na, or null = unanswered.")
+    verdict: Verdict | None = Field(None, description="pass, fail, na, or null = unanswered.")
     cited_steps: list[StepNumber] = Field(
         description="Steps that justify the verdict (1-based)."
     )
-    reason: Optional[str] = Field(None, description="The judge's short reason.")
+    reason: str | None = Field(None, description="The judge's short reason.")
 
 
 class VerdictAggregated(Table):
@@ -137,12 +137,12 @@ class VerdictAggregated(Table):
     rollout_id: str = Field(description="Judged rollout.")
     criterion_id: str = Field(description="Criterion judged.")
     judge: str = Field(description="Judge arm label.")
-    verdict: Optional[Verdict] = Field(None, description="Aggregated verdict; null = unanswered.")
+    verdict: Verdict | None = Field(None, description="Aggregated verdict; null = unanswered.")
     cited_steps: list[StepNumber] = Field(
         description="Union of citations of the agreeing samples."
     )
-    reason: Optional[str] = Field(None, description="Reason (or why unanswered).")
-    retained: Optional[bool] = Field(
+    reason: str | None = Field(None, description="Reason (or why unanswered).")
+    retained: bool | None = Field(
         None, description="Criterion failed by at least one member of the group (SPEC §3.3)."
     )
 
@@ -158,8 +158,8 @@ class Reward(Table):
     n_pass: Int32 = Field(ge=0, description="Passed retained criteria.")
     n_fail: Int32 = Field(ge=0, description="Failed retained criteria.")
     n_na: Int32 = Field(ge=0, description="Retained criteria judged na.")
-    reward: Optional[float] = Field(None, description="Pass fraction over retained criteria.")
-    pass_rate_all: Optional[float] = Field(None, description="Pass fraction before the filter.")
+    reward: float | None = Field(None, description="Pass fraction over retained criteria.")
+    pass_rate_all: float | None = Field(None, description="Pass fraction before the filter.")
     advantage: float = Field(description="Group advantage A_i.")
     credit_mode: CreditMode = Field(description="How the advantage was spread over tokens.")
 
@@ -176,11 +176,11 @@ class StepCredit(Table):
     p: Int32 = Field(ge=0, description="Passed criteria citing the step.")
     f: Int32 = Field(ge=0, description="Failed criteria citing the step.")
     cited: bool = Field(description="Whether any pass/fail criterion cites the step.")
-    quality: Optional[float] = Field(None, description="Q_j.")
-    weight: Optional[float] = Field(None, description="w_j.")
+    quality: float | None = Field(None, description="Q_j.")
+    weight: float | None = Field(None, description="w_j.")
     advantage: float = Field(description="a_j: advantage of every token of the step.")
     total: float = Field(description="n_j * a_j.")
-    token_start: Optional[Int32] = Field(
+    token_start: Int32 | None = Field(
         None, ge=0, le=MAX_TOKENS,
         description="The step's token_start, carried over for the token layout."
     )
@@ -199,18 +199,18 @@ class TokenAdvantages(Table):
         description="positions: tokens where the steps' token_start put them; end_to_end: no "
         "positions were known, steps laid end to end in step order (no gap or observation tokens)."
     )
-    advantages: Optional[list[Float32]] = Field(
+    advantages: list[Float32] | None = Field(
         None, description="Dense form: one value per response token."
     )
-    span_start: Optional[list[Int32]] = Field(None, description="Spans form: range starts.")
-    span_end: Optional[list[Int32]] = Field(None, description="Spans form: range ends.")
-    span_value: Optional[list[Float32]] = Field(None, description="Spans form: range values.")
-    train_step: Optional[Int32] = Field(
+    span_start: list[Int32] | None = Field(None, description="Spans form: range starts.")
+    span_end: list[Int32] | None = Field(None, description="Spans form: range ends.")
+    span_value: list[Float32] | None = Field(None, description="Spans form: range values.")
+    train_step: Int32 | None = Field(
         None, description="Self-check: the train step of the rollout (a loader refuses rows of "
         "another step).")
-    n_policy_tokens: Optional[Int32] = Field(
+    n_policy_tokens: Int32 | None = Field(
         None, ge=0, description="Self-check: tokens the trainer's response mask should mark 1.")
-    response_fingerprint: Optional[str] = Field(
+    response_fingerprint: str | None = Field(
         None, description="Self-check: hash of the trainer's response token ids, when positions "
         "came from them (draco_cli.trainers.loader.fingerprint).")
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, ClassVar, Literal, Optional
+from typing import Annotated, ClassVar, Literal
 
 import annotated_types
 from pydantic import Field
@@ -32,7 +32,7 @@ class ReplayPlan(Table):
                               "labels exist.")
     error: float = Field(ge=0, description="e_t: the predicted squared error of c_t.")
     score_norm: float = Field(ge=0, description="‖g_t‖ (1 when the trainer gives none).")
-    n_steps: Optional[int] = Field(None, ge=1, description="T: the rollout's number of steps "
+    n_steps: int | None = Field(None, ge=1, description="T: the rollout's number of steps "
                                    "(when the default cost was computed from it).")
     cost: float = Field(ge=0, description="ℓ_t: replay cost in environment actions "
                         "(default K·(T − t + 1) + K·(T − t)).")
@@ -41,13 +41,13 @@ class ReplayPlan(Table):
     lambda_: float = Field(alias="lambda", ge=0, description="λ of the allocation "
                            "(0: the budget was slack).")
     seed: int = Field(description="Seed of the Bernoulli selection.")
-    head_version: Optional[str] = Field(None, description="Version of the heads that made "
+    head_version: str | None = Field(None, description="Version of the heads that made "
                                         "prediction and error (null: given by the user).")
     budget: float = Field(ge=0, description="The replay budget B.")
     expected_cost: float = Field(ge=0, description="Σ p_t ℓ_t: the plan's expected cost.")
-    allocation: Optional[AllocationRule] = Field(None, description="sqrt (Eq. 10) or uniform "
+    allocation: AllocationRule | None = Field(None, description="sqrt (Eq. 10) or uniform "
                                              "(one p at the same expected cost).")
-    replays: Optional[int] = Field(None, ge=1, description="K: replays per side.")
+    replays: int | None = Field(None, ge=1, description="K: replays per side.")
 
 
 class ReplayLabel(Table):
@@ -60,7 +60,7 @@ class ReplayLabel(Table):
     step: int = Field(ge=1, description="1-based step t.")
     side: Side = Field(description="realized: restored after step t; resampled: restored "
                        "before step t with a fresh action.")
-    sample: Optional[int] = Field(None, ge=0, description="Index of the continuation on its "
+    sample: int | None = Field(None, ge=0, description="Index of the continuation on its "
                                   "side (0..K−1).")
     return_: float = Field(alias="return", description="The continuation's return.")
 
@@ -91,7 +91,7 @@ class ReplayCredit(Table):
     prediction: float = Field(description="c_t from the plan.")
     p: Probability = Field(description="p_t from the plan.")
     selected: bool = Field(description="S_t from the plan.")
-    delta: Optional[float] = Field(None, description="Δ_t = mean realized − mean resampled "
+    delta: float | None = Field(None, description="Δ_t = mean realized − mean resampled "
                                    "return (null where not replayed).")
     corrected: float = Field(description="Ĉ_t = c_t + (S_t/p_t)(Δ_t − c_t) (c_t with "
                              "--no-correction; clipped only with --clip).")
@@ -135,22 +135,22 @@ class EvolveScore(Table):
     keys: ClassVar[tuple[str, ...]] = ("candidate",)
 
     candidate: str = Field(description="The variant: baseline / current rubric, or an edit.")
-    held_out_objective: Optional[float] = Field(
+    held_out_objective: float | None = Field(
         None, ge=0, description="Σ (S/p)((1 − p)/p)‖g‖²(Δ − c)² on held-out tasks (lower is "
         "better; null when the edit could not be applied).")
-    held_out_mse: Optional[float] = Field(None, ge=0, description="Ordinary MSE of c on the "
+    held_out_mse: float | None = Field(None, ge=0, description="Ordinary MSE of c on the "
                                           "same positions.")
     accepted: bool = Field(description="The accepted variant (at most one).")
-    op: Optional[str] = Field(None, description="propose: add, remove or merge.")
-    title: Optional[str] = Field(None, description="propose: the new criterion's title.")
-    reason: Optional[str] = Field(None, description="propose: why the LLM proposed it.")
-    outcome_auc: Optional[float] = Field(None, ge=0, le=1, description="propose: AUC of the "
+    op: str | None = Field(None, description="propose: add, remove or merge.")
+    title: str | None = Field(None, description="propose: the new criterion's title.")
+    reason: str | None = Field(None, description="propose: why the LLM proposed it.")
+    outcome_auc: float | None = Field(None, ge=0, le=1, description="propose: AUC of the "
                                          "rollout reward for the environment outcome.")
-    criteria: Optional[int] = Field(None, ge=0, description="propose: criteria in the rubric.")
-    error: Optional[str] = Field(None, description="propose: why the edit was not scored.")
-    train_rows: Optional[int] = Field(None, ge=0, description="evolve: labelled training "
+    criteria: int | None = Field(None, ge=0, description="propose: criteria in the rubric.")
+    error: str | None = Field(None, description="propose: why the edit was not scored.")
+    train_rows: int | None = Field(None, ge=0, description="evolve: labelled training "
                                       "positions.")
-    held_out_rows: Optional[int] = Field(None, ge=0, description="evolve: labelled held-out "
+    held_out_rows: int | None = Field(None, ge=0, description="evolve: labelled held-out "
                                          "positions.")
 
 
@@ -175,21 +175,21 @@ class Agreement(Table):
 
     scope: str = Field(description="overall, step:N, first_quarter or last_quarter.")
     n_rows: Count = Field(description="(rollout, criterion) pairs judged by both judges.")
-    agreement: Optional[Share] = Field(None, description="Share of pairs where the verdicts "
+    agreement: Share | None = Field(None, description="Share of pairs where the verdicts "
                                        "agree (an unanswered self verdict disagrees).")
-    pass_all_baseline: Optional[Share] = Field(
+    pass_all_baseline: Share | None = Field(
         None, description="Agreement of a judge that passes everything (the reference's pass "
         "share).")
-    false_pass_rate: Optional[Share] = Field(
+    false_pass_rate: Share | None = Field(
         None, description="Self passes among the reference's fails.")
-    false_fail_rate: Optional[Share] = Field(
+    false_fail_rate: Share | None = Field(
         None, description="Self fails among the reference's passes.")
-    leniency_ratio: Optional[float] = Field(
+    leniency_ratio: float | None = Field(
         None, ge=0, description="False passes over false fails; null without false fails.")
-    unanswered_rate: Optional[Share] = Field(None, description="Self verdicts left unanswered.")
-    criteria_per_rollout: Optional[float] = Field(
+    unanswered_rate: Share | None = Field(None, description="Self verdicts left unanswered.")
+    criteria_per_rollout: float | None = Field(
         None, ge=0, description="Mean criteria judged per rollout.")
-    reference_fail_share: Optional[Share] = Field(
+    reference_fail_share: Share | None = Field(
         None, description="Share of the reference's verdicts that are fail.")
 
 
@@ -203,9 +203,9 @@ class AgreementTest(Table):
                         "...).")
     test: str = Field(description="two_proportion_z_first_vs_last_quarter or "
                       "logistic_trend_wald.")
-    statistic: Optional[float] = Field(None, description="The test's z statistic; null when "
+    statistic: float | None = Field(None, description="The test's z statistic; null when "
                                        "it cannot be computed.")
-    p_value: Optional[Share] = Field(None, description="Two-sided p-value; null when the test "
+    p_value: Share | None = Field(None, description="Two-sided p-value; null when the test "
                                      "cannot be computed.")
 
 
@@ -221,8 +221,8 @@ class Overlap(Table):
     own_criteria: Count = Field(description="Criteria of the own rubric writer.")
     reference_criteria: Count = Field(description="Criteria of the reference.")
     matched: Count = Field(description="Criteria matched one-to-one.")
-    recall: Optional[Share] = Field(None, description="matched / reference_criteria.")
-    precision: Optional[Share] = Field(None, description="matched / own_criteria.")
+    recall: Share | None = Field(None, description="matched / reference_criteria.")
+    precision: Share | None = Field(None, description="matched / own_criteria.")
 
 
 class OverlapUnit(Table):
@@ -235,8 +235,8 @@ class OverlapUnit(Table):
     n_own: Count = Field(description="Own criteria of the unit.")
     n_reference: Count = Field(description="Reference criteria of the unit.")
     matched: Count = Field(description="Criteria matched one-to-one.")
-    task_id: Optional[str] = Field(None, description="The unit's task (with --rollouts).")
-    train_step: Optional[Int32] = Field(None, description="The unit's train step (with "
+    task_id: str | None = Field(None, description="The unit's task (with --rollouts).")
+    train_step: Int32 | None = Field(None, description="The unit's train step (with "
                                         "--rollouts).")
 
 
@@ -248,17 +248,17 @@ class RubricSummary(Table):
 
     criteria: Count = Field(description="Criteria in the rubrics table.")
     groups: Count = Field(description="Groups with a rubric.")
-    criteria_per_group: Optional[float] = Field(None, ge=0, description="criteria / groups.")
-    discriminative_share: Optional[Share] = Field(
+    criteria_per_group: float | None = Field(None, ge=0, description="criteria / groups.")
+    discriminative_share: Share | None = Field(
         None, description="Judged criteria that some rollout failed.")
     distinct_criteria: Count = Field(description="Distinct criterion texts (normalised).")
-    single_task_share: Optional[Share] = Field(
+    single_task_share: Share | None = Field(
         None, description="Distinct criteria used by one task only.")
-    single_task_judgment_share: Optional[Share] = Field(
+    single_task_judgment_share: Share | None = Field(
         None, description="Judgments made against single-task criteria.")
-    verdict_failure_share: Optional[Share] = Field(
+    verdict_failure_share: Share | None = Field(
         None, description="fail among pass and fail verdicts.")
-    na_rate: Optional[Share] = Field(None, description="na among all judgments.")
+    na_rate: Share | None = Field(None, description="na among all judgments.")
 
 
 class RubricCriterionStats(Table):
@@ -275,9 +275,9 @@ class RubricCriterionStats(Table):
     fails: Count = Field(description="fail verdicts.")
     passes: Count = Field(description="pass verdicts.")
     nas: Count = Field(description="na verdicts.")
-    na_rate: Optional[Share] = Field(None, description="nas / judgments.")
+    na_rate: Share | None = Field(None, description="nas / judgments.")
     discriminative: bool = Field(description="Some rollout failed it.")
-    single_task: Optional[bool] = Field(None, description="Its text is used by one task only.")
+    single_task: bool | None = Field(None, description="Its text is used by one task only.")
 
 
 class CostPhase(Table):
@@ -293,7 +293,7 @@ class CostPhase(Table):
     cached_tokens: Count = Field(description="Prompt tokens the provider served from its cache.")
     output_tokens: Count = Field(description="Answer tokens.")
     reasoning_tokens: Count = Field(description="Thinking tokens (part of output_tokens).")
-    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+    cost_usd: float | None = Field(None, ge=0, description="Dollars; null if unpriced.")
 
 
 class CostStep(Table):
@@ -302,16 +302,16 @@ class CostStep(Table):
     table_name: ClassVar[str] = "cost_step"
     keys: ClassVar[tuple[str, ...]] = ("train_step",)
 
-    train_step: Optional[Int32] = Field(None, description="The train step; null for calls of "
+    train_step: Int32 | None = Field(None, description="The train step; null for calls of "
                                         "no known step.")
     # the counts are absent (null) when no call could be tied to a step: the table is empty
-    calls: Optional[Count] = Field(None, description="Requests sent.")
-    input_tokens: Optional[Count] = Field(None, description="Prompt tokens.")
-    cached_tokens: Optional[Count] = Field(
+    calls: Count | None = Field(None, description="Requests sent.")
+    input_tokens: Count | None = Field(None, description="Prompt tokens.")
+    cached_tokens: Count | None = Field(
         None, description="Prompt tokens served from the provider's cache.")
-    output_tokens: Optional[Count] = Field(None, description="Answer tokens.")
-    reasoning_tokens: Optional[Count] = Field(None, description="Thinking tokens.")
-    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+    output_tokens: Count | None = Field(None, description="Answer tokens.")
+    reasoning_tokens: Count | None = Field(None, description="Thinking tokens.")
+    cost_usd: float | None = Field(None, ge=0, description="Dollars; null if unpriced.")
 
 
 class CostCategory(Table):
@@ -322,10 +322,10 @@ class CostCategory(Table):
 
     category: str = Field(description="original, replay, reconstruction, judge, rubric writing "
                           "or candidate scoring.")
-    tokens: Optional[Count] = Field(None, description="Tokens (generated or read).")
-    env_actions: Optional[Count] = Field(None, description="Environment actions taken.")
-    llm_calls: Optional[Count] = Field(None, description="LLM requests.")
-    cost_usd: Optional[float] = Field(None, ge=0, description="Dollars; null if unpriced.")
+    tokens: Count | None = Field(None, description="Tokens (generated or read).")
+    env_actions: Count | None = Field(None, description="Environment actions taken.")
+    llm_calls: Count | None = Field(None, description="LLM requests.")
+    cost_usd: float | None = Field(None, ge=0, description="Dollars; null if unpriced.")
 
 
 class CostNaive(Table):
@@ -344,13 +344,13 @@ class CostNaive(Table):
                                       "(Anthropic).")
     output_tokens: Count = Field(description="Answer tokens.")
     naive_input_tokens: Count = Field(description="Prompt tokens a naive client pays in full.")
-    batch_share: Optional[float] = Field(None, ge=0, le=1, description="Share of the rows sent "
+    batch_share: float | None = Field(None, ge=0, le=1, description="Share of the rows sent "
                                          "through a batch API.")
-    billed_usd: Optional[float] = Field(None, ge=0, description="Dollars billed; null if "
+    billed_usd: float | None = Field(None, ge=0, description="Dollars billed; null if "
                                         "unpriced.")
-    naive_usd: Optional[float] = Field(None, ge=0, description="Dollars a naive client pays; "
+    naive_usd: float | None = Field(None, ge=0, description="Dollars a naive client pays; "
                                        "null if unpriced.")
-    billed_over_naive: Optional[float] = Field(None, ge=0, description="billed_usd / naive_usd.")
+    billed_over_naive: float | None = Field(None, ge=0, description="billed_usd / naive_usd.")
     unpriced_rows: Count = Field(description="Rows of models without a price, left out of the "
                                  "dollars.")
 
@@ -364,10 +364,10 @@ class Metric(Table):
     scope: str = Field(description="overall, or COLUMN=VALUE for --by and train_step scopes.")
     metric: str = Field(description="tgc, sgc, pass_hat_k, pass_at_k, sgc_hat_k, retention, "
                         "sgc_retention, mean_turns or termination:MODE.")
-    k: Optional[int] = Field(None, ge=1, description="k of the k-metrics; null otherwise.")
-    value: Optional[float] = Field(None, description="The figure; null when it cannot be "
+    k: int | None = Field(None, ge=1, description="k of the k-metrics; null otherwise.")
+    value: float | None = Field(None, description="The figure; null when it cannot be "
                                    "computed (e.g. no task with k trials).")
-    n: Optional[Count] = Field(None, description="Tasks (or rollouts, for mean_turns and "
+    n: Count | None = Field(None, description="Tasks (or rollouts, for mean_turns and "
                                "terminations) the figure is taken over.")
 
 

@@ -166,8 +166,8 @@ def _wrap_legacy(fn: Callable[..., Any]) -> Callable[..., Any]:
         if adv_estimator != ESTIMATOR or ROW_ID_FIELD not in data.non_tensor_batch:
             return fn(data, adv_estimator, *args, **kw)
         ids = [None if i is None else str(i) for i in data.non_tensor_batch[ROW_ID_FIELD]]
-        responses = data.batch["responses"].cpu().numpy() if "responses" in data.batch.keys() \
-            else None
+        batch = data.batch  # a TensorDict: membership through its keys
+        responses = batch["responses"].cpu().numpy() if "responses" in batch.keys() else None  # noqa: SIM118
         steps = data.non_tensor_batch.get(STEP_FIELD)
         rows = Rows(ids, np.array([i is None for i in ids]), responses,
                     None if steps is None else [int(x) for x in steps])
@@ -201,7 +201,7 @@ def setup() -> None:
     # Modules that bound the name before the hook ran (imported with ``from ... import``).
     base = sys.modules.get("verl.trainer.ppo.v1.trainer_base")
     if base is not None:
-        setattr(base, "compute_advantage_for_multi_trajectories",  # a ModuleType to mypy
+        setattr(base, "compute_advantage_for_multi_trajectories",  # noqa: B010 - a ModuleType to mypy
                 v1_utils.compute_advantage_for_multi_trajectories)
 
 
