@@ -28,9 +28,10 @@ import shutil
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
+from contextvars import ContextVar
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from draco_cli.errors import DracoError
 
@@ -290,17 +291,15 @@ def stage_output(uri: str, is_file: bool | None = None) -> StagedOutput:
     return out
 
 
-# -- the command line's edge -------------------------------------------------------------
+# -- the command line's edge: each path option declares its kind (draco_cli.cli.options) ----
 
-OUTPUT_OPTIONS = ("-o", "--out")
-READ_WRITE_OPTIONS = ("--call-log",)   # read to resume, written as calls are made
+Kind = Literal["input", "output", "log"]   # output: a file or folder by its name; log: a file
 
 
 @dataclass
-class StagedArgs:
-    """A command line with its remote paths replaced by local ones."""
+class Staging:
+    """One invocation's staged remote paths: its outputs, published if the command succeeds."""
 
-    argv: list[str]
     outputs: list[StagedOutput] = field(default_factory=list)
     local_to_uri: dict[str, str] = field(default_factory=dict)
 
@@ -315,42 +314,22 @@ class StagedArgs:
         return message
 
 
-def stage_argv(argv: list[str]) -> StagedArgs:
-    """Replace every remote path on a command line by a staged local one: values of ``-o`` /
-    ``--out`` and ``--call-log`` are outputs (published by ``publish``), every other remote
-    value is an input (fetched)."""
-    staged = StagedArgs(list(argv))
-    if not any(is_remote(a.split("=", 1)[-1]) or is_remote(a[2:]) for a in argv):
-        return staged
-    out: list[str] = []
-    pending: str | None = None
-    for arg in argv:
-        if pending is not None:
-            out.append(_stage_one(staged, arg, pending))
-            pending = None
-            continue
-        opt, eq, value = arg.partition("=")
-        if arg in OUTPUT_OPTIONS or arg in READ_WRITE_OPTIONS:
-            pending = arg
-            out.append(arg)
-        elif eq and opt.startswith("--") and is_remote(value):
-            out.append(f"{opt}={_stage_one(staged, value, opt)}")
-        elif arg.startswith("-o") and not arg.startswith("--") and is_remote(arg[2:]):
-            out.append("-o" + _stage_one(staged, arg[2:], "-o"))
-        else:
-            out.append(_stage_one(staged, arg, None))
-    staged.argv = out
-    return staged
+current: ContextVar[Staging] = ContextVar("draco_staging")
 
 
-def _stage_one(staged: StagedArgs, value: str, option: str | None) -> str:
+def stage(value: str, kind: Kind = "input") -> str:
+    """``value`` itself if local, else its staged local path: an input fetched, an output or a
+    call ``log`` (read to resume, then written) pulled and registered for publishing."""
     if not is_remote(value):
         return value
-    if option in OUTPUT_OPTIONS or option in READ_WRITE_OPTIONS:
-        target = stage_output(value, is_file=True if option in READ_WRITE_OPTIONS else None)
-        staged.outputs.append(target)
-        local = target.local
-    else:
+    staging = current.get(None)
+    if staging is None:   # outside draco's main: the caller publishes current.get()
+        current.set(staging := Staging())
+    if kind == "input":
         local = fetch(value)
-    staged.local_to_uri[str(local)] = value.rstrip("/")
+    else:
+        target = stage_output(value, is_file=True if kind == "log" else None)
+        staging.outputs.append(target)
+        local = target.local
+    staging.local_to_uri[str(local)] = value.rstrip("/")
     return str(local)

@@ -13,10 +13,14 @@ import subprocess
 import sys
 import time
 import uuid
+from pathlib import Path
+from typing import Annotated
 
 import polars as pl
 import pytest
+import typer
 
+from draco_cli.cli.options import IN, LOG, OUT
 from tests.conftest import TAU, run_draco
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
@@ -178,12 +182,12 @@ def one_line_error(res) -> str:
 
 def test_missing_bucket_is_one_line(s3, tmp_path):
     missing = "s3://no-such-bucket-here/x/rollouts.parquet"
-    err = one_line_error(run_draco("validate", "--rollouts", missing))
+    err = one_line_error(run_draco("validate", missing))
     assert "no such bucket 'no-such-bucket-here'" in err and missing in err
     err = one_line_error(run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
                                    "-o", "s3://no-such-bucket-here/out"))
     assert "no such bucket" in err
-    err = one_line_error(run_draco("validate", "--rollouts", s3.uri("absent.parquet")))
+    err = one_line_error(run_draco("validate", s3.uri("absent.parquet")))
     assert s3.uri("absent.parquet") in err and "no such file" in err
 
 
@@ -206,13 +210,44 @@ def test_unreachable_endpoint_is_one_line(s3, monkeypatch, tmp_path):
     assert "cannot reach the storage endpoint http://127.0.0.1:9" in err
 
 
-def test_base_urls_and_local_paths_are_left_alone():
-    from draco_cli.storage import stage_argv
+def spelling_app(seen: dict):
+    """A command whose path options declare their kinds as draco's do (options.IN/OUT/LOG)."""
+    app = typer.Typer()
 
-    argv = ["run", "--base-url", "http://localhost:8000/v1", "--rollouts", "r.parquet",
-            "--model", "openai/x", "-o", "runs/a"]
-    staged = stage_argv(argv)
-    assert staged.argv == argv and staged.outputs == []
+    @app.command()
+    def cmd(inp: Annotated[Path, typer.Argument(parser=IN)],
+            steps: Annotated[Path | None, typer.Option("--steps", parser=IN)] = None,
+            call_log: Annotated[Path | None, typer.Option("--call-log", parser=LOG)] = None,
+            out: Annotated[Path | None, typer.Option("-o", "--out", parser=OUT)] = None,
+            base_url: Annotated[str | None, typer.Option("--base-url")] = None) -> None:
+        seen.update(inp=inp, steps=steps, call_log=call_log, out=out, base_url=base_url)
+
+    return app
+
+
+def stage_command(argv: list[str]):
+    """(the values the command saw, the invocation's Staging) for ``argv``."""
+    from typer.testing import CliRunner
+
+    from draco_cli import storage
+
+    seen: dict = {}
+    token = storage.current.set(staged := storage.Staging())
+    try:
+        res = CliRunner().invoke(spelling_app(seen), argv)
+    finally:
+        storage.current.reset(token)
+    assert res.exit_code == 0, res.output
+    return seen, staged
+
+
+def test_base_urls_and_local_paths_are_left_alone():
+    argv = ["r.parquet", "--base-url", "http://localhost:8000/v1", "--steps", "s.parquet",
+            "-o", "runs/a"]
+    seen, staged = stage_command(argv)
+    assert seen == {"inp": Path("r.parquet"), "steps": Path("s.parquet"), "call_log": None,
+                    "out": Path("runs/a"), "base_url": "http://localhost:8000/v1"}
+    assert staged.outputs == [] and staged.local_to_uri == {}
 
 
 def test_ray_engine_on_the_bucket_equals_local(s3, llm, tmp_path):
@@ -234,23 +269,31 @@ def test_ray_engine_on_the_bucket_equals_local(s3, llm, tmp_path):
 
 def test_every_spelling_of_a_remote_option_is_staged(s3, tmp_path):
     """--opt VALUE, --opt=VALUE, -oVALUE and positional values; -o/--out and --call-log are
-    outputs (published), everything else an input (fetched); publish uploads only changes."""
-    from draco_cli.storage import stage_argv
-
+    outputs (published), every other path option an input (fetched); publish uploads only
+    changes."""
     src = s3.put("in/rollouts.parquet", SAMPLE_RA)
     s3.put("logs/calls.sqlite", SAMPLE_RA)   # any bytes: staged as they are
-    staged = stage_argv(["sql", src, f"--steps={src}", "--call-log", s3.uri("logs/calls.sqlite"),
-                         "-o" + s3.uri("out/x.parquet")])
-    local_in, steps, _, log, out = staged.argv[1:]
+    seen, staged = stage_command([src, f"--steps={src}", "--call-log",
+                                  s3.uri("logs/calls.sqlite"), "-o" + s3.uri("out/x.parquet")])
+    local_in, steps, log, out = seen["inp"], seen["steps"], seen["call_log"], seen["out"]
     assert open(local_in, "rb").read() == open(SAMPLE_RA, "rb").read()
-    assert steps == f"--steps={local_in}"
+    assert steps == local_in
     assert open(log, "rb").read() == open(SAMPLE_RA, "rb").read()     # pulled to resume
-    assert out.startswith("-o") and not os.path.exists(out[2:])
+    assert not os.path.exists(out)
     assert [o.uri for o in staged.outputs] == [s3.uri("logs/calls.sqlite"), s3.uri("out/x.parquet")]
-    open(out[2:], "wb").write(b"new table")
+    open(out, "wb").write(b"new table")
     assert staged.outputs[0].publish() == 0     # the log unchanged: not uploaded
     assert staged.outputs[1].publish() == 1
     assert s3.read("out/x.parquet") == b"new table"
     staged.publish()                              # again: nothing new
     assert staged.outputs[1].publish() == 0
     assert staged.name_remote(f"{local_in}: row 3") == f"{src}: row 3"
+
+
+def test_sql_fetches_its_remote_inputs(s3):
+    """draco sql's inputs are plain arguments (folders, files, then the query): the remote
+    ones are fetched too."""
+    src = s3.put("in/rollouts.parquet", SAMPLE_RA)
+    res = run_draco("sql", src, "SELECT count(*) AS n FROM rollouts", "--json")
+    assert res.returncode == 0, res.stderr.decode()
+    assert b'"n"' in res.stdout

@@ -8,10 +8,10 @@ from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING
 
 import typer
 
+from draco_cli import storage
 from draco_cli.cli import audit as audit_cmd
 from draco_cli.cli import credit as credit_cmd
 from draco_cli.cli import evaluate as eval_cmd
@@ -26,9 +26,6 @@ from draco_cli.cli import schema as schema_cmd
 from draco_cli.cli import sql as sql_cmd
 from draco_cli.cli import validate as validate_cmd
 from draco_cli.cli.console import err_console
-
-if TYPE_CHECKING:
-    from draco_cli.storage import StagedArgs
 
 app = typer.Typer(
     name="draco",
@@ -74,20 +71,18 @@ def main() -> None:
     from draco_cli._allocator import calm_collector, tune_allocator
     from draco_cli.errors import DracoError
 
-    global _staged
     # the only option before a command is --version/--help: argv[1] names the command
     tune_allocator(release_polars_pages=sys.argv[1:2] == ["run"])
+    # remote paths (s3://…) are staged by the path options as they are parsed, into this
+    # invocation's Staging; its outputs are published only if the command succeeds
+    storage.current.set(staged := storage.Staging())
     try:
-        from draco_cli.storage import stage_argv
-
-        # remote paths (s3://…) staged locally; outputs published only if the command succeeds
-        _staged = stage_argv(sys.argv[1:])
         # Not standalone: usage errors come out here too, so every error has one style.
         with calm_collector():
-            code = app(args=_staged.argv, standalone_mode=False)
+            code = app(args=sys.argv[1:], standalone_mode=False)
         code = code if isinstance(code, int) else 0
         if code == 0:
-            _staged.publish()
+            staged.publish()
         sys.exit(code)
     except typer.TyperException as exc:   # click's errors: usage (exit 2) and the others
         from rich.markup import escape
@@ -143,16 +138,14 @@ def _unexpected_failure(exc: Exception) -> tuple[str, int]:
             "the traceback, and please report it", 1)
 
 
-_staged: StagedArgs | None = None   # the command line's staged remote paths
-
-
 def _fail(message: str, code: int) -> None:
     from rich.markup import escape
 
     from draco_cli.llm.keys import scrub
 
-    if _staged is not None:
-        message = _staged.name_remote(message)
+    staged = storage.current.get(None)
+    if staged is not None:
+        message = staged.name_remote(message)
     err_console.print(f"[bold red]error:[/] {escape(scrub(message) or '')}",
                       highlight=False, markup=True, soft_wrap=True)
     sys.exit(code)

@@ -5,25 +5,25 @@ from typing import Annotated, Literal
 
 import typer
 
-from draco_cli.cli.options import BaseUrl, Force, folder_path
+from draco_cli.cli.options import IN, OUT, BaseUrl, Force, folder_path
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 
 app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost.",
                   no_args_is_help=True)
 
 OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.",
-                                      callback=folder_path)]
+                                      callback=folder_path, parser=OUT)]
 RolloutsOpt = Annotated[Path | None, typer.Option(
-    "--rollouts", help="rollouts.parquet, for train_step and task_id.")]
+    "--rollouts", parser=IN, help="rollouts.parquet, for train_step and task_id.")]
 
 
 @app.command("self-judge")
 def self_judge(
     self_v: Annotated[list[Path], typer.Option(
         "--self", help="The candidate judge's verdicts (file or run folder; repeat it, paired "
-        "with --reference, for several training steps).")],
+        "with --reference, for several training steps).", parser=IN)],
     reference: Annotated[list[Path], typer.Option(
-        "--reference", help="The reference judge's verdicts (file or run folder).")],
+        "--reference", parser=IN, help="The reference judge's verdicts (file or run folder).")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
     self_judge_label: Annotated[str | None, typer.Option(
@@ -55,8 +55,9 @@ def self_judge(
 @app.command("overlap")
 def overlap(
     own: Annotated[Path, typer.Option("--own", help="Your rubric table (rubric_candidates for "
-                                      "--level rollout, rubrics for --level group).")],
-    reference: Annotated[Path, typer.Option("--reference", help="The reference rubric table.")],
+                                      "--level rollout, rubrics for --level group).", parser=IN)],
+    reference: Annotated[Path, typer.Option("--reference", parser=IN,
+                                            help="The reference rubric table.")],
     out: OutOpt,
     fmt: Format = None,
     as_json: Json = False,
@@ -90,8 +91,9 @@ def overlap(
 
 @app.command("rubric")
 def rubric(
-    rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
-    verdicts: Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")],
+    rubrics: Annotated[Path, typer.Option("--rubrics", parser=IN, help="rubrics.parquet.")],
+    verdicts: Annotated[Path, typer.Option("--verdicts", parser=IN,
+                                           help="Aggregated verdicts.parquet.")],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
     judge: Annotated[str | None, typer.Option(help="Judge label, if several.")] = None,
@@ -119,16 +121,16 @@ def rubric(
 def cost(
     calls: Annotated[list[Path], typer.Option("--calls", help="Call log (llm_calls.sqlite or "
                                               "its Parquet export) or a draco run folder; "
-                                              "repeat it for several training steps.")],
+                                              "repeat it for several training steps.", parser=IN)],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
     replay_cost: Annotated[list[Path] | None, typer.Option(
-        "--replay-cost", help="replay_cost.parquet of `draco replay run` (or its folder); "
+        "--replay-cost", parser=IN, help="replay_cost.parquet of `draco replay run` (or its folder); "
         "repeatable. Adds replay and reconstruction rows to the cost by category.")] = None,
     steps: Annotated[Path | None, typer.Option(
-        "--steps", help="steps.parquet: the original rollouts' actions and tokens.")] = None,
+        "--steps", parser=IN, help="steps.parquet: the original rollouts' actions and tokens.")] = None,
     prices: Annotated[Path | None, typer.Option(
-        help="Price table JSON for the naive client's dollars (default: the shipped one).")]
+        parser=IN, help="Price table JSON for the naive client's dollars (default: the shipped one).")]
     = None,
     fmt: Format = None,
     as_json: Json = False,

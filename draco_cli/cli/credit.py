@@ -8,7 +8,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import CREDIT_PANEL, Force, folder_path
+from draco_cli.cli.options import IN, OUT, CREDIT_PANEL, Force, OutDir
 
 if TYPE_CHECKING:
     from draco_cli.credit import CreditStats
@@ -49,10 +49,11 @@ class RewardSource(str, Enum):
     outcome = "outcome"
 
 
-RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet (or - for stdin).")]
-StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
+RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN,
+                                           help="rollouts.parquet (or - for stdin).")]
+StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
 VerdictsOpt = Annotated[Path | None, typer.Option(
-    "--verdicts", help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
+    "--verdicts", parser=IN, help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
 DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
                                        "all-pass (no member failed) or also constant (every "
                                        "answered member failed).", rich_help_panel=CREDIT_PANEL)]
@@ -65,7 +66,7 @@ JudgeOpt = Annotated[str | None, typer.Option(help="Judge label to use when the 
 def compute(
     rollouts: RolloutsOpt,
     steps: StepsOpt,
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
+    out: OutDir,
     verdicts: VerdictsOpt = None,
     credit: Annotated[Credit | None, typer.Option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
@@ -159,10 +160,11 @@ def _summary(stats: CreditStats, out: Path, fmt: str = "table", reward: str = "r
 @app.command("expand")
 def expand(
     token_advantages: Annotated[Path, typer.Option("--token-advantages",
-                                                   help="token_advantages.parquet.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output file (- for stdout).")],
+                                                   parser=IN, help="token_advantages.parquet.")],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT,
+                                      help="Output file (- for stdout).")],
     rollouts: Annotated[Path | None, typer.Option(
-        "--rollouts", help="rollouts.parquet, to check every rollout is present.")] = None,
+        "--rollouts", parser=IN, help="rollouts.parquet, to check every rollout is present.")] = None,
     to: Annotated[Tokens | None, typer.Option(
         help="Target form; default: the other one.")] = None,
     force: Force = False,

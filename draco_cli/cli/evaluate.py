@@ -8,7 +8,7 @@ import typer
 if TYPE_CHECKING:
     import polars as pl
 
-from draco_cli.cli.options import Force, folder_path
+from draco_cli.cli.options import IN, OUT, Force, folder_path
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
 
 def _parse_ks(k: str) -> list[int]:
@@ -78,10 +78,10 @@ def evaluate(
     rollouts: Annotated[list[Path] | None, typer.Option(
         "--rollouts", help="rollouts.parquet, a folder holding one, a draco run folder, or - "
         "(a table on stdin); repeat it (one per training step) to follow training: figures per "
-        "train_step.")] = None,
+        "train_step.", parser=IN)] = None,
     out: Annotated[Path | None, typer.Option(
         "-o", "--out", callback=folder_path,
-        help="Folder to write metrics.parquet into (optional).")] = None,
+        parser=OUT, help="Folder to write metrics.parquet into (optional).")] = None,
     k: Annotated[str, typer.Option("--k", help="Comma-separated k for pass^k and pass@k.")]
     = "1,2,3",
     by: Annotated[list[str] | None, typer.Option(
@@ -89,7 +89,7 @@ def evaluate(
         "train_step, ...")] = None,
     compare: Annotated[list[Path] | None, typer.Option(
         "--compare", help="Two runs (rollouts.parquet or folders): A then B. Prints both with "
-        "B − A and a paired bootstrap 95% CI over tasks.")] = None,
+        "B − A and a paired bootstrap 95% CI over tasks.", parser=IN)] = None,
     missing: Annotated[Literal["fail", "drop"], typer.Option(
         "--missing", help="Unbalanced trials: fail = every task has the data's number of "
         "distinct trials and a missing one counts as a failure (tau-bench's display_metrics, "

@@ -7,7 +7,7 @@ from typing import Annotated
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import Force, OutDir
+from draco_cli.cli.options import IN, Force, OutDir
 
 
 class Format(str, Enum):
@@ -24,7 +24,7 @@ class StepUnit(str, Enum):
 
 def ingest(
     fmt: Annotated[Format, typer.Argument(metavar="FORMAT", help="Log format of the inputs.")],
-    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", help="Log files.")],
+    inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", parser=IN, help="Log files.")],
     out: OutDir,
     step_unit: Annotated[
         StepUnit, typer.Option(help="What one step is: an assistant message, a fenced code "

@@ -8,8 +8,8 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt
-from draco_cli.cli.options import (CallLogPath, Force, ShowPrompt, folder_path, judge_options,
-                                   llm_options, prompt_options)
+from draco_cli.cli.options import (IN, OUT, CallLogPath, Force, ShowPrompt, OutDir,
+                                   judge_options, llm_options, prompt_options)
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
@@ -21,8 +21,10 @@ app = typer.Typer(help="Judging rollouts against rubrics.", no_args_is_help=True
 @app.command("filter")
 def filter_(
     rollouts: RolloutsOpt,
-    verdicts: Annotated[Path, typer.Option("--verdicts", help="Aggregated verdicts.parquet.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output file (- for stdout).")],
+    verdicts: Annotated[Path, typer.Option("--verdicts", parser=IN,
+                                           help="Aggregated verdicts.parquet.")],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT,
+                                      help="Output file (- for stdout).")],
     drop: DropOpt = Drop.all_pass,
     judge: JudgeOpt = None,
     force: Force = False,
@@ -43,10 +45,10 @@ def filter_(
 @prompt_options()
 @judge_options("samples", "aggregate", "judge_label")
 def score(
-    rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
-    steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
-    rubrics: Annotated[Path, typer.Option("--rubrics", help="rubrics.parquet.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
+    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")],
+    steps: Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")],
+    rubrics: Annotated[Path, typer.Option("--rubrics", parser=IN, help="rubrics.parquet.")],
+    out: OutDir,
     llm: LLMSettings, prompt: PromptOptions, judge: JudgeOptions,
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
 ) -> None:

@@ -7,16 +7,16 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import (BaseUrl, Force, MaxTokens, Model, Seed, StructuredOutput,
-                                   Temperature, Timeout)
+from draco_cli.cli.options import (IN, OUT, BaseUrl, Force, MaxTokens, Model, Seed,
+                                   StructuredOutput, Temperature, Timeout)
 
 app = typer.Typer(help="The LLM layer: call logs and a connection check.", no_args_is_help=True)
 
 
 @app.command("export")
 def export(
-    calls: Annotated[Path, typer.Option("--calls", help="Call log (llm_calls.sqlite).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Parquet file to write.")],
+    calls: Annotated[Path, typer.Option("--calls", parser=IN, help="Call log (llm_calls.sqlite).")],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT, help="Parquet file to write.")],
     fmt: Format = None,
     as_json: Json = False,
     force: Force = False,

@@ -15,6 +15,8 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from draco_cli.storage import stage
+
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.options import JudgeOptions, PromptOptions, RubricOptions
@@ -28,6 +30,11 @@ CREDIT_PANEL = "Credit options"
 Command = Callable[..., None]
 
 
+# A path option's parser: a remote URI (s3://…) is fetched (IN), or pulled and published if the
+# command succeeds (OUT: a file or folder; LOG: a call log, read and written); storage.stage
+IN, OUT, LOG = ((lambda v, k=k: Path(stage(str(v), k))) for k in ("input", "output", "log"))
+
+
 def folder_path(value: Path | None) -> Path | None:
     """A folder option: ``-`` (stdout) cannot hold a folder; say so before any work."""
     if value is not None and str(value) == "-":
@@ -37,7 +44,7 @@ def folder_path(value: Path | None) -> Path | None:
 
 Force = Annotated[bool, typer.Option("--force", metavar="", help="Overwrite existing outputs.")]
 OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False,
-                                      callback=folder_path)]
+                                      callback=folder_path, parser=OUT)]
 
 # --- LLM stages -------------------------------------------------------------------------
 Model = Annotated[str, typer.Option(
@@ -75,7 +82,7 @@ MaxCost = Annotated[float | None, typer.Option(
     help="Stop issuing calls once this many USD are spent; rerun to resume.",
         rich_help_panel=LLM_PANEL)]
 Prices = Annotated[Path | None, typer.Option(
-    help="Price table JSON overriding the shipped one (USD per million tokens).",
+    parser=IN, help="Price table JSON overriding the shipped one (USD per million tokens).",
         rich_help_panel=LLM_PANEL)]
 Batch = Annotated[bool | None, typer.Option(
     "--batch/--no-batch", metavar="",
@@ -98,7 +105,7 @@ NoDefaultRedact = Annotated[bool, typer.Option(
     help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
 CallLogPath = Annotated[Path | None, typer.Option(
     "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.",
-        rich_help_panel=LLM_PANEL)]
+        rich_help_panel=LLM_PANEL, parser=LOG)]
 ShowPrompt = Annotated[bool, typer.Option(
     "--show-prompt", metavar="",
     help="Print the rendered prompt for the first rollout and exit; no call.",
@@ -202,7 +209,7 @@ def prompt_options() -> Callable[[Command], Command]:
 MaxCriteria = Annotated[int, typer.Option(help="Criteria per group at most, after the merge.",
                                           rich_help_panel=RUBRIC_PANEL)]
 StaticRubric = Annotated[Path | None, typer.Option(
-    help="Static rubric file for the static settings (default: draco's own).",
+    parser=IN, help="Static rubric file for the static settings (default: draco's own).",
     rich_help_panel=RUBRIC_PANEL)]
 RubricStages = Annotated[str, typer.Option(help="Comma-separated stages to run.",
                                            rich_help_panel=RUBRIC_PANEL)]

@@ -8,8 +8,7 @@ from typing import TYPE_CHECKING, Annotated
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import Force, llm_options
-from draco_cli.cli.options import folder_path
+from draco_cli.cli.options import IN, OUT, Force, OutDir, llm_options
 
 if TYPE_CHECKING:
     import polars as pl
@@ -24,10 +23,10 @@ app = typer.Typer(help="CREDO: replay planning, corrected credit, heads, rubric 
 def plan_cmd(
     positions: Annotated[Path, typer.Option("--positions", help="One row per (rollout_id, step) "
                                             "with prediction, error, optional score_norm and "
-                                            "cost.")],
+                                            "cost.", parser=IN)],
     budget: Annotated[float, typer.Option("--budget", help="Replay budget in step-executions "
                                           "(the unit of cost).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Plan file (Parquet).")],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT, help="Plan file (Parquet).")],
     p_min: Annotated[float, typer.Option("--p-min", help="Smallest inclusion probability.")]
     = 0.05,
     seed: Annotated[int, typer.Option(help="Seed of the Bernoulli selection (recorded).")] = 0,
@@ -35,18 +34,18 @@ def plan_cmd(
                                          "cost K·(T − t + 1) + K·(T − t) actions).")] = 2,
     steps: Annotated[Path | None, typer.Option(
         "--steps", help="steps.parquet: each rollout's number of steps T for the default cost "
-        "(needed unless the positions carry cost or n_steps).")] = None,
+        "(needed unless the positions carry cost or n_steps).", parser=IN)] = None,
     allocation: Annotated[str, typer.Option(
         "--allocation", help="sqrt = square-root allocation (Eq. 10); uniform = one p for "
         "every position at the same expected cost (the paper's uniform-replay arm).")] = "sqrt",
     heads: Annotated[Path | None, typer.Option(
-        help="Fitted heads (JSON): take prediction and error from them, recording the version.")]
+        parser=IN, help="Fitted heads (JSON): take prediction and error from them, recording the version.")]
     = None,
     features: Annotated[Path | None, typer.Option(
         help="Features for --heads (a step_credit.parquet or any rollout_id, step, numeric "
-        "columns table).")] = None,
+        "columns table).", parser=IN)] = None,
     rewards: Annotated[Path | None, typer.Option(
-        help="rewards.parquet, when --features is a step_credit table.")] = None,
+        parser=IN, help="rewards.parquet, when --features is a step_credit table.")] = None,
     force: Force = False,
 ) -> None:
     """Square-root replay allocation under a budget, Bernoulli selection → PLAN.
@@ -68,11 +67,13 @@ def plan_cmd(
 
 @app.command("run")
 def run_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan", help="The plan (replay plan's output).")],
+    plan_path: Annotated[Path, typer.Option("--plan", parser=IN,
+                                            help="The plan (replay plan's output).")],
     env: Annotated[str, typer.Option(
         "--env", help="The environment: a command speaking the replay protocol as JSON lines on "
         "stdin/stdout (one copy per worker), or an http:// URL taking one POST per replay.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder: labels.parquet, "
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT,
+                                      help="Output folder: labels.parquet, "
                                       "replay_cost.parquet, replay_log.jsonl (the resume log).")],
     workers: Annotated[int, typer.Option("--workers", min=1, help="Replays run at once.")] = 2,
     replays: Annotated[int | None, typer.Option(
@@ -123,15 +124,16 @@ def run_cmd(
 
 @app.command("correct")
 def correct_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan", help="The plan written before labels.")],
-    labels: Annotated[Path, typer.Option("--labels", help="rollout_id, step, side "
+    plan_path: Annotated[Path, typer.Option("--plan", parser=IN,
+                                            help="The plan written before labels.")],
+    labels: Annotated[Path, typer.Option("--labels", parser=IN, help="rollout_id, step, side "
                                          "(realized|resampled), sample, return.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)],
+    out: OutDir,
     beta: Annotated[float, typer.Option(help="Weight of the rollout's RLOO outcome advantage.")]
     = 0.0,
-    rollouts: Annotated[Path | None, typer.Option(help="rollouts.parquet (for --beta).")]
+    rollouts: Annotated[Path | None, typer.Option(parser=IN, help="rollouts.parquet (for --beta).")]
     = None,
-    steps: Annotated[Path | None, typer.Option(help="steps.parquet: also write token "
+    steps: Annotated[Path | None, typer.Option(parser=IN, help="steps.parquet: also write token "
                                                   "advantages.")] = None,
     no_correction: Annotated[bool, typer.Option("--no-correction", metavar="",
                                                 help="Use the stored "
@@ -158,14 +160,15 @@ def correct_cmd(
 
 @app.command("fit")
 def fit_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan", help="Plan with selections.")],
-    labels: Annotated[Path, typer.Option("--labels", help="Replay labels.")],
-    features: Annotated[Path, typer.Option("--features", help="step_credit.parquet (DRACO "
+    plan_path: Annotated[Path, typer.Option("--plan", parser=IN, help="Plan with selections.")],
+    labels: Annotated[Path, typer.Option("--labels", parser=IN, help="Replay labels.")],
+    features: Annotated[Path, typer.Option("--features", parser=IN,
+                                           help="step_credit.parquet (DRACO "
                                            "features) or rollout_id, step, numeric columns.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Heads file (JSON).")],
-    rewards: Annotated[Path | None, typer.Option(help="rewards.parquet for the reward "
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT, help="Heads file (JSON).")],
+    rewards: Annotated[Path | None, typer.Option(parser=IN, help="rewards.parquet for the reward "
                                                     "feature.")] = None,
-    rollouts: Annotated[Path | None, typer.Option(help="rollouts.parquet: held-out "
+    rollouts: Annotated[Path | None, typer.Option(parser=IN, help="rollouts.parquet: held-out "
                                                      "calibration split by task.")] = None,
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out for calibration "
@@ -176,7 +179,7 @@ def fit_cmd(
     = None,
     predictions: Annotated[Path | None, typer.Option(
         "--predictions", help="Where --cross-fit writes rollout_id, step, prediction, error, "
-        "fold, head_version (a positions table for replay plan).")] = None,
+        "fold, head_version (a positions table for replay plan).", parser=OUT)] = None,
     force: Force = False,
 ) -> None:
     """Fit the credit head (inverse-inclusion-weighted ridge of Δ) and the error head
@@ -214,14 +217,16 @@ def _print_table(df: pl.DataFrame, title: str) -> None:
 
 @app.command("evolve")
 def evolve_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan", help="Replay plan (replay plan -o).")],
-    labels: Annotated[Path, typer.Option("--labels", help="Replay labels.")],
-    rollouts: Annotated[Path, typer.Option("--rollouts", help="For the split by task.")],
-    baseline: Annotated[Path, typer.Option("--baseline", help="Features under the current "
+    plan_path: Annotated[Path, typer.Option("--plan", parser=IN,
+                                            help="Replay plan (replay plan -o).")],
+    labels: Annotated[Path, typer.Option("--labels", parser=IN, help="Replay labels.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN, help="For the split by task.")],
+    baseline: Annotated[Path, typer.Option("--baseline", parser=IN,
+                                           help="Features under the current "
                                            "rubric (step_credit.parquet or a features table).")],
     candidate: Annotated[list[Path], typer.Option("--candidate", help="Features under one "
-                                                  "rubric edit (repeatable).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Scores (Parquet).")],
+                                                  "rubric edit (repeatable).", parser=IN)],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT, help="Scores (Parquet).")],
     ridge: Annotated[float, typer.Option(help="Ridge penalty of the credit head.")] = 1.0,
     holdout: Annotated[float, typer.Option(help="Share of tasks held out.")] = 0.2,
     force: Force = False,
@@ -244,15 +249,17 @@ def evolve_cmd(
 @app.command("propose")
 @llm_options("base_url", "concurrency", "max_cost", "prices", "timeout")
 def propose_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan", help="The plan.")],
-    labels: Annotated[Path, typer.Option("--labels", help="Its replay labels.")],
-    rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet (tasks for "
+    plan_path: Annotated[Path, typer.Option("--plan", parser=IN, help="The plan.")],
+    labels: Annotated[Path, typer.Option("--labels", parser=IN, help="Its replay labels.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN,
+                                           help="rollouts.parquet (tasks for "
                                            "the held-out split, outcomes for discrimination).")],
-    steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
-    rubrics: Annotated[Path, typer.Option("--rubrics", help="The current rubric (one set of "
+    steps: Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")],
+    rubrics: Annotated[Path, typer.Option("--rubrics", parser=IN,
+                                          help="The current rubric (one set of "
                                           "criteria shared by every group, e.g. static).")],
-    verdicts: Annotated[Path, typer.Option("--verdicts", help="Verdicts under it.")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="Output folder.")],
+    verdicts: Annotated[Path, typer.Option("--verdicts", parser=IN, help="Verdicts under it.")],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT, help="Output folder.")],
     max_edits: Annotated[int, typer.Option("--max-edits", min=1, help="Edits asked for.")] = 3,
     evidence: Annotated[int, typer.Option("--evidence", min=1, help="Worst-predicted held-out "
                                           "steps shown to the LLM.")] = 8,
@@ -287,16 +294,17 @@ def propose_cmd(
 
 @app.command("diagnose")
 def diagnose_cmd(
-    plan_path: Annotated[Path, typer.Option("--plan", help="The plan.")],
-    labels: Annotated[Path | None, typer.Option("--labels", help="Its replay labels.")]
+    plan_path: Annotated[Path, typer.Option("--plan", parser=IN, help="The plan.")],
+    labels: Annotated[Path | None, typer.Option("--labels", parser=IN, help="Its replay labels.")]
     = None,
     heads: Annotated[list[Path] | None, typer.Option(
-        "--heads", help="Two heads files (old then new) for predictor drift.")] = None,
+        "--heads", parser=IN, help="Two heads files (old then new) for predictor drift.")] = None,
     features: Annotated[Path | None, typer.Option(
-        "--features", help="Features to compare the heads on (with --heads).")] = None,
+        "--features", parser=IN, help="Features to compare the heads on (with --heads).")] = None,
     rewards: Annotated[Path | None, typer.Option(
-        "--rewards", help="rewards.parquet, when --features is a step_credit table.")] = None,
-    out: Annotated[Path | None, typer.Option("-o", "--out", help="Output folder.")] = None,
+        "--rewards", parser=IN, help="rewards.parquet, when --features is a step_credit table.")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", parser=OUT,
+                                             help="Output folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="",
                                           help="Print the figures as JSON.")] = False,
     force: Force = False,

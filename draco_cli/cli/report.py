@@ -6,14 +6,15 @@ from typing import Annotated
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import Force
+from draco_cli.cli.options import IN, OUT, Force
 from draco_cli.errors import UsageError
 
 
 def report(
-    runs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR...", help="Run folders written "
+    runs: Annotated[list[Path], typer.Argument(metavar="RUN_DIR...", parser=IN,
+                                               help="Run folders written "
                                                "by draco run (several: one per training step).")],
-    out: Annotated[Path, typer.Option("-o", "--out", help="HTML file to write.")],
+    out: Annotated[Path, typer.Option("-o", "--out", parser=OUT, help="HTML file to write.")],
     rollout: Annotated[str | None, typer.Option(
         help="Rollout to open first in the step-credit view (default: the largest "
         "|advantage|).")] = None,

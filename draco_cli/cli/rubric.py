@@ -7,8 +7,8 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import (CallLogPath, Force, ShowPrompt, folder_path, llm_options,
-                                   prompt_options, rubric_options)
+from draco_cli.cli.options import (IN, CallLogPath, Force, ShowPrompt, OutDir,
+                                   llm_options, prompt_options, rubric_options)
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
@@ -17,9 +17,9 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Rubrics: dynamic (written by an LLM per group) or static.",
                   no_args_is_help=True)
 
-RolloutsOpt = Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")]
-StepsOpt = Annotated[Path, typer.Option("--steps", help="steps.parquet.")]
-OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", callback=folder_path)]
+RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")]
+StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
+OutOpt = OutDir
 
 
 @app.command("generate")
@@ -62,7 +62,7 @@ def generate(
 def static(
     rollouts: RolloutsOpt, out: OutOpt,
     rubric: Annotated[Path | None, typer.Option(
-        "--rubric", help="YAML, JSON or Parquet criteria (title, requirement); default: "
+        "--rubric", parser=IN, help="YAML, JSON or Parquet criteria (title, requirement); default: "
         "draco's own rubric (secrets, pagination, stopping, errors, dates, confirmation).")]
     = None,
     force: Force = False,

@@ -10,7 +10,7 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
-from draco_cli.cli.options import (CREDIT_PANEL, LLM_PANEL, CallLogPath, folder_path,
+from draco_cli.cli.options import (IN, OUT, CREDIT_PANEL, LLM_PANEL, CallLogPath, folder_path,
                                    judge_options, llm_options, prompt_options, rubric_options)
 
 if TYPE_CHECKING:
@@ -43,11 +43,11 @@ RunModel = Annotated[str | None, typer.Option(
 @judge_options("judge_model", "samples", "aggregate", "judge_label")
 @rubric_options("max_criteria", "static_rubric")
 def run(
-    rollouts: Annotated[Path, typer.Option("--rollouts", help="rollouts.parquet.")],
-    steps: Annotated[Path, typer.Option("--steps", help="steps.parquet.")],
+    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")],
+    steps: Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
                                       "--train-step: RUN_ROOT/step-N).",
-                                      callback=folder_path)],
+                                      callback=folder_path, parser=OUT)],
     setting: Annotated[Setting, typer.Option(
         help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
         "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "

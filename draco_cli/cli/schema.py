@@ -6,13 +6,14 @@ from typing import Annotated
 import typer
 
 from draco_cli.cli.console import err_console
+from draco_cli.cli.options import OUT
 
 app = typer.Typer(help="The table contracts.", no_args_is_help=True)
 
 
 @app.command("export")
 def export(
-    folder: Annotated[Path, typer.Argument(help="Folder to write <table>.json files into.")],
+    folder: Annotated[Path, typer.Argument(parser=OUT, help="Folder to write <table>.json files into.")],
 ) -> None:
     """Write the JSON Schema of every table into FOLDER.
 

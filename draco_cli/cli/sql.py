@@ -8,6 +8,7 @@ import typer
 
 from draco_cli.cli.output import Format, Json, Report, emit, note, pick_format, warn
 from draco_cli.errors import UsageError
+from draco_cli.storage import stage
 
 if TYPE_CHECKING:
     import duckdb
@@ -41,7 +42,7 @@ def sql(
     from draco_cli.sql import catalog, connect, run_query
 
     out_fmt = pick_format(fmt, as_json)
-    args = list(args or [])
+    args = [stage(a) for a in args or []]   # remote inputs (s3://…) fetched
     query = command
     if query is None and args and args[-1] != "-" and not Path(args[-1]).exists():
         query = args.pop()

@@ -6,6 +6,7 @@ from typing import Annotated
 import typer
 
 from draco_cli.cli.console import err_console
+from draco_cli.cli.options import IN
 
 
 def validate(
@@ -13,7 +14,7 @@ def validate(
         list[Path],
         typer.Argument(metavar="PATH...", help="Parquet tables (checked as one set), folders "
                        "(every folder below checked as its own set, e.g. a whole run folder), "
-                       "or - for an Arrow IPC stream on stdin."),
+                       "or - for an Arrow IPC stream on stdin.", parser=IN),
     ],
     table: Annotated[str | None, typer.Option(
         "--table", help="Which table - (stdin) holds, e.g. verdicts: needed for a stream "
