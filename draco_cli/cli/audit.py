@@ -124,13 +124,13 @@ def cost(
                                               "repeat it for several training steps.", parser=IN)],
     out: OutOpt,
     rollouts: RolloutsOpt = None,
-    replay_cost: Annotated[list[Path] | None, typer.Option(
-        "--replay-cost", parser=IN, help="replay_cost.parquet of `draco replay run` (or its folder); "
+    replay_cost: Annotated[list[Path] | None, typer.Option(parser=IN,
+        help="replay_cost.parquet of `draco replay run` (or its folder); "
         "repeatable. Adds replay and reconstruction rows to the cost by category.")] = None,
-    steps: Annotated[Path | None, typer.Option(
-        "--steps", parser=IN, help="steps.parquet: the original rollouts' actions and tokens.")] = None,
-    prices: Annotated[Path | None, typer.Option(
-        parser=IN, help="Price table JSON for the naive client's dollars (default: the shipped one).")]
+    steps: Annotated[Path | None, typer.Option(parser=IN,
+        help="steps.parquet: the original rollouts' actions and tokens.")] = None,
+    prices: Annotated[Path | None, typer.Option(parser=IN,
+        help="Price table JSON for the naive client's dollars (default: the shipped one).")]
     = None,
     fmt: Format = None,
     as_json: Json = False,

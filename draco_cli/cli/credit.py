@@ -53,7 +53,8 @@ RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN,
                                            help="rollouts.parquet (or - for stdin).")]
 StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
 VerdictsOpt = Annotated[Path | None, typer.Option(
-    "--verdicts", parser=IN, help="Aggregated verdicts.parquet (not needed with --reward outcome).")]
+    "--verdicts", parser=IN, help="Aggregated verdicts.parquet (not needed with --reward "
+    "outcome).")]
 DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
                                        "all-pass (no member failed) or also constant (every "
                                        "answered member failed).", rich_help_panel=CREDIT_PANEL)]
@@ -163,8 +164,8 @@ def expand(
                                                    parser=IN, help="token_advantages.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", parser=OUT,
                                       help="Output file (- for stdout).")],
-    rollouts: Annotated[Path | None, typer.Option(
-        "--rollouts", parser=IN, help="rollouts.parquet, to check every rollout is present.")] = None,
+    rollouts: Annotated[Path | None, typer.Option(parser=IN,
+        help="rollouts.parquet, to check every rollout is present.")] = None,
     to: Annotated[Tokens | None, typer.Option(
         help="Target form; default: the other one.")] = None,
     force: Force = False,

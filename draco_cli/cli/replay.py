@@ -38,8 +38,8 @@ def plan_cmd(
     allocation: Annotated[str, typer.Option(
         "--allocation", help="sqrt = square-root allocation (Eq. 10); uniform = one p for "
         "every position at the same expected cost (the paper's uniform-replay arm).")] = "sqrt",
-    heads: Annotated[Path | None, typer.Option(
-        parser=IN, help="Fitted heads (JSON): take prediction and error from them, recording the version.")]
+    heads: Annotated[Path | None, typer.Option(parser=IN,
+        help="Fitted heads (JSON): take prediction and error from them, recording the version.")]
     = None,
     features: Annotated[Path | None, typer.Option(
         help="Features for --heads (a step_credit.parquet or any rollout_id, step, numeric "
@@ -301,8 +301,8 @@ def diagnose_cmd(
         "--heads", parser=IN, help="Two heads files (old then new) for predictor drift.")] = None,
     features: Annotated[Path | None, typer.Option(
         "--features", parser=IN, help="Features to compare the heads on (with --heads).")] = None,
-    rewards: Annotated[Path | None, typer.Option(
-        "--rewards", parser=IN, help="rewards.parquet, when --features is a step_credit table.")] = None,
+    rewards: Annotated[Path | None, typer.Option(parser=IN,
+        help="rewards.parquet, when --features is a step_credit table.")] = None,
     out: Annotated[Path | None, typer.Option("-o", "--out", parser=OUT,
                                              help="Output folder.")] = None,
     as_json: Annotated[bool, typer.Option("--json", metavar="",

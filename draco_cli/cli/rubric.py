@@ -19,7 +19,6 @@ app = typer.Typer(help="Rubrics: dynamic (written by an LLM per group) or static
 
 RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")]
 StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
-OutOpt = OutDir
 
 
 @app.command("generate")
@@ -27,7 +26,7 @@ OutOpt = OutDir
 @prompt_options()
 @rubric_options("max_criteria", "stages")
 def generate(
-    rollouts: RolloutsOpt, steps: StepsOpt, out: OutOpt,
+    rollouts: RolloutsOpt, steps: StepsOpt, out: OutDir,
     llm: LLMSettings, prompt: PromptOptions, rubric: RubricOptions,
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
 ) -> None:
@@ -60,7 +59,7 @@ def generate(
 
 @app.command("static")
 def static(
-    rollouts: RolloutsOpt, out: OutOpt,
+    rollouts: RolloutsOpt, out: OutDir,
     rubric: Annotated[Path | None, typer.Option(
         "--rubric", parser=IN, help="YAML, JSON or Parquet criteria (title, requirement); default: "
         "draco's own rubric (secrets, pagination, stopping, errors, dates, confirmation).")]

@@ -13,7 +13,8 @@ app = typer.Typer(help="The table contracts.", no_args_is_help=True)
 
 @app.command("export")
 def export(
-    folder: Annotated[Path, typer.Argument(parser=OUT, help="Folder to write <table>.json files into.")],
+    folder: Annotated[Path, typer.Argument(parser=OUT,
+                                           help="Folder to write <table>.json files into.")],
 ) -> None:
     """Write the JSON Schema of every table into FOLDER.
 
