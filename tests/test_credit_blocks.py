@@ -505,9 +505,10 @@ def test_few_rollouts_take_the_whole_path(inputs, tmp_path, monkeypatch, blocks_
 def test_draco_run_credit_by_blocks(inputs, tmp_path, monkeypatch, blocks_used):
     """``draco run`` (the outcome setting: no LLM) computes credit by blocks and writes the
     whole-table outputs and stats."""
+    from draco_cli.run import pipeline
     from draco_cli.run.pipeline import RunOptions, run_step
 
-    monkeypatch.setattr(credit_blocks, "BLOCK_ROLLOUTS", 10)
+    monkeypatch.setattr(pipeline, "RUN_CREDIT_BLOCK_ROLLOUTS", 10)
     d = inputs[False]
     res = run_step(d / "rollouts.parquet", d / "steps.parquet", tmp_path / "run", None,
                    RunOptions.for_setting("outcome"))

@@ -34,11 +34,14 @@ OUTPUTS = ("rewards.parquet", "step_credit.parquet", "token_advantages.parquet")
 
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                    out: str | Path, *, tokens: str | None = None, force: bool = False,
-                   options: CreditOptions | None = None, **kwargs: Any) -> CreditStats:
+                   options: CreditOptions | None = None, block_rollouts: int | None = None,
+                   **kwargs: Any) -> CreditStats:
     """Rewards, step credit and token advantages of ``rollouts`` into ``out``.
 
     ``options`` (or the same fields as keywords) says how; ``verdicts`` may be None only with
     ``reward="outcome"`` and uniform credit: the environment's outcome, no criteria filter.
+    ``block_rollouts`` bounds the rollouts of one block (``blocks.BLOCK_ROLLOUTS`` by default):
+    smaller blocks hold less at once and cost a little more per row.
     """
     if options is None:
         options = CreditOptions.build(**kwargs, **({"tokens": tokens} if tokens else {}))
@@ -50,7 +53,7 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     out = Path(out)
     for name in OUTPUTS:
         check_writable(out / name, force)
-    plan = plan_blocks(rollouts, steps, verdicts)
+    plan = plan_blocks(rollouts, steps, verdicts, block_rollouts)
     if plan is not None:
         try:
             return credit_by_blocks(plan, rollouts, steps, verdicts, out, options=options,

@@ -94,6 +94,10 @@ def _contents(*paths: Path) -> list[str | None]:
     return [file_sha256(p) if p.exists() else None for p in paths]
 
 
+# rollouts per credit block inside ``draco run`` (see ``_Run._credit``)
+RUN_CREDIT_BLOCK_ROLLOUTS = 1 << 14
+
+
 def run_dir_for(out: Path, train_step: int | None) -> Path:
     if train_step is not None and train_step < 0:
         raise UsageError(f"--train-step {train_step}: must be ≥ 0")
@@ -369,10 +373,12 @@ class _Run:
         from draco_cli.credit import credit_compute
 
         verdicts = self.folder.table("verdicts") if self.opts.rubric.kind != "none" else None
-        # by blocks of whole groups when large: memory set by the block, the same tables
+        # by blocks of whole groups when large: memory set by the block, the same tables.
+        # Smaller blocks than credit compute's own: this stage's peak stacks on what the LLM
+        # stages left in the heap (at 100k rollouts, 320 against 359 MiB alone, 6% slower).
         stats = credit_compute(self.rollouts, self.steps, verdicts,
                                self.folder.path / "credit", options=self.opts.credit,
-                               force=True)
+                               force=True, block_rollouts=RUN_CREDIT_BLOCK_ROLLOUTS)
         return StageRecord(key="", status="done", stats=asdict(stats), rows=stats.rollouts,
                            reward=self.opts.credit.reward)
 
