@@ -1,4 +1,4 @@
-"""Judge throughput of the in-loop API (draco_cli.run.inloop) against the CLI path (draco run's
+"""Judge throughput of the in-loop API (draco_cli.inloop) against the CLI path (draco run's
 library function), at equal concurrency, on local latency-injecting servers; then the in-loop
 API over a fleet of 1, 2 and 4 endpoints that each serve one request at a time.
 
@@ -91,7 +91,7 @@ def by_group(rollouts, steps):
 
 
 def inloop(urls, rollouts, steps, log: Path, concurrency: int) -> tuple[float, float, int]:
-    from draco_cli.run import inloop as api
+    from draco_cli import inloop as api
 
     async def go():
         async with api.Scorer("openai/bench", base_url=urls if len(urls) > 1 else urls[0],

@@ -35,7 +35,9 @@ if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.options import CreditOptions, JudgeOptions, RubricOptions, RunOptions
     from draco_cli.rubric.stage import rubric_generate, rubric_static
-    from draco_cli.run.inloop import GroupScore, Scorer
+    from draco_cli.inloop.rows import TrainerRollout
+    from draco_cli.inloop.scorer import GroupScore, Scorer
+    from draco_cli.inloop.step import StepResult, StepScorer
     from draco_cli.run.pipeline import RunResult, run_step
     from draco_cli.trainers.loader import (AlignmentError, TokenAdvantageTable,
                                            load_token_advantages)
@@ -51,7 +53,9 @@ _WHERE = {
     "CreditOptions": "draco_cli.options", "JudgeOptions": "draco_cli.options",
     "RubricOptions": "draco_cli.options", "RunOptions": "draco_cli.options",
     "rubric_generate": "draco_cli.rubric.stage", "rubric_static": "draco_cli.rubric.stage",
-    "GroupScore": "draco_cli.run.inloop", "Scorer": "draco_cli.run.inloop",
+    "GroupScore": "draco_cli.inloop.scorer", "Scorer": "draco_cli.inloop.scorer",
+    "StepScorer": "draco_cli.inloop.step", "StepResult": "draco_cli.inloop.step",
+    "TrainerRollout": "draco_cli.inloop.rows",
     "RunResult": "draco_cli.run.pipeline", "run_step": "draco_cli.run.pipeline",
     "AlignmentError": "draco_cli.trainers.loader",
     "TokenAdvantageTable": "draco_cli.trainers.loader",
@@ -59,6 +63,7 @@ _WHERE = {
 }
 __all__ = ["AlignmentError", "CreditOptions", "DracoError", "GroupScore", "InputError",
            "JudgeOptions", "LLMSettings", "RubricOptions", "RunOptions", "RunResult", "Scorer",
+           "StepResult", "StepScorer", "TrainerRollout",
            "TokenAdvantageTable", "UsageError", "evaluate", "ingest_logs", "judge_filter",
            "judge_score", "load_token_advantages", "read_table", "rubric_generate",
            "rubric_static", "run_step", "write_table"]

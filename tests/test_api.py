@@ -1,4 +1,4 @@
-"""The in-loop API (draco_cli.run.inloop): groups scored concurrently give the tables ``draco run``
+"""The in-loop API (draco_cli.inloop): groups scored concurrently give the tables ``draco run``
 writes for the same inputs and answers; a rerun pays nothing; the per-call deadline holds; the
 example in docs/inloop.md runs as written."""
 
@@ -14,7 +14,7 @@ import time
 import polars as pl
 import pytest
 
-from draco_cli.run import inloop as api
+from draco_cli import inloop as api
 from draco_cli.errors import InputError
 from tests.conftest import REPO
 from tests.llm_server import FakeLLMServer

@@ -16,7 +16,7 @@ PKG = Path(draco_cli.__file__).parent
 def test_every_public_name_resolves():
     for name in draco_cli.__all__:
         assert getattr(draco_cli, name) is not None, name
-    assert draco_cli.Scorer.__module__ == "draco_cli.run.inloop"
+    assert draco_cli.Scorer.__module__ == "draco_cli.inloop.scorer"
 
 
 def test_unknown_name_is_an_attribute_error():

@@ -1,7 +1,7 @@
 """The in-loop Python API: score one group of rollouts as soon as its n rollouts finish, while
 other groups are still generating.
 
-    from draco_cli.run import inloop as api
+    from draco_cli import inloop as api
 
     async with api.Scorer("openai/judge", base_url="http://127.0.0.1:8000/v1",
                           call_log="runs/step-7/llm_calls.sqlite", deadline=60) as scorer:
@@ -34,7 +34,7 @@ from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.drive import adrive
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
-from draco_cli.options import RunOptions
+from draco_cli.options import CreditOptions, RunOptions
 from draco_cli.schemas import Rollout, Step
 
 if TYPE_CHECKING:
@@ -43,7 +43,7 @@ if TYPE_CHECKING:
     from draco_cli.llm.client import LLMClient
     from draco_cli.llm.types import Answer, LLMRequest, Progress
 
-__all__ = ["Scorer", "GroupScore", "CallTally"]
+__all__ = ["Scorer", "GroupScore", "CallTally", "group_credit"]
 
 _ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction", "outcome",
                     "response_len", "train_step", "response_fingerprint"]
@@ -225,32 +225,36 @@ class Scorer:
     def _credit(self, r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
                 spans: pa.ChunkedArray[Any] | None
                 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-        """(filtered verdicts, rewards, step credit, token advantages) of one group."""
-        from draco_cli.credit import attach_groups, compute_credit, discriminative_filter, \
-            narrow_judge
-        from draco_cli.credit.tokens import spans_to_dense, token_spans
-        from draco_cli.validate import policy_span_issues, raise_first
+        return group_credit(r, s, verdicts, spans, self.options.credit)
 
-        c = self.options.credit
-        if spans is not None:
-            raise_first(policy_span_issues(spans, r["response_len"]), "rollouts",
-                        "policy_spans")
-        v = verdicts.with_columns(pl.lit(None, dtype=pl.Boolean).alias("retained")) \
-            if "retained" not in verdicts.columns else verdicts
-        result = compute_credit(r, s, v.select("rollout_id", "criterion_id", "judge", "verdict",
-                                               "cited_steps", "retained"),
-                                verdicts_source="verdicts", steps_source="steps",
-                                **c.model_dump(exclude={"tokens"}))
-        ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
-                         result.rewards["advantage"].to_numpy(),
-                         result.rewards["credit_mode"].to_numpy(), "steps", spans)
-        if c.tokens in ("dense", "both"):
-            dense = spans_to_dense(ta)
-            ta = dense if c.tokens == "dense" else dense.with_columns(ta.select(
-                "span_start", "span_end", "span_value"))
-        filtered = verdicts
-        if verdicts.height:
-            filtered = discriminative_filter(
-                attach_groups(narrow_judge(verdicts, c.judge), r, "verdicts"), c.drop
-            ).drop("group_id", "__r", strict=False)
-        return filtered, result.rewards, result.step_credit, ta
+
+def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
+                 spans: pa.ChunkedArray[Any] | None, c: CreditOptions
+                 ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame]:
+    """(filtered verdicts, rewards, step credit, token advantages) of one group."""
+    from draco_cli.credit import attach_groups, compute_credit, discriminative_filter, \
+        narrow_judge
+    from draco_cli.credit.tokens import spans_to_dense, token_spans
+    from draco_cli.validate import policy_span_issues, raise_first
+
+    if spans is not None:
+        raise_first(policy_span_issues(spans, r["response_len"]), "rollouts", "policy_spans")
+    v = verdicts.with_columns(pl.lit(None, dtype=pl.Boolean).alias("retained")) \
+        if "retained" not in verdicts.columns else verdicts
+    result = compute_credit(r, s, v.select("rollout_id", "criterion_id", "judge", "verdict",
+                                           "cited_steps", "retained"),
+                            verdicts_source="verdicts", steps_source="steps",
+                            **c.model_dump(exclude={"tokens"}))
+    ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
+                     result.rewards["advantage"].to_numpy(),
+                     result.rewards["credit_mode"].to_numpy(), "steps", spans)
+    if c.tokens in ("dense", "both"):
+        dense = spans_to_dense(ta)
+        ta = dense if c.tokens == "dense" else dense.with_columns(ta.select(
+            "span_start", "span_end", "span_value"))
+    filtered = verdicts
+    if verdicts.height:
+        filtered = discriminative_filter(
+            attach_groups(narrow_judge(verdicts, c.judge), r, "verdicts"), c.drop
+        ).drop("group_id", "__r", strict=False)
+    return filtered, result.rewards, result.step_credit, ta

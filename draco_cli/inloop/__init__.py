@@ -1,0 +1,12 @@
+"""Scoring inside the training loop: ``Scorer`` scores one group's tables; ``StepScorer`` takes
+the trainer's finished rollouts (token ids and masks), scores each group as it completes and
+hands back every rollout's per-token advantages, with a deadline, a fallback and the step's
+metrics."""
+
+from draco_cli.inloop.rows import TrainerRollout, trainer_rows
+from draco_cli.inloop.scorer import CallTally, GroupScore, Scorer
+from draco_cli.inloop.step import BlockingStepScorer, RowAdvantages, StepResult, StepScorer
+from draco_cli.inloop.files import write_step
+
+__all__ = ["BlockingStepScorer", "CallTally", "GroupScore", "RowAdvantages", "Scorer",
+           "StepResult", "StepScorer", "TrainerRollout", "trainer_rows", "write_step"]

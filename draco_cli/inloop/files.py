@@ -1,0 +1,58 @@
+"""A scored step's tables on disk, for audit and ``draco report``: training itself never reads
+them (the advantages travel with the rows). One folder per step, written whole or not at all
+(a temporary folder renamed into place), the oldest beyond ``keep`` removed."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import tempfile
+from pathlib import Path
+
+from draco_cli.errors import UsageError
+from draco_cli.inloop.step import StepResult
+
+__all__ = ["step_folder", "write_step"]
+
+_STEP = re.compile(r"step-(\d+)$")
+_LAYOUT = {"rubrics": "rubric", "verdicts_raw": "judge", "verdicts": "judge",
+           "rewards": "credit", "step_credit": "credit", "token_advantages": "credit"}
+
+
+def step_folder(root: str | os.PathLike[str], train_step: int | None) -> Path:
+    return Path(root) / f"step-{(train_step or 0):06d}"
+
+
+def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | None = None
+               ) -> Path:
+    """Write the step's tables under ``root/step-NNNNNN/`` (``draco run``'s layout: rubric/,
+    judge/, credit/, plus ``metrics.json``); keep the newest ``keep`` step folders."""
+    if keep is not None and keep < 1:
+        raise UsageError(f"keep {keep!r}: at least 1 step folder (None keeps all)")
+    root = Path(root)
+    root.mkdir(parents=True, exist_ok=True)
+    dest = step_folder(root, result.train_step)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
+    try:
+        for name, df in result.tables().items():
+            if not df.width:
+                continue
+            (tmp / _LAYOUT[name]).mkdir(exist_ok=True)
+            df.write_parquet(tmp / _LAYOUT[name] / f"{name}.parquet", compression="zstd")
+        (tmp / "metrics.json").write_text(json.dumps(
+            {"train_step": result.train_step, "metrics": result.metrics,
+             "fallbacks": result.fallbacks}, indent=1), encoding="utf-8")
+        if dest.exists():
+            shutil.rmtree(dest)
+        os.replace(tmp, dest)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    if keep is not None:
+        steps = sorted((int(m.group(1)), p) for p in root.iterdir()
+                       if p.is_dir() and (m := _STEP.match(p.name)))
+        for _, old in steps[:-keep]:
+            shutil.rmtree(old, ignore_errors=True)
+    return dest

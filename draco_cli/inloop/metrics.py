@@ -1,0 +1,85 @@
+"""The metrics of one training step that a trainer logs (``draco/…``, flat floats for wandb,
+tensorboard or any logger the trainer has).
+
+- ``draco/judge_calls``: LLM samples answered by calls made this step (paid); ``cached_calls``
+  came from the call log (free); ``unanswered_share`` is unanswered / all samples asked.
+- ``draco/cost_usd``: dollars spent this step.
+- ``draco/criteria_kept`` / ``criteria_total``: criteria the discriminative filter retained,
+  over all the step's criteria.
+- ``draco/nonzero_share``: share of rollouts with at least one non-zero token advantage.
+- ``draco/credit_mode/<mode>``: share of rollouts per credit mode (step, uniform,
+  grpo_fallback; ``none`` for a zero fallback).
+- ``draco/fallback_groups`` / ``fallback_rollouts``: groups that missed the deadline.
+- ``draco/seconds_to_advantages``: from the step's last rollout finishing to its last
+  group's advantages ready.
+- ``draco/signal_ok``: 1 when the step gives the trainer a learning signal — ``nonzero_share``
+  above ``min_signal`` (any at all by default) and, where criteria were written, at least one
+  kept — else 0 (see ``signal_problem`` for the reason).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from draco_cli.inloop.scorer import GroupScore
+
+__all__ = ["signal_problem", "step_metrics"]
+
+
+def step_metrics(groups: list[GroupScore], rows: Mapping[str, Any], fallbacks: Mapping[str, str],
+                 seconds: float, min_signal: float = 0.0) -> dict[str, float]:
+    answered = sum(g.calls.answered for g in groups)
+    cached = sum(g.calls.cached for g in groups)
+    unanswered = sum(g.calls.unanswered for g in groups)
+    asked = answered + cached + unanswered
+    kept = total = 0
+    for g in groups:
+        v = g.verdicts
+        if v.height and "retained" in v.columns:
+            import polars as pl
+
+            per = v.group_by("criterion_id").agg(pl.col("retained").fill_null(False).any())
+            total += per.height
+            kept += int(per["retained"].sum())
+        else:
+            total += g.rubrics.height
+    n = len(rows)
+    nonzero = sum(bool((r.values != 0).any()) for r in rows.values())
+    modes: dict[str, int] = {}
+    for r in rows.values():
+        modes[r.credit_mode] = modes.get(r.credit_mode, 0) + 1
+    out = {
+        "draco/groups": float(len(groups) + len(fallbacks)),
+        "draco/rollouts": float(n),
+        "draco/judge_calls": float(answered),
+        "draco/cached_calls": float(cached),
+        "draco/unanswered_share": unanswered / asked if asked else 0.0,
+        "draco/cost_usd": float(sum(g.calls.cost_usd for g in groups)),
+        "draco/criteria_kept": float(kept),
+        "draco/criteria_total": float(total),
+        "draco/nonzero_share": nonzero / n if n else 0.0,
+        "draco/fallback_groups": float(len(fallbacks)),
+        "draco/fallback_rollouts": float(sum(1 for r in rows.values()
+                                             if r.source.startswith("fallback"))),
+        "draco/seconds_to_advantages": float(seconds),
+    }
+    out.update({f"draco/credit_mode/{m}": c / n for m, c in sorted(modes.items()) if m})
+    out["draco/signal_ok"] = 0.0 if signal_problem(out, min_signal) else 1.0
+    return out
+
+
+def signal_problem(metrics: Mapping[str, float], min_signal: float = 0.0) -> str | None:
+    """Why a step gives the trainer no learning signal, or None when it does."""
+    n = metrics.get("draco/rollouts", 0.0)
+    if not n:
+        return "no rollouts were scored"
+    share = metrics.get("draco/nonzero_share", 0.0)
+    if metrics.get("draco/criteria_total", 0.0) and not metrics.get("draco/criteria_kept", 0.0):
+        return (f"every one of the {metrics['draco/criteria_total']:g} criteria was dropped by "
+                "the filter (every rollout passed or failed each alike): every advantage is 0")
+    if share <= min_signal:
+        return (f"{share:.0%} of rollouts have a non-zero advantage (at most the minimum "
+                f"{min_signal:.0%}): the step gives the trainer no learning signal")
+    return None

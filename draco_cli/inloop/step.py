@@ -1,0 +1,300 @@
+"""Scoring inside the training step: each group is judged the moment its last rollout finishes,
+while other groups are still generating, and every rollout's per-token advantages come back by
+its own id — with a deadline per group and a fallback that is counted, never silent.
+
+    async with StepScorer("openai/judge", base_url=..., call_log=..., group_size=8,
+                          deadline=120, fallback="outcome") as scorer:
+        await scorer.add(rollout)                  # a TrainerRollout, as each one finishes
+        values = await scorer.advantages(rollout.rollout_id)   # float32 [response_len]
+        result = await scorer.finish(step)         # StepResult: every row, metrics, tables
+
+``score_step`` does all three for a batch that finished together (TRL). ``BlockingStepScorer``
+runs the same on an event loop of its own, for trainers whose step is synchronous.
+
+A group's deadline counts from the moment its last member finished. A group not scored by then
+gets the fallback: ``outcome`` — GRPO on the environment outcome, every policy token of a
+rollout taking its advantage (zero where a group has no outcome) — or ``zero``. Either way the
+step's metrics count it (``draco/fallback_groups``) and its rows say so (``source``).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from collections.abc import Awaitable, Coroutine, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Literal, TypeVar
+
+import numpy as np
+import polars as pl
+
+from draco_cli.errors import InputError, UsageError
+from draco_cli.inloop.metrics import step_metrics
+from draco_cli.inloop.rows import Decode, TrainerRollout, trainer_rows
+from draco_cli.inloop.scorer import GroupScore, Scorer, group_credit
+from draco_cli.options import CreditOptions, RunOptions
+
+__all__ = ["BlockingStepScorer", "Fallback", "RowAdvantages", "StepResult", "StepScorer"]
+
+Fallback = Literal["outcome", "zero"]
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class RowAdvantages:
+    """One rollout's per-token advantages (float32, one per response token; observation
+    tokens 0) and where they came from: ``draco`` or ``fallback:outcome``/``fallback:zero``."""
+
+    rollout_id: str
+    group_id: str
+    values: np.ndarray
+    source: str
+    credit_mode: str
+
+
+@dataclass
+class StepResult:
+    """Every rollout of one training step, scored: ``rows`` by rollout id, the step's
+    ``metrics`` (``draco/…``, for the trainer's logger), the scored ``groups`` (for the audit
+    files) and the groups that fell back, with the reason."""
+
+    train_step: int | None
+    rows: dict[str, RowAdvantages]
+    metrics: dict[str, float]
+    groups: list[GroupScore]
+    fallbacks: dict[str, str] = field(default_factory=dict)
+
+    def tables(self) -> dict[str, pl.DataFrame]:
+        """The step's tables as ``draco run`` names them (scored groups only)."""
+        names = ("rubrics", "verdicts_raw", "verdicts", "rewards", "step_credit",
+                 "token_advantages")
+        out: dict[str, pl.DataFrame] = {}
+        for name in names:
+            parts = [getattr(g, name) for g in self.groups if getattr(g, name).height]
+            out[name] = pl.concat(parts, how="diagonal_relaxed") if parts else \
+                pl.DataFrame()
+        return out
+
+
+@dataclass
+class _Group:
+    members: list[TrainerRollout] = field(default_factory=list)
+    complete_at: float | None = None
+    task: asyncio.Task[None] | None = None
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    score: GroupScore | None = None
+    ready_at: float | None = None
+    fallback: str | None = None
+
+
+@dataclass
+class _Step:
+    groups: dict[str, _Group] = field(default_factory=dict)
+    rows: dict[str, RowAdvantages] = field(default_factory=dict)
+    seen: set[str] = field(default_factory=set)
+    last_finish: float = 0.0
+
+
+class StepScorer:
+    """Collects finished rollouts, scores each group once it is complete, and hands back each
+    rollout's advantages. ``group_size`` is the trainer's rollouts per prompt (n);
+    ``deadline`` seconds per group from its completion (None: wait); ``fallback`` what a group
+    that missed it gets; ``decode`` token ids → text (the tokenizer's decode); the rest as
+    ``Scorer`` (model, ``call_log``, ``options``, LLM settings such as ``base_url``).
+    ``request_deadline`` bounds each LLM request (``Scorer``'s ``deadline``); by default the
+    group's deadline."""
+
+    def __init__(self, model: str, *, call_log: str | Path, group_size: int,
+                 decode: Decode, options: RunOptions | None = None,
+                 deadline: float | None = None, fallback: Fallback = "outcome",
+                 request_deadline: float | None = None, min_signal: float = 0.0,
+                 **llm: Any) -> None:
+        if group_size < 1:
+            raise UsageError(f"group_size {group_size!r}: must be >= 1")
+        if deadline is not None and deadline <= 0:
+            raise UsageError(f"deadline {deadline!r}: must be > 0 seconds")
+        if fallback not in ("outcome", "zero"):
+            raise UsageError(f"fallback {fallback!r}: choose outcome or zero")
+        if not 0.0 <= min_signal <= 1.0:
+            raise UsageError(f"min_signal {min_signal!r}: a share between 0 and 1")
+        self.group_size, self.deadline, self.fallback = group_size, deadline, fallback
+        self.decode, self.min_signal = decode, min_signal
+        self.scorer = Scorer(model, call_log=call_log, options=options,
+                             deadline=request_deadline or deadline, **llm)
+        self._steps: dict[int | None, _Step] = {}
+
+    async def __aenter__(self) -> StepScorer:
+        await self.scorer.__aenter__()
+        return self
+
+    async def __aexit__(self, *exc: Any) -> None:
+        for st in self._steps.values():
+            for g in st.groups.values():
+                if g.task is not None and not g.task.done():
+                    g.task.cancel()
+        await self.scorer.__aexit__(*exc)
+
+    def _step(self, train_step: int | None) -> _Step:
+        return self._steps.setdefault(train_step, _Step())
+
+    async def add(self, rollout: TrainerRollout) -> None:
+        """A rollout finished: record it; its group starts scoring once it has ``group_size``."""
+        st = self._step(rollout.train_step)
+        if rollout.rollout_id in st.seen:
+            raise InputError(f"{rollout.where()}: rollout id given twice in step "
+                             f"{rollout.train_step}", field="rollout_id")
+        trainer_rows([rollout], self.decode)   # checked now, named by its trainer row
+        st.seen.add(rollout.rollout_id)
+        now = time.monotonic()
+        st.last_finish = max(st.last_finish, now)
+        g = st.groups.setdefault(rollout.group_id, _Group())
+        if g.complete_at is not None:
+            raise InputError(f"{rollout.where()}: group already has its {self.group_size} "
+                             "rollouts (group_size)", field="group_id")
+        g.members.append(rollout)
+        if len(g.members) == self.group_size:
+            g.complete_at = now
+            g.task = asyncio.create_task(self._score(st, rollout.group_id, g))
+
+    async def _score(self, st: _Step, group_id: str, g: _Group) -> None:
+        try:
+            r, s = trainer_rows(g.members, self.decode)
+            job = asyncio.ensure_future(self.scorer.score_group(r, s))
+            try:
+                g.score = await asyncio.wait_for(asyncio.shield(job), self.deadline)
+            except TimeoutError:
+                job.cancel()
+                g.fallback = f"no advantages within the deadline ({self.deadline:g} s)"
+            rows = self._rows(g.score.token_advantages, g.score.rewards, "draco") \
+                if g.score is not None else self._fallback_rows(r, s)
+            st.rows.update({k: RowAdvantages(k, group_id, *v) for k, v in rows.items()})
+            g.ready_at = time.monotonic()
+        finally:
+            g.done.set()
+
+    def _rows(self, ta: pl.DataFrame, rewards: pl.DataFrame, source: str
+              ) -> dict[str, tuple[np.ndarray, str, str]]:
+        from draco_cli.credit.tokens import spans_to_dense
+
+        dense = ta if "advantages" in ta.columns else spans_to_dense(ta)
+        modes = dict(zip(rewards["rollout_id"].to_list(), rewards["credit_mode"].to_list()))
+        return {rid: (np.asarray(vals, dtype=np.float32), source, str(modes.get(rid, "")))
+                for rid, vals in zip(dense["rollout_id"].to_list(),
+                                     dense["advantages"].to_list())}
+
+    def _fallback_rows(self, r: pl.DataFrame, s: pl.DataFrame
+                       ) -> dict[str, tuple[np.ndarray, str, str]]:
+        source = f"fallback:{self.fallback}"
+        if self.fallback == "zero" or r["outcome"].null_count() == r.height:
+            return {rid: (np.zeros(n, dtype=np.float32), source, "none")
+                    for rid, n in zip(r["rollout_id"].to_list(), r["response_len"].to_list())}
+        empty = pl.DataFrame(schema={"rollout_id": pl.String, "criterion_id": pl.String,
+                                     "judge": pl.String, "verdict": pl.String,
+                                     "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
+        spans = r.select("policy_spans").to_arrow().column(0)
+        _, rewards, _, ta = group_credit(r.drop("policy_spans"), s, empty, spans,
+                                         CreditOptions(reward="outcome", credit="uniform",
+                                                       tokens="dense"))
+        return self._rows(ta, rewards, source)
+
+    async def advantages(self, rollout_id: str, train_step: int | None = None) -> RowAdvantages:
+        """The rollout's advantages once its group is scored (or has fallen back)."""
+        st = self._steps.get(train_step)
+        if st is None or rollout_id not in st.seen:
+            raise InputError(f"rollout {rollout_id!r}: not added in step {train_step}",
+                             field="rollout_id")
+        g = next(g for g in st.groups.values()
+                 if any(m.rollout_id == rollout_id for m in g.members))
+        if g.complete_at is None:
+            missing = self.group_size - len(g.members)
+            raise InputError(f"rollout {rollout_id!r}: its group {g.members[0].group_id!r} is "
+                             f"missing {missing} of {self.group_size} rollouts",
+                             field="group_id")
+        await g.done.wait()
+        if g.task is not None and g.task.done() and g.task.exception() is not None:
+            raise g.task.exception()  # type: ignore[misc]
+        return st.rows[rollout_id]
+
+    async def finish(self, train_step: int | None = None) -> StepResult:
+        """Every group of the step scored (or fallen back); the step's rows and metrics. A group
+        short of ``group_size`` rollouts is an error naming it."""
+        st = self._steps.pop(train_step, _Step())
+        short = {gid: len(g.members) for gid, g in st.groups.items() if g.complete_at is None}
+        if short:
+            gid, n = next(iter(short.items()))
+            for g in st.groups.values():
+                if g.task is not None:
+                    g.task.cancel()
+            raise InputError(f"group {gid!r}: {n} of {self.group_size} rollouts finished by the "
+                             f"end of step {train_step} ({len(short)} groups short; "
+                             f"rollouts: {', '.join(m.rollout_id for m in st.groups[gid].members)})",
+                             field="group_id")
+        for g in st.groups.values():
+            assert g.task is not None
+            await g.task      # raises a group's input error
+        ready = [g.ready_at for g in st.groups.values() if g.ready_at is not None]
+        latency = max(0.0, max(ready) - st.last_finish) if ready else 0.0
+        groups = [g.score for g in st.groups.values() if g.score is not None]
+        fallbacks = {gid: g.fallback for gid, g in st.groups.items() if g.fallback}
+        metrics = step_metrics(groups, st.rows, fallbacks, latency, self.min_signal)
+        return StepResult(train_step, st.rows, metrics, groups, fallbacks)
+
+    async def score_step(self, rollouts: Sequence[TrainerRollout],
+                         train_step: int | None = None) -> StepResult:
+        """A batch that finished together: every group scored concurrently."""
+        steps = {r.train_step for r in rollouts}
+        if steps - {train_step}:
+            raise InputError(f"score_step({train_step}): rollouts claim train steps "
+                             f"{sorted(map(str, steps))}", field="train_step")
+        for r in rollouts:
+            await self.add(r)
+        return await self.finish(train_step)
+
+
+class BlockingStepScorer:
+    """A ``StepScorer`` on an event loop of its own thread, for synchronous trainers: the same
+    arguments; ``score_step`` blocks; ``close`` (or ``with``) ends it."""
+
+    def __init__(self, model: str, **kwargs: Any) -> None:
+        self._loop = asyncio.new_event_loop()
+        self._thread = threading.Thread(target=self._loop.run_forever, daemon=True,
+                                        name="draco-step-scorer")
+        self._thread.start()
+        try:
+            self.inner = self._call(self._open(model, kwargs))
+        except BaseException:
+            self._stop()
+            raise
+
+    async def _open(self, model: str, kwargs: dict[str, Any]) -> StepScorer:
+        return await StepScorer(model, **kwargs).__aenter__()
+
+    def _call(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
+        async def run() -> T:
+            return await coro
+        return asyncio.run_coroutine_threadsafe(run(), self._loop).result()
+
+    def score_step(self, rollouts: Sequence[TrainerRollout],
+                   train_step: int | None = None) -> StepResult:
+        return self._call(self.inner.score_step(rollouts, train_step))
+
+    def _stop(self) -> None:
+        self._loop.call_soon_threadsafe(self._loop.stop)
+        self._thread.join()
+        self._loop.close()
+
+    def close(self) -> None:
+        if self._loop.is_closed():
+            return
+        try:
+            self._call(self.inner.__aexit__(None, None, None))
+        finally:
+            self._stop()
+
+    def __enter__(self) -> BlockingStepScorer:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
