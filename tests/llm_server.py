@@ -194,6 +194,8 @@ class FakeLLMServer:
         self.faults: deque[Fault] = deque()
         self.fault_count = 0
         self.serial = False
+        self.capacity: int | None = None   # at most this many requests served at once
+        self._slots: asyncio.Semaphore | None = None
         self.in_flight_max = 0   # serial mode: the deepest queue seen
         self._lock: asyncio.Lock | None = None
         self.hits: Counter[str] = Counter()
@@ -365,6 +367,11 @@ class FakeLLMServer:
                 self._lock = asyncio.Lock()
             async with self._lock:
                 self.in_flight_max = max(self.in_flight_max, len(self._lock._waiters or ()) + 1)
+                await asyncio.sleep(self.latency)
+        elif self.capacity:   # a server of fixed capacity: the rest queue
+            if self._slots is None:
+                self._slots = asyncio.Semaphore(self.capacity)
+            async with self._slots:
                 await asyncio.sleep(self.latency)
         elif self.latency:
             await asyncio.sleep(self.latency)

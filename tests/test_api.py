@@ -130,13 +130,19 @@ def test_one_group_per_call(server, tmp_path):
         asyncio.run(go())
 
 
-def test_docs_example_runs(tmp_path):
+@pytest.mark.parametrize("block", [0, 1])
+def test_docs_example_runs(tmp_path, block):
     text = (REPO / "docs" / "inloop.md").read_text()
-    code = re.search(r"```python\n(.*?)```", text, flags=re.S).group(1)
+    codes = re.findall(r"```python\n(.*?)```", text, flags=re.S)
+    assert len(codes) == 2, "a Python block of docs/inloop.md that no test runs"
     script = tmp_path / "example.py"
-    script.write_text(code)
+    script.write_text(codes[block])
     res = subprocess.run([sys.executable, str(script)], cwd=REPO, capture_output=True,
                          text=True, timeout=120,
                          env={**__import__("os").environ, "DRACO_EXAMPLE_DIR": str(tmp_path)})
     assert res.returncode == 0, res.stderr
-    assert "3 groups scored" in res.stdout
+    if block == 0:
+        assert "3 groups scored" in res.stdout
+    else:   # the step's rows, and a step that gives the trainer a signal
+        assert "q0-0 draco" in res.stdout and "'draco/signal_ok': 1.0" in res.stdout
+        assert (tmp_path / "steps/step-000003/credit/token_advantages.parquet").is_file()

@@ -212,3 +212,22 @@ def test_zero_fallback_and_a_group_short_of_members(monkeypatch, tmp_path):
                 s.score_step(batch(n_groups=1)[:3], 1)
     finally:
         slow.stop()
+
+
+def test_a_session_waits_for_the_rest_of_its_group(server, tmp_path):
+    rollouts = batch(n_groups=1)
+
+    async def main():
+        async with StepScorer("openai/m", base_url=server.url + "/v1", group_size=GROUP,
+                              decode=decode, call_log=tmp_path / "f.sqlite") as s:
+            async def session(k, r):
+                await asyncio.sleep(0.05 * k)
+                await s.add(r)
+                return await s.advantages(r.rollout_id, 1)   # before the others finish
+
+            rows = await asyncio.gather(*(session(k, r) for k, r in enumerate(rollouts)))
+            return rows, await s.finish(1)
+
+    rows, res = asyncio.run(main())
+    assert [r.rollout_id for r in rows] == [r.rollout_id for r in rollouts]
+    assert all(r.source == "draco" for r in rows) and len(res.rows) == GROUP

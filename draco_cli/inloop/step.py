@@ -87,6 +87,7 @@ class _Group:
     score: GroupScore | None = None
     ready_at: float | None = None
     fallback: str | None = None
+    error: InputError | None = None   # short of members when the step ended
 
 
 @dataclass
@@ -200,19 +201,17 @@ class StepScorer:
         return self._rows(ta, rewards, source)
 
     async def advantages(self, rollout_id: str, train_step: int | None = None) -> RowAdvantages:
-        """The rollout's advantages once its group is scored (or has fallen back)."""
+        """The rollout's advantages once its group is complete and scored (or has fallen back);
+        an error if the step ends with its group short of members."""
         st = self._steps.get(train_step)
         if st is None or rollout_id not in st.seen:
             raise InputError(f"rollout {rollout_id!r}: not added in step {train_step}",
                              field="rollout_id")
         g = next(g for g in st.groups.values()
                  if any(m.rollout_id == rollout_id for m in g.members))
-        if g.complete_at is None:
-            missing = self.group_size - len(g.members)
-            raise InputError(f"rollout {rollout_id!r}: its group {g.members[0].group_id!r} is "
-                             f"missing {missing} of {self.group_size} rollouts",
-                             field="group_id")
-        await g.done.wait()
+        await g.done.wait()    # the group completes (or the step ends short of it)
+        if g.error is not None:
+            raise g.error
         if g.task is not None and g.task.done() and g.task.exception() is not None:
             raise g.task.exception()  # type: ignore[misc]
         return st.rows[rollout_id]
@@ -221,16 +220,18 @@ class StepScorer:
         """Every group of the step scored (or fallen back); the step's rows and metrics. A group
         short of ``group_size`` rollouts is an error naming it."""
         st = self._steps.pop(train_step, _Step())
-        short = {gid: len(g.members) for gid, g in st.groups.items() if g.complete_at is None}
+        short = [(gid, g) for gid, g in st.groups.items() if g.complete_at is None]
+        for gid, g in short:
+            g.error = InputError(
+                f"group {gid!r}: {len(g.members)} of {self.group_size} rollouts finished by the "
+                f"end of step {train_step} ({len(short)} groups short; rollouts: "
+                f"{', '.join(m.rollout_id for m in g.members)})", field="group_id")
+            g.done.set()    # a session waiting on it hears the error
         if short:
-            gid, n = next(iter(short.items()))
             for g in st.groups.values():
                 if g.task is not None:
                     g.task.cancel()
-            raise InputError(f"group {gid!r}: {n} of {self.group_size} rollouts finished by the "
-                             f"end of step {train_step} ({len(short)} groups short; "
-                             f"rollouts: {', '.join(m.rollout_id for m in st.groups[gid].members)})",
-                             field="group_id")
+            raise short[0][1].error  # type: ignore[misc]
         for g in st.groups.values():
             assert g.task is not None
             await g.task      # raises a group's input error

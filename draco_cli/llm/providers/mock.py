@@ -4,6 +4,7 @@ numbered from 0 (enums cycle with the number, strings carry it), as the test ser
 
 from __future__ import annotations
 
+import hashlib
 import json
 from typing import Any
 
@@ -12,27 +13,29 @@ from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
 
 
 def instance(schema: dict[str, Any], seed: int = 0, path: str = "",
-             root: dict[str, Any] | None = None) -> object:
-    """A small value valid against ``schema``: enums cycle with the position, arrays take
-    their minimum length (at least one item), strings are distinct per position."""
+             root: dict[str, Any] | None = None, salt: int = 0) -> object:
+    """A small value valid against ``schema``: enums cycle with the position (shifted by
+    ``salt``), arrays take their minimum length (at least one item), strings are distinct per
+    position."""
     root = root if root is not None else schema
     if "$ref" in schema:  # pydantic puts nested models under #/$defs/Name
         node: Any = root  # JSON: a bad reference fails here as a KeyError
         for part in schema["$ref"].lstrip("#/").split("/"):
             node = node[part]
-        return instance(node, seed, path, root)
+        return instance(node, seed, path, root, salt)
     if "const" in schema:
         return schema["const"]
     if "enum" in schema:
-        return schema["enum"][seed % len(schema["enum"])]
+        return schema["enum"][(seed + salt) % len(schema["enum"])]
     kind = schema.get("type")
     if kind == "object":
-        return {k: instance(v, seed, f"{path}.{k}", root)
+        return {k: instance(v, seed, f"{path}.{k}", root, salt)
                 for k, v in (schema.get("properties") or {}).items()}
     if kind == "array":
         n = max(schema.get("minItems", 1), 1)
         n = min(n, schema.get("maxItems", n))
-        return [instance(schema.get("items") or {}, k, f"{path}[{k}]", root) for k in range(n)]
+        return [instance(schema.get("items") or {}, k, f"{path}[{k}]", root, salt)
+                for k in range(n)]
     if kind == "integer":
         return schema.get("minimum", 1)
     if kind == "number":
@@ -55,7 +58,11 @@ class MockProvider(Provider):
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
                        samples: list[int]) -> Reply:
         schema = req.schema()
-        choices = [Choice(text=json.dumps(instance(schema, k)), finish="stop")
+        # Enum answers (verdicts) shift with the request's text, so rollouts of one group are
+        # judged differently and a mock run gives the trainer a signal, as a real judge would.
+        salt = int.from_bytes(hashlib.blake2b(json.dumps(messages, sort_keys=True).encode(),
+                                              digest_size=4).digest(), "big")
+        choices = [Choice(text=json.dumps(instance(schema, k, salt=salt)), finish="stop")
                    for k in range(len(samples))]
         body = {"model": self.model, "messages": messages, "n": len(samples)}
         return Reply(choices, Usage(), body, {"mock": True}, 0.0)
