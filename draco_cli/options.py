@@ -148,6 +148,11 @@ class RunOptions(_Options):
     train_step: Annotated[int | None, Field(ge=0)] = None
     # the health check: a stage whose share of answered calls falls below this fails the run
     min_answered: Annotated[float, Field(ge=0.0, le=1.0)] = 0.9
+    # the signal check: a step where no more than this share of rollouts has a non-zero
+    # advantage, or whose filter dropped every criterion, gives the trainer nothing to learn
+    min_signal: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    allow_no_signal: bool = False
+    restart: bool = False   # a run folder of other inputs: clear its tables instead of refusing
     redo: tuple[Stage, ...] = ()
     call_log: Path | None = None  # None: RUN/llm_calls.sqlite
     # where the LLM stages run: this process, or a Ray cluster's workers (engine_ray.py)

@@ -66,6 +66,7 @@ def score(
         typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=judge.samples))
         return
     with llmrun.progress_bar("judging") as bar:
+        llmrun.announce_batch(llm)
         report = judge_score(rollouts, steps, rubrics, out, llm, samples=judge.samples,
                              aggregate=judge.aggregate, judge_label=judge.judge_label,
                              render=render, max_tokens=prompt.max_tokens, call_log=call_log,

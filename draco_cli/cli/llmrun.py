@@ -11,6 +11,7 @@ import typer
 from draco_cli.cli.console import err_console
 
 if TYPE_CHECKING:
+    from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.stage import StageReport
 
 
@@ -49,6 +50,17 @@ def progress_bar(label: str) -> Iterator[Callable[[BarProgress], None]]:
                        description=f"{label}: {note}" if note else label)
 
         yield update
+
+
+def announce_batch(llm: LLMSettings | None) -> None:
+    """Say so when the calls go through a provider's batch API: its answers take hours."""
+    from draco_cli.llm.stage import batching
+
+    if llm is not None and batching(llm):
+        err_console.print(f"batch: the calls to {llm.model} go through the provider's batch API "
+                          "(half price; answers typically within hours, up to 24 h; the command "
+                          "waits and resumes from its call log). --no-batch calls online.",
+                          highlight=False, markup=False)
 
 
 def print_report(report: StageReport) -> None:

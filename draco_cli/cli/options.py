@@ -87,8 +87,9 @@ Prices = Annotated[Path | None, typer.Option(
 Batch = Annotated[bool | None, typer.Option(
     "--batch/--no-batch", metavar="",
     help="The provider's batch API (half price, answers within hours; "
-    "resumable). Default: on for openai/ and anthropic/ hosted APIs, off with --base-url "
-    "(self-hosted servers rarely have one).", rich_help_panel=LLM_PANEL)]
+    "resumable). Default: off for draco run (a training step); for rubric generate and judge "
+    "score on for openai/ and anthropic/ hosted APIs, off with --base-url (self-hosted "
+    "servers rarely have one).", rich_help_panel=LLM_PANEL)]
 Thinking = Annotated[Literal["on", "off"], typer.Option(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
     "enable_thinking on vLLM/SGLang).", rich_help_panel=LLM_PANEL)]

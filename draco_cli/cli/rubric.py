@@ -50,6 +50,7 @@ def generate(
                                  max_criteria=rubric.max_criteria, render=render))
         return
     with llmrun.progress_bar("rubrics") as bar:
+        llmrun.announce_batch(llm)
         report = rubric_generate(rollouts, steps, out, llm, stages=rubric.stages,
                                  max_criteria=rubric.max_criteria, render=render,
                                  max_tokens=prompt.max_tokens, call_log=call_log, force=force,

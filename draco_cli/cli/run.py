@@ -77,6 +77,17 @@ def run(
     min_answered: Annotated[float, typer.Option(
         help="Health check: fail the run (exit 1) when a stage's share of answered calls is "
         "below this (0 to 1).")] = 0.9,
+    min_signal: Annotated[float, typer.Option(
+        help="Signal check: fail the run (exit 1) when no more than this share of rollouts "
+        "(0 to 1) has a non-zero advantage; a run whose filter dropped every criterion fails "
+        "too.")] = 0.0,
+    allow_no_signal: Annotated[bool, typer.Option(
+        "--allow-no-signal", metavar="", help="Accept a step that gives the trainer no "
+        "learning signal (the signal check reports it, exit 0).")] = False,
+    restart: Annotated[bool, typer.Option(
+        "--restart", metavar="", help="The run folder holds a run of other inputs: clear its "
+        "tables and start over (its call log is kept; answers are reused). Without it such a "
+        "folder is refused.")] = False,
     no_wait: Annotated[bool, typer.Option(
         "--no-wait", metavar="", help="Refuse, instead of waiting, when another draco run is "
         "writing the same folder.")] = False,
@@ -108,7 +119,8 @@ def run(
         reward=reward.value if reward else None, rubric=rubric, prompt=prompt, judge=judge,
         credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
                         "tokens": tokens.value},
-        train_step=train_step, min_answered=min_answered,
+        train_step=train_step, min_answered=min_answered, min_signal=min_signal,
+        allow_no_signal=allow_no_signal, restart=restart,
         redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
         ray_address=ray_address, partitions=partitions)
     run_dir = run_dir_for(out, train_step)
@@ -117,6 +129,7 @@ def run(
         err_console.print(f"waiting: another draco run (pid {holder}) is writing {run_dir}",
                           highlight=False)
 
+    llmrun.announce_batch(llm)   # only with --batch: draco run calls online by default
     try:
         with llmrun.progress_bar("run") as bar:
             result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar,
@@ -221,11 +234,16 @@ def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
         err_console.print("[yellow]budget reached (--max-cost): rerun with a higher budget to "
                           "resume[/]")
         raise typer.Exit(1)
-    if not result.healthy:
-        err_console.print(f"[red]health check failed[/] (--min-answered "
-                          f"{health.get('threshold')}); see {run_dir}/manifest.json; fix the "
-                          "cause and rerun the same command: answered calls are reused",
+    signal = health.get("signal") or {}
+    if signal.get("allowed"):
+        err_console.print(f"[yellow]no learning signal (allowed):[/] {signal['problem']}",
                           highlight=False)
+    if not result.healthy:
+        answered_ok = all(s.get("ok", True) for s in (health.get("stages") or {}).values())
+        what = ("signal check failed" if answered_ok else
+                f"health check failed (--min-answered {health.get('threshold')})")
+        err_console.print(f"[red]{what}[/]; see {run_dir}/manifest.json; fix the cause and "
+                          "rerun the same command: answered calls are reused", highlight=False)
         raise typer.Exit(1)
     if m["status"] == "partial":
         err_console.print("[yellow]some calls went unanswered[/]: rerun the same command to "

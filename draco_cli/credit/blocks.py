@@ -302,4 +302,5 @@ def combine_stats(parts: list[CreditStats], reward: pl.Series,
         mean_reward=cast("float | None", reward.rechunk().mean()),
         mean_pass_rate_all=cast("float | None", pass_rate_all.rechunk().mean()),
         null_rewards=sum(p.null_rewards for p in parts),
+        nonzero_advantages=sum(p.nonzero_advantages for p in parts),
     )

@@ -122,7 +122,11 @@ def credit_expand(token_advantages: str | Path, out: str | Path, *,
         raise_first([issue], source_name(token_advantages), field)
     present = [c for c in ("advantages", "span_start", "span_end", "span_value")
                if c in ta.columns and ta[c].null_count() < ta.height]
-    ta = ta.select("rollout_id", "length", "layout", *present)
+    # the self-check columns ride along: a loader given the expanded file checks a trainer's
+    # rows exactly as it would with the original
+    checks = [c for c in ("train_step", "n_policy_tokens", "response_fingerprint")
+              if c in ta.columns]
+    ta = ta.select("rollout_id", "length", "layout", *checks, *present)
     if rollouts is not None:
         r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
         missing = r.join(ta, on="rollout_id", how="anti")
@@ -141,5 +145,6 @@ def credit_expand(token_advantages: str | Path, out: str | Path, *,
         res = spans_to_dense(ta).with_columns(ta.select("span_start", "span_end", "span_value")) \
             if form == "spans" else dense_to_spans(ta).with_columns(ta.select("advantages"))
     publish_file(res, out, TokenAdvantages, force=force, drop_absent_optional=True,
-                 metadata={"draco.token_form": target})
+                 metadata={"draco.token_form": target,
+                           LAYOUT_KEY: layout_label(ta["layout"].unique().to_list())})
     return target

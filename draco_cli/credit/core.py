@@ -45,6 +45,7 @@ class CreditStats:
     mean_reward: float | None = None
     mean_pass_rate_all: float | None = None
     null_rewards: int = 0
+    nonzero_advantages: int = 0   # rollouts with A_i != 0: the ones the trainer learns from
 
 
 def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
@@ -483,6 +484,7 @@ def compute_credit(
         advantage_max=cast("float | None", rw["advantage"].max()),
         mean_reward=cast("float | None", rw["reward"].mean()),
         mean_pass_rate_all=cast("float | None", rw["pass_rate_all"].mean()),
+        nonzero_advantages=int((rw["advantage"].fill_null(0.0) != 0).sum()),
         null_rewards=rw["reward"].null_count(),
     )
     return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa)

@@ -79,7 +79,10 @@ def signal_problem(metrics: Mapping[str, float], min_signal: float = 0.0) -> str
     if metrics.get("draco/criteria_total", 0.0) and not metrics.get("draco/criteria_kept", 0.0):
         return (f"every one of the {metrics['draco/criteria_total']:g} criteria was dropped by "
                 "the filter (every rollout passed or failed each alike): every advantage is 0")
+    if share == 0:
+        return (f"no rollout of {n:g} has a non-zero advantage: the step gives the trainer no "
+                "learning signal")
     if share <= min_signal:
-        return (f"{share:.0%} of rollouts have a non-zero advantage (at most the minimum "
-                f"{min_signal:.0%}): the step gives the trainer no learning signal")
+        return (f"only {share:.1%} of rollouts have a non-zero advantage (minimum signal "
+                f"{min_signal:.1%}): the step gives the trainer almost no learning signal")
     return None

@@ -28,13 +28,24 @@ def _banner(runs: list[Run], redact: Redact, unanswered: list[str]) -> str:
         "<div class='notice'><b>Unanswered calls</b> — these count as neither pass nor fail; "
         "see <a href='#unanswered'>Unanswered calls</a>.<ul>"
         + "".join(f"<li>{html.escape(w)}</li>" for w in unanswered) + "</ul></div>")
-    items = []
+    items, silent = [], []
     for r in runs:
         health = r.manifest.get("health")
-        if not isinstance(health, dict) or health.get("ok", True):
+        if not isinstance(health, dict):
             continue
-        msgs = health.get("messages") or ["the health check failed"]
+        signal = health.get("signal") or {}
+        if signal.get("problem"):   # no learning signal, failed or allowed: said either way
+            silent.append(f"<li><b>{html.escape(r.label)}</b>: "
+                          f"{_esc(signal['problem'], redact)}</li>")
+        if health.get("ok", True):
+            continue
+        msgs = [m for m in health.get("messages") or ["the health check failed"]
+                if m != signal.get("problem")]
         items += [f"<li><b>{html.escape(r.label)}</b>: {_esc(m, redact)}</li>" for m in msgs]
+    if silent:
+        notice += ("<div class='banner'><b>No learning signal</b> — every advantage the "
+                   f"trainer gets from these steps is zero or nearly so.<ul>{''.join(silent)}"
+                   "</ul></div>")
     if not items:
         return notice
     return notice + ("<div class='banner'><b>Health check failed</b> — the judge or rubric writer left "

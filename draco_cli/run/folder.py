@@ -79,6 +79,8 @@ class Health(BaseModel):
     threshold: float
     stages: dict[str, StageHealth] = Field(default_factory=dict)
     messages: list[str] = Field(default_factory=list)
+    # the signal check (credit): share of rollouts with a non-zero advantage, and its verdict
+    signal: dict[str, Any] | None = None
 
 
 class Manifest(BaseModel):

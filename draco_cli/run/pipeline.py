@@ -118,6 +118,9 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     opts = opts or RunOptions()
     if train_step is None:
         train_step = opts.train_step
+    if llm is not None and llm.batch is None:
+        # a training step cannot wait hours for a batch: online unless --batch asks for it
+        llm = replace(llm, batch=False)
     if opts.uses_llm and llm is None:
         raise UsageError(f"--model is required for --setting {opts.setting} (only --setting "
                          "outcome makes no LLM call)")
@@ -192,6 +195,7 @@ class _Run:
         self.render = render_options(opts.prompt.max_prompt_tokens,
                                         list(opts.prompt.redact), opts.prompt.no_default_redact)
         run = self.folder.path
+        self._same_inputs()
         try:
             if opts.rubric.kind != "none":
                 rec = self._stage("rubric", self._rubric_key(), [self.folder.table("rubrics")],
@@ -208,12 +212,45 @@ class _Run:
                                                       "token_advantages.parquet")],
                         self._credit)
         except KeyboardInterrupt:
-            for rec in self.stages.values():
-                if rec.status == "running":
-                    rec.status = "interrupted"
-            self._write("interrupted")
+            self._fail("interrupted")
+            raise
+        except Exception as exc:
+            # the manifest says the run failed and why, never "running" after the process ended
+            self._fail("failed", str(exc).splitlines()[0][:500] if str(exc) else
+                       type(exc).__name__)
             raise
         return self._finish(None)
+
+    def _fail(self, status: str, error: str | None = None) -> None:
+        for rec in self.stages.values():
+            if rec.status == "running":
+                rec.status = status
+        manifest = self._manifest(status)
+        if error is not None:
+            from draco_cli.redact import redact
+
+            manifest = manifest.model_copy(update={"error": redact(error)})
+        self.folder.write_manifest(manifest)
+
+    def _same_inputs(self) -> None:
+        """A folder holding a run of other inputs is refused, or cleared with ``restart``: its
+        tables would otherwise sit beside the new inputs' (the call log stays: its answers are
+        keyed by request, reused where the requests are the same)."""
+        old = {k: v.sha256 for k, v in self.old.inputs.items()}
+        changed = [k for k in ("rollouts", "steps") if k in old and
+                   old[k] != self.input_hashes[k]]
+        if not changed:
+            return
+        if not self.opts.restart:
+            was = self.old.inputs[changed[0]].path
+            raise UsageError(f"-o {self.folder.path}: holds a run of other {changed[0]} ({was}); "
+                             "use another folder, or --restart to clear this one's tables "
+                             "(answers in its call log are kept and reused)")
+        from draco_cli.run.folder import TABLES
+
+        for rel in TABLES.values():
+            (self.folder.path / rel).unlink(missing_ok=True)
+        self.old = Manifest()
 
     def _stage(self, name: str, key: str, outputs: list[Path],
                body: Callable[[], StageRecord]) -> StageRecord:
@@ -408,8 +445,33 @@ class _Run:
                 messages.append(f"{name}: only {items_ok}/{items} sample verdicts answered "
                                 f"({item_share:.0%} < --min-answered {threshold:.0%}); the "
                                 "judge's answers left criteria out")
-        return Health(ok=all(h.ok for h in out.values()), threshold=threshold, stages=out,
-                      messages=messages)
+        signal = self._signal()
+        if signal is not None and not signal["ok"]:
+            messages.append(signal["problem"])
+        return Health(ok=all(h.ok for h in out.values()) and (signal is None or signal["ok"]),
+                      threshold=threshold, stages=out, messages=messages, signal=signal)
+
+    def _signal(self) -> dict[str, Any] | None:
+        """Whether the step gives the trainer a learning signal (from the credit stage)."""
+        rec = self.stages.get("credit")
+        stats = getattr(rec, "stats", None)
+        if not stats or not stats.get("rollouts"):
+            return None
+        from draco_cli.inloop.metrics import signal_problem
+
+        n, nonzero = stats["rollouts"], stats.get("nonzero_advantages", 0)
+        kept, dropped = stats.get("criteria_kept", 0), stats.get("criteria_dropped", 0)
+        metrics = {"draco/rollouts": float(n), "draco/nonzero_share": nonzero / n,
+                   "draco/criteria_total": float(kept + dropped) if
+                   self.opts.credit.reward == "rubric" else 0.0,
+                   "draco/criteria_kept": float(kept)}
+        problem = signal_problem(metrics, self.opts.min_signal)
+        allowed = self.opts.allow_no_signal
+        return {"rollouts": n, "nonzero_advantages": nonzero,
+                "nonzero_share": round(nonzero / n, 6), "min_signal": self.opts.min_signal,
+                "ok": problem is None or allowed, "allowed": allowed and problem is not None,
+                "problem": None if problem is None else
+                problem + " (--allow-no-signal accepts such a step)"}
 
     def _manifest(self, status: str) -> Manifest:
         from draco_cli.run.folder import TABLES
@@ -446,7 +508,7 @@ class _Run:
             llm_calls=calls, wall_seconds=round(time.perf_counter() - self.t0, 3),
             updated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             token_advantages=str(ta.absolute()) if ta.exists() else None,
-            health=self._health() if any(getattr(r, "health", None)
+            health=self._health() if any(getattr(r, "health", None) or getattr(r, "stats", None)
                                          for r in self.stages.values()) else None)
 
     def _write(self, status: str) -> Manifest:

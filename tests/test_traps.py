@@ -1,0 +1,150 @@
+"""Defaults a training loop relies on (issue 31's traps): ``draco run`` calls the judge online
+unless ``--batch`` asks otherwise, and a step that gives the trainer no learning signal fails
+the run (exit 1, the reason, a report banner) unless ``--allow-no-signal``."""
+
+from __future__ import annotations
+
+import json
+
+import polars as pl
+import pytest
+
+from draco_cli.llm.client import LLMClient
+from tests.llm_server import FakeLLMServer
+from tests.test_rubric_judge import scripted
+from tests.test_run import SAMPLE_RA, SAMPLE_SA, draco
+
+
+@pytest.fixture
+def server(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    s = FakeLLMServer(answer=scripted).start()
+    yield s
+    s.stop()
+
+
+def test_draco_run_calls_online_where_the_offline_commands_would_batch(server, tmp_path,
+                                                                      monkeypatch):
+    # as for openai/gpt-4.1 on the hosted API, where the offline commands batch by default
+    monkeypatch.setattr(LLMClient, "batches_by_default", lambda self, provider: True)
+    res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", "openai/m",
+                "--base-url", server.url + "/v1", "-o", tmp_path / "run")
+    assert res.returncode == 0, res.stderr
+    assert server.hits["files"] == 0 and not server.batches     # no batch was sent
+    assert "batch API" not in res.stderr
+    server.batch_polls = 0     # the batch has ended at its first poll
+    res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", "openai/m",
+                "--base-url", server.url + "/v1", "-o", tmp_path / "batched", "--batch")
+    assert res.returncode == 0, res.stderr
+    assert server.batches, "--batch asked for the batch API"
+    assert "batch API (half price; answers typically within hours" in res.stderr
+
+
+def one_rollout_groups(tmp_path):
+    p = tmp_path / "single.parquet"
+    pl.read_parquet(SAMPLE_RA).with_columns(pl.col("rollout_id").alias("group_id")) \
+        .write_parquet(p)
+    return p
+
+
+def test_no_signal_fails_the_run_unless_allowed(tmp_path):
+    single = one_rollout_groups(tmp_path)
+    res = draco("run", "--rollouts", single, "--steps", SAMPLE_SA, "--setting", "outcome",
+                "-o", tmp_path / "run")
+    assert res.returncode == 1
+    assert "no rollout of 12 has a non-zero advantage" in res.stderr
+    assert "signal check failed" in res.stderr
+    manifest = json.loads((tmp_path / "run" / "manifest.json").read_text())
+    assert manifest["status"] == "unhealthy" and manifest["health"]["signal"]["ok"] is False
+    res = draco("run", "--rollouts", single, "--steps", SAMPLE_SA, "--setting", "outcome",
+                "-o", tmp_path / "run", "--allow-no-signal")
+    assert res.returncode == 0, res.stderr
+    assert "no learning signal (allowed)" in res.stderr
+    assert draco("report", tmp_path / "run", "-o", tmp_path / "r.html").returncode == 0
+    assert "No learning signal" in (tmp_path / "r.html").read_text()
+    # groups of four with differing outcomes: a signal, healthy
+    ok = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--setting", "outcome",
+               "-o", tmp_path / "grouped")
+    assert ok.returncode == 0, ok.stderr
+
+
+def test_a_judge_that_passes_everything_is_no_signal(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+
+    def passes(body, i):
+        out = json.loads(scripted(body, i))
+        for v in out.get("verdicts", []):
+            v["verdict"] = "pass"
+        return json.dumps(out)
+
+    s = FakeLLMServer(answer=passes).start()
+    try:
+        res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model",
+                    "openai/m", "--base-url", s.url + "/v1", "-o", tmp_path / "run")
+    finally:
+        s.stop()
+    assert res.returncode == 1
+    assert "criteria was dropped by the filter" in res.stderr
+
+
+def test_credit_expand_keeps_every_column_the_loader_checks(tmp_path):
+    import numpy as np
+
+    from draco_cli.inloop import BlockingStepScorer, TrainerRollout, write_step
+    from draco_cli.trainers.loader import AlignmentError, load_token_advantages
+
+    rng = np.random.default_rng(1)
+    mask = [1] * 5 + [0] * 3 + [1] * 4
+    rollouts = [TrainerRollout(f"r{k}", "g", "task", rng.integers(0, 99, len(mask)), mask,
+                               outcome=float(k % 2), train_step=7) for k in range(4)]
+    with BlockingStepScorer("mock/j", call_log=tmp_path / "c.sqlite", group_size=4,
+                            decode=lambda ids: " ".join(map(str, ids))) as s:
+        folder = write_step(s.score_step(rollouts, 7), tmp_path / "steps")
+    spans = folder / "credit" / "token_advantages.parquet"
+    dense = tmp_path / "dense.parquet"
+    assert draco("credit", "expand", "--token-advantages", spans, "-o", dense).returncode == 0
+    ids = [r.rollout_id for r in rollouts]
+    resp = np.stack([np.asarray(r.response_ids) for r in rollouts])
+    m = np.tile(np.asarray(mask), (4, 1))
+    tables = [load_token_advantages(p) for p in (spans, dense)]
+    np.testing.assert_array_equal(tables[0].batch(ids, m, train_step=7, response_ids=resp),
+                                  tables[1].batch(ids, m, train_step=7, response_ids=resp))
+    for t in tables:
+        assert t.train_step("r0") == 7
+        with pytest.raises(AlignmentError):        # rows swapped under equal masks
+            t.batch(ids, m, response_ids=resp[[1, 0, 2, 3]])
+        with pytest.raises(AlignmentError):        # a mask one token short
+            t.batch(ids, np.concatenate([m[:, :-1], np.zeros((4, 1), int)], axis=1))
+        with pytest.raises(AlignmentError):        # another step's file
+            t.batch(ids, m, train_step=8)
+
+
+def test_a_run_folder_of_other_inputs_is_refused_unless_restarted(tmp_path):
+    out = tmp_path / "run"
+    assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--setting", "outcome",
+                 "-o", out).returncode == 0
+    other, other_steps = tmp_path / "other.parquet", tmp_path / "other_steps.parquet"
+    r = pl.read_parquet(SAMPLE_RA).head(8)
+    r.write_parquet(other)
+    pl.read_parquet(SAMPLE_SA).filter(pl.col("rollout_id").is_in(r["rollout_id"].implode())) \
+        .write_parquet(other_steps)
+    res = draco("run", "--rollouts", other, "--steps", other_steps, "--setting", "outcome",
+                "-o", out)
+    assert res.returncode == 2 and "holds a run of other rollouts" in res.stderr
+    assert pl.read_parquet(out / "credit" / "rewards.parquet").height == 12   # untouched
+    res = draco("run", "--rollouts", other, "--steps", other_steps, "--setting", "outcome",
+                "-o", out, "--restart")
+    assert res.returncode == 0, res.stderr
+    assert pl.read_parquet(out / "credit" / "rewards.parquet").height == 8
+
+
+def test_a_failed_run_says_so_in_its_manifest(tmp_path):
+    out = tmp_path / "run"
+    bad = tmp_path / "bad.parquet"
+    pl.read_parquet(SAMPLE_RA).with_columns(pl.lit(float("inf")).alias("outcome")) \
+        .write_parquet(bad)
+    res = draco("run", "--rollouts", bad, "--steps", SAMPLE_SA, "--setting", "outcome",
+                "-o", out)
+    assert res.returncode in (1, 2)
+    manifest = json.loads((out / "manifest.json").read_text())
+    assert manifest["status"] == "failed" and "outcome" in manifest["error"]
