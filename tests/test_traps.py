@@ -148,3 +148,45 @@ def test_a_failed_run_says_so_in_its_manifest(tmp_path):
     assert res.returncode in (1, 2)
     manifest = json.loads((out / "manifest.json").read_text())
     assert manifest["status"] == "failed" and "outcome" in manifest["error"]
+
+
+def test_another_process_on_the_call_log_is_no_corruption(server, tmp_path):
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", "openai/m",
+                 "--base-url", server.url + "/v1", "-o", out).returncode == 0
+    log = out / "llm_calls.sqlite"
+    # another process takes the log exclusively for 6.5 s, longer than SQLite's default 5 s busy wait (a user's sqlite3, DuckDB, a
+    # backup), while a rerun opens it
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sqlite3, sys, time\n"
+        f"c = sqlite3.connect({str(log)!r}, isolation_level=None)\n"
+        "c.execute('BEGIN EXCLUSIVE'); print('held', flush=True); time.sleep(6.5)\n"
+        "c.execute('COMMIT')\n")], stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline().strip() == "held"
+        t0 = time.monotonic()
+        res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model",
+                    "openai/m", "--base-url", server.url + "/v1", "-o", out, "--samples", "2")
+    finally:
+        holder.wait(timeout=30)
+    assert res.returncode == 0, res.stderr
+    assert "corrupt" not in res.stderr and time.monotonic() - t0 >= 5.0
+
+
+def test_a_damaged_call_log_is_still_called_corrupt(tmp_path):
+    from draco_cli.llm.calllog import CallLog
+
+    log = tmp_path / "llm_calls.sqlite"
+    with CallLog(log) as c:
+        c.record(request_hash="h", sample=0, phase="score", provider="p", model="m",
+                 status="ok", answer_text="{}")
+    data = bytearray(log.read_bytes())
+    data[100:4096] = b"\x07" * (4096 - 100)   # the schema page overwritten
+    log.write_bytes(bytes(data))
+    with pytest.raises(Exception, match="corrupt call log|not a SQLite"):
+        with CallLog(log):
+            pass

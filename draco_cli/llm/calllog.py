@@ -19,10 +19,12 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any, TypeVar, cast
+
+T = TypeVar("T")
 
 if TYPE_CHECKING:
     from draco_cli.errors import InputError
@@ -130,6 +132,44 @@ def _bad(path: Path, why: str) -> InputError:
     return InputError(f"{why}: {RECOVER}", file=str(path))
 
 
+# SQLite's codes for a file that is really damaged; anything else (busy, locked, an I/O error
+# while another process reads the write-ahead log) is transient and says so.
+_DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+_RETRIES = (0.05, 0.2, 0.5, 1.0, 2.0)
+
+
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name:
+        return name.startswith(_DAMAGED)
+    text = str(exc)
+    return "malformed" in text or "not a database" in text or "no calls table" in text
+
+
+def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> BaseException:
+    """The error for a failed read: corruption only when SQLite reports damage."""
+    if _damaged(exc):
+        return _bad(path, f"corrupt call log ({exc})")
+    from draco_cli.errors import DracoError
+
+    return DracoError(f"{path}: could not read the call log ({exc}) — a transient error, "
+                      "often another process reading it; the log is not damaged: rerun the "
+                      "same command (its answers are kept)")
+
+
+def retry_read(path: Path, read: Callable[[], T]) -> T:
+    """``read()`` retried over a few seconds while SQLite reports a transient error (another
+    process holding the log, a WAL read racing a checkpoint); then the one-line error."""
+    for wait in (*_RETRIES, None):
+        try:
+            return read()
+        except sqlite3.DatabaseError as exc:
+            if _damaged(exc) or wait is None:
+                raise _unreadable(path, exc) from None
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
 def _write_failed(path: Path, exc: BaseException) -> BaseException:
     """SQLite's own write failures ("database or disk is full", a read-only or locked file) as
     one line naming the call log; anything else is passed through unchanged."""
@@ -175,13 +215,15 @@ def _check_file(path: Path) -> None:
 
 
 def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
+    def read() -> tuple[set[str], int]:
+        return ({r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")},
+                conn.execute("PRAGMA user_version").fetchone()[0])
+
     try:
-        tables = {r[0] for r in conn.execute(
-            "SELECT name FROM sqlite_master WHERE type = 'table'")}
-        version = conn.execute("PRAGMA user_version").fetchone()[0]
-    except sqlite3.DatabaseError as exc:
+        tables, version = retry_read(path, read)
+    except BaseException:
         conn.close()
-        raise _bad(path, f"corrupt call log ({exc})") from None
+        raise
     if tables and "calls" not in tables:
         conn.close()
         raise _bad(path, "a SQLite file but not a draco call log (no calls table)")
@@ -197,10 +239,17 @@ def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     _check_file(path)
     if readonly:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False)
+        # a read-write handle asked not to write, where the file allows it: a mode=ro handle on
+        # a WAL database cannot recover its shared memory when another process holds it
+        if os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
+            conn = sqlite3.connect(path, check_same_thread=False, timeout=10.0)
+            conn.execute("PRAGMA query_only = ON")
+        else:
+            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
+                                   timeout=10.0)
         _check_schema(conn, path)
     else:
-        conn = sqlite3.connect(path, check_same_thread=False)
+        conn = sqlite3.connect(path, check_same_thread=False, timeout=30.0)
         _check_schema(conn, path)  # refuses logs newer than this draco
         try:
             conn.execute("PRAGMA journal_mode=WAL")
@@ -216,7 +265,7 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
             raise _write_failed(path, exc) from None
         except sqlite3.DatabaseError as exc:
             conn.close()
-            raise _bad(path, f"corrupt call log ({exc})") from None
+            raise _unreadable(path, exc) from None
     return conn
 
 
@@ -365,15 +414,19 @@ class AnsweredCalls(Mapping[tuple[str, int], Recorded]):
         self.path, self.by = path, by
         self._conn: sqlite3.Connection | None = _connect(path, readonly=True)
         self._lock = threading.Lock()
+        conn = self._conn
+
+        def read() -> tuple[int, np.ndarray]:
+            last = int(conn.execute("SELECT COALESCE(MAX(id), 0) FROM calls").fetchone()[0])
+            cur = conn.execute(f"SELECT {by} FROM calls WHERE status = 'ok' AND id <= ?",
+                               (last,))
+            return last, np.fromiter((_prefix(h) for (h,) in cur), dtype=np.uint64)
+
         try:
-            self._last = int(self._conn.execute(
-                "SELECT COALESCE(MAX(id), 0) FROM calls").fetchone()[0])
-            cur = self._conn.execute(
-                f"SELECT {by} FROM calls WHERE status = 'ok' AND id <= ?", (self._last,))
-            prefixes = np.fromiter((_prefix(h) for (h,) in cur), dtype=np.uint64)
-        except sqlite3.DatabaseError as exc:
+            self._last, prefixes = retry_read(path, read)
+        except BaseException:
             self.close()
-            raise _bad(path, f"corrupt call log ({exc})") from None
+            raise
         self._prefixes = np.unique(prefixes)
         self._sql = (f"SELECT answer_text, parsed, phase FROM calls WHERE {by} = ? AND "
                      "sample = ? AND status = 'ok' AND id <= ? ORDER BY id DESC LIMIT 1")
@@ -445,12 +498,12 @@ def _prefix(h: str | None) -> int:
 
 def load_answered(conn: sqlite3.Connection, by: str,
                   path: Path | None = None) -> dict[tuple[str, int], Recorded]:
-    try:
+    def read() -> dict[tuple[str, int], Recorded]:
         rows = conn.execute(
             f"SELECT {by}, sample, answer_text, parsed, phase FROM calls WHERE status = 'ok'")
         return {(h, s): Recorded(t, p, ph) for h, s, t, p, ph in rows}
-    except sqlite3.DatabaseError as exc:
-        raise _bad(path or Path("call log"), f"corrupt call log ({exc})") from None
+
+    return retry_read(path or Path("call log"), read)
 
 
 def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
