@@ -14,21 +14,18 @@ from __future__ import annotations
 
 import json
 import math
-import re
+from collections import Counter
 from dataclasses import dataclass, field
 from typing import Any, Literal
 
 from draco_cli.errors import InputError
+from draco_cli.ingest.codeblocks import CodeRule, executed_blocks
 from draco_cli.ingest.tokens import TokenCounter, apportion
 from draco_cli.trainers.loader import fingerprint
 
 StepUnit = Literal["message", "code-block", "tool-call"]
 STEP_UNITS: tuple[str, ...] = ("message", "code-block", "tool-call")
 ROLES = ("system", "developer", "user", "assistant", "tool")
-
-# A fenced code block: an opening fence of 3+ backticks (optional info string), the body,
-# and a closing fence of the same length on its own line.
-_FENCE = re.compile(r"(?ms)^[ \t]*(?P<fence>`{3,})[^\n`]*\n.*?^[ \t]*(?P=fence)[ \t]*$")
 
 
 @dataclass
@@ -99,6 +96,7 @@ class BuildOptions:
     step_unit: StepUnit
     counter: TokenCounter | None
     source: str
+    code: CodeRule = field(default_factory=CodeRule)  # code-block unit: which blocks ran
 
 
 @dataclass
@@ -114,6 +112,8 @@ class Built:
     steps: list[dict[str, Any]]
     token_source: str  # "log", "tokenizer", "log+tokenizer" or "none" (no steps)
     layout_known: bool
+    # code-block unit: fenced blocks that did not run, by language ("" = none given)
+    skipped_blocks: Counter[str] = field(default_factory=Counter)
 
 
 def check_messages(ep: Episode, source: str) -> None:
@@ -151,7 +151,8 @@ def check_messages(ep: Episode, source: str) -> None:
                 m.seen_by_policy = False
 
 
-def _parts(msg: Message, unit: StepUnit) -> list[Part]:
+def _parts(msg: Message, unit: StepUnit, code: CodeRule,
+           skipped: Counter[str] | None = None) -> list[Part]:
     """Split a policy message into step and gap parts, in token order (content, then calls)."""
     if unit == "message":
         text = msg.text()
@@ -159,11 +160,11 @@ def _parts(msg: Message, unit: StepUnit) -> list[Part]:
     parts: list[Part] = []
     if unit == "code-block":
         pos = 0
-        for m in _FENCE.finditer(msg.content):
-            if m.start() > pos:
-                parts.append(Part(msg.content[pos : m.start()], is_step=False))
-            parts.append(Part(m.group(0), is_step=True))
-            pos = m.end()
+        for b in executed_blocks(msg.content, code, skipped):
+            if b.start > pos:
+                parts.append(Part(msg.content[pos : b.start], is_step=False))
+            parts.append(Part(msg.content[b.start : b.end], is_step=True))
+            pos = b.end
         if pos < len(msg.content):
             parts.append(Part(msg.content[pos:], is_step=False))
         parts += [Part(c.render(), is_step=False) for c in msg.calls]
@@ -411,8 +412,9 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
     # Token counts of each policy message's parts.
     msg_parts: dict[int, list[Part]] = {}
     part_tokens: dict[int, list[int]] = {}
+    skipped: Counter[str] = Counter()
     for i in policy_idx:
-        parts = _parts(msgs[i], opts.step_unit)
+        parts = _parts(msgs[i], opts.step_unit, opts.code, skipped)
         if logged:
             part_tokens[i] = _logged_counts(ep, i, parts, opts)
         else:
@@ -436,4 +438,4 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
     steps = _step_rows(ep, policy_idx, msg_parts, part_tokens, blocks, layout, opts.step_unit)
     rollout = _rollout_row(ep, len(steps), len(policy_idx), layout)
     source_kind = _token_source(bool(policy_idx), runs is not None, logged, used_counter)
-    return Built(rollout, steps, source_kind, layout.known)
+    return Built(rollout, steps, source_kind, layout.known, skipped)
