@@ -89,6 +89,7 @@ class Episode:
     response_mask: list[int] | None = None
     response_ids: list[int] | None = None
     outcome_field: str = "outcome"  # what the log calls the outcome, for errors
+    task_context: str | None = None  # the agent's policy / system prompt, for rubric and judge
 
 
 @dataclass
@@ -376,6 +377,7 @@ def _rollout_row(ep: Episode, n_steps: int, n_turns: int, layout: _Layout) -> di
         "termination_raw": ep.termination_raw,
         "response_fingerprint": None if ep.response_ids is None
         else fingerprint(ep.response_ids),
+        "task_context": ep.task_context or None,
     }
 
 
