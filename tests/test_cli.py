@@ -48,6 +48,7 @@ def test_usage_errors_exit_2():
 def test_ingest_sample_and_validate(tmp_path):
     out = tmp_path / "sample"
     res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                    "--code-language", "python",
                     "--tokenizer", "approx", "-o", str(out))
     assert res.returncode == 0, res.stderr.decode()
     err = res.stderr.decode()

@@ -33,6 +33,7 @@ def make_verdicts(steps: pl.DataFrame, rollouts: pl.DataFrame, seed=0, judges=("
 def sample_run(tmp_path_factory):
     d = tmp_path_factory.mktemp("run")
     assert run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                     "--code-language", "python",
                      "--tokenizer", "approx", "-o", str(d)).returncode == 0
     v = make_verdicts(pl.read_parquet(d / "steps.parquet"), pl.read_parquet(d / "rollouts.parquet"))
     write_table(v, d / "verdicts.parquet", VerdictAggregated)

@@ -5,6 +5,7 @@ from __future__ import annotations
 from hypothesis import given
 from hypothesis import strategies as st
 
+from draco_cli.ingest.codeblocks import CodeRule
 from draco_cli.ingest.episode import BuildOptions, Episode, Message, ToolCall, build
 from draco_cli.ingest.tokens import ApproxCounter, apportion
 
@@ -18,7 +19,8 @@ CODE_MSG = "Let me look.\n```python\nprint(1)\n```\nand then\n```python\nx = 2\n
 
 def test_code_block_unit_makes_blocks_steps_and_text_gap():
     e = ep([Message("user", "go"), Message("assistant", CODE_MSG), Message("user", "Output: 1")])
-    b = build(e, BuildOptions("code-block", ApproxCounter(), "s"))
+    every_python_block = CodeRule(frozenset({"python"}), "all")
+    b = build(e, BuildOptions("code-block", ApproxCounter(), "s", every_python_block))
     assert [s["action"] for s in b.steps] == ["```python\nprint(1)\n```", "```python\nx = 2\n```"]
     c = ApproxCounter().count
     gap1 = c("Let me look.\n")

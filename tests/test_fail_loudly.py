@@ -41,6 +41,7 @@ def sample(tmp_path_factory):
     """A real ingest of the sample, with verdicts and a credit output beside it."""
     d = tmp_path_factory.mktemp("sample")
     res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                    "--code-language", "python",
                     "--tokenizer", "approx", "-o", str(d / "data"))
     assert res.returncode == 0, res.stderr.decode()
     steps = pl.read_parquet(d / "data" / "steps.parquet")
@@ -214,6 +215,7 @@ def test_groups_of_one_warn(tmp_path):
 
 def test_groups_with_members_do_not_warn(sample, tmp_path):
     res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--step-unit", "code-block",
+                    "--code-language", "python",
                     "--tokenizer", "approx", "-o", str(tmp_path / "o"))
     assert res.returncode == 0 and "warning" not in res.stderr.decode()
 

@@ -34,7 +34,8 @@ SAMPLE_S = "sample_data/appworld_mini/steps.parquet"
 
 def test_sample_tables_match_a_fresh_ingest(tmp_path):
     assert draco("ingest", "openai-jsonl", REPO / "sample_data" / "appworld_mini.jsonl",
-                 "--step-unit", "code-block", "--tokenizer", "approx", "-o",
+                 "--step-unit", "code-block",
+                 "--code-language", "python", "--tokenizer", "approx", "-o",
                  tmp_path).returncode == 0
     for t in ("rollouts", "steps"):
         assert pl.read_parquet(tmp_path / f"{t}.parquet").equals(

@@ -152,7 +152,7 @@ def test_binary_to_a_terminal_and_dash_as_a_folder_are_refused(runs, tmp_path):
                                   stdin_tty=False)
     assert code == 2 and b"stdout is a terminal" in err and b"\x00" not in out
     for args in (["ingest", "openai-jsonl", "sample_data/appworld_mini.jsonl", "--step-unit",
-                  "code-block", "--tokenizer", "approx", "-o", "-"],
+                  "code-block", "--code-language", "python", "--tokenizer", "approx", "-o", "-"],
                  ["run", *SAMPLE, "-o", "-"]):
         res = run_draco(*args)
         assert res.returncode == 2 and b"cannot hold a folder" in res.stderr, args
@@ -193,7 +193,8 @@ def test_docs_query_examples_run_as_written(runs, tmp_path):
     os.symlink(REPO / "sample_data", tmp_path / "sample_data")
     for args in (["tau-bench", str(TAU), "--tokenizer", "approx", "-o", "runs/tau"],
                  ["openai-jsonl", "sample_data/appworld_mini.jsonl", "--step-unit",
-                  "code-block", "--tokenizer", "approx", "-o", "runs/sample"]):
+                  "code-block",
+                  "--code-language", "python", "--tokenizer", "approx", "-o", "runs/sample"]):
         assert run_draco("ingest", *args, cwd=tmp_path).returncode == 0
     bindir = os.path.dirname(sys.executable)
     env = {**os.environ, "PATH": bindir + os.pathsep + os.environ.get("PATH", "")}

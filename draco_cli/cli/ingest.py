@@ -16,6 +16,11 @@ class Format(str, Enum):
     tau2_bench = "tau2-bench"
 
 
+class CodeBlocks(str, Enum):
+    one = "one"
+    all = "all"
+
+
 class StepUnit(str, Enum):
     message = "message"
     code_block = "code-block"
@@ -30,6 +35,16 @@ def ingest(
         StepUnit, typer.Option(help="What one step is: an assistant message, a fenced code "
                                "block the environment ran, or one tool call.")
     ] = StepUnit.message,
+    code_language: Annotated[
+        str, typer.Option(help="code-block unit: the language of the blocks the harness "
+                          "runs (comma-separated, or 'any'); mini-swe-agent runs bash, "
+                          "AppWorld python.")
+    ] = "bash",
+    code_blocks: Annotated[
+        CodeBlocks, typer.Option(help="code-block unit: 'one' = a message runs its block "
+                                 "only when it holds exactly one (mini-swe-agent); 'all' = "
+                                 "every block runs.")
+    ] = CodeBlocks.one,
     tokenizer: Annotated[
         str | None,
         typer.Option(help="tokenizer.json of the trainer's model, for logs without token "
@@ -57,7 +72,8 @@ def ingest(
     with err_console.status("ingesting…"):
         result = ingest_logs(fmt.value, list(inputs), out, step_unit=step_unit.value,
                              tokenizer=tokenizer, group_by=group_by, train_step=train_step,
-                             skip_invalid=skip_invalid, force=force)
+                             skip_invalid=skip_invalid, force=force,
+                             code_language=code_language, code_blocks=code_blocks.value)
     m = result.manifest
     err_console.print(
         f"[green]ingested[/] {m['rollouts']} rollouts in {m['groups']} groups, {m['steps']} "

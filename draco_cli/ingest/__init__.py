@@ -19,6 +19,7 @@ from typing import Any, TextIO, cast
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.ingest import openai_jsonl, tau2_bench, tau_bench
+from draco_cli.ingest.codeblocks import DEFAULT_LANGUAGE, CodeRule
 from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Built, Episode, StepUnit, build
 from draco_cli.ingest.tokens import TokenCounter, make_counter
 from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
@@ -46,6 +47,7 @@ class IngestResult:
     token_sources: Counter[str] = field(default_factory=Counter)
     layout_unknown: int = 0
     terminations: Counter[str | None] = field(default_factory=Counter)
+    skipped_blocks: Counter[str] = field(default_factory=Counter)  # code-block: did not run
     manifest: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
 
@@ -74,12 +76,19 @@ def ingest(
     skip_invalid: bool = False,
     force: bool = False,
     progress: Callable[[int], None] | None = None,
+    code_language: str = DEFAULT_LANGUAGE,
+    code_blocks: str = "one",
 ) -> IngestResult:
     """Ingest ``inputs`` (files of format ``fmt``) into ``out_dir``.
 
     ``group_by`` overrides the group: the rollout fields whose values, joined by '/', form
     ``group_id``. By default an explicit group_id in the log is kept, otherwise the group is
     ``task_id`` (plus ``train_step`` when set).
+
+    Under the ``code-block`` unit a step is a fenced block the harness ran: one in
+    ``code_language`` (comma-separated languages, or 'any'; default mini-swe-agent's bash),
+    and under ``code_blocks='one'`` only in a message holding exactly one such block
+    (``draco_cli.ingest.codeblocks``).
     """
     if fmt not in FORMATS:
         raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
@@ -96,9 +105,13 @@ def ingest(
     names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
     for name in names:
         check_writable(out / name, force)
+    try:
+        code = CodeRule.parse(code_language, code_blocks)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     counter = make_counter(tokenizer)
     unit = cast(StepUnit, step_unit)  # checked against STEP_UNITS above
-    opts_by_source = {str(p): BuildOptions(unit, counter, str(p)) for p in paths}
+    opts_by_source = {str(p): BuildOptions(unit, counter, str(p), code) for p in paths}
 
     with OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output:
         run = _Ingestion(output, opts_by_source, group_by, train_step, skip_invalid, progress)
@@ -106,8 +119,15 @@ def ingest(
             for path in paths:
                 run.read_file(fmt, path)
             result = run.finish(paths)
+            if unit == "code-block":
+                _check_code_blocks(result, code, paths)
             result.manifest = _manifest(result, fmt, paths, step_unit, counter, group_by,
                                         train_step, output.id)
+            if unit == "code-block":
+                result.manifest["code_language"] = code.describe()
+                result.manifest["code_blocks"] = code.blocks
+                result.manifest["code_blocks_not_run"] = dict(sorted(
+                    result.skipped_blocks.items()))
         except BaseException:
             run.abort()
             raise
@@ -194,6 +214,7 @@ class _Ingestion:
         result.token_sources[built.token_source] += 1
         result.layout_unknown += not built.layout_known
         result.terminations[row["termination"]] += 1
+        result.skipped_blocks.update(built.skipped_blocks)
         if len(self.rollout_rows) >= BATCH_ROLLOUTS:
             self._flush()
 
@@ -225,6 +246,22 @@ class _Ingestion:
     def commit(self) -> None:
         self.rollout_writer.commit()
         self.step_writer.commit()
+
+
+def _check_code_blocks(result: IngestResult, code: CodeRule, paths: list[Path]) -> None:
+    """No block ran anywhere while blocks of other languages were written: the language is
+    almost surely wrong, and every rollout would be a silent no_action."""
+    if result.steps or not result.skipped_blocks:
+        return
+    seen = ", ".join(f"{lang or 'no language'}: {n}"
+                     for lang, n in result.skipped_blocks.most_common(5))
+    hint = "pass --code-language with the language your harness runs (or 'any')"
+    if code.blocks == "one":
+        hint += ", or --code-blocks all if it runs every block of a message"
+    raise InputError(f"no fenced {code.describe()} block ran in any rollout (--code-language "
+                     f"{code.describe()}, --code-blocks {code.blocks}), yet the agent wrote "
+                     f"{sum(result.skipped_blocks.values())} other fenced blocks ({seen}); "
+                     f"{hint}", file=", ".join(map(str, paths)))
 
 
 def _group_warnings(groups: int, singles: int) -> list[str]:

@@ -101,7 +101,7 @@ def parse_message(raw: Any, ctx: EntryContext, field: str) -> Message:
     if not isinstance(role, str):
         raise ctx.error("missing or non-string role", f"{field}.role")
     msg = Message(role=role, content=content_text(raw.get("content"), ctx, f"{field}.content"))
-    if role == "assistant":
+    if role in ("assistant", "user"):  # tau2's user simulator has tools too (telecom)
         msg.calls = parse_tool_calls(raw.get("tool_calls"), ctx, f"{field}.tool_calls")
     elif role == "tool":
         call_id = raw.get("tool_call_id", raw.get("id"))

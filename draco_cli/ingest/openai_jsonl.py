@@ -1,7 +1,8 @@
 """``openai-jsonl``: the generic format, one rollout per line (see docs/ingest.md).
 
 {"rollout_id"?, "task_id", "group_id"?, "train_step"?, "trial"?, "scenario_id"?,
- "difficulty"?, "instruction"?, "outcome"?, "termination"?, "messages": [OpenAI messages]}
+ "difficulty"?, "instruction"?, "task_context"?, "outcome"?, "termination"?,
+ "messages": [OpenAI messages]}
 
 Messages may carry ``n_tokens``: that message's tokens in the trainer's response sequence.
 An entry may carry the trainer's own ``response_mask`` (and ``response_ids``): then positions
@@ -83,4 +84,5 @@ def to_episode(raw: Any, ctx: EntryContext, default_id: str) -> Episode:
         group_id=str(gid) if gid is not None else None,
         response_mask=mask,
         response_ids=ids,
+        task_context=ctx.optional(raw, "task_context", str),
     )

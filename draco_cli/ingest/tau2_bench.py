@@ -37,6 +37,8 @@ def _label(i: int) -> str:
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
     tasks: dict[str, dict[str, Any]] | None = None
+    # The agent's policy, once per file (tau2 writes ``info`` before the simulations).
+    policy: str | None = None
     pending: list[tuple[int, Any]] = []  # simulations seen before the task list (unusual)
     walk = iter_object_with_array(fp, source, "simulations", _label)
     seen_simulations = False
@@ -48,10 +50,12 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
         except InputError as exc:
             yield exc.row if isinstance(exc.row, str) else "file", exc
             return
-        if key == "tasks":
+        if key == "info":
+            policy = policy_of(value)
+        elif key == "tasks":
             tasks = _task_index(value)
             for index, raw in pending:
-                yield _convert(index, raw, tasks, source)
+                yield _convert(index, raw, tasks, source, policy)
             pending = []
         elif key == "simulations":
             seen_simulations = True
@@ -59,9 +63,9 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
             if tasks is None:
                 pending.append((index, raw))
             else:
-                yield _convert(index, raw, tasks, source)
+                yield _convert(index, raw, tasks, source, policy)
     for index, raw in pending:  # no task list at all: instructions come from the dialogue
-        yield _convert(index, raw, {}, source)
+        yield _convert(index, raw, {}, source, policy)
     if not seen_simulations:
         yield "file", InputError("no simulations: a tau2-bench results file holds a "
                                  "non-empty 'simulations' list", file=source,
@@ -74,12 +78,21 @@ def _task_index(value: Any) -> dict[str, dict[str, Any]]:
     return {str(t.get("id")): t for t in value if isinstance(t, dict)}
 
 
-def _convert(index: int, raw: Any, tasks: dict[str, dict[str, Any]], source: str) -> Item:
+def policy_of(info: Any) -> str | None:
+    """The agent's policy: ``info.environment_info.policy``."""
+    policy = as_object(as_object(info).get("environment_info")).get("policy")
+    return policy if isinstance(policy, str) and policy.strip() else None
+
+
+def _convert(index: int, raw: Any, tasks: dict[str, dict[str, Any]], source: str,
+             policy: str | None = None) -> Item:
     where = _label(index)
     try:
-        return where, to_episode(raw, EntryContext(source, where), tasks)
+        episode = to_episode(raw, EntryContext(source, where), tasks)
     except InputError as exc:
         return where, exc
+    episode.task_context = policy
+    return where, episode
 
 
 def instruction_of(task: dict[str, Any] | None) -> str | None:

@@ -62,6 +62,8 @@ def to_episode(raw: Any, ctx: EntryContext) -> Episode:
         first_user = next((m for m in messages if m.role == "user"), None)
         instruction = first_user.content if first_user else ""
     termination, term_raw = termination_of(info)
+    # tau-bench's agent is prompted with the domain wiki (its policy) as the system message.
+    system = next((m.content for m in messages if m.role == "system" and m.content), None)
     return Episode(
         rollout_id=f"{task_id}-{trial if trial is not None else 0}",
         task_id=str(task_id),
@@ -74,4 +76,5 @@ def to_episode(raw: Any, ctx: EntryContext) -> Episode:
         trial=trial,
         messages_field="traj",
         outcome_field="reward",
+        task_context=system,
     )

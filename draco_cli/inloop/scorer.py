@@ -46,7 +46,7 @@ if TYPE_CHECKING:
 __all__ = ["Scorer", "GroupScore", "CallTally", "group_credit"]
 
 _ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction", "outcome",
-                    "response_len", "train_step", "response_fingerprint"]
+                    "response_len", "train_step", "response_fingerprint", "task_context"]
 _STEP_COLUMNS = ["rollout_id", "step", "action", "observation", "n_tokens", "token_start"]
 
 

@@ -20,7 +20,8 @@ from pydantic import BaseModel
 
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
-from draco_cli.prompts.render import RenderOptions, fenced, render_steps, task_block
+from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_steps,
+                                     task_block, task_contexts)
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client, Stage
@@ -92,11 +93,13 @@ def criteria_listing(criteria: pl.DataFrame) -> str:
 
 
 def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criteria: pl.DataFrame,
-                  samples: int, sampling: Sampling, render: RenderOptions) -> LLMRequest:
+                  samples: int, sampling: Sampling, render: RenderOptions,
+                  task_context: str | None = None) -> LLMRequest:
     return _score_request(rollout_id, instruction, steps["step"].to_list(),
                           steps["action"].to_list(), steps["observation"].to_list(),
                           criteria["criterion_id"].to_list(), criteria_listing(criteria),
-                          samples, sampling, render, load_prompt("score"))
+                          samples, sampling, render, load_prompt("score"),
+                          context=ContextBlocks(render.redactor)(task_context))
 
 
 def _score_request(rollout_id: str, instruction: str, numbers: list[int], actions: list[str],
@@ -104,7 +107,8 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
                    sampling: Sampling, render: RenderOptions,
                    prompt: tuple[str, str],
                    schemas: dict[tuple[tuple[str, ...], int], dict[str, Any]] | None = None,
-                   ) -> LLMRequest:
+                   context: str = "") -> LLMRequest:
+    """``context``: the rendered task-context block (``ContextBlocks``), or ""."""
     template, version = prompt
     task, traj = render_steps(instruction, numbers, actions, observations, render)
     m = len(numbers)
@@ -116,7 +120,8 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
         schema = score_schema(ids, m)
         if schemas is not None:
             schemas[key] = schema
-    # Stable part first (instructions, rubric, task: shared by the group) so prompt caches hit.
+    # Stable part first (instructions, the agent's policy: shared by the run; rubric, task:
+    # shared by the group) so prompt caches hit.
     # The criteria were written by a model that read rollouts: fenced as untrusted text too.
     return LLMRequest(
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
@@ -124,7 +129,7 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
         json_schema=schema, schema_key=("draco.judge.score_schema", *key),
         check=verdict_check(ids),
         messages=[{"role": "system", "content": template},
-                  {"role": "user", "content": "Criteria (one JSON object per line):\n"
+                  {"role": "user", "content": f"{context}Criteria (one JSON object per line):\n"
                    f"{_fenced_criteria(listing)}\n\n"
                    f"Task:\n{task_block(task)}\n\nRollout ({m} steps):\n"
                    f"{fenced('rollout', traj)}"}])
@@ -291,6 +296,8 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
     del st
     ids_col, groups, instructions = (rollouts[c].to_list()
                                      for c in ("rollout_id", "group_id", "instruction"))
+    context_of = ContextBlocks(render.redactor)
+    contexts = task_contexts(rollouts, groups)  # one per group, not a string per rollout
     wanted = [i for i, g in enumerate(groups) if g in by_group]
     skipped = len(ids_col) - len(wanted)
     jobs: list[tuple[str, list[str], int]] = []
@@ -305,7 +312,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
             jobs.append((rid, ids, b - a))
             yield _score_request(rid, instructions[i], numbers[a:b], actions[a:b],
                                  observations[a:b], ids, listing, samples, sampling, render,
-                                 prompt, schemas)
+                                 prompt, schemas, context_of(contexts.get(groups[i])))
 
     # Built while the first calls are in flight (``RequestStream``).
     answers = (yield RequestStream(produce(), len(wanted), len(wanted) * samples)) \

@@ -142,7 +142,7 @@ def judge_prompt(rollouts: str | Path, steps: str | Path, rubrics: str | Path, *
     crit = rb.filter(pl.col("group_id") == first["group_id"])
     req = score_request(first["rollout_id"], first["instruction"],
                         s.filter(pl.col("rollout_id") == first["rollout_id"]).sort("step"),
-                        crit, samples, Sampling(), render)
+                        crit, samples, Sampling(), render, first.get("task_context"))
     return render_messages(req.messages)
 
 

@@ -29,7 +29,7 @@ if TYPE_CHECKING:
 
 R = TypeVar("R")
 
-ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction"]
+ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction", "task_context"]
 STEP_COLUMNS = ["rollout_id", "step", "action", "observation"]
 
 
@@ -62,7 +62,9 @@ def _read_text_table(path: str | Path, model: type[Table], columns: list[str]) -
     wanted = list(dict.fromkeys([*model.keys, *columns]))
     if str(path) != STDIO and Path(path).is_file():
         try:
-            df = pl.read_parquet(path, columns=wanted)
+            # optional columns the file lacks (task_context of older tables) are added by conform
+            names = set(pq.read_schema(path).names)
+            df = pl.read_parquet(path, columns=[c for c in wanted if c in names])
         except Exception:   # noqa: BLE001 - read_table names what is wrong with the file
             pass
         else:

@@ -82,3 +82,37 @@ def render_steps(instruction: str, numbers: list[int], actions: list[str], obser
 
 def task_block(instruction: str) -> str:
     return fenced("task", instruction)
+
+
+CONTEXT_LABEL = ("The agent's own instructions (the policy or system prompt it was given, part of "
+                 "the task: the attempt is to follow them):")
+
+
+class ContextBlocks:
+    """The fenced block of a rollout's task context (the agent's policy), redacted and made
+    once per distinct text. It opens the user message of every request that has one: the same
+    bytes right after the fixed instructions, so a provider's prompt cache holds it for every
+    group of the run, paid once. An empty context adds nothing (the prompt is as without)."""
+
+    def __init__(self, redactor: Redactor | None) -> None:
+        self.redactor = redactor
+        self._made: dict[str, str] = {}
+
+    def __call__(self, context: str | None) -> str:
+        if not context:
+            return ""
+        block = self._made.get(context)
+        if block is None:
+            text = self.redactor(context) if self.redactor is not None else context
+            fence = fenced("agent instructions", text)
+            block = self._made[context] = f"{CONTEXT_LABEL}\n{fence}\n\n"
+        return block
+
+
+def task_contexts(rollouts: pl.DataFrame, groups: list[str]) -> dict[str, str | None]:
+    """Each group's task context (its first rollout's), {} where the frame has no such column."""
+    if "task_context" not in rollouts.columns or not groups:
+        return {}
+    g = rollouts.select("group_id", "task_context").group_by("group_id").agg(
+        pl.col("task_context").first())
+    return dict(zip(g["group_id"].to_list(), g["task_context"].to_list()))

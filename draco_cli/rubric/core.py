@@ -24,7 +24,8 @@ from pydantic import BaseModel, Field
 from draco_cli.errors import InputError
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
-from draco_cli.prompts.render import RenderOptions, fenced, render_rollout, task_block
+from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_rollout,
+                                     task_block)
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client
@@ -95,10 +96,14 @@ class RubricResult:
     capped: int = 0
 
 
-def _groups(rollouts: pl.DataFrame) -> list[tuple[str, str, list[str]]]:
+def _groups(rollouts: pl.DataFrame) -> list[tuple[str, str, list[str], str | None]]:
+    """(group_id, instruction, members, task context) of each group, in order of appearance."""
+    if "task_context" not in rollouts.columns:
+        rollouts = rollouts.with_columns(pl.lit(None, dtype=pl.String).alias("task_context"))
     g = rollouts.group_by("group_id", maintain_order=True).agg(
-        pl.col("instruction").first(), pl.col("rollout_id"))
-    return [(r["group_id"], r["instruction"], r["rollout_id"]) for r in g.iter_rows(named=True)]
+        pl.col("instruction").first(), pl.col("rollout_id"), pl.col("task_context").first())
+    return [(r["group_id"], r["instruction"], r["rollout_id"], r["task_context"])
+            for r in g.iter_rows(named=True)]
 
 
 def _steps_of(steps: pl.DataFrame) -> dict[str, pl.DataFrame]:
@@ -118,7 +123,9 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
     by_rollout = _steps_of(steps)
     empty = steps.clear()
     out: list[tuple[str, str, str | None, LLMRequest]] = []
-    for group_id, instruction, members in _groups(rollouts):
+    context_of = ContextBlocks(render.redactor)
+    for group_id, instruction, members, task_context in _groups(rollouts):
+        context = context_of(task_context)  # first: the same bytes for every group
         if "generate" in stages:
             template, version = load_prompt("generate")
             for rid in members:
@@ -130,8 +137,8 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
                     template_version=version, sampling=sampling,
                     messages=[{"role": "system", "content": template.format(
                                   max_candidates=max_criteria)},
-                              {"role": "user", "content": f"Task:\n{task_block(task)}\n\n"
-                               f"Rollout:\n{fenced('rollout', traj)}"}])))
+                              {"role": "user", "content": f"{context}Task:\n{task_block(task)}"
+                               f"\n\nRollout:\n{fenced('rollout', traj)}"}])))
         if "union" in stages:
             template, version = load_prompt("union")
             share = max(render.max_prompt_tokens // max(len(members), 1), 500)
@@ -146,14 +153,15 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
                 template_version=version, sampling=sampling,
                 messages=[{"role": "system", "content": template.format(
                               max_candidates=max_criteria)},
-                          {"role": "user", "content": f"Task:\n{task_block(task)}\n\n"
-                           + "\n\n".join(blocks)}])))
+                          {"role": "user", "content": f"{context}Task:\n{task_block(task)}"
+                           "\n\n" + "\n\n".join(blocks)}])))
     return out
 
 
 def merge_request(group_id: str, instruction: str, candidates: list[dict[str, Any]],
-                  max_criteria: int,
-                  render: RenderOptions, sampling: Sampling) -> LLMRequest:
+                  max_criteria: int, render: RenderOptions, sampling: Sampling,
+                  context: str = "") -> LLMRequest:
+    """``context``: the group's rendered task-context block (``ContextBlocks``), or ""."""
     template, version = load_prompt("merge")
     red = render.redactor or (lambda s: s)
     listing = "\n".join(json.dumps({"title": c["title"], "requirement": c["requirement"]},
@@ -163,7 +171,8 @@ def merge_request(group_id: str, instruction: str, candidates: list[dict[str, An
         sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
         check=criteria_check(max_criteria),
         messages=[{"role": "system", "content": template.format(max_criteria=max_criteria)},
-                  {"role": "user", "content": f"Task:\n{task_block(red(instruction))}\n\n"
+                  {"role": "user", "content": f"{context}Task:\n"
+                   f"{task_block(red(instruction))}\n\n"
                    f"Candidate criteria:\n{fenced('candidates', listing)}"}])
 
 
@@ -224,11 +233,13 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                 for k, v in candidates.partition_by("group_id", as_dict=True).items()}
     if "merge" in stages:
         merge_jobs = []
-        for group_id, instruction, _ in groups:
+        context_of = ContextBlocks(render.redactor)
+        for group_id, instruction, _, task_context in groups:
             mine = by_group.get(group_id, [])
             if mine:
-                merge_jobs.append((group_id, merge_request(group_id, instruction, mine,
-                                                           max_criteria, render, sampling)))
+                merge_jobs.append((group_id, merge_request(
+                    group_id, instruction, mine, max_criteria, render, sampling,
+                    context_of(task_context))))
         merged = (yield [r for _, r in merge_jobs]) if merge_jobs else []
         for (group_id, _), [answer] in zip(merge_jobs, merged):
             if answer.status == "ok":
@@ -237,7 +248,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                 final[group_id] = crit[:max_criteria]
                 sources[group_id] = "merge"
     else:
-        for group_id, _, _ in groups:
+        for group_id, _, _, _ in groups:
             mine = by_group.get(group_id, [])
             capped += max(len(mine) - max_criteria, 0)
             final[group_id] = [{"title": c["title"], "requirement": c["requirement"],
@@ -252,7 +263,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
     rubrics = pl.DataFrame(rows, schema={"group_id": pl.String, "criterion_id": pl.String,
                                          "title": pl.String, "requirement": pl.String,
                                          "source": pl.String})
-    missing = [g for g, _, _ in groups if not final.get(g)]
+    missing = [g for g, *_ in groups if not final.get(g)]
     return RubricResult(candidates, rubrics, missing, capped)
 
 

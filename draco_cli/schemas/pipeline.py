@@ -60,6 +60,10 @@ class Rollout(Table):
     response_fingerprint: str | None = Field(
         None, description="Hash of the trainer's response token ids, when ingest took positions "
         "from them (draco_cli.trainers.loader.fingerprint); copied into token_advantages.")
+    task_context: str | None = Field(
+        None, description="What the agent was told besides the task: its policy or system "
+        "prompt (tau-bench's wiki, tau2's domain policy). The rubric writer and the judge see "
+        "it before everything else in their prompts, so providers cache it as a prefix.")
 
 
 class Step(Table):
