@@ -150,8 +150,9 @@ def tau(tmp_path_factory):
 
 
 def test_offline_commands_batch_by_default(tmp_path, tau, monkeypatch):
-    """`rubric generate`, `judge score` and `draco run` with no --batch and no --base-url use
-    the batch API; --no-batch answers online; with --base-url they never batch."""
+    """`rubric generate` and `judge score` with no --batch and no --base-url use the batch API
+    and say so; --no-batch answers online; with --base-url they never batch. `draco run`, the
+    per-training-step command, calls online unless --batch."""
     from tests.test_rubric_judge import KEY, scripted
 
     server = FakeLLMServer(answer=scripted, batch_polls=1).start()
@@ -166,6 +167,7 @@ def test_offline_commands_batch_by_default(tmp_path, tau, monkeypatch):
                     str(tmp_path / "rb"), "--model", "openai/m")
         assert res.returncode == 0, res.stderr.decode()
         assert server.hits["batches"] >= 1 and server.hits["chat"] == 0
+        assert b"batch API (half price; answers typically within hours" in res.stderr
         batches = server.hits["batches"]
         res = draco("judge", "score", "--rollouts", r, "--steps", s, "--rubrics",
                     str(tmp_path / "rb" / "rubrics.parquet"), "-o", str(tmp_path / "j"),
@@ -180,12 +182,17 @@ def test_offline_commands_batch_by_default(tmp_path, tau, monkeypatch):
         assert server.hits["batches"] == batches and server.hits["chat"] > chats
         v = pl.read_parquet(tmp_path / "j" / "verdicts_raw.parquet")
         assert v.height > 0
-        # draco run: offline too, so its rubric and judge stages batch by default
+        # draco run: a training step, online by default; --batch asks for the batch API
         batches, chats = server.hits["batches"], server.hits["chat"]
         res = draco("run", "--rollouts", r, "--steps", s, "--model", "openai/m", "-o",
-                    str(tmp_path / "run"))
+                    str(tmp_path / "run"), "--allow-no-signal")
         assert res.returncode == 0, res.stderr.decode()
-        assert server.hits["batches"] >= batches + 2 and server.hits["chat"] == chats
+        assert server.hits["batches"] == batches and server.hits["chat"] > chats
+        assert b"batch API" not in res.stderr
+        res = draco("run", "--rollouts", r, "--steps", s, "--model", "openai/m", "-o",
+                    str(tmp_path / "run-batched"), "--batch", "--allow-no-signal")
+        assert res.returncode == 0, res.stderr.decode()
+        assert server.hits["batches"] >= batches + 2
     finally:
         server.stop()
 

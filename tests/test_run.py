@@ -187,7 +187,8 @@ def test_outcome_setting_is_vanilla_grpo_without_llm(tmp_path):
         # every policy token of a rollout carries its A_i (stored as float32)
         assert len(v) == 1 and v[0] == pytest.approx(adv[rid], rel=1e-6)
     m = json.loads((run / "manifest.json").read_text())
-    assert set(m["stages"]) == {"credit"} and m["health"] is None
+    assert set(m["stages"]) == {"credit"} and m["health"]["stages"] == {}
+    assert m["health"]["signal"]["ok"] is True and m["health"]["ok"] is True
     # the other settings still need a model
     res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "-o", tmp_path / "x")
     assert res.returncode == 2 and "--model is required" in res.stderr
@@ -302,7 +303,8 @@ def test_health_check_fails_the_run_and_a_rerun_asks_again(server, tmp_path):
     assert sum(judge["reasons"].values()) == 12 and h["messages"]
     assert m["stages"]["judge"]["status"] == "partial"
     # the threshold is a flag
-    res = run_sample(server, tmp_path / "lenient", "--parse-retries", "0", "--min-answered", "0")
+    res = run_sample(server, tmp_path / "lenient", "--parse-retries", "0", "--min-answered", "0",
+                     "--allow-no-signal")   # no verdict at all: no signal either
     assert res.returncode == 0 and "some calls went unanswered" in res.stderr
     # fixed server: the rerun asks only the 12 unanswered judge calls
     state["broken"] = False

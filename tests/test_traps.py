@@ -190,3 +190,59 @@ def test_a_damaged_call_log_is_still_called_corrupt(tmp_path):
     with pytest.raises(Exception, match="corrupt call log|not a SQLite"):
         with CallLog(log):
             pass
+
+
+def test_the_python_api_checks_its_inputs_like_the_cli(server, tmp_path):
+    import asyncio
+
+    from draco_cli.errors import InputError
+    from draco_cli.inloop import Scorer
+    from draco_cli.trainers.loader import AlignmentError, load_token_advantages
+
+    r = pl.read_parquet(SAMPLE_RA)
+    s = pl.read_parquet(SAMPLE_SA)
+    g = r["group_id"][0]
+    mine = r.filter(pl.col("group_id") == g)
+    theirs = s.filter(~pl.col("rollout_id").is_in(mine["rollout_id"].implode()))
+
+    async def score(rollouts, steps):
+        async with Scorer("openai/m", base_url=server.url + "/v1",
+                          call_log=tmp_path / "c.sqlite") as sc:
+            return await sc.score_group(rollouts, steps)
+
+    with pytest.raises(InputError, match="which is not in group"):
+        asyncio.run(score(mine, s))                       # another group's steps too
+    with pytest.raises(InputError, match="no steps for any rollout"):
+        asyncio.run(score(mine, s.head(0)))
+    with pytest.raises(InputError, match="no rollouts"):
+        asyncio.run(score(mine.head(0), s))
+    assert theirs.height   # the sample has other groups
+    scored = asyncio.run(score(mine.drop("outcome"), s.filter(
+        pl.col("rollout_id").is_in(mine["rollout_id"].implode()))))   # outcome is optional
+    assert scored.rewards.height == mine.height
+
+    out = tmp_path / "run"
+    assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--setting", "outcome",
+                 "-o", out).returncode == 0
+    t = load_token_advantages(out / "credit" / "token_advantages.parquet")
+    ids = r["rollout_id"].to_list()[:2]
+    with pytest.raises(AlignmentError, match="length -1"):
+        t.batch(ids, length=-1)
+    with pytest.raises(AlignmentError, match="train_step has 3 entries for 2 trainer rows"):
+        t.batch(ids, length=4000, train_step=[0, 0, 0])
+    with pytest.raises(AlignmentError, match="give response_mask"):
+        t.batch(ids)
+    assert t.batch(ids, length=4000, strict=False).shape == (2, 4000)
+
+    huge = tmp_path / "huge.parquet"
+    r.with_columns(pl.when(pl.col("outcome") > 0).then(1e308).otherwise(-1e308)
+                   .alias("outcome")).write_parquet(huge)
+    res = draco("run", "--rollouts", huge, "--steps", SAMPLE_SA, "--setting", "outcome",
+                "-o", tmp_path / "huge")
+    assert res.returncode == 1 and "overflow" in res.stderr and "outcome" in res.stderr
+    assert "internal error" not in res.stderr
+    empty = tmp_path / "empty.parquet"
+    r.head(0).write_parquet(empty)
+    res = draco("run", "--rollouts", empty, "--steps", SAMPLE_SA, "--setting", "outcome",
+                "-o", tmp_path / "empty")
+    assert res.returncode != 0, "zero rollouts gave exit 0"

@@ -20,7 +20,7 @@ from draco_cli.credit.inputs import (StepArrays, _arrow_verdict_index, _check_ve
                                      _codes, _with_verdict_ids, criterion_keys, index_steps,
                                      narrow_judge, rollout_chunks, sum_by_offsets, verdict_flags,
                                      verdict_rows)
-from draco_cli.errors import DracoError, UsageError
+from draco_cli.errors import DracoError, InputError, UsageError
 
 EPS = 1e-6
 Drop = Literal["all-pass", "constant"]
@@ -469,6 +469,11 @@ def compute_credit(
     # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer
     # given one NaN advantage gets NaN gradients.
     if not (np.isfinite(arrays["advantage"]).all() and rw["advantage"].is_finite().all()):
+        top = rw["reward"].abs().max()
+        if isinstance(top, float) and top > 1e150:   # finite, but too large to standardize
+            raise InputError(f"rewards up to {top:g} overflow the group's standardization: "
+                             "rescale them", field="outcome" if reward == "outcome" else
+                             "reward", file="rollouts" if reward == "outcome" else None)
         raise DracoError("internal error: credit produced a non-finite advantage; nothing "
                          "was written (please report this with your inputs)")
     step_table = step_credit_frame(sa, arrays)

@@ -182,12 +182,28 @@ class Scorer:
         s = conform(steps if isinstance(steps, pl.DataFrame) else as_frame(steps), Step,
                     "steps", [c for c in _STEP_COLUMNS if c in steps.columns or c in
                               ("rollout_id", "step")])
+        if not r.height:
+            raise InputError("score_group: no rollouts", file="rollouts")
+        if "outcome" not in r.columns:   # optional (SPEC §2): a group without one
+            r = r.with_columns(pl.lit(None, dtype=pl.Float64).alias("outcome"))
         groups = r["group_id"].unique(maintain_order=True).to_list()
         if len(groups) != 1:
             raise InputError(f"score_group takes one group's rollouts, got {len(groups)} "
                              f"groups ({', '.join(map(str, groups[:3]))})", file="rollouts",
                              field="group_id")
-        s = s.filter(pl.col("rollout_id").is_in(r["rollout_id"].implode()))
+        ours = s["rollout_id"].is_in(r["rollout_id"].implode())
+        if not ours.all():
+            at = int((~ours).arg_max() or 0)
+            raise InputError(f"step of rollout {s['rollout_id'][at]!r}, which is not in group "
+                             f"{groups[0]!r}: pass this group's steps only", file="steps",
+                             row=at, field="rollout_id")
+        if not s.height:
+            raise InputError(f"no steps for any rollout of group {groups[0]!r}: pass the "
+                             "group's steps (a rollout that acted has at least one)",
+                             file="steps")
+        if self.options.credit.reward == "outcome" and r["outcome"].null_count() == r.height:
+            raise InputError(f"group {groups[0]!r}: --reward outcome needs the rollouts' "
+                             "outcome, and none has one", file="rollouts", field="outcome")
         tally = CallTally()
         rubrics, raw, verdicts = await self._judge(r, s, tally)
         tables = await asyncio.to_thread(self._credit, r, s, verdicts, spans)

@@ -19,15 +19,17 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Callable, Iterator, Mapping
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, TypeVar, cast
 
-T = TypeVar("T")
+from draco_cli.llm.calllog_errors import (_bad, _check_file, _unreadable,
+                                          _write_failed, retry_read)
+from typing import TYPE_CHECKING, Any, cast
+
 
 if TYPE_CHECKING:
-    from draco_cli.errors import InputError
+    pass
 
 FLUSH_SECONDS = 0.1
 FLUSH_ROWS = 500
@@ -36,8 +38,6 @@ FLUSH_ROWS = 500
 # stamped, user_version 0); 2 = the same tables, stamped; 3 = calls.endpoint (the base URL of
 # the fleet member that served or failed a call). A log from a newer draco is refused.
 SCHEMA_VERSION = 3
-RECOVER = ("restore it from a copy, or move it aside to start a new log (the calls it answered "
-           "would then be paid for again)")
 
 SCHEMA = """
 CREATE TABLE IF NOT EXISTS calls (
@@ -124,94 +124,6 @@ def read_only(path: str | os.PathLike[str]) -> Iterator[tuple[sqlite3.Connection
             conn.close()
     except sqlite3.DatabaseError as exc:
         raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
-
-
-def _bad(path: Path, why: str) -> InputError:
-    from draco_cli.errors import InputError
-
-    return InputError(f"{why}: {RECOVER}", file=str(path))
-
-
-# SQLite's codes for a file that is really damaged; anything else (busy, locked, an I/O error
-# while another process reads the write-ahead log) is transient and says so.
-_DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
-_RETRIES = (0.05, 0.2, 0.5, 1.0, 2.0)
-
-
-def _damaged(exc: sqlite3.DatabaseError) -> bool:
-    name = getattr(exc, "sqlite_errorname", "") or ""
-    if name:
-        return name.startswith(_DAMAGED)
-    text = str(exc)
-    return "malformed" in text or "not a database" in text or "no calls table" in text
-
-
-def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> BaseException:
-    """The error for a failed read: corruption only when SQLite reports damage."""
-    if _damaged(exc):
-        return _bad(path, f"corrupt call log ({exc})")
-    from draco_cli.errors import DracoError
-
-    return DracoError(f"{path}: could not read the call log ({exc}) — a transient error, "
-                      "often another process reading it; the log is not damaged: rerun the "
-                      "same command (its answers are kept)")
-
-
-def retry_read(path: Path, read: Callable[[], T]) -> T:
-    """``read()`` retried over a few seconds while SQLite reports a transient error (another
-    process holding the log, a WAL read racing a checkpoint); then the one-line error."""
-    for wait in (*_RETRIES, None):
-        try:
-            return read()
-        except sqlite3.DatabaseError as exc:
-            if _damaged(exc) or wait is None:
-                raise _unreadable(path, exc) from None
-            time.sleep(wait)
-    raise AssertionError("unreachable")
-
-
-def _write_failed(path: Path, exc: BaseException) -> BaseException:
-    """SQLite's own write failures ("database or disk is full", a read-only or locked file) as
-    one line naming the call log; anything else is passed through unchanged."""
-    if not isinstance(exc, sqlite3.OperationalError):
-        return exc
-    from draco_cli.errors import DracoError
-
-    name = getattr(exc, "sqlite_errorname", "")
-    if name == "SQLITE_FULL" or "disk is full" in str(exc):
-        why = ("database or disk is full (free space and rerun: the calls already in the log "
-               "are kept and not paid for again)")
-    elif name.startswith("SQLITE_READONLY") or "readonly" in str(exc):
-        why = "the file or its folder is read-only"
-    else:
-        why = str(exc)
-    return DracoError(f"{path}: cannot write the call log: {why}")
-
-
-def _check_file(path: Path) -> None:
-    """Refuse, naming the file and how to recover, anything that is not a whole call log:
-    draco never silently starts over on a damaged log (that would pay for every call again)."""
-    if not path.exists():
-        return
-    size = path.stat().st_size
-    if size == 0:
-        raise _bad(path, "empty file where a call log should be (a truncated copy?)")
-    with open(path, "rb") as f:
-        head = f.read(100)
-    if not head.startswith(b"SQLite format 3\x00"):
-        raise _bad(path, "not a SQLite call log")
-    if len(head) < 100:
-        raise _bad(path, "truncated call log")
-    page = int.from_bytes(head[16:18], "big")
-    page = 65536 if page == 1 else page
-    pages = int.from_bytes(head[28:32], "big")
-    # The header's page count is valid when its version counter matches the change counter,
-    # and only without a write-ahead log: a checkpoint cut short (a full disk) leaves page 1
-    # written and the file short while every frame is still in the WAL.
-    wal = path.with_name(path.name + "-wal")
-    in_wal = wal.exists() and wal.stat().st_size > 0
-    if head[92:96] == head[24:28] and pages and size < page * pages and not in_wal:
-        raise _bad(path, f"truncated call log ({size} bytes, its header says {page * pages})")
 
 
 def _check_schema(conn: sqlite3.Connection, path: Path) -> int:

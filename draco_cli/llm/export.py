@@ -6,7 +6,8 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from draco_cli.llm.calllog import _bad, _connect, phase_totals
+from draco_cli.llm.calllog import _connect, phase_totals
+from draco_cli.llm.calllog_errors import _bad
 
 
 def read_totals(path: str | Path) -> dict[str, dict[str, float]]:

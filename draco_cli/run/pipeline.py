@@ -28,7 +28,8 @@ from draco_cli.llm.settings import LLMSettings
 from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOptions,
                                RubricOptions, RunOptions)
 from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
-from draco_cli.run.folder import (Health, Manifest, RunFolder, StageHealth, StageRecord,
+from draco_cli.run.health import run_health
+from draco_cli.run.folder import (Health, Manifest, RunFolder, StageRecord,
                                  file_sha256, input_record)
 
 if TYPE_CHECKING:
@@ -422,56 +423,7 @@ class _Run:
     # -- the manifest ----------------------------------------------------------------------
 
     def _health(self) -> Health:
-        threshold = self.opts.min_answered
-        out: dict[str, StageHealth] = {}
-        messages = []
-        for name, rec in self.stages.items():
-            h = getattr(rec, "health", None)
-            if not h:
-                continue
-            share = h["answered"] / h["calls"] if h["calls"] else 1.0
-            items, items_ok = h.get("items", 0), h.get("items_answered", 0)
-            item_share = items_ok / items if items else 1.0
-            ok = share >= threshold and item_share >= threshold
-            out[name] = StageHealth(calls=h["calls"], answered=h["answered"],
-                                    answered_share=round(share, 6), reasons=h["reasons"], ok=ok)
-            if share < threshold:
-                why = "; ".join(f"{r} ×{n}" for r, n in
-                                sorted(h["reasons"].items(), key=lambda kv: -kv[1])[:3])
-                messages.append(f"{name}: only {h['answered']}/{h['calls']} calls answered "
-                                f"({share:.0%} < --min-answered {threshold:.0%})"
-                                + (f": {why}" if why else ""))
-            elif item_share < threshold:
-                messages.append(f"{name}: only {items_ok}/{items} sample verdicts answered "
-                                f"({item_share:.0%} < --min-answered {threshold:.0%}); the "
-                                "judge's answers left criteria out")
-        signal = self._signal()
-        if signal is not None and not signal["ok"]:
-            messages.append(signal["problem"])
-        return Health(ok=all(h.ok for h in out.values()) and (signal is None or signal["ok"]),
-                      threshold=threshold, stages=out, messages=messages, signal=signal)
-
-    def _signal(self) -> dict[str, Any] | None:
-        """Whether the step gives the trainer a learning signal (from the credit stage)."""
-        rec = self.stages.get("credit")
-        stats = getattr(rec, "stats", None)
-        if not stats or not stats.get("rollouts"):
-            return None
-        from draco_cli.inloop.metrics import signal_problem
-
-        n, nonzero = stats["rollouts"], stats.get("nonzero_advantages", 0)
-        kept, dropped = stats.get("criteria_kept", 0), stats.get("criteria_dropped", 0)
-        metrics = {"draco/rollouts": float(n), "draco/nonzero_share": nonzero / n,
-                   "draco/criteria_total": float(kept + dropped) if
-                   self.opts.credit.reward == "rubric" else 0.0,
-                   "draco/criteria_kept": float(kept)}
-        problem = signal_problem(metrics, self.opts.min_signal)
-        allowed = self.opts.allow_no_signal
-        return {"rollouts": n, "nonzero_advantages": nonzero,
-                "nonzero_share": round(nonzero / n, 6), "min_signal": self.opts.min_signal,
-                "ok": problem is None or allowed, "allowed": allowed and problem is not None,
-                "problem": None if problem is None else
-                problem + " (--allow-no-signal accepts such a step)"}
+        return run_health(self.stages, self.opts)
 
     def _manifest(self, status: str) -> Manifest:
         from draco_cli.run.folder import TABLES

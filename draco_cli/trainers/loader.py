@@ -281,8 +281,10 @@ def _mask_and_width(response_mask: np.ndarray | None, length: int | None, B: int
             raise AlignmentError(f"response_mask has shape {mask.shape}; expected ({B}, T)")
         return mask, mask.shape[1]
     if length is not None:
+        if isinstance(length, bool) or not isinstance(length, (int, np.integer)) or length < 0:
+            raise AlignmentError(f"length {length!r}: the response width, an int >= 0")
         return None, int(length)
-    raise TypeError("give response_mask or length")
+    raise AlignmentError("batch(): give response_mask (the trainer's [B, T] mask) or length")
 
 
 def _row_inputs(B: int, padding: Sequence[bool] | np.ndarray | None,
@@ -294,7 +296,15 @@ def _row_inputs(B: int, padding: Sequence[bool] | np.ndarray | None,
         raise AlignmentError(f"padding has shape {pad.shape}; expected ({B},)")
     steps = None
     if train_step is not None:
-        steps = np.broadcast_to(np.asarray(train_step, dtype=np.int64), (B,))
+        try:
+            claimed = np.asarray(train_step, dtype=np.int64)
+        except (TypeError, ValueError, OverflowError):
+            raise AlignmentError(f"train_step {train_step!r}: an int, or one int per row"
+                                 ) from None
+        if claimed.ndim > 1 or (claimed.ndim == 1 and claimed.shape != (B,)):
+            raise AlignmentError(f"train_step has {claimed.size} entries for {B} trainer rows: "
+                                 "give one int, or one per row")
+        steps = np.broadcast_to(claimed, (B,))
     ids = None
     if response_ids is not None:
         ids = np.asarray(response_ids)

@@ -1,0 +1,107 @@
+"""What can go wrong with a call log file, said in one line: a damaged or truncated file (with
+how to recover), a write SQLite refuses, and a transient read error (retried, never called
+corruption)."""
+
+from __future__ import annotations
+
+import sqlite3
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import TYPE_CHECKING, TypeVar
+
+if TYPE_CHECKING:
+    from draco_cli.errors import InputError
+
+T = TypeVar("T")
+
+RECOVER = ("restore it from a copy, or move it aside to start a new log (the calls it answered "
+           "would then be paid for again)")
+
+
+def _bad(path: Path, why: str) -> InputError:
+    from draco_cli.errors import InputError
+
+    return InputError(f"{why}: {RECOVER}", file=str(path))
+
+
+# SQLite's codes for a file that is really damaged; anything else (busy, locked, an I/O error
+# while another process reads the write-ahead log) is transient and says so.
+_DAMAGED = ("SQLITE_CORRUPT", "SQLITE_NOTADB")
+_RETRIES = (0.05, 0.2, 0.5, 1.0, 2.0)
+
+
+def _damaged(exc: sqlite3.DatabaseError) -> bool:
+    name = getattr(exc, "sqlite_errorname", "") or ""
+    if name:
+        return name.startswith(_DAMAGED)
+    text = str(exc)
+    return "malformed" in text or "not a database" in text or "no calls table" in text
+
+
+def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> BaseException:
+    """The error for a failed read: corruption only when SQLite reports damage."""
+    if _damaged(exc):
+        return _bad(path, f"corrupt call log ({exc})")
+    from draco_cli.errors import DracoError
+
+    return DracoError(f"{path}: could not read the call log ({exc}) — a transient error, "
+                      "often another process reading it; the log is not damaged: rerun the "
+                      "same command (its answers are kept)")
+
+
+def retry_read(path: Path, read: Callable[[], T]) -> T:
+    """``read()`` retried over a few seconds while SQLite reports a transient error (another
+    process holding the log, a WAL read racing a checkpoint); then the one-line error."""
+    for wait in (*_RETRIES, None):
+        try:
+            return read()
+        except sqlite3.DatabaseError as exc:
+            if _damaged(exc) or wait is None:
+                raise _unreadable(path, exc) from None
+            time.sleep(wait)
+    raise AssertionError("unreachable")
+
+
+def _write_failed(path: Path, exc: BaseException) -> BaseException:
+    """SQLite's own write failures ("database or disk is full", a read-only or locked file) as
+    one line naming the call log; anything else is passed through unchanged."""
+    if not isinstance(exc, sqlite3.OperationalError):
+        return exc
+    from draco_cli.errors import DracoError
+
+    name = getattr(exc, "sqlite_errorname", "")
+    if name == "SQLITE_FULL" or "disk is full" in str(exc):
+        why = ("database or disk is full (free space and rerun: the calls already in the log "
+               "are kept and not paid for again)")
+    elif name.startswith("SQLITE_READONLY") or "readonly" in str(exc):
+        why = "the file or its folder is read-only"
+    else:
+        why = str(exc)
+    return DracoError(f"{path}: cannot write the call log: {why}")
+
+
+def _check_file(path: Path) -> None:
+    """Refuse, naming the file and how to recover, anything that is not a whole call log:
+    draco never silently starts over on a damaged log (that would pay for every call again)."""
+    if not path.exists():
+        return
+    size = path.stat().st_size
+    if size == 0:
+        raise _bad(path, "empty file where a call log should be (a truncated copy?)")
+    with open(path, "rb") as f:
+        head = f.read(100)
+    if not head.startswith(b"SQLite format 3\x00"):
+        raise _bad(path, "not a SQLite call log")
+    if len(head) < 100:
+        raise _bad(path, "truncated call log")
+    page = int.from_bytes(head[16:18], "big")
+    page = 65536 if page == 1 else page
+    pages = int.from_bytes(head[28:32], "big")
+    # The header's page count is valid when its version counter matches the change counter,
+    # and only without a write-ahead log: a checkpoint cut short (a full disk) leaves page 1
+    # written and the file short while every frame is still in the WAL.
+    wal = path.with_name(path.name + "-wal")
+    in_wal = wal.exists() and wal.stat().st_size > 0
+    if head[92:96] == head[24:28] and pages and size < page * pages and not in_wal:
+        raise _bad(path, f"truncated call log ({size} bytes, its header says {page * pages})")

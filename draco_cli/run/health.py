@@ -1,0 +1,68 @@
+"""A run's health record: whether its LLM stages were answered (``--min-answered``) and whether
+the step gives the trainer a learning signal (``--min-signal``, ``--allow-no-signal``)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from draco_cli.options import RunOptions
+from draco_cli.run.folder import Health, StageHealth, StageRecord
+
+__all__ = ["run_health", "signal_check"]
+
+
+def run_health(stages: Mapping[str, StageRecord], opts: RunOptions) -> Health:
+    """The run's health: each LLM stage's answered share against ``min_answered``, and the
+    signal check on the credit stage."""
+    threshold = opts.min_answered
+    out: dict[str, StageHealth] = {}
+    messages = []
+    for name, rec in stages.items():
+        h = getattr(rec, "health", None)
+        if not h:
+            continue
+        share = h["answered"] / h["calls"] if h["calls"] else 1.0
+        items, items_ok = h.get("items", 0), h.get("items_answered", 0)
+        item_share = items_ok / items if items else 1.0
+        ok = share >= threshold and item_share >= threshold
+        out[name] = StageHealth(calls=h["calls"], answered=h["answered"],
+                                answered_share=round(share, 6), reasons=h["reasons"], ok=ok)
+        if share < threshold:
+            why = "; ".join(f"{r} ×{n}" for r, n in
+                            sorted(h["reasons"].items(), key=lambda kv: -kv[1])[:3])
+            messages.append(f"{name}: only {h['answered']}/{h['calls']} calls answered "
+                            f"({share:.0%} < --min-answered {threshold:.0%})"
+                            + (f": {why}" if why else ""))
+        elif item_share < threshold:
+            messages.append(f"{name}: only {items_ok}/{items} sample verdicts answered "
+                            f"({item_share:.0%} < --min-answered {threshold:.0%}); the "
+                            "judge's answers left criteria out")
+    signal = signal_check(stages, opts)
+    if signal is not None and not signal["ok"]:
+        messages.append(signal["problem"])
+    return Health(ok=all(h.ok for h in out.values()) and (signal is None or signal["ok"]),
+                  threshold=threshold, stages=out, messages=messages, signal=signal)
+
+def signal_check(stages: Mapping[str, StageRecord], opts: RunOptions) -> dict[str, Any] | None:
+    """Whether the step gives the trainer a learning signal (from the credit stage)."""
+    rec = stages.get("credit")
+    stats = getattr(rec, "stats", None)
+    if not stats:
+        return None
+    from draco_cli.inloop.metrics import signal_problem
+
+    n, nonzero = stats.get("rollouts", 0), stats.get("nonzero_advantages", 0)
+    kept, dropped = stats.get("criteria_kept", 0), stats.get("criteria_dropped", 0)
+    metrics = {"draco/rollouts": float(n), "draco/nonzero_share": nonzero / n if n else 0.0,
+               "draco/criteria_total": float(kept + dropped) if
+               opts.credit.reward == "rubric" else 0.0,
+               "draco/criteria_kept": float(kept)}
+    problem = signal_problem(metrics, opts.min_signal)
+    allowed = opts.allow_no_signal
+    return {"rollouts": n, "nonzero_advantages": nonzero,
+            "nonzero_share": round(nonzero / n, 6) if n else 0.0,
+            "min_signal": opts.min_signal,
+            "ok": problem is None or allowed, "allowed": allowed and problem is not None,
+            "problem": None if problem is None else
+            problem + " (--allow-no-signal accepts such a step)"}
