@@ -1,31 +1,51 @@
 """OpenRLHF (0.11): draco's token advantages in place of the experience maker's estimator.
 
 OpenRLHF has no switch to skip its own estimator, so ``DracoExperienceMaker`` overrides
-``RemoteExperienceMaker.compute_advantages_and_returns`` (use it inside the trainer's Ray actor,
-where the experience maker is built). Its ``action_mask`` covers the whole sequence minus its
-first token, prompt included: response token t of row b sits at column ``P_b - 1 + t``, P_b the
-prompt length, i.e. the column of the row's first action token. ``place`` does that shift.
+``RemoteExperienceMaker`` (built in the trainer's Ray actor, see ``install``). Its
+``action_mask`` covers the whole sequence minus its first token, prompt included: response
+token t of row b sits at column ``P_b - 1 + t``, P_b the prompt length, i.e. the column of the
+row's first action token. ``place`` does that shift.
 
-Row identity travels with the row through OpenRLHF's reordering (``split_rollout_samples``,
-dynamic batching): either an id sent by the agent through ``extra_logs`` (a number, stored in
-``experience.info[id_key]``; the rollout id is its decimal string) or ``experience.index``
-mapped by ``ids_from_index``.
+Two routes:
+
+- **in the step** (``judge=``): ``make_experience_batch`` turns the step's samples into
+  ``TrainerRollout`` rows (``experience_rollouts``: response = the sequence from the first
+  action token to the row's end, mask = its action columns; group = the
+  ``n_samples_per_prompt`` consecutive samples of one prompt, in the order OpenRLHF collected
+  them) and hands them to one ``BlockingStepScorer`` per maker, which judges while OpenRLHF's
+  model forwards run; ``compute_advantages_and_returns`` then lays each row's values on its
+  action columns (``place``, every row checked by fingerprint and count) and adds the step's
+  ``draco/…`` metrics to ``experience.info``, which OpenRLHF's actor averages into the status it
+  logs (wandb, tensorboard). A rollout cut at ``max_len`` is scored on the tokens it has.
+- **from files** (``token_advantages=``): rows matched by an id sent by the agent through
+  ``extra_logs`` (a number, stored in ``experience.info[id_key]``; the rollout id is its decimal
+  string) or ``experience.index`` mapped by ``ids_from_index``.
+
+``DracoAgentExecutor`` (``draco_cli.trainers.openrlhf_agent``) puts the id on the final step's
+``extra_logs`` (the only ones OpenRLHF keeps) and lets the agent read its own token ids.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
+from draco_cli.errors import InputError, UsageError
 from draco_cli.trainers.loader import AlignmentError, TokenAdvantageTable, load_token_advantages
+from draco_cli.trainers.openrlhf_agent import ID_KEY, AgentTokens, agent_tokens
 
-__all__ = ["ID_KEY", "STEP_KEY", "DracoExperienceMaker", "experience_rollout_ids", "place"]  # noqa: F822
+__all__ = ["ID_KEY", "STEP_KEY", "AgentTokens", "DracoAgentExecutor",  # noqa: F822
+           "DracoExperienceMaker", "agent_tokens", "experience_rollout_ids",
+           "StepJudge", "advantages_from_files", "experience_rollouts", "install",
+           "place", "put_step", "step_table", "truncated_rows"]
 
-ID_KEY = "draco_rollout_id"
 STEP_KEY = "draco_train_step"
+TRUNCATED = "draco/truncated_rollouts"
 
 
 def experience_rollout_ids(experience: Any, *, id_key: str = ID_KEY,
@@ -66,52 +86,302 @@ def place(table: TokenAdvantageTable, ids: Sequence[str], action_mask: np.ndarra
     return out
 
 
-def _maker_class() -> type[Any]:
+def experience_rollouts(experiences: Sequence[Any], *, n_samples_per_prompt: int,
+                        decode: Callable[[list[int]], str], train_step: int,
+                        id_key: str = ID_KEY) -> list[Any]:
+    """One ``TrainerRollout`` per row of OpenRLHF's samples or experiences, in sample order.
+
+    A row's place i is ``experience.index`` (set by ``split_rollout_samples``) or, before it,
+    its position in ``experiences``; its group is ``f"{train_step}/{i // n}"`` — OpenRLHF
+    collects the ``n_samples_per_prompt`` samples of one prompt consecutively and groups them
+    so for its own estimator — and rows of a group must share their prompt. Its id is the
+    ``extra_logs`` id the agent sent (``info[id_key]``), else ``f"{train_step}:{i}"``. The
+    response runs from the first action token to the row's last real token (attention mask),
+    so a rollout cut at ``max_len`` is the tokens it has; the mask is its action columns;
+    the instruction its prompt tokens, decoded; the outcome ``rewards``."""
+    from draco_cli.inloop import TrainerRollout
+
+    n = n_samples_per_prompt
+    if n < 1:
+        raise UsageError(f"n_samples_per_prompt {n!r}: must be >= 1")
+    by_place: dict[int, Any] = {}
+    prompts: dict[int, str] = {}
+    pos = 0
+    for e in experiences:
+        seqs, amask = e.sequences.cpu().numpy(), e.action_mask.cpu().numpy().astype(np.int8)
+        lengths = e.attention_mask.cpu().numpy().sum(axis=1).astype(int)
+        info = e.info or {}
+        ids = experience_rollout_ids(e, id_key=id_key) if id_key in info else None
+        for b in range(len(seqs)):
+            i = int(e.index[b]) if e.index is not None else pos
+            pos += 1
+            L, row_mask = lengths[b], amask[b]
+            c = int(row_mask.argmax()) if row_mask.any() else max(L - 1, 0)
+            group = f"{train_step}/{i // n}"
+            rid = ids[b] if ids is not None else f"{train_step}:{i}"
+            r = TrainerRollout(
+                rollout_id=rid, group_id=group,
+                instruction=decode(seqs[b, : c + 1].tolist()),
+                response_ids=seqs[b, c + 1: L].astype(np.int64),
+                response_mask=row_mask[c: L - 1],
+                outcome=None if e.rewards is None else float(e.rewards[b]),
+                train_step=train_step, row=i)
+            prompt = e.prompts[b] if e.prompts else None
+            if i // n in prompts and prompt is not None and prompts[i // n] != prompt:
+                raise InputError(
+                    f"{r.where()}: its prompt differs from its group's first rollout's: the "
+                    f"samples are not in runs of n_samples_per_prompt={n} rollouts of one "
+                    "prompt", field="n_samples_per_prompt")
+            if prompt is not None:
+                prompts.setdefault(i // n, prompt)
+            if i in by_place:
+                raise InputError(f"{r.where()}: sample index {i} given twice", field="index")
+            by_place[i] = r
+    if len(by_place) % n:
+        raise InputError(f"{len(by_place)} samples do not make groups of "
+                         f"n_samples_per_prompt={n}", field="n_samples_per_prompt")
+    return [by_place[i] for i in sorted(by_place)]
+
+
+def truncated_rows(experience: Any) -> np.ndarray:
+    """Rows OpenRLHF cut at ``max_len`` (``info["response_clip_ratio"]``) or whose generation
+    hit its token budget (``truncated``), as a bool array."""
+    B = len(experience.sequences)
+    cut = np.zeros(B, dtype=bool)
+    clip = (experience.info or {}).get("response_clip_ratio")
+    for flags in (clip, experience.truncated):
+        if flags is not None:
+            cut |= np.asarray([bool(f) for f in flags], dtype=bool)
+    return cut
+
+
+def step_table(result: Any, rollouts: Sequence[Any]) -> TokenAdvantageTable:
+    """The scored step as a loader table (in memory): each rollout's values with its
+    train step, count of policy tokens and fingerprint, so ``place`` checks every row."""
+    import pyarrow as pa
+
+    from draco_cli.trainers.loader import fingerprint
+
+    vals = [np.asarray(result.rows[r.rollout_id].values, dtype=np.float32) for r in rollouts]
+    table = pa.table({
+        "rollout_id": pa.array([r.rollout_id for r in rollouts], pa.string()),
+        "length": pa.array([len(v) for v in vals], pa.int32()),
+        "advantages": pa.array(vals, pa.list_(pa.float32())),
+        "train_step": pa.array([r.train_step for r in rollouts], pa.int64()),
+        "n_policy_tokens": pa.array([int(np.count_nonzero(r.response_mask)) for r in rollouts],
+                                    pa.int64()),
+        "response_fingerprint": pa.array([fingerprint(r.response_ids) for r in rollouts],
+                                         pa.string())})
+    return TokenAdvantageTable(table, f"train step {result.train_step}")
+
+
+def put_step(experiences: Sequence[Any], result: Any, rollouts: Sequence[Any]) -> None:
+    """Each row's advantages (``advantages`` = ``returns``, on its action columns) and the
+    step's metrics (``info["draco/…"]``, one value per row) into the experiences, matched by
+    ``experience.index`` (the row's place in the step's samples, see ``experience_rollouts``)."""
     import torch
+
+    table = step_table(result, rollouts)
+    by_place = {int(r.row): r.rollout_id for r in rollouts}
+    metrics = dict(result.metrics)
+    metrics[TRUNCATED] = float(sum(int(truncated_rows(e).sum()) for e in experiences))
+    start = 0
+    for e in experiences:
+        B = len(e.sequences)
+        places = [int(i) for i in e.index] if e.index is not None else \
+            list(range(start, start + B))
+        start += B
+        ids = [by_place[i] for i in places]
+        adv = place(table, ids, e.action_mask.cpu().numpy(), e.sequences.cpu().numpy(),
+                    train_step=result.train_step)
+        e.advantages = torch.as_tensor(adv, device=e.action_mask.device)
+        e.returns = e.advantages.clone()
+        e.info["return"] = e.advantages.sum(dim=-1)
+        for k, v in metrics.items():
+            e.info[k] = torch.full((B,), float(v), dtype=torch.float32)
+        e.kl = None
+
+
+class StepJudge:
+    """A maker's scoring in the step: its one ``BlockingStepScorer`` (made on first use from
+    ``judge``, a dict of its arguments, or given ready), the thread that waits on it while
+    OpenRLHF's model forwards run, the step counter, and the audit folders."""
+
+    def __init__(self, judge: Any, *, group_size: int, decode: Callable[[list[int]], str],
+                 id_key: str = ID_KEY, audit_dir: str | Path | None = None,
+                 keep: int | None = None, start_step: int = 0) -> None:
+        self.judge, self.group_size, self.decode, self.id_key = judge, group_size, decode, id_key
+        self.audit_dir, self.keep, self.step = audit_dir, keep, start_step
+        self.scorer: Any = None
+        self.pool: ThreadPoolExecutor | None = None
+        self.pending: tuple[list[Any], Future[Any]] | None = None
+        self.last: Any = None
+
+    def open(self) -> Any:
+        if self.scorer is None:
+            from draco_cli.inloop import BlockingStepScorer
+
+            if isinstance(self.judge, dict):
+                settings = dict(self.judge)
+                self.scorer = BlockingStepScorer(settings.pop("model"), group_size=self.group_size,
+                                                 decode=self.decode, **settings)
+            else:
+                if self.judge.inner.group_size != self.group_size:
+                    raise UsageError(f"judge: group_size {self.judge.inner.group_size} but "
+                                     f"n_samples_per_prompt is {self.group_size}")
+                self.scorer = self.judge
+            self.pool = ThreadPoolExecutor(1, thread_name_prefix="draco-step")
+        return self.scorer
+
+    def submit(self, rollout_samples: Sequence[Any]) -> None:
+        """The step's samples (before OpenRLHF regroups them) go to the judge."""
+        scorer = self.open()
+        self.step += 1
+        rollouts = experience_rollouts(rollout_samples, n_samples_per_prompt=self.group_size,
+                                       decode=self.decode, train_step=self.step,
+                                       id_key=self.id_key)
+        assert self.pool is not None  # made with the scorer
+        self.pending = (rollouts, self.pool.submit(scorer.score_step, rollouts, self.step))
+
+    def deliver(self, experiences: Sequence[Any]) -> Any:
+        """Wait for the step's result and put it into the (regrouped) experiences."""
+        assert self.pending is not None
+        rollouts, future = self.pending
+        result = future.result()
+        put_step(experiences, result, rollouts)
+        if self.audit_dir is not None:
+            from draco_cli.inloop import write_step
+
+            write_step(result, self.audit_dir, keep=self.keep)
+        self.last = result
+        return result
+
+    def close(self) -> None:
+        if self.pool is not None:
+            self.pool.shutdown()
+        if self.scorer is not None and isinstance(self.judge, dict):
+            self.scorer.close()
+        self.scorer = self.pool = None
+
+
+def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
+                          id_key: str = ID_KEY,
+                          ids_from_index: Callable[[int], str] | None = None) -> None:
+    """The file route: each experience's advantages from token_advantages.parquet file(s)."""
+    import torch
+
+    rows = [experience_rollout_ids(e, id_key=id_key, ids_from_index=ids_from_index)
+            for e in experiences]
+    all_ids = list(itertools.chain.from_iterable(rows))
+    files = token_advantages(all_ids) if callable(token_advantages) else token_advantages
+    table = load_token_advantages(
+        files if isinstance(files, (str, Path)) else list(files), rollout_ids=all_ids)
+    for e, ids in zip(experiences, rows):
+        step = e.info.get(STEP_KEY) if e.info else None
+        step = None if step is None else [int(s) for s in step.tolist()]
+        adv = place(table, ids, e.action_mask.cpu().numpy(), e.sequences.cpu().numpy(),
+                    train_step=step)
+        e.advantages = torch.as_tensor(adv, device=e.action_mask.device)
+        e.returns = e.advantages.clone()
+        e.info["return"] = e.advantages.sum(dim=-1)
+        e.kl = None
+
+
+def _maker_class() -> type[Any]:
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
     # OpenRLHF ships no types: its classes are Any to mypy
     class DracoExperienceMaker(RemoteExperienceMaker):  # type: ignore[misc]
         """``RemoteExperienceMaker`` whose advantages (and returns) are draco's.
 
-        Extra keyword arguments: ``token_advantages`` (path(s) of token_advantages.parquet, or
-        a callable returning them for the rows' ids), ``id_key`` / ``ids_from_index`` (row
-        identity, see ``experience_rollout_ids``)."""
+        Extra keyword arguments, one route or the other:
+        ``judge`` — scoring in the step: a dict of ``BlockingStepScorer`` arguments (``model``,
+        ``call_log``, ``base_url``, ``deadline``, ``fallback``, ``options``, ...; group_size
+        and decode are the trainer's) or a ready ``BlockingStepScorer``; with ``audit_dir``
+        (each step's tables, ``write_step``), ``keep`` (step folders kept), ``start_step``
+        (the trainer's global step when resuming; steps count from it + 1), ``decode``
+        (default: the tokenizer's). ``draco_judge.last`` is the last step's ``StepResult``.
+        ``token_advantages`` — path(s) of token_advantages.parquet, or a callable returning
+        them for the rows' ids, with ``id_key`` / ``ids_from_index`` (see
+        ``experience_rollout_ids``)."""
 
-        def __init__(self, *args: Any, token_advantages: Any, id_key: str = ID_KEY,
-                     ids_from_index: Callable[[int], str] | None = None, **kwargs: Any) -> None:
+        def __init__(self, *args: Any, token_advantages: Any = None, judge: Any = None,
+                     id_key: str = ID_KEY, ids_from_index: Callable[[int], str] | None = None,
+                     audit_dir: str | Path | None = None, keep: int | None = None,
+                     start_step: int = 0, decode: Callable[[list[int]], str] | None = None,
+                     **kwargs: Any) -> None:
             super().__init__(*args, **kwargs)
+            if (token_advantages is None) == (judge is None):
+                raise UsageError("DracoExperienceMaker: give judge= (score in the step) or "
+                                 "token_advantages= (files), one of the two")
             self.draco_token_advantages = token_advantages
             self.draco_id_key = id_key
             self.draco_ids_from_index = ids_from_index
+            tokenizer = self.tokenizer
+            self.draco_judge = None if judge is None else StepJudge(
+                judge, group_size=int(self.args.rollout.n_samples_per_prompt),
+                decode=decode or (lambda ids: str(tokenizer.decode(ids))), id_key=id_key,
+                audit_dir=audit_dir, keep=keep, start_step=start_step)
+
+        def draco_close(self) -> None:
+            """Close the judge's scorer (made from ``judge=`` settings) and its thread."""
+            if self.draco_judge is not None:
+                self.draco_judge.close()
+
+        def make_experience_batch(self, rollout_samples: list[Any]) -> list[Any]:
+            judge = getattr(self, "draco_judge", None)
+            if judge is None:
+                return list(super().make_experience_batch(rollout_samples))
+            judge.submit(rollout_samples)
+            try:
+                return list(super().make_experience_batch(rollout_samples))
+            finally:
+                judge.pending = None
 
         def compute_advantages_and_returns(self, experiences: list[Any]) -> list[Any]:
-            rows = [experience_rollout_ids(e, id_key=self.draco_id_key,
-                                           ids_from_index=self.draco_ids_from_index)
-                    for e in experiences]
-            spec = self.draco_token_advantages
-            files = spec([i for r in rows for i in r]) if callable(spec) else spec
-            table = load_token_advantages(
-                files if isinstance(files, (str, Path)) else list(files),
-                rollout_ids=[i for r in rows for i in r])
-            for e, ids in zip(experiences, rows):
-                step = e.info.get(STEP_KEY) if e.info else None
-                step = None if step is None else [int(s) for s in step.tolist()]
-                adv = place(table, ids, e.action_mask.cpu().numpy(), e.sequences.cpu().numpy(),
-                            train_step=step)
-                e.advantages = torch.as_tensor(adv, device=e.action_mask.device)
-                e.returns = e.advantages.clone()
-                e.info["return"] = e.advantages.sum(dim=-1)
-                e.kl = None
+            judge = getattr(self, "draco_judge", None)
+            if judge is not None and judge.pending is not None:
+                judge.deliver(experiences)
+            elif self.draco_token_advantages is not None:
+                advantages_from_files(experiences, self.draco_token_advantages,
+                                      id_key=self.draco_id_key,
+                                      ids_from_index=self.draco_ids_from_index)
+            else:
+                raise UsageError("DracoExperienceMaker(judge=...): compute_advantages_and_"
+                                 "returns runs inside make_experience_batch only")
             return experiences
 
     return DracoExperienceMaker
+
+
+def install(**settings: Any) -> type[Any]:
+    """Make OpenRLHF's trainer build a ``DracoExperienceMaker`` with these keyword arguments
+    (``judge=...`` or ``token_advantages=...``, see the class) in this process: call it where
+    the ``PPOTrainer`` actor runs (a Ray ``worker_process_setup_hook``). Returns the class."""
+    import openrlhf.trainer.ppo_trainer as ppo_trainer
+
+    base = __getattr__("DracoExperienceMaker")
+    if not settings.get("judge") and not settings.get("token_advantages"):
+        raise UsageError("install: give judge=... or token_advantages=...")
+
+    class Configured(base):  # type: ignore[valid-type,misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**settings, **kwargs})
+
+    ppo_trainer.RemoteExperienceMaker = Configured
+    return Configured
 
 
 def __getattr__(name: str) -> type[Any]:
     # Built on first use: importing this module never imports OpenRLHF, Ray or torch.
     if name == "DracoExperienceMaker":
         cls = _maker_class()
+        globals()[name] = cls
+        return cls
+    if name == "DracoAgentExecutor":
+        from draco_cli.trainers import openrlhf_agent
+
+        cls = openrlhf_agent.DracoAgentExecutor
         globals()[name] = cls
         return cls
     raise AttributeError(name)

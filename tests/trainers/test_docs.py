@@ -45,7 +45,15 @@ def _run(block: str, namespace: dict, cwd: Path) -> None:
 
 
 def test_every_python_block_is_counted():
-    assert len(BLOCKS) == 4
+    assert len(BLOCKS) == 6
+
+
+def _openrlhf_block(marker: str) -> str:
+    """The OpenRLHF section's block containing ``marker`` (found by content, not position)."""
+    section = DOC.read_text().split("## OpenRLHF")[1].split("\n## ")[0]
+    found = [b for b in re.findall(r"```python\n(.*?)```", section, re.DOTALL) if marker in b]
+    assert len(found) == 1, marker
+    return found[0]
 
 
 def test_loader_block(sample_runs):
@@ -77,21 +85,44 @@ def test_trl_block(sample_runs, tmp_path):
 
 
 @pytest.mark.trainers
-def test_openrlhf_block(tmp_path):
+def test_openrlhf_agent_block(tmp_path, capsys):
     pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
-    from tests.trainers.draco_files import draco_token_file
-    from tests.trainers.test_openrlhf import (
-        _agent_outputs,
-        _expected_on_actions,
-        _experiences,
-    )
+    import asyncio
+    from types import SimpleNamespace
 
-    outputs, rollouts = _agent_outputs(np.random.default_rng(2), n_groups=2, n=2)
-    path = draco_token_file(tmp_path, rollouts, train_step=7)
-    experience = _experiences(outputs)[1]
-    ns = {"experience": experience, "table": load_token_advantages(path)}
-    _run(BLOCKS[3], ns, tmp_path)
-    np.testing.assert_array_equal(ns["advantages"], _expected_on_actions(path, experience))
+    from tests.trainers.chatml import chatml_tokenizer
+    from tests.trainers.test_openrlhf import _Vllm
+
+    ns: dict = {}
+    _run(_openrlhf_block("class AgentExecutor(DracoAgentExecutor)"), ns, tmp_path)
+    tok = chatml_tokenizer()
+    engine = _Vllm(tok, 0)
+    out = asyncio.run(ns["AgentExecutor"]().execute(
+        "Book a flight.", "", SimpleNamespace(max_tokens=None, logprobs=None), 64, tok, engine))
+    rid = out["extra_logs"]["draco_rollout_id"]      # on the final step's extra_logs
+    n_prompt = len(tok(text="Book a flight.", add_special_tokens=False)["input_ids"])
+    n_action = out["action_ranges"][0][1] - out["action_ranges"][0][0]
+    assert capsys.readouterr().out.split() == [str(rid), str(n_prompt), str(n_action)]
+
+
+@pytest.mark.trainers
+def test_openrlhf_hook_block(tmp_path, monkeypatch):
+    pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
+    from tests.trainers.test_openrlhf import RemoteExperienceMaker, draco_orl, ppo_trainer
+
+    ns: dict = {}
+    _run(_openrlhf_block("def setup():"), ns, tmp_path)
+    monkeypatch.setattr(ppo_trainer, "RemoteExperienceMaker", RemoteExperienceMaker)
+    ns["setup"]()
+    assert issubclass(ppo_trainer.RemoteExperienceMaker, draco_orl.DracoExperienceMaker)
+
+
+@pytest.mark.trainers
+def test_openrlhf_step_block(tmp_path):
+    pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
+    ns: dict = {}
+    _run(_openrlhf_block("put_step(samples"), ns, tmp_path)
+    assert ns["result"].metrics["draco/judge_calls"] > 0 and len(ns["result"].rows) == 2
 
 
 def _policy_values(run: Path, rollouts: pl.DataFrame) -> np.ndarray:

@@ -9,6 +9,9 @@ flash-attn cannot install on CPU; ``stubs`` stands in for them at import time on
 
 from __future__ import annotations
 
+import asyncio
+import itertools
+import sqlite3
 from types import SimpleNamespace
 
 import numpy as np
@@ -21,13 +24,27 @@ pytestmark = pytest.mark.trainers
 torch = pytest.importorskip("torch", reason="needs the trainers extra (torch)")
 pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
 with stubs.installed():
+    from openrlhf.trainer import ppo_trainer
+    from openrlhf.trainer.ppo_utils import samples_generator as orl_samples
+    from openrlhf.trainer.ppo_utils.experience import (
+        balance_experiences,
+        make_experience_batch,
+        remove_padding_in_sequences,
+        split_experience_batch,
+    )
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+    from openrlhf.trainer.ray.vllm_engine import RolloutRayActor
+    from openrlhf.utils.agent import AgentInstanceBase
 
     from draco_cli.trainers import openrlhf as draco_orl
 
     _ = draco_orl.DracoExperienceMaker  # built now, while OpenRLHF's imports resolve
+    _ = draco_orl.DracoAgentExecutor
+from draco_cli.inloop import BlockingStepScorer, TrainerRollout
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
+from tests.llm_server import FakeLLMServer
+from tests.test_rubric_judge import scripted
 
 MAX_LEN = 200
 
@@ -154,3 +171,276 @@ def test_swapped_rows_and_wrong_step_are_refused(made):
                         e.sequences.numpy())
     with pytest.raises(AlignmentError, match="from train step 7, the row from step 8"):
         draco_orl.place(table, ids, e.action_mask.numpy(), e.sequences.numpy(), train_step=8)
+
+
+# ── Scoring inside the step: OpenRLHF's own executor, generator and builder on CPU ──
+#
+# Rollouts come from OpenRLHF's ``RolloutRayActor.generate_responses`` (its method, run on a
+# stand-in for vLLM that returns random tokens up to the sampling budget) driving our
+# ``DracoAgentExecutor`` (OpenRLHF's ``MultiTurnAgentExecutor``), collected by its
+# ``SamplesGenerator.generate_samples`` / ``_generate_vllm`` (Ray calls answered in-process,
+# the last dispatched prompt finishing first, so samples arrive out of prompt order) and built
+# into experiences by its ``_process_response_into_experience``. The experience maker runs
+# OpenRLHF's ``make_experience_batch`` and ``split_rollout_samples`` (dynamic batching); only
+# ``make_experience`` (the model forwards on Ray actor groups, which neither read nor write
+# advantages) is skipped. Then ``balance_experiences`` and the replay buffer's split/collate.
+
+N, PROMPTS, INLOOP_LEN, LONG = 4, 3, 160, 5   # the 6th rollout's feedback overflows max_len
+ACTOR = RolloutRayActor.__ray_actor_class__
+
+
+class _Agent(AgentInstanceBase):
+    """1–3 turns of tool feedback; records what ``agent_tokens()`` shows it at each step."""
+
+    made = itertools.count()
+    seen: dict[str, dict] = {}
+
+    def __init__(self, *args, **kwargs):
+        self.k, self.turn = next(_Agent.made), 0
+
+    async def step(self, states, **kwargs):
+        t = draco_orl.agent_tokens()
+        self.turn += 1
+        long = self.k == LONG
+        done = not long and self.turn >= 1 + self.k % 3
+        feedback = "error " * 200 if long else ("" if done else f" tool says ok {self.turn}.")
+        reward = float(self.k % 2) if done else (0.5 if long else 0.0)
+        _Agent.seen[str(t.rollout_id)] = {
+            "label": states["label"], "prompt_ids": list(t.prompt_ids),
+            "response_ids": list(t.response_ids), "mask": list(t.response_mask),
+            "feedback": feedback, "reward": reward + _Agent.seen.get(
+                str(t.rollout_id), {}).get("reward", 0.0)}
+        return {"rewards": torch.tensor(reward), "scores": torch.tensor(reward),
+                "environment_feedback": feedback, "done": done, "extra_logs": {"turn": self.turn}}
+
+
+class _Vllm:
+    """vLLM's place in OpenRLHF's RolloutRayActor: random tokens up to ``max_tokens``."""
+
+    def __init__(self, tok, seed):
+        self.tok, self.rng = tok, np.random.default_rng(seed)
+        self.executor = _Executor()
+
+    async def generate(self, prompt_token_ids, sampling_params, multi_modal_data=None):
+        want = int(self.rng.integers(3, 12))
+        n = min(want, sampling_params.max_tokens)
+        ids = self.rng.integers(3, 320, n).tolist()
+        await asyncio.sleep(0)          # the group's rollouts interleave
+        out = SimpleNamespace(token_ids=ids, text=self.tok.decode(ids), logprobs=None,
+                              finish_reason="length" if n < want else "stop")
+        return SimpleNamespace(outputs=[out])
+
+
+class _Executor(draco_orl.DracoAgentExecutor):   # what the agent file defines
+    def __init__(self):
+        super().__init__(_Agent)
+
+
+class _Remote:
+    """A Ray actor handle answered in-process: ``.remote(...)`` runs OpenRLHF's method."""
+
+    def __init__(self, actor):
+        self.generate_responses = SimpleNamespace(
+            remote=lambda **kw: asyncio.run(ACTOR.generate_responses(actor, **kw)))
+        self.get_num_unfinished_requests = SimpleNamespace(remote=lambda: 0)
+
+
+def _args():
+    return SimpleNamespace(
+        rollout=SimpleNamespace(batch_size=PROMPTS, n_samples_per_prompt=N,
+                                max_tokens_per_gpu=300, micro_batch_size=4),
+        vllm=SimpleNamespace(enable_sleep=False),
+        algo=SimpleNamespace(dynamic_filtering_enable=False,
+                             advantage=SimpleNamespace(is_correction_level="off",
+                                                       estimator="group_norm")),
+        train=SimpleNamespace(dynamic_batch_enable=True),
+        actor=SimpleNamespace(num_nodes=1, num_gpus_per_node=2),
+        ds=SimpleNamespace(ring_attn_size=1, tensor_parallel_size=1))
+
+
+@pytest.fixture(scope="module")
+def generated():
+    """One step's samples from OpenRLHF's generator, and what each agent saw."""
+    from tests.trainers.chatml import chatml_tokenizer
+
+    tok = chatml_tokenizer()
+    _Agent.seen.clear()
+    _Agent.made = itertools.count()
+    prompts = [tok.apply_chat_template([{"role": "user", "content": f"Book flight {p}."}],
+                                       tokenize=False, add_generation_prompt=True)
+               for p in range(PROMPTS)]
+    loader = [(None, prompts, [f"task{p}" for p in range(PROMPTS)], [None] * PROMPTS)]
+    gen = SamplesGenerator(SimpleNamespace(args=_args()), loader, None, tok,
+                           [_Remote(_Vllm(tok, 1)), _Remote(_Vllm(tok, 2))])
+    mp = pytest.MonkeyPatch()
+    mp.setattr(orl_samples, "SamplingParams", lambda **kw: SimpleNamespace(**kw))
+    mp.setattr(orl_samples, "ray", SimpleNamespace(
+        get=lambda ref: ref, wait=lambda refs, num_returns=1, timeout=None: (refs[-1:],
+                                                                             refs[:-1])))
+    try:
+        samples, _, _, _ = gen.generate_samples(max_len=INLOOP_LEN, n_samples_per_prompt=N)
+    finally:
+        mp.undo()
+    return tok, samples, dict(_Agent.seen)
+
+
+def _maker(tok, **draco):
+    strategy = SimpleNamespace(args=_args())
+    maker = draco_orl.DracoExperienceMaker(None, None, None, None, None, strategy, tok, **draco)
+    maker.make_experience = lambda samples_list: samples_list   # the model forwards
+    return maker
+
+
+def _expected_rollouts(tok, samples, seen):
+    """The step as the agents saw it (their token ids, cut at max_len), in OpenRLHF's order."""
+    ids = [str(int(s.info[draco_orl.ID_KEY][0])) for s in samples]
+    out = []
+    for i, rid in enumerate(ids):
+        a = seen[rid]
+        fb = tok(text=a["feedback"], add_special_tokens=False)["input_ids"]
+        keep = INLOOP_LEN - len(a["prompt_ids"])
+        out.append(TrainerRollout(rid, f"1/{i // N}", tok.decode(a["prompt_ids"]),
+                                  (a["response_ids"] + fb)[:keep], (a["mask"] + [0] * len(fb))[:keep],
+                                  outcome=a["reward"], train_step=1, row=i))
+    return out
+
+
+@pytest.fixture
+def judge(monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    s = FakeLLMServer(answer=scripted).start()
+    yield s
+    s.stop()
+
+
+def _values_by_row(experiences):
+    """rollout id -> the values on its action columns from its first action token."""
+    out = {}
+    for e in experiences:
+        for b, rid in enumerate(draco_orl.experience_rollout_ids(e)):
+            m = e.action_mask[b].numpy().astype(bool)
+            c = int(np.argmax(m))
+            n = int(e.attention_mask[b].sum()) - 1 - c
+            adv = e.advantages[b].numpy()
+            assert not adv[~m].any() and not adv[c + n:].any()
+            out[rid] = adv[c: c + n]
+    return out
+
+
+def test_scored_in_the_step_exact_through_regrouping(generated, judge, tmp_path):
+    tok, samples, seen = generated
+    ids = [str(int(s.info[draco_orl.ID_KEY][0])) for s in samples]
+    assert sorted(ids) == sorted(seen) and len(ids) == N * PROMPTS   # the id rode the last step
+    labels = [seen[r]["label"] for r in ids]
+    assert all(len(set(labels[g * N:(g + 1) * N])) == 1 for g in range(PROMPTS))
+    assert labels[0] == f"task{PROMPTS - 1}"         # arrival order, not prompt order
+    cut = [r for r in ids if len(seen[r]["prompt_ids"]) + len(seen[r]["response_ids"])
+           + len(tok(text=seen[r]["feedback"])["input_ids"]) > INLOOP_LEN]
+    assert len(cut) == 1 and bool(samples[ids.index(cut[0])].info["response_clip_ratio"][0])
+
+    url = judge.url + "/v1"
+    maker = _maker(tok, judge={"model": "openai/m", "base_url": url,
+                               "call_log": tmp_path / "a.sqlite"}, audit_dir=tmp_path / "steps")
+    # the rows draco builds, before and after OpenRLHF's regrouping, are the same rollouts
+    before = draco_orl.experience_rollouts(samples, n_samples_per_prompt=N, decode=tok.decode,
+                                           train_step=1)
+    after = draco_orl.experience_rollouts(maker.split_rollout_samples(samples),
+                                          n_samples_per_prompt=N, decode=tok.decode, train_step=1)
+    want = _expected_rollouts(tok, samples, seen)
+    for x, y, w in zip(before, after, want):
+        assert (x.rollout_id, x.group_id, x.instruction, x.outcome) == \
+            (y.rollout_id, y.group_id, y.instruction, y.outcome) == \
+            (w.rollout_id, w.group_id, w.instruction, w.outcome)
+        for got in (x, y):
+            np.testing.assert_array_equal(got.response_ids, w.response_ids)
+            np.testing.assert_array_equal(got.response_mask, w.response_mask)
+    try:
+        experiences = maker.make_experience_batch(samples)
+    finally:
+        maker.draco_close()
+    order = [i for e in experiences for i in e.index]
+    assert len(experiences) > 1 and order != sorted(order)     # rows regrouped
+    result = maker.draco_judge.last
+    with BlockingStepScorer("openai/m", base_url=url, group_size=N, decode=tok.decode,
+                            call_log=tmp_path / "b.sqlite") as s:
+        own = s.score_step(want, 1)       # the StepScorer on the agents' own view
+    assert not own.fallbacks and set(own.rows) == set(ids)
+    # exact on every row: after split_rollout_samples, after dynamic batching across ranks,
+    # and in the replay buffer's collated micro-batches
+    balanced = balance_experiences(experiences, _args())
+    items = [i for e in balanced for i in remove_padding_in_sequences(split_experience_batch(e))]
+    collated = [make_experience_batch(items[k:k + 3]) for k in range(0, len(items), 3)]
+    for batch in (experiences, balanced, collated):
+        got = _values_by_row(batch)
+        assert set(got) == set(ids)
+        for rid in ids:
+            np.testing.assert_array_equal(got[rid], own.rows[rid].values)
+    assert sum(bool(v.values.any()) for v in own.rows.values()) > N
+    trunc = own.rows[cut[0]].values
+    assert len(trunc) == INLOOP_LEN - len(seen[cut[0]]["prompt_ids"])  # the tokens it has
+    # the step's metrics ride in info, one value per row: OpenRLHF's actor averages them
+    con = sqlite3.connect(tmp_path / "a.sqlite")
+    paid = con.execute("select count(*) from calls").fetchone()[0]
+    con.close()
+    assert result.metrics["draco/judge_calls"] == paid > 0
+    for batch in (experiences, collated):
+        for key, value in {**result.metrics, "draco/truncated_rollouts": 1.0}.items():
+            rows = torch.cat([torch.as_tensor(e.info[key], dtype=torch.float32).reshape(-1)
+                              for e in batch])
+            assert rows.numel() == N * PROMPTS and torch.all(rows == np.float32(value)), key
+    assert (tmp_path / "steps" / "step-000001" / "metrics.json").exists()
+
+
+def test_deadline_fallback_is_counted(generated, monkeypatch, tmp_path):
+    tok, samples, _ = generated
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    slow = FakeLLMServer(answer=scripted, latency=2).start()
+    try:
+        settings = {"base_url": slow.url + "/v1", "deadline": 0.3, "request_deadline": 30,
+                    "fallback": "outcome"}
+        maker = _maker(tok, judge={"model": "openai/m", "call_log": tmp_path / "a.sqlite",
+                                   **settings})
+        try:
+            experiences = maker.make_experience_batch(samples)
+        finally:
+            maker.draco_close()
+        want = _expected_rollouts(tok, samples, _Agent.seen)
+        with BlockingStepScorer("openai/m", group_size=N, decode=tok.decode,
+                                call_log=tmp_path / "b.sqlite", **settings) as s:
+            own = s.score_step(want, 1)
+    finally:
+        slow.stop()
+    assert len(own.fallbacks) == PROMPTS
+    got = _values_by_row(experiences)
+    for r in want:
+        np.testing.assert_array_equal(got[r.rollout_id], own.rows[r.rollout_id].values)
+        assert own.rows[r.rollout_id].source == "fallback:outcome"
+    assert any(v.any() for v in got.values())       # outcome GRPO, not silence
+    info = experiences[0].info
+    assert float(info["draco/fallback_groups"][0]) == PROMPTS
+    assert float(info["draco/fallback_rollouts"][0]) == N * PROMPTS
+
+
+def test_agent_tokens_outside_a_rollout_is_a_usage_error():
+    from draco_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="no rollout is running"):
+        draco_orl.agent_tokens()
+
+
+def test_install_makes_openrlhfs_trainer_build_the_draco_maker(generated, monkeypatch):
+    tok = generated[0]
+    monkeypatch.setattr(ppo_trainer, "RemoteExperienceMaker", RemoteExperienceMaker)
+    settings = {"model": "openai/m", "call_log": "calls.sqlite", "deadline": 60}
+    cls = draco_orl.install(judge=settings, keep=3)
+    assert ppo_trainer.RemoteExperienceMaker is cls
+    # as BasePPOTrainer.__init__ calls it
+    maker = ppo_trainer.RemoteExperienceMaker(None, None, None, None, None,
+                                              SimpleNamespace(args=_args()), tok)
+    assert isinstance(maker, draco_orl.DracoExperienceMaker)
+    assert maker.draco_judge.judge == settings and maker.draco_judge.keep == 3
+    assert maker.draco_judge.group_size == N and maker.draco_judge.scorer is None  # lazy
+    from draco_cli.errors import UsageError
+
+    with pytest.raises(UsageError, match="judge=... or token_advantages="):
+        draco_orl.install()
