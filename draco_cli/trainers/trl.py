@@ -1,33 +1,57 @@
 """TRL (1.16): a ``GRPOTrainer`` whose advantages are draco's per-token values.
 
-Only ``_generate_and_score_completions`` is overridden: TRL's loss unsqueezes advantages only
-when they are 1-D ("to support subclasses that provide advantages with shape (B, T)"), so a
-[B, T] tensor flows through every loss type unchanged.
+Only ``_generate_and_score_completions`` is overridden (and ``_calculate_rewards``, to keep the
+outcome): TRL's loss unsqueezes advantages only when they are 1-D ("to support subclasses that
+provide advantages with shape (B, T)"), so a [B, T] tensor flows through every loss type
+unchanged. Two routes:
 
-Row identity: a row's rollout id is ``f"{row[id_column]}:{k}"``, ``id_column`` a dataset
-column naming the task (or prompt) and k the row's index within its group of
-``num_generations``, counted in the all-process order (TRL's sampler keeps a group's rows
-contiguous in that order, split across processes by rank). ``rollout_ids`` computes the same
-ids for the rollout logger (e.g. inside a reward function, which sees the same rows in the
+- ``judge=``: the trainer scores its own generations inside the step. After TRL generates, each
+  row becomes a ``TrainerRollout`` (its completion ids, mask ``completion_mask * tool_mask``,
+  instruction = the prompt decoded, outcome = TRL's weighted sum of the reward functions, None
+  without any), ``num_generations`` consecutive rows in the all-process order one group. The
+  rows of every process are gathered to the main process, scored there by one
+  ``BlockingStepScorer`` (one call log), and each process gets its own rows' values back.
+- ``token_advantages=``: the values come from draco's ``token_advantages.parquet``, rows named
+  by ``rollout_ids``.
+
+Row identity on the file route: a row's rollout id is ``f"{row[id_column]}:{k}"``,
+``id_column`` a dataset column naming the task (or prompt) and k the row's index within its
+group of ``num_generations``, counted in the all-process order (TRL's sampler keeps a group's
+rows contiguous in that order, split across processes by rank). ``rollout_ids`` computes the
+same ids for the rollout logger (e.g. inside a reward function, which sees the same rows in the
 same order).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+import numpy as np
+
+from draco_cli.errors import UsageError
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 
-__all__ = ["DracoGRPOTrainer", "rollout_ids"]  # noqa: F822 (built lazily, see __getattr__)
+if TYPE_CHECKING:
+    from draco_cli.inloop import TrainerRollout
+    from draco_cli.options import RunOptions
+
+__all__ = ["DracoGRPOTrainer", "completion_rows", "group_rollouts",  # noqa: F822 (lazy)
+           "rollout_ids"]
 
 Files = str | Path | Sequence[str | Path]
 
 
 def rollout_ids(inputs: Sequence[dict[str, Any]], *, id_column: str, num_generations: int,
-                process_index: int = 0) -> list[str]:
-    """Rollout ids of a process's rows, ``inputs`` as TRL passes them (one dict per row)."""
+                process_index: int | None = None) -> list[str]:
+    """Rollout ids of a process's rows, ``inputs`` as TRL passes them (one dict per row).
+    ``process_index``: the training process the rows belong to; None reads it from accelerate
+    (``PartialState().process_index``), which is right inside a reward function."""
+    if process_index is None:
+        from accelerate import PartialState
+
+        process_index = int(PartialState().process_index)
     ids = []
     base = process_index * len(inputs)
     for j, row in enumerate(inputs):
@@ -42,39 +66,125 @@ def rollout_ids(inputs: Sequence[dict[str, Any]], *, id_column: str, num_generat
     return ids
 
 
+def completion_rows(completion_ids: np.ndarray, completion_mask: np.ndarray,
+                    tool_mask: np.ndarray | None, pad_id: int, masked_truncated: bool
+                    ) -> list[tuple[np.ndarray, np.ndarray, bool]]:
+    """(response ids, policy mask, truncated) of each row of TRL's right-padded batch.
+
+    A row's tokens are those under ``completion_mask``; its policy mask is ``completion_mask *
+    tool_mask``. With ``mask_truncated_completions`` TRL zeroes a truncated row's masks: such a
+    row (all-zero ``completion_mask``) is taken as its tokens up to the last non-pad one (a
+    truncated completion ends in neither EOS nor pad, so that is its exact length), every one a
+    policy token (its tool mask is gone with the rest)."""
+    rows = []
+    for b in range(completion_ids.shape[0]):
+        n = int(completion_mask[b].sum())
+        if n == 0 and masked_truncated:
+            live = np.flatnonzero(completion_ids[b] != pad_id)
+            n = int(live[-1]) + 1 if live.size else 0
+            rows.append((completion_ids[b, :n], np.ones(n, dtype=np.int8), True))
+            continue
+        mask = completion_mask[b, :n] if tool_mask is None else \
+            completion_mask[b, :n] * tool_mask[b, :n]
+        rows.append((completion_ids[b, :n], mask.astype(np.int8), False))
+    return rows
+
+
+def group_rollouts(rows: Sequence[Mapping[str, Any]], *, group_size: int,
+                   train_step: int) -> list[TrainerRollout]:
+    """The step's rows in the all-process order (each a mapping with ``ids``, ``mask``,
+    ``prompt``, ``outcome``, ``task_id``) as ``TrainerRollout``s: rows ``g*n .. g*n+n-1`` form
+    group g, named ``step{train_step}-g{g}``, its rows ``…-{k}``."""
+    from draco_cli.errors import InputError
+    from draco_cli.inloop import TrainerRollout
+
+    if len(rows) % group_size:
+        raise InputError(f"train step {train_step}: {len(rows)} trainer rows do not split into "
+                         f"groups of num_generations={group_size}", field="num_generations")
+    out = []
+    for i, r in enumerate(rows):
+        gid = f"step{train_step}-g{i // group_size}"
+        out.append(TrainerRollout(f"{gid}-{i % group_size}", gid, r["prompt"], r["ids"],
+                                  r["mask"], outcome=r["outcome"], task_id=r["task_id"],
+                                  train_step=train_step, row=i))
+    return out
+
+
 def _trainer_class() -> type[Any]:
     from trl import GRPOTrainer
 
+    from draco_cli.trainers import trl_step
+
     # TRL ships no types for mypy to follow: GRPOTrainer is Any
     class DracoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
-        """``GRPOTrainer`` taking advantages from draco's ``token_advantages.parquet``.
+        """``GRPOTrainer`` whose advantages are draco's per-token values.
 
-        ``token_advantages``: a path (or list of paths), a path template with ``{step}``
-        (formatted with the trainer's global step), or a callable ``step -> path(s)`` (which
-        may run draco on the rollouts just logged). With a template or callable the rows claim
-        that train step and the file must agree. ``id_column``: the dataset column that names
-        the task (see ``rollout_ids``).
+        Scoring in the step: ``judge`` (an LLM model string, e.g. ``"openai/gpt-4.1-mini"``)
+        with ``judge_kwargs`` (LLM settings: ``base_url``, ``concurrency``, ``rpm``,
+        ``request_deadline``, ``min_signal``, …), ``options`` (``draco run``'s RunOptions),
+        ``call_log`` (default ``{output_dir}/draco/llm_calls.sqlite``), ``deadline`` (seconds
+        per group; None waits), ``fallback`` (``"outcome"`` or ``"zero"``) and, for audit,
+        ``steps_dir`` (per-step tables, the newest ``keep_steps`` kept). See
+        docs/trainers.md.
+
+        Or from files: ``token_advantages``, a path (or list of paths), a path template with
+        ``{step}`` (formatted with the trainer's global step), or a callable ``step -> path(s)``
+        (which may run draco on the rollouts just logged). With a template or callable the rows
+        claim that train step and the file must agree. ``id_column``: the dataset column that
+        names the task (see ``rollout_ids``).
         """
 
-        def __init__(self, *args: Any, token_advantages: Files | Callable[[int], Files],
-                     id_column: str = "task_id", **kwargs: Any) -> None:
+        def __init__(self, *args: Any, token_advantages: Files | Callable[[int], Files] |
+                     None = None, id_column: str = "task_id", judge: str | None = None,
+                     judge_kwargs: Mapping[str, Any] | None = None,
+                     options: RunOptions | None = None, call_log: str | Path | None = None,
+                     deadline: float | None = None, fallback: str = "outcome",
+                     steps_dir: str | Path | None = None, keep_steps: int | None = None,
+                     **kwargs: Any) -> None:
+            if (token_advantages is None) == (judge is None):
+                raise UsageError("DracoGRPOTrainer: give judge= (draco scores each step's "
+                                 "generations) or token_advantages= (draco's files), one of "
+                                 "the two")
+            if keep_steps is not None and keep_steps < 1:
+                raise UsageError(f"keep_steps {keep_steps!r}: at least 1 step folder (None "
+                                 "keeps all)")
             super().__init__(*args, **kwargs)
             self.draco_token_advantages = token_advantages
             self.draco_id_column = id_column
+            self.draco: trl_step.InStep | None = None
+            if judge is not None:
+                self.draco = trl_step.InStep(
+                    self, judge, dict(judge_kwargs or {}), options=options,
+                    call_log=call_log or Path(self.args.output_dir) / "draco" /
+                    "llm_calls.sqlite", deadline=deadline, fallback=fallback,
+                    steps_dir=steps_dir, keep_steps=keep_steps)
 
         def _draco_files(self) -> tuple[Files, int | None]:
             step = int(self.state.global_step)
             spec = self.draco_token_advantages
+            assert spec is not None   # the file route
             if callable(spec):
                 return spec(step), step
             if isinstance(spec, str) and "{step}" in spec:
                 return spec.format(step=step), step
             return spec, None
 
+        def _calculate_rewards(self, inputs: Any, prompts: Any, completions: Any,
+                               completion_ids_list: Any) -> Any:
+            # every process's rewards (TRL gathers them): the outcome of each row of the step
+            rewards = super()._calculate_rewards(inputs, prompts, completions,
+                                                 completion_ids_list)
+            self._draco_rewards = rewards
+            return rewards
+
         def _generate_and_score_completions(self, inputs: list[dict[str, Any]]) -> dict[str, Any]:
+            out: dict[str, Any] = super()._generate_and_score_completions(inputs)
+            if self.draco is not None:
+                if self.model.training:   # evaluation keeps TRL's own advantages
+                    self.draco.score(inputs, out)
+                return out
             import torch
 
-            out: dict[str, Any] = super()._generate_and_score_completions(inputs)
             ids = rollout_ids(inputs, id_column=self.draco_id_column,
                               num_generations=self.num_generations,
                               process_index=self.accelerator.process_index)
@@ -92,6 +202,13 @@ def _trainer_class() -> type[Any]:
                               padding=padding)
             out["advantages"] = torch.as_tensor(adv, device=mask.device, dtype=torch.float32)
             return out
+
+        def train(self, *args: Any, **kwargs: Any) -> Any:
+            try:
+                return super().train(*args, **kwargs)
+            finally:
+                if self.draco is not None:
+                    self.draco.close()
 
     return DracoGRPOTrainer
 
