@@ -100,7 +100,7 @@ _DEFAULTS: tuple[tuple[tuple[str, ...], str], ...] = (
     (("k_f", "k_fq"), r"(?P<k_f>" + _SECRET_NAME + _NAME_END
      + r"(?:=>|:=|=|(?P<k_fc>:))[ \t]*)(?:" + _PEM + r"|(?P<k_fq>\\?[\"'])(?:" + _PEM
      + r"""|[^"'\\\n]|\\[^"'\n]|(?!(?P=k_fq))["'])+"""
-     r"""|(?(k_fc)[^\s"',;}\]\\<>][^\n"',;}\]\\<>]*|[^\s"'&,;}\])\\<>]+))"""),
+     r"""|(?(k_fc)[^\s"',;}\]\\<>][^\n"',;}\]\\<>]*|[^\s&'",;}\]]+))"""),
     # a command-line flag: --password x, --db-password x, --api-key x (after = above)
     (("k_flag",), r"""(?P<k_flag>(?<=-)(?:(?i:pass(?:word|wd|phrase)|secret|token)|"""
      + _after("key", "api access secret private") + r""")[ \t]+["']?)[^\s"'\-][^\s"']*"""),
