@@ -40,13 +40,13 @@ def _after(word: str, prefixes: str) -> str:
 # ``clientSecret``, ``_authToken``). Every match starts at one of the literals the prefilter
 # looks for (the name's last word; for ``key`` and ``token``, the word before is looked behind).
 _SECRET_NAME = (
-    r"(?:(?i:pass(?:word|wd|phrase)|pwd|_pass|[?&;]pass|secret(?:[_\-]?key)?|credentials?)|"
+    r"(?:(?i:pass(?:word|wd|phrase)|pwd|_pass(?==)|[?&;]pass|secret(?:[_\-]?key)?)|"
     + _after("key", "api private access account signing encryption master") + "|"
     + _after("token", "access refresh auth api bearer session oauth id csrf xsrf github gh "
              "gitlab hf npm slack bot discord telegram") + ")")
 # Names whose values are secrets only when they look like one (``"token": "Hello"`` is a
 # token of text; ``key=lambda x: x`` is not a key).
-_WEAK_NAME = r"(?i:token|key|auth)"
+_WEAK_NAME = r"(?i:token|key)"
 # After a name: its closing quote (JSON, possibly escaped inside another string), then
 # ``:``, ``=``, ``=>`` or ``:=``.
 _NAME_END = r"""(?:\\?["'])?[ \t]*"""
@@ -85,10 +85,6 @@ _DEFAULTS: tuple[tuple[tuple[str, ...], str], ...] = (
      r"(?:(?i:basic|bearer|token|digest|negotiate|ntlm|apikey|key)[ \t]+)?)"
      r"""[^\s"'\\,;]+"""),
     (("k_bearer",), r"(?P<k_bearer>(?i:\bbearer)\s+)[A-Za-z0-9._\-~+/]{12,}=*"),
-    # Basic credentials outside a header: base64 with a lower-case letter and a digit, sign
-    # or capital after its first character ("Basic Economy" is not one)
-    (("k_basic",), r"(?P<k_basic>(?i:\bbasic)[ \t]+)(?=[A-Za-z0-9+/]*[a-z])"
-     r"(?=[A-Za-z0-9+/][A-Za-z0-9+/]*[A-Z0-9+/=])[A-Za-z0-9+/]{8,}={0,2}"),
     # user:password@ (or a long token@) in a URL or connection string
     (("k_url",), r"""(?P<k_url>://)(?:[^\s/?#@:'"<>\\]{0,256}:[^\s/?#'"<>\\]{1,256}"""
      r"|[A-Za-z0-9_.~%\-]{20,256})(?=@)"),
@@ -109,7 +105,8 @@ _DEFAULTS: tuple[tuple[tuple[str, ...], str], ...] = (
      r"""(?=[^\s"'`]*[^\sA-Za-z"'`.,;:!?)])[^\s"'`]*[^\s"'`.,;:!?)]"""),
     # a weakly named field holding a token-like value
     (("k_w",), r"(?P<k_w>" + _WEAK_NAME + _NAME_END
-     + r"""(?:=>|:=|[:=])[ \t]*(?:\\?["'])?)""" + _TOKEN_LIKE),
+     + r"""(?:=>|:=|[:=])[ \t]*(?:\\?["'])?(?:(?i:basic|bearer|token)[ \t]+)?)"""
+     + _TOKEN_LIKE),
 )
 
 # Kept for callers that list the patterns; each is a full pattern on its own.
@@ -122,8 +119,8 @@ KEPT: tuple[str, ...] = tuple(k for keys, _ in _DEFAULTS for k in keys)
 # does contain some is scanned once by the combination of just the patterns it may match.
 # Each pattern's literals are those its matches start with (lower-cased): a match can only
 # start where one of them occurs in the lower-cased text.
-_SECRET_LITERALS = ("password", "passwd", "passphrase", "pwd", "_pass", "?pass", "&pass",
-                    ";pass", "secret", "credential", "key", "token")
+_SECRET_LITERALS = ("password", "passwd", "passphrase", "pwd", "_pass=", "?pass", "&pass",
+                    ";pass", "secret", "key", "token")
 _TRIGGERS: tuple[tuple[str, ...], ...] = (
     ("github_pat_",), ("ghp_", "gho_", "ghu_", "ghs_", "ghr_"), ("sk-",),
     ("sk_live_", "rk_live_", "sk_test_", "rk_test_"), ("whsec_",), ("hf_",),
@@ -131,9 +128,9 @@ _TRIGGERS: tuple[tuple[str, ...], ...] = (
     ("pypi-ageichlwas5vcmc",), ("shp",), ("doo_v1_", "dop_v1_", "dor_v1_"), ("sg.",),
     ("akia", "asia"), ("aiza",), ("gocspx-",), ("ya29.",), ("xox",), ("xapp-",),
     ("hooks.slack.com/services/",), ("eyj",), ("-----begin",), ("authorization",),
-    ("bearer",), ("basic",), ("://",), ("-u ", "--user"), _SECRET_LITERALS,
+    ("bearer",), ("://",), ("-u ", "--user"), _SECRET_LITERALS,
     ("password", "passwd", "passphrase", "secret", "token", "key"),
-    ("password", "passphrase", "passcode"), ("token", "key", "auth"),
+    ("password", "passphrase", "passcode"), ("token", "key"),
 )
 assert len(_TRIGGERS) == len(_DEFAULTS)
 
@@ -238,13 +235,14 @@ _PIECE = {
     "dop_v1_": "v1_", "dor_v1_": "v1_", "sg.": "sg.",
     "akia": "kia", "asia": "sia", "aiza": "aiz", "gocspx-": "csp", "ya29.": "a29",
     "xox": "xox", "xapp-": "xap", "hooks.slack.com/services/": "k.c", "eyj": "eyj",
-    "-----begin": "-be", "authorization": "riz", "bearer": "rer", "basic": "sic",
+    "-----begin": "-be", "authorization": "riz", "bearer": "rer",
     "://": "://", "-u ": "-u ", "--user": "-us", "password": "ssw", "passwd": "ssw",
-    "passphrase": "sph", "pwd": "pwd", "_pass": "_pa", "?pass": "?pa", "&pass": "&pa",
-    ";pass": ";pa", "secret": "ecr", "key": "key", "token": "tok", "credential": "ede",
-    "auth": "uth", "passcode": "sco",
+    "passphrase": "sph", "pwd": "pwd", "_pass=": "ss=", "?pass": "?pa", "&pass": "&pa",
+    ";pass": ";pa", "secret": "ecr", "key": "key", "token": "tok",
+    "passcode": "ssc",
 }
-assert set(_PIECE) == set(_LITERALS) and all(p in lit for lit, p in _PIECE.items())
+assert set(_PIECE) == set(_LITERALS), set(_PIECE) ^ set(_LITERALS)
+assert all(p in lit for lit, p in _PIECE.items())
 # Below this many characters a batch is screened text by text (numpy's fixed costs dominate).
 MANY_MIN_CHARS = 2048
 # From this many characters one text is screened by pieces before its literals are searched.

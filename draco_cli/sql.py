@@ -305,7 +305,8 @@ def _confine(con: duckdb.DuckDBPyConnection, cat: Catalog) -> None:
     import os
 
     roots = cat.roots or ([] if any(s.path for s in cat.sources) else [Path.cwd()])
-    dirs, files = set(), set()
+    dirs: set[str] = set()
+    files: set[str] = set()
     for p in [*roots, *(s.path for s in cat.sources if s.path is not None)]:
         # as given and as resolved (DuckDB compares the path a query names, made absolute)
         for q in {os.path.abspath(p), str(Path(p).resolve())}:
