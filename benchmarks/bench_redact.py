@@ -12,19 +12,25 @@ the real tau-bench and tau2-bench rollouts in ../shared/data, one redaction call
 - ``batched``: the texts in batches of 17 through ``Redactor.many`` (one screen per batch, as
   the judge stage redacts a rollout), against today's text-by-text prefilter (``combined``).
 The last line is ``redact_combined_over_before=<ratio>`` (time per call; lower is better).
+
+``--before FILE`` (a ``redact.py`` of another commit, e.g. ``git show REV:draco_cli/redact.py >
+/tmp/redact_before.py``) measures that module's ``Redactor`` beside today's in the same run, in
+MB/s of text, text by text and in batches of 17, twice in turn.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import time
 from pathlib import Path
 
 from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor, may_hold_secret
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+DATA = Path(os.environ.get("DRACO_SHARED_DATA",
+                         Path(__file__).resolve().parent.parent.parent / "shared" / "data"))
 
 BEFORE = (
     r"sk-[A-Za-z0-9_\-]{16,}",
@@ -69,11 +75,33 @@ def passes(patterns) -> callable:
     return run
 
 
+def throughput(corpus: list[str], before_file: Path, repeat: int) -> None:
+    import importlib.util
+
+    from draco_cli import redact as now
+
+    spec = importlib.util.spec_from_file_location("redact_before", before_file)
+    assert spec is not None and spec.loader is not None
+    before = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(before)
+    mb = sum(len(t.encode()) for t in corpus) / 1e6
+    batches = [corpus[i:i + 17] for i in range(0, len(corpus), 17)]
+    for name, mod in (("before", before), ("after", now)) * 2:
+        r = mod.Redactor()
+        one = per_call(r, corpus, repeat) * len(corpus)
+        many = per_call(r.many, batches, repeat) * len(batches)
+        print(f"{name}: {mb / one:6.1f} MB/s text by text, {mb / many:6.1f} MB/s batched "
+              f"({mb:.2f} MB)")
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--repeat", type=int, default=20)
+    ap.add_argument("--before", type=Path, default=None)
     args = ap.parse_args()
     corpus = texts()
+    if args.before is not None:
+        throughput(corpus, args.before, args.repeat)
     chars = sum(map(len, corpus)) / len(corpus)
     before = per_call(passes(BEFORE), corpus, args.repeat)
     sequential = per_call(passes(DEFAULT_PATTERNS), corpus, args.repeat)

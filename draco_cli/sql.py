@@ -8,6 +8,13 @@ table's own column) and ``run`` (the folder), so a query can follow training ste
 
 The call log is SQLite; it is read through Python's ``sqlite3`` (DuckDB's own SQLite reader is
 an extension it would download at first use, which an offline machine cannot do).
+
+A connection is read-only unless asked otherwise (``connect(read_only=False)``, ``draco sql
+--allow-external``): DuckDB's own settings confine file access to the inputs
+(``allowed_directories``, ``allowed_paths``, then ``enable_external_access = false``), forbid
+extensions, and lock the configuration; and statements that write or attach (``COPY``,
+``EXPORT``, ``ATTACH``, ``INSTALL``/``LOAD``, prepared statements, ``EXPLAIN ANALYZE``), which
+DuckDB would still run inside those folders, are refused by their type as DuckDB parses them.
 """
 
 from __future__ import annotations
@@ -51,6 +58,8 @@ class Source:
 class Catalog:
     sources: list[Source] = field(default_factory=list)
     notes: list[str] = field(default_factory=list)
+    # the folders and files given, the only places a read-only connection reads
+    roots: list[Path] = field(default_factory=list)
 
     def names(self) -> list[str]:
         return sorted({s.name for s in self.sources})
@@ -146,6 +155,7 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
     for folder in expand_run_roots(paths):
         if not folder.exists():
             raise InputError("no such file or folder", file=str(folder))
+        cat.roots.append(folder)
         if folder.is_file():
             cat.sources.append(_file_source(folder, call_columns, call_totals))
         else:
@@ -179,8 +189,10 @@ def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None,
         if (folder / rel).exists():
             found[name] = folder / rel
     for p in sorted(folder.rglob("*.parquet")):
-        if p in found.values() or p.stem in SKIP or any(part.startswith(".")
-                                                          for part in p.parts):
+        # (dot-folders below the folder are staging and caches; the folder's own path may
+        # hold any, and "..")
+        if p in found.values() or p.stem in SKIP or any(
+                part.startswith(".") for part in p.relative_to(folder).parts):
             continue
         name = p.stem if p.stem not in found else f"{p.parent.name}_{p.stem}"
         found.setdefault(name, p)
@@ -243,12 +255,17 @@ def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def connect(cat: Catalog, database: str = ":memory:") -> duckdb.DuckDBPyConnection:
+def connect(cat: Catalog, database: str = ":memory:",
+            read_only: bool = True) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per table name, unioned by column name across
-    inputs, with ``train_step`` and ``run`` columns."""
+    inputs, with ``train_step`` and ``run`` columns. ``read_only``: queries read only the
+    inputs (``cat.roots``, the tables' files; the current folder when no path was given) and
+    write nothing (see the module's docstring)."""
     import duckdb
 
-    con = duckdb.connect(database)
+    con = duckdb.connect(database, config={"autoinstall_known_extensions": False,
+                                           "autoload_known_extensions": False}
+                         if read_only else {})
     by_name: dict[str, list[Source]] = {}
     for s in cat.sources:
         by_name.setdefault(s.name, []).append(s)
@@ -279,24 +296,81 @@ def connect(cat: Catalog, database: str = ":memory:") -> duckdb.DuckDBPyConnecti
         con.execute(f"CREATE VIEW {_ident(name)} AS " + " UNION ALL BY NAME ".join(parts))
     if "calls" in by_name and "llm_calls" not in by_name:
         con.execute('CREATE VIEW llm_calls AS SELECT * FROM calls')
+    if read_only:
+        _confine(con, cat)
     return con
+
+
+def _confine(con: duckdb.DuckDBPyConnection, cat: Catalog) -> None:
+    import os
+
+    roots = cat.roots or ([] if any(s.path for s in cat.sources) else [Path.cwd()])
+    dirs: set[str] = set()
+    files: set[str] = set()
+    for p in [*roots, *(s.path for s in cat.sources if s.path is not None)]:
+        # as given and as resolved (DuckDB compares the path a query names, made absolute)
+        for q in {os.path.abspath(p), str(Path(p).resolve())}:
+            (dirs if Path(q).is_dir() else files).add(q)
+    con.execute(f"SET allowed_directories = [{', '.join(map(_quote, sorted(dirs)))}]")
+    con.execute(f"SET allowed_paths = [{', '.join(map(_quote, sorted(files)))}]")
+    con.execute("SET enable_external_access = false")
+    con.execute("SET lock_configuration = true")
+
+
+# What a read-only connection runs, by DuckDB's statement type: reading, and changes to its
+# own in-memory tables. Everything else (COPY, EXPORT, ATTACH, DETACH, INSTALL/LOAD, PREPARE
+# and EXECUTE, VACUUM, ...) is refused.
+READ_ONLY_TYPES = frozenset({
+    "SELECT", "EXPLAIN", "CREATE", "CREATE_FUNC", "DROP", "ALTER", "INSERT", "UPDATE",
+    "DELETE", "MERGE_INTO", "PRAGMA", "CALL", "MULTI", "SET", "VARIABLE_SET", "TRANSACTION",
+    "ANALYZE", "RELATION",
+})
+UNLOCK = "draco sql reads only its inputs and writes nothing; --allow-external lifts this"
+
+
+def _refuse_writes(con: duckdb.DuckDBPyConnection, sql: str) -> None:
+    import duckdb
+
+    locked = con.execute("SELECT current_setting('lock_configuration')").fetchall()[0]
+    if not (locked and locked[0]):
+        return
+    try:
+        statements = con.extract_statements(sql)
+    except duckdb.Error as exc:
+        raise UsageError(f"SQL: {_first_line(str(exc))}") from None
+    for st in statements:
+        kind = st.type.name
+        words = " ".join(st.query.split())[:60]
+        if kind not in READ_ONLY_TYPES:
+            raise UsageError(f"SQL: {kind} refused ({words}): {UNLOCK}")
+        # EXPLAIN ANALYZE runs the statement it explains
+        if kind == "EXPLAIN" and "analy" in st.query.lower():
+            raise UsageError(f"SQL: EXPLAIN ANALYZE refused ({words}): {UNLOCK}")
 
 
 def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table | None:
     """Run one or more statements; the last one's result as Arrow (None if it returns none)."""
     import duckdb
 
+    _refuse_writes(con, sql)
     try:
         rel = con.sql(sql)
     except duckdb.Error as exc:
-        raise UsageError(f"SQL: {_first_line(str(exc))}") from None
+        raise UsageError(_sql_error(exc)) from None
     if rel is None:
         return None
     try:
         table: pa.Table = rel.to_arrow_table()  # duckdb's stubs leave pyarrow types as Any
     except duckdb.Error as exc:
-        raise UsageError(f"SQL: {_first_line(str(exc))}") from None
+        raise UsageError(_sql_error(exc)) from None
     return table
+
+
+def _sql_error(exc: Exception) -> str:
+    text = f"SQL: {_first_line(str(exc))}"
+    if "disabled by configuration" in text or "configuration has been locked" in text:
+        text += f" ({UNLOCK})"
+    return text
 
 
 def _first_line(text: str) -> str:

@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import sys
-from pathlib import Path
 
 import pytest
 from hypothesis import HealthCheck, example, given, settings
@@ -15,10 +14,10 @@ from hypothesis import strategies as st
 
 from draco_cli import redact as R
 from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor
+from tests.conftest import SHARED_DATA
 
 PLAIN = re.compile("|".join(DEFAULT_PATTERNS))
-KEPT = "".join(rf"\g<{name}>" for name in re.findall(r"\(\?P<(\w+)>", "".join(DEFAULT_PATTERNS)))
-TEMPLATE = KEPT + MASK
+TEMPLATE = "".join(rf"\g<{name}>" for name in R.KEPT) + MASK
 
 
 def plain(text: str) -> tuple[str, int]:
@@ -33,6 +32,12 @@ FRAGMENTS = [
     "ghp_", "gho_", "GHP_", "github_pat_", "\u212a", "\u0130", "\u0131", "\x00", "=", ": ",
     ":", '"', "'", " ", "\n", "\t", ".", "-", "_", "/", "+", "&", "A" * 16, "a1B2" * 5,
     "Zz09" * 4, "passenger", "Asia", "flight", "\u00e9", "\U0001f600", "\ud800",
+    "-----BEGIN RSA PRIVATE KEY-----", "-----END RSA PRIVATE KEY-----", "://", "@", "user:pw",
+    "Authorization", "Basic ", "dXNlcjpwYXNz", "sk_live_", "rk_test_", "hf_", "glpat-",
+    "api_key", "ApiKey", "token", "TOKEN", "client_secret", "DB_PASS", "?pass", "&pass",
+    "private_key", "AccountKey", "--password ", " is ", "credentials", "-u ", "--user=",
+    "npm_", "xapp-", "GOCSPX-", "ya29.", "SG.", "whsec_", "=>", ":=", "\\", "`", "\u0130",
+    "\u0131", "{", "}", ",", ";",
 ]
 texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)),
                  max_size=30).map("".join)
@@ -44,8 +49,14 @@ texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)),
 @example("\u017fecret_access_key=" + "A" * 40)
 @example("BEARER abcdefghijklmnop")
 def test_one_text_as_the_plain_pass(text):
-    r = Redactor()
-    assert (r(text), r.count) == plain(text)
+    """Through the literal search alone and through the piece screen (threshold 0)."""
+    for min_chars in (10**9, 0):
+        saved, R.PIECES_MIN_CHARS = R.PIECES_MIN_CHARS, min_chars
+        try:
+            r = Redactor()
+            assert (r(text), r.count) == plain(text)
+        finally:
+            R.PIECES_MIN_CHARS = saved
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -87,20 +98,21 @@ def test_user_patterns_apply_on_the_batch_path():
 
 
 def test_folded_characters_are_every_non_ascii_match_of_a_case_insensitive_letter():
-    """``FOLDED`` must list every character outside ASCII that ``re`` matches as a letter of
-    a case-insensitive part of a default pattern (else a screen could clear a secret)."""
-    assert "".join(DEFAULT_PATTERNS).count("(?i") == 4   # the parts below, nothing else
-    parts = (R._PASSWORD_KEY * 2 + R._AWS_SECRET_KEY).replace("(?i:", "") + "bearer"
-    letters = "".join(sorted({c for c in parts if c.isalpha()}))
-    pat = re.compile(f"(?i)[{letters}]")
+    """``FOLDED`` must list every character outside ASCII that ``re`` matches as an ASCII
+    letter case-insensitively (any letter: a screen could otherwise clear a secret), and the
+    prefilter must read each as that letter."""
+    pat = re.compile("(?i)[a-z]")
     found = {chr(cp) for cp in range(0x80, sys.maxunicode + 1) if pat.fullmatch(chr(cp))}
     assert found <= set(R.FOLDED), sorted(found - set(R.FOLDED))
+    for c in R.FOLDED:
+        letter = next(a for a in "abcdefghijklmnopqrstuvwxyz" if re.fullmatch(f"(?i){a}", c))
+        assert letter in R._lowered(c)
 
 
-DATA = Path(__file__).resolve().parent.parent.parent / "shared" / "data"
+DATA = SHARED_DATA
 
 
-@pytest.mark.skipif(not (DATA / "tau-bench").exists(), reason="needs ../shared/data")
+@pytest.mark.skipif(not (DATA / "tau-bench").exists(), reason="needs the shared data (DRACO_SHARED_DATA)")
 def test_real_rollout_texts_as_the_plain_pass():
     out: list[str] = []
     for f in sorted((DATA / "tau-bench").glob("*.json"))[:2]:

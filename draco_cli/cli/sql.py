@@ -30,6 +30,10 @@ def sql(
     table: Annotated[str, typer.Option(
         "--table", help="View name for the table read from - (stdin), e.g. verdicts.")]
     = "stdin",
+    allow_external: Annotated[bool, typer.Option(
+        "--allow-external", help="Let the query read any file, write files (COPY, EXPORT), "
+        "ATTACH databases and load extensions; by default it reads only the inputs (with no "
+        "input, the current folder) and writes nothing.")] = False,
     fmt: Format = None,
     as_json: Json = False,
 ) -> None:
@@ -57,7 +61,7 @@ def sql(
     cat = catalog([Path(a) for a in args if a != "-"], stream, table)
     for line in cat.notes:
         warn(line)
-    con = connect(cat)
+    con = connect(cat, read_only=not allow_external)
     if query is None and sys.stdin.isatty():
         _shell(con, out_fmt)
         return

@@ -27,6 +27,10 @@ def scrub(text: str | None) -> str | None:
             text = text.replace(value, "[redacted]")
     # Each pattern holds one of these literals; most texts (whole request bodies) hold none,
     # and three substring searches cost far less than three regex scans.
+    # and the default redaction of rollout text (an error quoting a rollout's secret)
+    from draco_cli.redact import redact
+
+    text = redact(text)
     low = text.lower()
     if "sk-" not in low and "bearer" not in low and "x-api-key" not in low:
         return text

@@ -72,7 +72,7 @@ def _connect(runs: list[Run]) -> DuckDBPyConnection:
     (``call_totals``): the report never holds a row per call."""
     from draco_cli.sql import catalog, connect
 
-    con = connect(catalog([r.dir for r in runs], call_totals=True))
+    con = connect(catalog([r.dir for r in runs], call_totals=True), read_only=False)
     # one thread: the report's queries take milliseconds, and each extra thread keeps buffers
     con.execute("SET threads = 1")
     return con
