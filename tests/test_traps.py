@@ -246,3 +246,25 @@ def test_the_python_api_checks_its_inputs_like_the_cli(server, tmp_path):
     res = draco("run", "--rollouts", empty, "--steps", SAMPLE_SA, "--setting", "outcome",
                 "-o", tmp_path / "empty")
     assert res.returncode != 0, "zero rollouts gave exit 0"
+
+
+def test_an_unanswered_merge_leaves_the_group_its_candidates(monkeypatch, tmp_path):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+
+    def no_merge(body, i):
+        if "curate the final" in body["messages"][0]["content"]:
+            return "not json at all"
+        return scripted(body, i)
+
+    s = FakeLLMServer(answer=no_merge).start()
+    try:
+        res = draco("rubric", "generate", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA,
+                    "--model", "openai/m", "--base-url", s.url + "/v1", "--parse-retries", "0",
+                    "-o", tmp_path / "rb")
+    finally:
+        s.stop()
+    rubrics = pl.read_parquet(tmp_path / "rb" / "rubrics.parquet")
+    groups = pl.read_parquet(SAMPLE_RA)["group_id"].unique()
+    assert set(rubrics["group_id"]) == set(groups)            # every group keeps criteria
+    assert set(rubrics["source"]) <= {"generate", "union"}
+    assert "whose merge call went unanswered are judged on their candidates" in res.stderr

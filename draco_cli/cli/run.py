@@ -129,7 +129,8 @@ def run(
         err_console.print(f"waiting: another draco run (pid {holder}) is writing {run_dir}",
                           highlight=False)
 
-    llmrun.announce_batch(llm)   # only with --batch: draco run calls online by default
+    if llm is not None and llm.batch:   # only with --batch: draco run calls online by default
+        llmrun.announce_batch(llm)
     try:
         with llmrun.progress_bar("run") as bar:
             result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar,

@@ -94,6 +94,9 @@ class RubricResult:
     rubrics: pl.DataFrame
     groups_without_rubric: list[str] = field(default_factory=list)
     capped: int = 0
+    # groups whose merge call went unanswered (after the client's retries): their deduplicated
+    # candidates stand as the rubric, so the group is still judged; a rerun asks the merge again
+    merge_fallback: list[str] = field(default_factory=list)
 
 
 def _groups(rollouts: pl.DataFrame) -> list[tuple[str, str, list[str], str | None]]:
@@ -241,12 +244,19 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                     group_id, instruction, mine, max_criteria, render, sampling,
                     context_of(task_context))))
         merged = (yield [r for _, r in merge_jobs]) if merge_jobs else []
+        fallback = []
         for (group_id, _), [answer] in zip(merge_jobs, merged):
             if answer.status == "ok":
                 crit = dedupe([c.model_dump() for c in _drafts(answer)])
                 capped += max(len(crit) - max_criteria, 0)
                 final[group_id] = crit[:max_criteria]
                 sources[group_id] = "merge"
+            else:
+                mine = by_group[group_id]
+                capped += max(len(mine) - max_criteria, 0)
+                final[group_id] = [{"title": c["title"], "requirement": c["requirement"],
+                                    "source": c["stage"]} for c in mine[:max_criteria]]
+                fallback.append(group_id)
     else:
         for group_id, _, _, _ in groups:
             mine = by_group.get(group_id, [])
@@ -264,7 +274,8 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                                          "title": pl.String, "requirement": pl.String,
                                          "source": pl.String})
     missing = [g for g, *_ in groups if not final.get(g)]
-    return RubricResult(candidates, rubrics, missing, capped)
+    return RubricResult(candidates, rubrics, missing, capped,
+                        fallback if "merge" in stages else [])
 
 
 # --- static rubrics -----------------------------------------------------------------------

@@ -83,6 +83,10 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
     if summary.missing:
         report.notes.append(f"{summary.missing} group(s) got no criteria "
                             f"(unanswered calls): {', '.join(summary.missing_first)}")
+    if summary.merge_fallback:
+        report.notes.append(f"{summary.merge_fallback} group(s) whose merge call went "
+                            "unanswered are judged on their candidates (capped at "
+                            f"--max-criteria); a rerun asks the merge again")
     if summary.capped:
         report.notes.append(f"{summary.capped} criteria beyond --max-criteria {max_criteria} "
                             "dropped")
@@ -97,12 +101,14 @@ class _Summary:
 
     def __init__(self) -> None:
         self.missing = self.capped = self.criteria = self.groups = self.candidates = 0
+        self.merge_fallback = 0
         self.missing_first: list[str] = []
 
     def add(self, res: RubricResult) -> None:
         self.missing += len(res.groups_without_rubric)
         self.missing_first += res.groups_without_rubric[: 5 - len(self.missing_first)]
         self.capped += res.capped
+        self.merge_fallback += len(res.merge_fallback)
         self.criteria += res.rubrics.height
         self.groups += res.rubrics["group_id"].n_unique()   # a group is in one chunk only
         self.candidates += res.candidates.height
