@@ -133,6 +133,10 @@ def test_run_on_the_bucket_equals_local_and_resumes_from_it(s3, llm, tmp_path):
     hits = sum(llm.hits.values())
     res = run_draco(*run_args(ro, st, s3.uri("runs/a"), llm))
     assert res.returncode == 0, res.stderr.decode()
+    # where the outputs are: the bucket, not this machine's cache
+    said = res.stderr.decode()
+    assert f"token advantages: {s3.uri('runs/a')}/credit/token_advantages.parquet" in said
+    assert f"next: draco report {s3.uri('runs/a')} -o" in said
     for t in RUN_TABLES:
         assert s3.table(f"runs/a/{t}").equals(pl.read_parquet(tmp_path / "local" / t)), t
     assert "runs/a/manifest.json" in s3.keys() and "runs/a/llm_calls.sqlite" in s3.keys()

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 import typer
 
 from draco_cli.cli import llmrun
-from draco_cli.cli.console import err_console
+from draco_cli.cli.console import err_console, remote_named
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
 from draco_cli.cli.options import (IN, OUT, CREDIT_PANEL, LLM_PANEL, CallLogPath, folder_path,
@@ -186,7 +186,7 @@ def summary_document(result: RunResult, run_dir: Path) -> dict[str, Any]:
     credit = m["stages"].get("credit", {})
     stats = credit.get("stats", {}) or {}
     return {
-        "run_dir": str(run_dir), "status": m.get("status"), "train_step": m.get("train_step"),
+        "run_dir": remote_named(str(run_dir)), "status": m.get("status"), "train_step": m.get("train_step"),
         "setting": (m.get("settings") or {}).get("setting"),
         "reward": credit.get("reward"),
         "groups": stats.get("groups"), "rollouts": stats.get("rollouts"),
@@ -197,7 +197,9 @@ def summary_document(result: RunResult, run_dir: Path) -> dict[str, Any]:
         "cost_usd": None if unpriced else sum(v.get("cost_usd") or 0 for v in calls.values()),
         "wall_seconds": m.get("wall_seconds"), "skipped": list(result.skipped),
         "healthy": bool(result.healthy), "budget_reached": bool(result.budget_reached),
-        "health": m.get("health"), "token_advantages": m.get("token_advantages"),
+        "health": m.get("health"),
+        "token_advantages": remote_named(m["token_advantages"]) if m.get("token_advantages")
+        else None,
     }
 
 
@@ -243,11 +245,14 @@ def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
         answered_ok = all(s.get("ok", True) for s in (health.get("stages") or {}).values())
         what = ("signal check failed" if answered_ok else
                 f"health check failed (--min-answered {health.get('threshold')})")
-        err_console.print(f"[red]{what}[/]; see {run_dir}/manifest.json; fix the cause and "
-                          "rerun the same command: answered calls are reused", highlight=False)
+        err_console.print(remote_named(f"[red]{what}[/]; see {run_dir}/manifest.json; fix the "
+                          "cause and rerun the same command: answered calls are reused"),
+                          highlight=False)
         raise typer.Exit(1)
     if m["status"] == "partial":
         err_console.print("[yellow]some calls went unanswered[/]: rerun the same command to "
                           "ask them again (answered ones are reused)", highlight=False)
-    err_console.print(f"[green]token advantages:[/] {m['token_advantages']}", highlight=False)
-    err_console.print(f"next: draco report {run_dir} -o {run_dir}/report.html", highlight=False)
+    err_console.print(remote_named(f"[green]token advantages:[/] {m['token_advantages']}"),
+                      highlight=False)
+    err_console.print(remote_named(f"next: draco report {run_dir} -o {run_dir}/report.html"),
+                      highlight=False)
