@@ -81,6 +81,10 @@ ParseRetries = Annotated[int, typer.Option(
 MaxCost = Annotated[float | None, typer.Option(
     help="Stop issuing calls once this many USD are spent; rerun to resume.",
         rich_help_panel=LLM_PANEL)]
+MaxReplyMib = Annotated[float, typer.Option(
+    "--max-reply-mib", help="Largest reply body a call takes, in MiB after decompression: a "
+    "larger one (or a gzip bomb) is not read on, and that call ends unanswered with the reason.",
+        rich_help_panel=LLM_PANEL)]
 Prices = Annotated[Path | None, typer.Option(
     parser=IN, help="Price table JSON overriding the shipped one (USD per million tokens).",
         rich_help_panel=LLM_PANEL)]
@@ -171,7 +175,8 @@ _LLM: dict[str, tuple[Any, Any]] = {
     "max_cost": (MaxCost, None), "prices": (Prices, None), "batch": (Batch, None),
     "thinking": (Thinking, "off"), "structured_output": (StructuredOutput, "auto"),
     "system_role": (SystemRole, "keep"), "use_n": (UseN, True),
-    "temperature": (Temperature, None), "seed": (Seed, None), "adapt": (Adapt, None)}
+    "temperature": (Temperature, None), "seed": (Seed, None), "adapt": (Adapt, None),
+    "max_reply_mib": (MaxReplyMib, 32.0)}
 
 
 def llm_options(*names: str, model: tuple[Any, Any] = (Model, ...)

@@ -26,7 +26,7 @@ from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.answers import parse_choice, reask
 from draco_cli.llm.batch import run_batch
 from draco_cli.llm.calllog import CallLog
-from draco_cli.llm.errors import BudgetReached, RequestRejected, Retryable
+from draco_cli.llm.errors import BudgetReached, ReplyRefused, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
 from draco_cli.llm.limits import RateLimiter
 from draco_cli.llm.pool import EndpointPool
@@ -68,13 +68,16 @@ class LLMClient:
         seed: int | None = None,
         adaptive: bool | None = None,
         deadline: float | None = None,
+        max_reply_bytes: int | None = None,   # None: the providers' default (32 MiB)
     ) -> None:
         self.model = model
         self.provider_name, _ = parse_model_id(model)
         self.log = call_log
         self.concurrency = concurrency
         self.max_retries = max_retries
-        self.retry = RetryPolicy(max_retries, backoff_base, backoff_cap)
+        # a server's Retry-After is waited at most the call's own timeout
+        self.retry = RetryPolicy(max_retries, backoff_base, backoff_cap, wait_cap=timeout)
+        self.max_reply_bytes = max_reply_bytes
         self.parse_retries = parse_retries
         self.max_cost = max_cost
         self.prices = prices or PriceTable.load()
@@ -131,7 +134,8 @@ class LLMClient:
         def one(url: str | None) -> Provider:
             return make_provider(self.model, base_url=url, concurrency=self.concurrency,
                                  timeout=self.timeout, structured_output=self.structured_output,
-                                 system_role=self.system_role, use_n=self.use_n)
+                                 system_role=self.system_role, use_n=self.use_n,
+                                 max_reply_bytes=self.max_reply_bytes)
 
         provider: Provider
         if len(urls) > 1:
@@ -322,6 +326,8 @@ class LLMClient:
         except BudgetReached:
             self.stats[req.phase].skipped += len(samples)
             return [Answer(i, "skipped", reason="budget reached (--max-cost)") for i in samples]
+        except ReplyRefused as exc:   # too large, or impossible token counts: nothing counted
+            return [self._final_unanswered(req, i, str(exc), Usage(), 0.0, 0) for i in samples]
         share = 1.0 / max(len(reply.choices), 1)
         out: list[Answer] = []
         for i, choice in zip(samples, reply.choices):
@@ -359,6 +365,8 @@ class LLMClient:
             except BudgetReached:
                 return self._final_unanswered(req, sample, "budget reached during re-ask",
                                               usage, cost, attempt)
+            except ReplyRefused as exc:
+                return self._final_unanswered(req, sample, str(exc), usage, cost, attempt)
             choice = reply.choices[0] if reply.choices else Choice(None, "empty")
             share = 1.0
             usage = usage + reply.usage
@@ -381,7 +389,7 @@ class LLMClient:
     def _cost(self, usage: Usage, batch: bool = False) -> float:
         if self.provider_name in FREE or not self.priced:
             return 0.0   # (an unpriced model's lookup would scan the whole table each call)
-        return self.prices.cost(self.model, usage, batch)
+        return max(0.0, self.prices.cost(self.model, usage, batch))   # never lowers the total
 
     def _cost_of(self, reply: Reply) -> float:
         """A reply's cost, worked out once (its rows, stats and budget all ask)."""
@@ -443,10 +451,11 @@ class LLMClient:
                 self.reserved += usd
                 try:
                     return await provider.complete(req, messages, samples)
-                except RequestRejected as exc:
+                except (RequestRejected, ReplyRefused) as exc:
                     stats.calls += 1
-                    self.rows.failure(req, samples, n, str(exc), exc.body)
-                    self.rejections.append(str(exc))
+                    self.rows.failure(req, samples, n, str(exc), getattr(exc, "body", None))
+                    if isinstance(exc, RequestRejected):
+                        self.rejections.append(str(exc))
                     raise
                 except Retryable as exc:
                     if not exc.logged:  # the fleet logs its own failures

@@ -46,3 +46,10 @@ class Retryable(Exception):
 
 class BudgetReached(Exception):
     """A call not sent: the budget (``--max-cost``) is spent or committed."""
+
+
+class ReplyRefused(Exception):
+    """A reply draco will not use: its body is larger than ``--max-reply-mib`` (before or after
+    decompression), or its token counts are impossible (negative, not whole numbers, absurd).
+    The call's samples end unanswered with this reason (a rerun asks them again); nothing it
+    reported is counted, so its cost is 0 and the ``--max-cost`` total is never lowered."""

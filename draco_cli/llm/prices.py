@@ -36,6 +36,10 @@ class PriceTable:
             except (KeyError, TypeError, ValueError) as exc:
                 raise InputError(f"bad price entry ({exc})", file=source, field=f"models.{name}") \
                     from None
+            got = self.models[name]
+            if min(got.input, got.cached_input, got.output, float(got.cache_write or 0)) < 0:
+                raise InputError("a negative price (a call would lower the --max-cost total)",
+                                 file=source, field=f"models.{name}")
 
     @classmethod
     def load(cls, path: str | Path | None = None) -> PriceTable:

@@ -1,7 +1,8 @@
 """The retry policy of every exchange with an API (a single call, a batch upload or poll),
 written once: a ``Retryable`` failure waits (the server's Retry-After, else exponential
 backoff with jitter) and tries again, up to ``max_retries`` times (a refused connection twice:
-no server is listening); anything else propagates at once."""
+no server is listening); anything else propagates at once. A server's Retry-After is never
+waited longer than ``wait_cap`` (the call's own timeout): a server cannot park a client."""
 
 from __future__ import annotations
 
@@ -22,6 +23,7 @@ class RetryPolicy:
     max_retries: int = 6
     backoff_base: float = 1.0
     backoff_cap: float = 60.0
+    wait_cap: float | None = None   # the longest server-sent wait honoured (--timeout)
 
     def delay(self, exc: Retryable, attempt: int, what: str) -> float:
         """Seconds to wait after attempt ``attempt`` (from 0) failed with ``exc``; an
@@ -30,9 +32,12 @@ class RetryPolicy:
         if attempt >= limit:
             raise LLMError(f"{what}: giving up after {attempt + 1} attempts "
                            f"({scrub(str(exc))})") from None
-        delay = exc.retry_after if exc.retry_after is not None else min(
-            self.backoff_cap, self.backoff_base * 2 ** attempt)
-        return delay * random.uniform(1.0, 1.25)  # jitter: spread the herd
+        jitter = random.uniform(1.0, 1.25)  # spread the herd
+        if exc.retry_after is None:
+            return min(self.backoff_cap, self.backoff_base * 2.0 ** attempt) * jitter
+        # the server's own wait (Retry-After: 1000000, or inf), within the call's timeout
+        wait = max(exc.retry_after, 0.0) * jitter
+        return wait if self.wait_cap is None else min(wait, self.wait_cap)
 
     async def run(self, call: Callable[[int], Awaitable[T]], what: str) -> T:
         """``await call(attempt)`` until it returns, retrying ``Retryable`` failures."""

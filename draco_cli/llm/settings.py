@@ -33,6 +33,7 @@ class LLMSettings:
     temperature: float | None = None
     seed: int | None = None
     adaptive: bool | None = None  # None: on for self-hosted servers (--base-url)
+    max_reply_mib: float = 32.0   # the largest reply body a call takes, after decompression
 
     def __post_init__(self) -> None:
         from draco_cli.llm.pool import base_urls
@@ -41,6 +42,9 @@ class LLMSettings:
         if self.structured_output not in STRUCTURED_FORMS:
             raise UsageError(f"--structured-output {self.structured_output}: choose from "
                              f"{', '.join(STRUCTURED_FORMS)}")
+        if not self.max_reply_mib > 0 or self.max_reply_mib == float("inf"):
+            raise UsageError(f"--max-reply-mib {self.max_reply_mib}: give a positive number of "
+                             "MiB (default 32)")
         urls = base_urls(self.base_url)
         self.base_url = None if not urls else urls[0] if len(urls) == 1 else tuple(urls)
 
@@ -53,4 +57,5 @@ class LLMSettings:
                          else self.base_url,
                          structured_output=self.structured_output, system_role=self.system_role,
                          use_n=self.use_n, temperature=self.temperature, seed=self.seed,
-                         adaptive=self.adaptive)
+                         adaptive=self.adaptive,
+                         max_reply_bytes=int(self.max_reply_mib * 2**20))

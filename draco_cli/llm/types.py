@@ -193,6 +193,40 @@ class Usage:
         return Usage(*(round(a * share) for a in astuple_usage(self)))
 
 
+# More tokens than this in one reply is a server fault, never a bill (no model's context holds
+# a hundredth of it).
+MAX_REPLY_TOKENS = 100_000_000
+
+
+def token_count(name: str, value: object) -> int:
+    """A token count a reply reports (``name`` as the reply spells it; absent: 0), or
+    ``ReplyRefused`` when it cannot be one: negative, not a whole number, or absurd."""
+    if value is None:
+        return 0
+    if isinstance(value, float) and value.is_integer():
+        value = int(value)
+    if type(value) is not int or not 0 <= value <= MAX_REPLY_TOKENS:
+        from draco_cli.llm.errors import ReplyRefused
+
+        raise ReplyRefused(f"reply not used: the server reported {name} = {str(value)[:40]}, "
+                           "not a possible token count (its answer and cost are not counted)")
+    return value
+
+
+def counts(body: object, *path: str) -> dict[str, Any]:
+    """The object at ``path`` in a reply (absent or null: empty); anything else than an
+    object is a reply that cannot be counted (``ReplyRefused``)."""
+    for key in path:
+        body = body.get(key) if isinstance(body, dict) else body
+        if body is None:
+            return {}
+        if not isinstance(body, dict):
+            from draco_cli.llm.errors import ReplyRefused
+
+            raise ReplyRefused(f"reply not used: its {'.'.join(path)} is not an object")
+    return body if isinstance(body, dict) else {}
+
+
 def astuple_usage(u: Usage) -> tuple[int, ...]:
     return (u.input_tokens, u.cached_tokens, u.cache_write_tokens, u.output_tokens,
             u.reasoning_tokens)

@@ -63,9 +63,12 @@ def provider_class(name: str) -> type[Provider]:
 
 def make_provider(model: str, *, base_url: str | None = None, concurrency: int = 16,
                   timeout: float = 120.0, structured_output: str | None = None,
-                  system_role: bool = True, use_n: bool = True) -> Provider:
+                  system_role: bool = True, use_n: bool = True,
+                  max_reply_bytes: int | None = None) -> Provider:
+    """``max_reply_bytes``: the largest reply body a call takes (default 32 MiB)."""
     provider, name = parse_model_id(model)
+    extra = {} if max_reply_bytes is None else {"max_reply_bytes": max_reply_bytes}
     return provider_class(provider)(
         name, base_url=base_url or os.environ.get("DRACO_BASE_URL"), concurrency=concurrency,
         timeout=timeout, structured_output=structured_output, system_role=system_role,
-        use_n=use_n)
+        use_n=use_n, **extra)

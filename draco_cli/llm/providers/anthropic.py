@@ -9,11 +9,11 @@ from typing import Any
 
 import anthropic
 
-from draco_cli.llm.errors import LLMError
+from draco_cli.llm.errors import LLMError, ReplyRefused
 from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, BatchState, Provider, fold_system,
                                           schema_instruction, split_system, with_instruction)
 from draco_cli.llm.providers.sdk import get_json, get_text, http_client, jsonl, post_json
-from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
+from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage, counts, token_count
 
 
 class AnthropicProvider(Provider):
@@ -27,7 +27,7 @@ class AnthropicProvider(Provider):
 
     def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float,
                  structured_output: str | None = None, system_role: bool = True,
-                 use_n: bool = False):
+                 use_n: bool = False, max_reply_bytes: int | None = None):
         self._anthropic = anthropic
         self.model = model
         self.form = self._form(structured_output)
@@ -83,7 +83,7 @@ class AnthropicProvider(Provider):
         body = self.body(req, messages)
         message, latency = await post_json(self._anthropic, self.client, "/v1/messages", body,
                                            f"anthropic/{self.model}")
-        return Reply([anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
+        return Reply([anthropic_choice(message)], anthropic_usage(message),
                      body, message, latency)
 
     async def close(self) -> None:
@@ -127,9 +127,12 @@ class AnthropicProvider(Provider):
             result = entry.get("result") or {}
             if result.get("type") == "succeeded" and entry.get("custom_id"):
                 message = result["message"]
-                out[entry["custom_id"]] = Reply(
-                    [anthropic_choice(message)], anthropic_usage(message.get("usage") or {}),
-                    {}, message, 0.0, batch_id)
+                try:
+                    usage = anthropic_usage(message)
+                except ReplyRefused:
+                    continue   # a line with impossible counts: unanswered, asked again
+                out[entry["custom_id"]] = Reply([anthropic_choice(message)], usage, {},
+                                                message, 0.0, batch_id)
         return out
 
 
@@ -147,11 +150,18 @@ def anthropic_choice(message: dict[str, Any]) -> Choice:
     return Choice(text=text, finish=finish, refusal=text if finish == "refusal" else None)
 
 
-def anthropic_usage(u: dict[str, Any]) -> Usage:
+def anthropic_usage(message: dict[str, Any]) -> Usage:
+    """A message's usage; ``ReplyRefused`` for counts that cannot be (``token_count``)."""
     # Anthropic's input_tokens exclude cache reads and cache writes.
-    details = u.get("output_tokens_details") or {}
-    return Usage(input_tokens=u.get("input_tokens") or 0,
-                 cached_tokens=u.get("cache_read_input_tokens") or 0,
-                 cache_write_tokens=u.get("cache_creation_input_tokens") or 0,
-                 output_tokens=u.get("output_tokens") or 0,
-                 reasoning_tokens=details.get("thinking_tokens") or 0)
+    u = counts(message, "usage")
+
+    def count(name: str) -> int:
+        return token_count(f"usage.{name}", u.get(name))
+
+    return Usage(input_tokens=count("input_tokens"),
+                 cached_tokens=count("cache_read_input_tokens"),
+                 cache_write_tokens=count("cache_creation_input_tokens"),
+                 output_tokens=count("output_tokens"),
+                 reasoning_tokens=token_count("usage.output_tokens_details.thinking_tokens",
+                                              counts(u, "output_tokens_details")
+                                              .get("thinking_tokens")))

@@ -11,6 +11,9 @@ from typing import Any
 from draco_cli.llm.errors import LLMError, ModelSpecError
 from draco_cli.llm.types import LLMRequest, Reply
 
+# The largest reply body (after decompression) a call takes: --max-reply-mib, default 32 MiB.
+DEFAULT_MAX_REPLY_BYTES = 32 * 2**20
+
 # How a request asks for a JSON answer (``--structured-output``). Servers differ; `draco llm
 # check` probes which of these a server accepts and prints the one to use.
 STRUCTURED_FORMS = {
@@ -85,7 +88,8 @@ class Provider(abc.ABC):
 
     def __init__(self, model: str, *, base_url: str | None = None, concurrency: int = 16,
                  timeout: float = 120.0, structured_output: str | None = None,
-                 system_role: bool = True, use_n: bool = True) -> None:
+                 system_role: bool = True, use_n: bool = True,
+                 max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
         """Every provider is made with these (``make_provider``) and uses those its API has."""
         self.model = model
 

@@ -6,12 +6,14 @@ from __future__ import annotations
 
 import asyncio
 import json
+import math
 import os
 import time
 from typing import Any
 
-from draco_cli.llm.errors import ModelSpecError, RequestRejected, Retryable
+from draco_cli.llm.errors import ModelSpecError, ReplyRefused, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
+from draco_cli.llm.providers.base import DEFAULT_MAX_REPLY_BYTES
 
 
 def refused(exc: BaseException) -> bool:
@@ -41,13 +43,18 @@ def _dropped(exc: BaseException) -> bool:
 
 
 def retry_after_of(headers: Any) -> float | None:
+    """The seconds a reply's Retry-After asks for: None when absent or not a number (nan
+    too), 0 for a negative one; a huge or infinite one is kept (``RetryPolicy`` caps it)."""
     if not headers:
         return None
     value = headers.get("retry-after")
     try:
-        return float(value) if value is not None else None
+        seconds = float(value) if value is not None else None
     except ValueError:
         return None
+    if seconds is None or math.isnan(seconds):
+        return None
+    return max(seconds, 0.0)
 
 
 _TLS: dict[tuple[str | None, str | None], Any] = {}
@@ -78,7 +85,8 @@ class AioHttpPost:
     URL behind a proxy stays on the SDK path: ``env_proxy``), and maps every failure to the
     same ``Retryable`` / ``RequestRejected`` as the SDK path."""
 
-    def __init__(self, headers: dict[str, str], concurrency: int, timeout: float) -> None:
+    def __init__(self, headers: dict[str, str], concurrency: int, timeout: float,
+                 max_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
         for name, value in headers.items():
             if any(c in value for c in "\r\n\0"):   # e.g. a key pasted with its line break
                 raise ModelSpecError(f"header {name[:40]!r} holds a character HTTP does not "
@@ -87,6 +95,7 @@ class AioHttpPost:
         self.headers = headers
         self.concurrency = concurrency
         self.timeout_s = timeout
+        self.max_bytes = max_bytes
         self._session: Any = None
 
     def _open(self) -> Any:
@@ -117,7 +126,7 @@ class AioHttpPost:
         try:
             async with session.post(url, data=data, headers=self.headers, timeout=self.timeout,
                                     allow_redirects=False) as resp:
-                raw = await resp.read()
+                raw = await bounded_body(resp, self.max_bytes)
                 status, headers = resp.status, resp.headers
                 # only an error body is decoded by its charset: Content-Type is parsed (a
                 # few µs in aiohttp) only then
@@ -135,6 +144,28 @@ class AioHttpPost:
         if self._session is not None:
             await self._session.close()
             self._session = None
+
+
+async def bounded_body(resp: Any, limit: int) -> bytes:
+    """A reply's body, decompressed, read as it arrives and given up on (``ReplyRefused``) as
+    soon as it passes ``limit`` bytes, so neither a huge body (chunked or not) nor a small
+    compressed one inflating to gigabytes is ever held (aiohttp inflates a chunk at a time)."""
+    declared = resp.content_length
+    if declared is not None and declared > limit:
+        raise ReplyRefused(too_large(limit, f"its Content-Length is {declared:,} bytes"))
+    parts: list[bytes] = []
+    size = 0
+    async for chunk in resp.content.iter_any():
+        size += len(chunk)
+        if size > limit:
+            raise ReplyRefused(too_large(limit, "its body (decompressed) is larger"))
+        parts.append(chunk)
+    return parts[0] if len(parts) == 1 else b"".join(parts)
+
+
+def too_large(limit: int, what: str) -> str:
+    return (f"reply not used: {what}, over --max-reply-mib {limit / 2**20:g} MiB "
+            "(raise it if the server's replies are really that large)")
 
 
 def _reply(status: int, headers: Any, raw: bytes, charset: str | None, latency: float,

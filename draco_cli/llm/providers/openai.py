@@ -10,12 +10,13 @@ from typing import Any
 
 import openai
 
-from draco_cli.llm.errors import LLMError, Retryable
-from draco_cli.llm.providers.base import (OPENAI_FORMS, BatchState, Provider, fold_system,
-                                          schema_instruction, with_instruction)
+from draco_cli.llm.errors import LLMError, ReplyRefused, Retryable
+from draco_cli.llm.providers.base import (DEFAULT_MAX_REPLY_BYTES, OPENAI_FORMS, BatchState,
+                                          Provider, fold_system, schema_instruction,
+                                          with_instruction)
 from draco_cli.llm.providers.http import AioHttpPost, env_proxy
 from draco_cli.llm.providers.sdk import get_json, get_text, http_client, jsonl, mapped, post_json
-from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
+from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage, counts, token_count
 
 
 def direct_headers(client: openai.AsyncOpenAI, timeout: float) -> dict[str, str] | None:
@@ -42,7 +43,7 @@ class OpenAIProvider(Provider):
 
     def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float,
                  structured_output: str | None = None, system_role: bool = True,
-                 use_n: bool = True):
+                 use_n: bool = True, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES):
         self._openai = openai
         self.model = model
         self.self_hosted = base_url is not None
@@ -62,7 +63,8 @@ class OpenAIProvider(Provider):
         self._chat_url = f"{self.client.base_url}chat/completions"
         # single calls: draco's aiohttp route unless the key is not static or a proxy is set
         headers = None if env_proxy(self._chat_url) else direct_headers(self.client, timeout)
-        self.direct = AioHttpPost(headers, concurrency, timeout) if headers is not None else None
+        self.direct = None if headers is None else AioHttpPost(headers, concurrency, timeout,
+                                                               max_reply_bytes)
         self._rest_json: dict[Any, str] = {}   # see ``wire``
 
     def _response_format(self, req: LLMRequest) -> dict[str, Any]:
@@ -183,7 +185,10 @@ class OpenAIProvider(Provider):
         for item in jsonl(text):
             resp = item.get("response") or {}
             if resp.get("status_code") == 200 and item.get("custom_id"):
-                out[item["custom_id"]] = openai_reply(resp["body"], {}, batch_id)
+                try:
+                    out[item["custom_id"]] = openai_reply(resp["body"], {}, batch_id)
+                except ReplyRefused:
+                    continue   # a line with impossible counts: unanswered, asked again
         return out
 
 
@@ -219,11 +224,16 @@ def openai_reply(body: dict[str, Any], request_body: dict[str, Any],
         choices.append(Choice(text=msg.get("content"),
                               finish="refusal" if refusal else c.get("finish_reason") or "stop",
                               refusal=refusal))
-    u = body.get("usage") or {}
-    cached = (u.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+    u = counts(body, "usage")
+    prompt = token_count("usage.prompt_tokens", u.get("prompt_tokens"))
+    cached = token_count("usage.prompt_tokens_details.cached_tokens",
+                         counts(u, "prompt_tokens_details").get("cached_tokens"))
     # OpenAI's prompt_tokens include the cached ones; completion_tokens include reasoning.
-    usage = Usage(input_tokens=(u.get("prompt_tokens") or 0) - cached, cached_tokens=cached,
-                  output_tokens=u.get("completion_tokens") or 0,
-                  reasoning_tokens=(u.get("completion_tokens_details") or {})
-                  .get("reasoning_tokens") or 0)
+    usage = Usage(input_tokens=token_count("usage.prompt_tokens less its cached_tokens",
+                                           prompt - cached), cached_tokens=cached,
+                  output_tokens=token_count("usage.completion_tokens",
+                                            u.get("completion_tokens")),
+                  reasoning_tokens=token_count(
+                      "usage.completion_tokens_details.reasoning_tokens",
+                      counts(u, "completion_tokens_details").get("reasoning_tokens")))
     return Reply(choices, usage, request_body, body, 0.0, batch_id)
