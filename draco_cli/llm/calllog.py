@@ -109,21 +109,38 @@ def _now() -> str:
 
 @contextlib.contextmanager
 def read_only(path: str | os.PathLike[str]) -> Iterator[tuple[sqlite3.Connection, set[str]]]:
-    """A finished call log opened read-only, with the columns its ``calls`` table has; a file
-    that is not one (no such table, not SQLite) is a one-line error naming it."""
+    """A call log opened for reading (while a stage may still write it), with the columns its
+    ``calls`` table has; a file that is not one (no such table, not SQLite) is a one-line error
+    naming it, a transient SQLite error is retried (``retry_read``)."""
     from draco_cli.errors import InputError
 
+    p = Path(path)
+    if not p.is_file():
+        raise InputError("no such call log", file=str(path))
+    conn = reader(p)
     try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-            if not have:
-                raise sqlite3.DatabaseError("no calls table")
-            yield conn, have
-        finally:
-            conn.close()
+        have = retry_read(p, lambda: {row[1] for row in conn.execute("PRAGMA table_info(calls)")})
+        if not have:
+            raise InputError("not a draco call log (no calls table)", file=str(path))
+        yield conn, have
     except sqlite3.DatabaseError as exc:
         raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
+    finally:
+        conn.close()
+
+
+def reader(path: Path) -> sqlite3.Connection:
+    """A handle for reading a log a stage may be writing. A plain handle where the file and its
+    folder are writable (draco's readers issue no write; SQLite may checkpoint on close, as for
+    any reader): a mode=ro handle on a WAL database cannot rebuild the shared-memory index or
+    recover the WAL, and fails with an I/O error while other processes use the log."""
+    try:
+        if os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
+            return sqlite3.connect(path, check_same_thread=False, timeout=10.0)
+        return sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
+                               timeout=10.0)
+    except sqlite3.DatabaseError as exc:
+        raise _unreadable(path, exc) from None
 
 
 def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
@@ -151,14 +168,7 @@ def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     _check_file(path)
     if readonly:
-        # a read-write handle asked not to write, where the file allows it: a mode=ro handle on
-        # a WAL database cannot recover its shared memory when another process holds it
-        if os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
-            conn = sqlite3.connect(path, check_same_thread=False, timeout=10.0)
-            conn.execute("PRAGMA query_only = ON")
-        else:
-            conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
-                                   timeout=10.0)
+        conn = reader(path)
         _check_schema(conn, path)
     else:
         conn = sqlite3.connect(path, check_same_thread=False, timeout=30.0)

@@ -94,13 +94,24 @@ def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) ->
 
 def log_position(log_path: Path) -> int:
     """The call log's last row id (0 when there is none yet): rows after it are this run's."""
-    if not Path(log_path).exists():
+    from draco_cli.llm.calllog import reader
+    from draco_cli.llm.calllog_errors import retry_read
+
+    path = Path(log_path)
+    if not path.exists():
         return 0
-    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    conn = reader(path)
+
+    def read() -> int:
+        try:
+            return int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM calls").fetchone()[0])
+        except sqlite3.OperationalError as exc:
+            if "no such table" in str(exc):   # a log without its table yet
+                return 0
+            raise
+
     try:
-        return int(conn.execute("SELECT COALESCE(MAX(rowid), 0) FROM calls").fetchone()[0])
-    except sqlite3.OperationalError:  # a log without its table yet
-        return 0
+        return retry_read(path, read)
     finally:
         conn.close()
 
@@ -108,14 +119,17 @@ def log_position(log_path: Path) -> int:
 def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[str, int]:
     """Why samples of ``phases`` logged after row ``after`` stayed unanswered, counted per
     reason, read-only from the call log."""
+    from draco_cli.llm.calllog import reader
+    from draco_cli.llm.calllog_errors import retry_read
+
     if not Path(log_path).exists() or not phases:
         return {}
-    conn = sqlite3.connect(f"file:{log_path}?mode=ro", uri=True)
+    conn = reader(Path(log_path))
     try:
-        rows = conn.execute(
+        rows = retry_read(Path(log_path), lambda: conn.execute(
             f"SELECT error, COUNT(*) FROM calls WHERE status = 'unanswered' AND phase IN "
             f"({','.join('?' * len(phases))}) AND rowid > ? GROUP BY error",
-            (*phases, after)).fetchall()
+            (*phases, after)).fetchall())
     finally:
         conn.close()
     out: dict[str, int] = {}

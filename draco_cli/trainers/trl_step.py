@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Any, TypeVar
 
 import numpy as np
 
-from draco_cli.trainers.trl import completion_rows, group_rollouts
+from draco_cli.trainers.trl_rows import completion_rows, group_rollouts
 
 if TYPE_CHECKING:
     from draco_cli.inloop import BlockingStepScorer
