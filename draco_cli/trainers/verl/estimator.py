@@ -283,7 +283,7 @@ def _listed(td: Any, name: str) -> list[Any] | None:
     v = td[name]
     if hasattr(v, "is_nested") and v.is_nested:
         return list(v.unbind(0))
-    return list(v.tolist())
+    return list(v.tolist()) if hasattr(v, "tolist") else list(v)
 
 
 def v1_fields(keys: Sequence[str], partition_id: str) -> _V1Fields:

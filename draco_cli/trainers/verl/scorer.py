@@ -60,6 +60,9 @@ class DracoScorerActor:
         self.config, self.group_size, self.tokenizer = dict(config), group_size, tokenizer
         self._scorer: Any = None
         self._lock: asyncio.Lock | None = None
+        # (train step, group) -> members arrived, and the event set when all have
+        self._arrived: dict[tuple[int | None, str], int] = {}
+        self._complete: dict[tuple[int | None, str], asyncio.Event] = {}
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -89,6 +92,12 @@ class DracoScorerActor:
         scorer = await self._get()
         r = TrainerRollout(**rollout)
         await scorer.add(r)
+        key = (r.train_step, r.group_id)
+        done = self._complete.setdefault(key, asyncio.Event())
+        self._arrived[key] = self._arrived.get(key, 0) + 1
+        if self._arrived[key] == self.group_size:
+            done.set()
+        await done.wait()       # the group's other sessions may still be generating
         got = await scorer.advantages(r.rollout_id, r.train_step)
         return {"values": np.asarray(got.values, dtype=np.float32), "source": got.source,
                 "credit_mode": got.credit_mode}
@@ -99,6 +108,9 @@ class DracoScorerActor:
 
         scorer = await self._get()
         result = await scorer.finish(train_step, groups=groups)
+        for g in groups:
+            self._arrived.pop((train_step, g), None)
+            self._complete.pop((train_step, g), None)
         if self.config.get("audit_dir"):
             write_step(result, self.config["audit_dir"], keep=self.config.get("keep"))
         return dict(result.metrics)
