@@ -167,6 +167,30 @@ def test_groups_start_judging_while_others_generate(server, tmp_path):
     np.testing.assert_array_equal(first.values, res.rows[rollouts[0].rollout_id].values)
 
 
+def test_finish_some_groups_leaves_the_others_pending(server, tmp_path):
+    """An async trainer's batch holds part of a generation step: finishing those groups gives
+    their rows and metrics only; the step's other groups finish later."""
+    rollouts = batch(n_groups=3)
+
+    async def main():
+        async with StepScorer("openai/m", base_url=server.url + "/v1", group_size=GROUP,
+                              decode=decode, call_log=tmp_path / "c.sqlite") as s:
+            for r in rollouts[:2 * GROUP + 1]:
+                await s.add(r)
+            part = await s.finish(1, groups=["s1-g1"])
+            with pytest.raises(InputError, match="group 'nope': no rollout of it"):
+                await s.finish(1, groups=["nope"])
+            for r in rollouts[2 * GROUP + 1:]:
+                await s.add(r)
+            return part, await s.finish(1)
+
+    part, rest = asyncio.run(main())
+    assert sorted(part.rows) == [f"s1-g1-{k}" for k in range(GROUP)]
+    assert part.metrics["draco/rollouts"] == GROUP and part.metrics["draco/groups"] == 1
+    assert sorted(rest.rows) == sorted(r.rollout_id for r in rollouts
+                                       if r.group_id != "s1-g1")
+
+
 def test_deadline_falls_back_to_outcome_grpo_and_says_so(monkeypatch, tmp_path):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
     slow = FakeLLMServer(answer=scripted, latency=5.0).start()

@@ -22,7 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Coroutine, Sequence
+from collections.abc import Awaitable, Collection, Coroutine, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -216,10 +216,15 @@ class StepScorer:
             raise g.task.exception()  # type: ignore[misc]
         return st.rows[rollout_id]
 
-    async def finish(self, train_step: int | None = None) -> StepResult:
+    async def finish(self, train_step: int | None = None,
+                     groups: Collection[str] | None = None) -> StepResult:
         """Every group of the step scored (or fallen back); the step's rows and metrics. A group
-        short of ``group_size`` rollouts is an error naming it."""
-        st = self._steps.pop(train_step, _Step())
+        short of ``group_size`` rollouts is an error naming it. ``groups`` finishes only those
+        groups of the step (an async trainer's batch holds part of a generation step), the
+        others staying pending; a group id the step has not seen is an error."""
+        whole = None if groups is None else self._steps.get(train_step)
+        st = self._steps.pop(train_step, _Step()) if groups is None else \
+            self._split(train_step, groups)
         short = [(gid, g) for gid, g in st.groups.items() if g.complete_at is None]
         for gid, g in short:
             g.error = InputError(
@@ -235,12 +240,32 @@ class StepScorer:
         for g in st.groups.values():
             assert g.task is not None
             await g.task      # raises a group's input error
+        if whole is not None:    # a part of the step: its groups' rows, scored by now
+            st.rows = {k: whole.rows.pop(k) for k in st.seen if k in whole.rows}
         ready = [g.ready_at for g in st.groups.values() if g.ready_at is not None]
         latency = max(0.0, max(ready) - st.last_finish) if ready else 0.0
-        groups = [g.score for g in st.groups.values() if g.score is not None]
+        scored = [g.score for g in st.groups.values() if g.score is not None]
         fallbacks = {gid: g.fallback for gid, g in st.groups.items() if g.fallback}
-        metrics = step_metrics(groups, st.rows, fallbacks, latency, self.min_signal)
-        return StepResult(train_step, st.rows, metrics, groups, fallbacks)
+        metrics = step_metrics(scored, st.rows, fallbacks, latency, self.min_signal)
+        return StepResult(train_step, st.rows, metrics, scored, fallbacks)
+
+    def _split(self, train_step: int | None, groups: Collection[str]) -> _Step:
+        whole = self._steps.get(train_step, _Step())
+        unknown = sorted(set(groups) - set(whole.groups))
+        if unknown:
+            raise InputError(f"group {unknown[0]!r}: no rollout of it was added in step "
+                             f"{train_step} ({len(unknown)} unknown groups)", field="group_id")
+        part = _Step()
+        for gid in dict.fromkeys(groups):
+            g = part.groups[gid] = whole.groups.pop(gid)
+            ids = {m.rollout_id for m in g.members}
+            part.seen |= ids
+            whole.seen -= ids
+            if g.complete_at is not None:
+                part.last_finish = max(part.last_finish, g.complete_at)
+        if not whole.groups:
+            self._steps.pop(train_step, None)
+        return part
 
     async def score_step(self, rollouts: Sequence[TrainerRollout],
                          train_step: int | None = None) -> StepResult:

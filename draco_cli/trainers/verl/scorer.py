@@ -1,0 +1,146 @@
+"""The one shared scorer of a verl training job: a named async Ray actor hosting a StepScorer.
+
+A group's sessions run on different AgentLoopWorker actors (legacy verl splits the batch across
+workers), so each session sends its finished rollout here and awaits its own advantages; the
+group is judged the moment its last member arrives, while other sessions still generate. One
+actor per job means one call log (a restarted trainer pays nothing twice) and one concurrency
+limit. The trainer's estimator then calls ``finish_groups`` for the batch's groups: the step's
+``draco/...`` metrics, and its audit folder under ``audit_dir`` (the newest ``keep`` kept).
+
+Settings: the JSON object in ``DRACO_INLOOP`` (set it in Ray's ``runtime_env.env_vars`` so every
+worker sees it), e.g. ``{"model": "openai/gpt-4.1-mini", "call_log": "/runs/llm_calls.sqlite",
+"deadline": 120, "fallback": "outcome", "audit_dir": "/runs/draco", "keep": 5}``; other keys
+go to the LLM client (``base_url``, ``concurrency``, ...).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from typing import Any
+
+import numpy as np
+
+from draco_cli.errors import UsageError
+
+ENV_SETTINGS = "DRACO_INLOOP"
+ACTOR_NAME = "draco_step_scorer"
+_OWN = ("model", "call_log", "deadline", "fallback", "request_deadline", "min_signal",
+        "audit_dir", "keep", "wait_timeout")
+
+__all__ = ["ACTOR_NAME", "ENV_SETTINGS", "DracoScorerActor", "finish_groups", "scorer_handle",
+           "settings"]
+
+
+def settings(raw: str | None = None) -> dict[str, Any]:
+    """The in-loop settings from ``DRACO_INLOOP`` (a JSON object with at least ``model`` and
+    ``call_log``); a bad value is a one-line UsageError naming the variable."""
+    raw = os.environ.get(ENV_SETTINGS) if raw is None else raw
+    if not raw:
+        raise UsageError(f"{ENV_SETTINGS} is not set: give the judge model and call log as JSON, "
+                         'e.g. {"model": "openai/gpt-4.1-mini", "call_log": "llm_calls.sqlite"}')
+    try:
+        got = json.loads(raw)
+    except json.JSONDecodeError as e:
+        raise UsageError(f"{ENV_SETTINGS}: not JSON ({e.msg} at character {e.pos})") from None
+    if not isinstance(got, dict):
+        raise UsageError(f"{ENV_SETTINGS}: expected a JSON object, got {type(got).__name__}")
+    for key in ("model", "call_log"):
+        if not got.get(key):
+            raise UsageError(f"{ENV_SETTINGS}: {key!r} is required")
+    return got
+
+
+class DracoScorerActor:
+    """The StepScorer behind the named actor (``ray.remote`` applied in ``scorer_handle``);
+    async methods, so every session's ``score`` waits concurrently on the actor's loop."""
+
+    def __init__(self, config: dict[str, Any], group_size: int, tokenizer: Any) -> None:
+        self.config, self.group_size, self.tokenizer = dict(config), group_size, tokenizer
+        self._scorer: Any = None
+        self._lock: asyncio.Lock | None = None
+        # (train step, group) -> members arrived, and the event set when all have
+        self._arrived: dict[tuple[int | None, str], int] = {}
+        self._complete: dict[tuple[int | None, str], asyncio.Event] = {}
+
+    def _decode(self, ids: list[int]) -> str:
+        return str(self.tokenizer.decode(ids, skip_special_tokens=True))
+
+    async def _get(self) -> Any:
+        from draco_cli.inloop import StepScorer
+
+        if self._lock is None:
+            self._lock = asyncio.Lock()
+        async with self._lock:
+            if self._scorer is None:
+                c = self.config
+                llm = {k: v for k, v in c.items() if k not in _OWN}
+                scorer = StepScorer(c["model"], call_log=c["call_log"], group_size=self.group_size,
+                                    decode=self._decode, deadline=c.get("deadline"),
+                                    fallback=c.get("fallback", "outcome"),
+                                    request_deadline=c.get("request_deadline"),
+                                    min_signal=c.get("min_signal", 0.0), **llm)
+                self._scorer = await scorer.__aenter__()
+        return self._scorer
+
+    async def score(self, rollout: dict[str, Any]) -> dict[str, Any]:
+        """Add one finished rollout (TrainerRollout fields); its advantages once its group is
+        scored or has fallen back."""
+        from draco_cli.inloop import TrainerRollout
+
+        scorer = await self._get()
+        r = TrainerRollout(**rollout)
+        await scorer.add(r)
+        key = (r.train_step, r.group_id)
+        done = self._complete.setdefault(key, asyncio.Event())
+        self._arrived[key] = self._arrived.get(key, 0) + 1
+        if self._arrived[key] == self.group_size:
+            done.set()
+        await done.wait()       # the group's other sessions may still be generating
+        got = await scorer.advantages(r.rollout_id, r.train_step)
+        return {"values": np.asarray(got.values, dtype=np.float32), "source": got.source,
+                "credit_mode": got.credit_mode}
+
+    async def finish(self, train_step: int, groups: list[str]) -> dict[str, float]:
+        """The batch's groups of one train step finished: metrics, audit folder written."""
+        from draco_cli.inloop import write_step
+
+        scorer = await self._get()
+        result = await scorer.finish(train_step, groups=groups)
+        for g in groups:
+            self._arrived.pop((train_step, g), None)
+            self._complete.pop((train_step, g), None)
+        if self.config.get("audit_dir"):
+            write_step(result, self.config["audit_dir"], keep=self.config.get("keep"))
+        return dict(result.metrics)
+
+    async def close(self) -> None:
+        if self._scorer is not None:
+            await self._scorer.__aexit__(None, None, None)
+            self._scorer = None
+
+
+def scorer_handle(group_size: int, tokenizer: Any) -> Any:
+    """The job's shared scorer actor, created by whichever worker asks first."""
+    import ray
+
+    config = settings()
+    actor = ray.remote(num_cpus=0, max_concurrency=10_000)(DracoScorerActor)
+    return actor.options(name=ACTOR_NAME, get_if_exists=True).remote(
+        config, group_size, tokenizer)
+
+
+def finish_groups(by_step: dict[int, set[str]]) -> dict[str, float]:
+    """Called by the estimator (in the TaskRunner): finish each train step's groups of the
+    batch in the shared actor; the metrics to log."""
+    import ray
+
+    if not by_step:
+        return {}
+    actor = ray.get_actor(ACTOR_NAME)
+    metrics: dict[str, float] = {}
+    for step in sorted(by_step):
+        metrics = ray.get(actor.finish.remote(step, sorted(by_step[step])))
+    metrics["draco/train_steps_in_batch"] = float(len(by_step))
+    return metrics
