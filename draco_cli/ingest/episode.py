@@ -480,5 +480,5 @@ def _label_rows(ep: Episode, policy_idx: list[int], msg_parts: dict[int, list[Pa
                              "assistant messages, one step each)", file=source, row=ep.where,
                              field=f"{ep.labels_field}[{str(i)!r}]")
         rows.append({"rollout_id": ep.rollout_id, "step": at[0], "label": label,
-                     "labeler": "human", "reason": None})
+                     "labeler": "human", "reason": None, "message_index": i})
     return rows

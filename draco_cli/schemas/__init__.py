@@ -57,6 +57,7 @@ from draco_cli.schemas.results import (
     RubricSummary,
     Share,
     Side,
+    StepLabelFigure,
 )
 
 __all__ = [
@@ -99,6 +100,7 @@ __all__ = [
     "Step",
     "StepCredit",
     "StepLabel",
+    "StepLabelFigure",
     "StepNumber",
     "TABLES",
     "Table",

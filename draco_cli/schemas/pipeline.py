@@ -232,6 +232,10 @@ class StepLabel(Table):
                          "+1 correct and useful.")
     labeler: str = Field(description="Who gave the label: human, or a judge's name.")
     reason: str | None = Field(None, description="The labeler's explanation, if given.")
+    message_index: Int32 | None = Field(None, ge=0, description="The labelled message's "
+                                        "0-based index in the log's messages, when the source "
+                                        "keyed labels by it (AgentProcessBench); maps a "
+                                        "judge's labels, keyed the same way, to steps.")
 
 
 TABLES: dict[str, type[Table]] = {

@@ -355,6 +355,30 @@ class CostNaive(Table):
                                  "dollars.")
 
 
+class StepLabelFigure(Table):
+    """``draco audit step-labels``: one figure of one credit source against the human step
+    labels (SPEC §4, step-label audit)."""
+
+    table_name: ClassVar[str] = "step_label_audit"
+    keys: ClassVar[tuple[str, ...]] = ("source", "figure")
+
+    source: str = Field(description="run, uniform, labels:NAME (a labeler's labels as "
+                        "verdicts; labels:human is the ceiling) or random_citation.")
+    figure: str = Field(description="auroc_quality, bad_mass, good_mass or worst_step_hit.")
+    value: float | None = Field(None, description="The figure; null when undefined.")
+    ci_low: float | None = Field(None, description="2.5th percentile of the group bootstrap.")
+    ci_high: float | None = Field(None, description="97.5th percentile of the group "
+                                     "bootstrap.")
+    uniform: float | None = Field(None, description="The figure under uniform credit (0.5 for "
+                                     "AUROC; the token share of the labelled steps for the "
+                                     "masses; the −1 share of labelled steps for worst_step_hit).")
+    lift: float | None = Field(None, description="value / uniform.")
+    n: Count = Field(description="Labelled ±1 steps (AUROC) or rollouts the figure is over.")
+    n_groups: Count = Field(description="Groups contributing.")
+    zero_advantage_rollouts: Count = Field(description="Audited rollouts with A_i = 0 "
+                                           "(counted, in no mass figure).")
+
+
 class Metric(Table):
     """``draco eval``: one figure of one scope (long form)."""
 
@@ -374,7 +398,8 @@ class Metric(Table):
 OUTPUT_TABLES: dict[str, type[Table]] = {
     m.table_name: m
     for m in (Agreement, AgreementTest, Overlap, OverlapUnit, RubricSummary,
-              RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric)
+              RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric,
+              StepLabelFigure)
 }
 
 
