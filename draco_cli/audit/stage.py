@@ -22,6 +22,7 @@ from draco_cli.schemas import (
     CostPhase,
     CostStep,
     Overlap,
+    OverlapTest,
     OverlapUnit,
     Rollout,
     Rubric,
@@ -182,6 +183,7 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
     """Recall and precision of a rubric writer against a reference → ``out/overlap.parquet``
     and ``out/overlap_units.parquet``; returns (summary, per unit)."""
     from draco_cli.audit import lexical_similarity, overlap_audit
+    from draco_cli.audit.overlap import overlap_tests
 
     matcher = matcher or Matcher()
     if level not in ("rollout", "group"):
@@ -190,7 +192,7 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
         raise UsageError("--matcher llm needs --model")
     if matcher.kind not in ("lexical", "embedding", "llm"):
         raise UsageError(f"--matcher {matcher.kind!r}: choose lexical, embedding or llm")
-    _refuse_existing(out, ["overlap", "overlap_units"], force)
+    _refuse_existing(out, ["overlap", "overlap_units", "overlap_tests"], force)
     r = _rollouts(rollouts, AUDIT_ROLLOUT_COLUMNS)
     a, b = rubric_table(own, level), rubric_table(reference, level)
     threshold = matcher.threshold
@@ -206,7 +208,9 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
                                             base_url=matcher.base_url))
             per_unit, summary = overlap_audit(a, b, level, r, sim, 0.5)
             t = publish_tables(out, {"overlap": (summary, Overlap),
-                                     "overlap_units": (per_unit, OverlapUnit)}, force=force)
+                                     "overlap_units": (per_unit, OverlapUnit),
+                                     "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
+                               force=force)
         return t["overlap"], t["overlap_units"]
     if matcher.kind == "embedding":
         from draco_cli.audit.matchers import EmbeddingMatcher
@@ -216,7 +220,9 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
         sim = lexical_similarity
     per_unit, summary = overlap_audit(a, b, level, r, sim, threshold)
     t = publish_tables(out, {"overlap": (summary, Overlap),
-                             "overlap_units": (per_unit, OverlapUnit)}, force=force)
+                             "overlap_units": (per_unit, OverlapUnit),
+                             "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
+                       force=force)
     return t["overlap"], t["overlap_units"]
 
 

@@ -35,7 +35,8 @@ def self_judge(
     force: Force = False,
 ) -> None:
     """Agreement of a self-judge with a reference judge, overall, per train step and first vs
-    last quarter, with z-test and trend p-values → OUT/agreement.parquet, OUT/tests.parquet.
+    last quarter, with step-level tests (each train step one observation: Welch t of the
+    quarters, weighted trend) → OUT/agreement.parquet, OUT/tests.parquet.
 
     Example: draco audit self-judge --self run/self/verdicts.parquet --reference run/gpt/verdicts.parquet --rollouts run/rollouts.parquet -o run/audit
     """

@@ -201,12 +201,21 @@ class AgreementTest(Table):
 
     metric: str = Field(description="The agreement figure tested (agreement, false_pass_rate, "
                         "...).")
-    test: str = Field(description="two_proportion_z_first_vs_last_quarter or "
-                      "logistic_trend_wald.")
-    statistic: float | None = Field(None, description="The test's z statistic; null when "
+    test: str = Field(description="welch_t_first_vs_last_quarter (per-step rates of the "
+                      "first vs last quarter of steps) or wls_trend_per_step (slope of the "
+                      "per-step rate on train_step, weighted by rows).")
+    statistic: float | None = Field(None, description="The test's t statistic; null when "
                                        "it cannot be computed.")
     p_value: Share | None = Field(None, description="Two-sided p-value; null when the test "
                                      "cannot be computed.")
+    n_steps: Count | None = Field(None, description="Train steps the test is over (each one "
+                                     "observation).")
+
+
+class OverlapTest(AgreementTest):
+    """``draco audit overlap``: step-level trend tests of recall and precision."""
+
+    table_name: ClassVar[str] = "overlap_tests"
 
 
 class Overlap(Table):
@@ -399,7 +408,7 @@ OUTPUT_TABLES: dict[str, type[Table]] = {
     m.table_name: m
     for m in (Agreement, AgreementTest, Overlap, OverlapUnit, RubricSummary,
               RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric,
-              StepLabelFigure)
+              StepLabelFigure, OverlapTest)
 }
 
 
