@@ -16,12 +16,15 @@ SHARED_DATA = Path(os.environ.get("DRACO_SHARED_DATA", REPO.parent / "shared" / 
 TAU = SHARED_DATA / "tau-bench" / "gpt-4o-airline-15tasks.json"
 TAU2 = SHARED_DATA / "tau2-bench" / "gpt-4.1-airline-1trial.json"
 TAU2_FT = SHARED_DATA / "tau2-bench" / "ft-gpt-4.1-sft-airline-1trial.json"
+APB = SHARED_DATA / "agentprocessbench"
+APB_HOTPOT = APB / "hotpotqa.jsonl"
+APB_JUDGES = ("gpt-5.2", "deepseek-chat", "deepseek-reasoner")
 SAMPLE = REPO / "sample_data" / "appworld_mini.jsonl"
 
 
-MISSING_DATA = [p for p in (TAU, TAU2, TAU2_FT) if not p.exists()]
+MISSING_DATA = [p for p in (TAU, TAU2, TAU2_FT, APB_HOTPOT) if not p.exists()]
 # A test reads the real logs when it or one of its fixtures names them.
-_REAL_DATA = re.compile(r"\b(TAU|TAU2|TAU2_FT|SHARED_DATA)\b")
+_REAL_DATA = re.compile(r"\b(TAU|TAU2|TAU2_FT|SHARED_DATA|APB|APB_HOTPOT)\b")
 
 
 def pytest_configure(config):

@@ -51,15 +51,10 @@ def test_self_judge_figures_by_hand():
     s1 = agreement.filter(pl.col("scope") == "step:1").row(0, named=True)
     assert s1["agreement"] == 0.5 and s1["false_fail_rate"] == pytest.approx(1 / 3)
 
-    # two-proportion z-test == chi-square test without continuity correction
-    row = tests.filter((pl.col("metric") == "agreement")
-                       & pl.col("test").str.starts_with("two_proportion")).row(0, named=True)
-    chi2, p, *_ = stats.chi2_contingency([[3, 3], [2, 2]], correction=False)
-    assert row["p_value"] == pytest.approx(p, rel=1e-9)
-    fp = tests.filter((pl.col("metric") == "false_pass_rate")
-                      & pl.col("test").str.starts_with("two_proportion")).row(0, named=True)
-    _, p_fp, *_ = stats.chi2_contingency([[1, 1], [2, 0]], correction=False)
-    assert fp["p_value"] == pytest.approx(p_fp, rel=1e-9)
+    # two train steps: too few for a step-level test (each step one observation)
+    assert set(tests["test"]) == {"welch_t_first_vs_last_quarter", "wls_trend_per_step"}
+    assert tests["p_value"].is_null().all()
+    assert set(tests.filter(pl.col("test") == "wls_trend_per_step")["n_steps"]) == {2}
 
 
 def test_logistic_trend_against_a_direct_mle():

@@ -7,7 +7,7 @@ from typing import TYPE_CHECKING, Any, cast
 
 import polars as pl
 
-from draco_cli.audit.stats import logistic_trend, two_proportion_z
+from draco_cli.audit.stats import step_tests
 from draco_cli.errors import UsageError
 
 if TYPE_CHECKING:
@@ -91,9 +91,15 @@ TESTED = {
 }
 
 
+TEST_SCHEMA = {"metric": pl.String, "test": pl.String, "statistic": pl.Float64,
+               "p_value": pl.Float64, "n_steps": pl.Int64}
+
+
 def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
                      rollouts: pl.DataFrame | None = None) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """(agreement table: one row per scope, tests table: metric, test, statistic, p_value)."""
+    """(agreement table: one row per scope, tests table: metric, test, statistic, p_value,
+    n_steps). The tests take each train step as one observation (SPEC §4): verdicts of one
+    step share its rollouts, rubrics and judge state, so rows are not independent."""
     rows = agreement_rows(self_v, ref_v, rollouts)
     out = [_scope_metrics(rows, "overall")]
     steps = sorted(rows["train_step"].drop_nulls().unique().to_list())
@@ -107,24 +113,20 @@ def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
         out.append(_scope_metrics(a, "first_quarter"))
         out.append(_scope_metrics(b, "last_quarter"))
         for metric, (ind, ref) in TESTED.items():
-            aa = a if ref is None else a.filter(pl.col("ref") == ref)
-            bb = b if ref is None else b.filter(pl.col("ref") == ref)
-            z, p = two_proportion_z(int(aa[ind].sum()), aa.height, int(bb[ind].sum()), bb.height)
-            tests.append({"metric": metric, "test": "two_proportion_z_first_vs_last_quarter",
-                          "statistic": z, "p_value": p})
-            rr = rows.filter(pl.col("train_step").is_not_null())
-            if ref is not None:
-                rr = rr.filter(pl.col("ref") == ref)
-            slope, zt, pt = logistic_trend(rr[ind].to_numpy().astype(float),
-                                           rr["train_step"].to_numpy().astype(float))
-            tests.append({"metric": metric, "test": "logistic_trend_wald", "statistic": zt,
-                          "p_value": pt})
+            per_step = []
+            for st in steps:
+                rr = rows.filter(pl.col("train_step") == st)
+                if ref is not None:
+                    rr = rr.filter(pl.col("ref") == ref)
+                per_step.append((st, _number(rr[ind].mean()) if rr.height else None, rr.height))
+            for test, stat, p, n in step_tests(per_step, first, last):
+                tests.append({"metric": metric, "test": test, "statistic": stat,
+                              "p_value": p, "n_steps": n})
     agreement = pl.DataFrame(out, schema={
         "scope": pl.String, "n_rows": pl.Int64, "agreement": pl.Float64,
         "pass_all_baseline": pl.Float64, "false_pass_rate": pl.Float64,
         "false_fail_rate": pl.Float64, "leniency_ratio": pl.Float64,
         "unanswered_rate": pl.Float64, "criteria_per_rollout": pl.Float64,
         "reference_fail_share": pl.Float64})
-    tests_df = pl.DataFrame(tests, schema={"metric": pl.String, "test": pl.String,
-                                           "statistic": pl.Float64, "p_value": pl.Float64})
+    tests_df = pl.DataFrame(tests, schema=TEST_SCHEMA)
     return agreement, tests_df

@@ -22,6 +22,7 @@ from draco_cli.schemas import (
     CostPhase,
     CostStep,
     Overlap,
+    OverlapTest,
     OverlapUnit,
     Rollout,
     Rubric,
@@ -182,6 +183,7 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
     """Recall and precision of a rubric writer against a reference → ``out/overlap.parquet``
     and ``out/overlap_units.parquet``; returns (summary, per unit)."""
     from draco_cli.audit import lexical_similarity, overlap_audit
+    from draco_cli.audit.overlap import overlap_tests
 
     matcher = matcher or Matcher()
     if level not in ("rollout", "group"):
@@ -190,7 +192,7 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
         raise UsageError("--matcher llm needs --model")
     if matcher.kind not in ("lexical", "embedding", "llm"):
         raise UsageError(f"--matcher {matcher.kind!r}: choose lexical, embedding or llm")
-    _refuse_existing(out, ["overlap", "overlap_units"], force)
+    _refuse_existing(out, ["overlap", "overlap_units", "overlap_tests"], force)
     r = _rollouts(rollouts, AUDIT_ROLLOUT_COLUMNS)
     a, b = rubric_table(own, level), rubric_table(reference, level)
     threshold = matcher.threshold
@@ -206,7 +208,9 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
                                             base_url=matcher.base_url))
             per_unit, summary = overlap_audit(a, b, level, r, sim, 0.5)
             t = publish_tables(out, {"overlap": (summary, Overlap),
-                                     "overlap_units": (per_unit, OverlapUnit)}, force=force)
+                                     "overlap_units": (per_unit, OverlapUnit),
+                                     "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
+                               force=force)
         return t["overlap"], t["overlap_units"]
     if matcher.kind == "embedding":
         from draco_cli.audit.matchers import EmbeddingMatcher
@@ -216,7 +220,9 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
         sim = lexical_similarity
     per_unit, summary = overlap_audit(a, b, level, r, sim, threshold)
     t = publish_tables(out, {"overlap": (summary, Overlap),
-                             "overlap_units": (per_unit, OverlapUnit)}, force=force)
+                             "overlap_units": (per_unit, OverlapUnit),
+                             "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
+                       force=force)
     return t["overlap"], t["overlap_units"]
 
 
@@ -300,3 +306,74 @@ def audit_cost(calls: list[Path], out: Path, *, rollouts: Path | None = None,
                              "cost_naive": (naive, CostNaive)}, force=force)
     return CostReport(t["cost_phase"], t["cost_step"], t["cost_category"], projected,
                       t["cost_naive"])
+
+
+# --- step labels ------------------------------------------------------------------------
+
+
+@dataclass
+class StepLabelReport:
+    figures: pl.DataFrame
+    labelers: list[str]
+    rollouts: int
+    out: Path | None
+
+
+def audit_step_labels(rollouts: Path, labels: list[str], *, run: Path | None = None,
+                      out: Path | None = None, human: str = "human", seed: int = 0,
+                      draws: int = 1000, force: bool = False) -> StepLabelReport:
+    """Where each credit source's push lands against the human step labels (SPEC §4) →
+    ``out/step_label_audit.parquet`` (default: RUN/audit with ``run``, else DIR/audit);
+    ``rollouts`` is an ingest folder (rollouts, steps and, if ingest wrote it, step_labels)."""
+    from draco_cli.audit.labels_io import check_labels, message_steps, read_labels
+    from draco_cli.audit.step_labels import RunCredit, step_label_audit
+    from draco_cli.schemas import StepLabel, StepLabelFigure
+
+    if draws < 1:
+        raise UsageError(f"--bootstrap {draws}: give at least 1 draw")
+    folder = Path(rollouts)
+    if not folder.is_dir():
+        raise UsageError(f"--rollouts {folder}: give the folder draco ingest wrote")
+    out = Path(out) if out is not None else (Path(run) if run else folder) / "audit"
+    _refuse_existing(out, ["step_label_audit"], force)
+    r = read_table(folder / "rollouts.parquet", Rollout,
+                   columns=["rollout_id", "group_id", "outcome"])
+    steps = pl.read_parquet(folder / "steps.parquet", columns=["rollout_id", "step", "n_tokens"])
+    frames = []
+    own = folder / "step_labels.parquet"
+    mapping: dict[tuple[str, int], int] = {}
+    if own.is_file():
+        own_labels = read_table(own, StepLabel)
+        mapping = message_steps(own_labels)
+        frames.append(read_labels(str(own), mapping))
+    frames += [read_labels(spec, mapping) for spec in labels]
+    if not frames:
+        raise UsageError(f"--labels: {folder} has no step_labels.parquet; give the labels")
+    all_labels = pl.concat(frames, how="vertical_relaxed")
+    n_steps = dict(steps.group_by("rollout_id").agg(pl.col("step").max()).iter_rows())
+    n_steps.update({x: 0 for x in r["rollout_id"].to_list() if x not in n_steps})
+    check_labels(all_labels, n_steps)
+    labelers = sorted(all_labels["labeler"].unique().to_list())
+    if human not in labelers:
+        raise UsageError(f"--human {human!r}: no labels from it (labelers: "
+                         f"{', '.join(labelers)})")
+    credit = None
+    if run is not None:
+        rf = RunFolder.open(Path(run))
+        for name in ("rewards", "step_credit"):
+            if not rf.has(name):
+                raise UsageError(f"--run {run}: no {name} table (run the credit stage)")
+        v = read_verdicts(rf.table("verdicts"), None, "--run") if rf.has("verdicts") else None
+        credit = RunCredit(pl.read_parquet(rf.table("rewards")),
+                           pl.read_parquet(rf.table("step_credit")), v)
+        unknown = set(credit.rewards["rollout_id"].to_list()) - set(n_steps)
+        if unknown:
+            raise InputError(f"--run {run}: rollout {sorted(unknown)[0]!r} is not in "
+                             f"{folder}: audit a run on the rollouts it scored",
+                             file=str(rf.table("rewards")), field="rollout_id")
+    figures = step_label_audit(steps, r, all_labels, human=human, run=credit, seed=seed,
+                               draws=draws)
+    t = publish_tables(out, {"step_label_audit": (figures, StepLabelFigure)}, force=force)
+    return StepLabelReport(t["step_label_audit"], labelers,
+                           all_labels.filter(pl.col("labeler") == human)["rollout_id"]
+                           .n_unique(), out)

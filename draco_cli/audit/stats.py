@@ -51,3 +51,58 @@ def logistic_trend(y: np.ndarray, x: np.ndarray, max_iter: int = 100
     z = beta[1] / se
     slope = beta[1] / x.std()  # per unit of x
     return float(slope), float(z), float(2 * st.norm.sf(abs(z)))
+
+
+# --- tests at the level the data is independent: one observation per train step ------------
+
+
+def welch_t(a: np.ndarray, b: np.ndarray) -> tuple[float | None, float | None]:
+    """Welch's two-sample t-test of b against a (each value one train step's rate): (t, p).
+    None with fewer than 2 values on a side or no variance on either."""
+    a, b = np.asarray(a, dtype=float), np.asarray(b, dtype=float)
+    if a.size < 2 or b.size < 2:
+        return None, None
+    va, vb = a.var(ddof=1) / a.size, b.var(ddof=1) / b.size
+    if va + vb <= 0:
+        return None, None
+    t = (b.mean() - a.mean()) / math.sqrt(va + vb)
+    df = (va + vb) ** 2 / ((va ** 2 / (a.size - 1) if va else 0) +
+                           (vb ** 2 / (b.size - 1) if vb else 0))
+    return float(t), float(2 * st.t.sf(abs(t), df))
+
+
+def step_trend(rate: np.ndarray, x: np.ndarray, weight: np.ndarray | None = None
+               ) -> tuple[float | None, float | None, float | None]:
+    """Weighted least-squares slope of per-step rates on x (each step one observation,
+    weighted by its row count) and its t-test on S − 2 degrees of freedom: (slope, t, p).
+    None with fewer than 3 steps, a constant x, or a perfect fit."""
+    y, x = np.asarray(rate, dtype=float), np.asarray(x, dtype=float)
+    w = np.ones_like(y) if weight is None else np.asarray(weight, dtype=float)
+    ok = np.isfinite(y) & (w > 0)
+    y, x, w = y[ok], x[ok], w[ok]
+    if y.size < 3 or np.all(x == x[0]):
+        return None, None, None
+    w = w / w.mean()
+    xm, ym = np.average(x, weights=w), np.average(y, weights=w)
+    sxx = float(np.sum(w * (x - xm) ** 2))
+    slope = float(np.sum(w * (x - xm) * (y - ym)) / sxx)
+    resid = y - ym - slope * (x - xm)
+    s2 = float(np.sum(w * resid ** 2)) / (y.size - 2)
+    if s2 <= 0:
+        return None, None, None
+    t = slope / math.sqrt(s2 / sxx)
+    return slope, float(t), float(2 * st.t.sf(abs(t), y.size - 2))
+
+
+def step_tests(per_step: list[tuple[int, float | None, int]], first: list[int],
+               last: list[int]) -> list[tuple[str, float | None, float | None, int]]:
+    """Both step-level tests of one figure from (train_step, rate, rows) per step:
+    [(test, statistic, p_value, n_steps)]."""
+    rows = [(s, r, n) for s, r, n in per_step if r is not None and n > 0]
+    a = np.array([r for s, r, _ in rows if s in first])
+    b = np.array([r for s, r, _ in rows if s in last])
+    t, p = welch_t(a, b)
+    _, tt, pt = step_trend(np.array([r for _, r, _ in rows]), np.array([s for s, _, _ in rows]),
+                           np.array([n for *_, n in rows]))
+    return [("welch_t_first_vs_last_quarter", t, p, int(a.size + b.size)),
+            ("wls_trend_per_step", tt, pt, len(rows))]

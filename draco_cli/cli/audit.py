@@ -35,7 +35,8 @@ def self_judge(
     force: Force = False,
 ) -> None:
     """Agreement of a self-judge with a reference judge, overall, per train step and first vs
-    last quarter, with z-test and trend p-values → OUT/agreement.parquet, OUT/tests.parquet.
+    last quarter, with step-level tests (each train step one observation: Welch t of the
+    quarters, weighted trend) → OUT/agreement.parquet, OUT/tests.parquet.
 
     Example: draco audit self-judge --self run/self/verdicts.parquet --reference run/gpt/verdicts.parquet --rollouts run/rollouts.parquet -o run/audit
     """
@@ -161,3 +162,44 @@ def cost(
                 lines=[f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
                                                 if projected is not None else "")]),
          pick_format(fmt, as_json))
+
+
+@app.command("step-labels")
+def step_labels(
+    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN, help="The folder draco "
+                                           "ingest wrote (rollouts, steps and, from "
+                                           "agentprocessbench, step_labels).")],
+    labels: Annotated[list[str] | None, typer.Option(
+        "--labels", help="More labels: a step_labels table or a judge's results file in "
+        "AgentProcessBench's format (auto-detected); NAME=PATH names the labeler. Repeatable.")]
+    = None,
+    run: Annotated[Path | None, typer.Option("--run", parser=IN, help="A draco run folder on "
+                                             "these rollouts: its credit is audited and its "
+                                             "advantages used.")] = None,
+    out: Annotated[Path | None, typer.Option("-o", "--out", parser=OUT, help="Output folder "
+                                             "(default RUN/audit, or ROLLOUTS/audit).")] = None,
+    human: Annotated[str, typer.Option(help="The labeler whose labels are the truth.")]
+    = "human",
+    seed: Annotated[int, typer.Option(help="Seed of the bootstrap and the random control.")]
+    = 0,
+    bootstrap: Annotated[int, typer.Option(help="Bootstrap draws (groups resampled).")] = 1000,
+    fmt: Format = None,
+    as_json: Json = False,
+    force: Force = False,
+) -> None:
+    """Where credit lands against human step labels: AUROC of step quality, the share of a
+    loser's negative push on −1 steps and of a winner's positive push on +1 steps (beside
+    uniform credit), worst-step hit rate; for the run, uniform credit, each labeler's labels
+    as verdicts and a random-citation control, with group-bootstrap 95% intervals →
+    OUT/step_label_audit.parquet.
+
+    Example: draco audit step-labels --rollouts data/hotpotqa --labels gpt=hotpotqa__blind_gpt-5.2.jsonl --run runs/hotpotqa
+    """
+    from draco_cli.audit.stage import audit_step_labels
+    from draco_cli.cli.console import err_console
+
+    r = audit_step_labels(rollouts, list(labels or []), run=run, out=out, human=human,
+                          seed=seed, draws=bootstrap, force=force)
+    emit(Report([(f"step-label audit ({r.rollouts} labelled rollouts; truth: {human})",
+                  r.figures)], keys=["figures"]), pick_format(fmt, as_json))
+    err_console.print(f"wrote {r.out}/step_label_audit.parquet", highlight=False)

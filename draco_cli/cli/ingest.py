@@ -14,6 +14,7 @@ class Format(str, Enum):
     openai_jsonl = "openai-jsonl"
     tau_bench = "tau-bench"
     tau2_bench = "tau2-bench"
+    agentprocessbench = "agentprocessbench"
 
 
 class CodeBlocks(str, Enum):
@@ -63,7 +64,8 @@ def ingest(
     ] = False,
     force: Force = False,
 ) -> None:
-    """Ingest agent logs into OUT/rollouts.parquet, OUT/steps.parquet and OUT/manifest.json.
+    """Ingest agent logs into OUT/rollouts.parquet, OUT/steps.parquet and OUT/manifest.json
+    (agentprocessbench: and its human step labels into OUT/step_labels.parquet).
 
     Example: draco ingest tau-bench results.json --tokenizer approx -o data/step-0
     """
@@ -79,7 +81,8 @@ def ingest(
         f"[green]ingested[/] {m['rollouts']} rollouts in {m['groups']} groups, {m['steps']} "
         f"steps (unit: {m['step_unit']}; tokens: {', '.join(m['token_counts']) or 'none'}"
         f"{'' if m['tokenizer'] is None else ' via ' + m['tokenizer']}; positions "
-        f"{m['token_positions']}) → {out}",
+        f"{m['token_positions']})"
+        + (f", {m['step_labels']} step labels" if "step_labels" in m else "") + f" → {out}",
         highlight=False,
     )
     if m["tokenizer_exact"] is False:

@@ -18,12 +18,12 @@ from typing import Any, TextIO, cast
 
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import openai_jsonl, tau2_bench, tau_bench
+from draco_cli.ingest import agentprocessbench, openai_jsonl, tau2_bench, tau_bench
 from draco_cli.ingest.codeblocks import DEFAULT_LANGUAGE, CodeRule
 from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Built, Episode, StepUnit, build
 from draco_cli.ingest.tokens import TokenCounter, make_counter
 from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
-from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
+from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step, StepLabel
 
 Reader = Callable[[TextIO, str], Iterator[tuple[str, "Episode | InputError"]]]
 
@@ -31,7 +31,11 @@ FORMATS: dict[str, Reader] = {
     "openai-jsonl": openai_jsonl.iter_episodes,
     "tau-bench": tau_bench.iter_episodes,
     "tau2-bench": tau2_bench.iter_episodes,
+    "agentprocessbench": agentprocessbench.iter_episodes,
 }
+# Formats whose entries carry step labels: they write step_labels.parquet too, and their
+# labels key whole messages, so a step is a message.
+LABELLED_FORMATS = ("agentprocessbench",)
 GROUP_FIELDS = ("task_id", "train_step", "trial", "scenario_id", "difficulty")
 BATCH_ROLLOUTS = 1000
 
@@ -41,6 +45,7 @@ class IngestResult:
     out_dir: Path
     rollouts: int = 0
     steps: int = 0
+    labels: int = 0
     rejected: int = 0
     groups: int = 0
     single_rollout_groups: int = 0
@@ -97,12 +102,15 @@ def ingest(
     for g in group_by or ():
         if g not in GROUP_FIELDS:
             raise UsageError(f"--group-by {g!r}: choose among {', '.join(GROUP_FIELDS)}")
+    labelled, tokenizer = _labelled_format(fmt, step_unit, tokenizer)
     paths = [Path(p) for p in inputs]
     for p in paths:
         if not p.is_file():
             raise InputError("no such file", file=str(p))
     out = Path(out_dir)
     names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
+    if labelled:
+        names.insert(2, "step_labels.parquet")
     for name in names:
         check_writable(out / name, force)
     try:
@@ -114,7 +122,8 @@ def ingest(
     opts_by_source = {str(p): BuildOptions(unit, counter, str(p), code) for p in paths}
 
     with OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output:
-        run = _Ingestion(output, opts_by_source, group_by, train_step, skip_invalid, progress)
+        run = _Ingestion(output, opts_by_source, group_by, train_step, skip_invalid, progress,
+                         labelled)
         try:
             for path in paths:
                 run.read_file(fmt, path)
@@ -138,12 +147,25 @@ def ingest(
         return result
 
 
+def _labelled_format(fmt: str, step_unit: str, tokenizer: str | None
+                     ) -> tuple[bool, str | None]:
+    """(whether ``fmt`` carries step labels, the tokenizer to count with)."""
+    if fmt not in LABELLED_FORMATS:
+        return False, tokenizer
+    if step_unit != "message":
+        raise UsageError(f"--step-unit {step_unit}: {fmt} labels whole assistant messages, so "
+                         "its step unit is message")
+    # The benchmark logs no token counts; its step labels need no exact count.
+    return True, tokenizer or "approx"
+
+
 class _Ingestion:
     """One ingest in progress: the rows built so far, written in batches, and the counts."""
 
     def __init__(self, output: OutputSet, opts_by_source: dict[str, BuildOptions],
                  group_by: tuple[str, ...] | None, train_step: int | None,
-                 skip_invalid: bool, progress: Callable[[int], None] | None) -> None:
+                 skip_invalid: bool, progress: Callable[[int], None] | None,
+                 labelled: bool = False) -> None:
         self.opts_by_source = opts_by_source
         self.group_by = group_by
         self.train_step = train_step
@@ -154,6 +176,10 @@ class _Ingestion:
                                                    force=True, metadata=output.metadata)
         self.step_writer = StreamingTableWriter(output.path("steps.parquet"), Step, force=True,
                                                 metadata=output.metadata)
+        self.label_writer = StreamingTableWriter(
+            output.path("step_labels.parquet"), StepLabel, force=True,
+            metadata=output.metadata) if labelled else None
+        self.label_rows: list[dict[str, Any]] = []
         self.rejects: list[dict[str, str]] = []
         self.seen_ids: dict[str, str] = {}  # rollout_id -> where it was first seen
         self.groups: Counter[str] = Counter()
@@ -208,9 +234,11 @@ class _Ingestion:
         self.groups[row["group_id"]] += 1
         self.rollout_rows.append(row)
         self.step_rows.extend(built.steps)
+        self.label_rows.extend(built.labels)
         result = self.result
         result.rollouts += 1
         result.steps += len(built.steps)
+        result.labels += len(built.labels)
         result.token_sources[built.token_source] += 1
         result.layout_unknown += not built.layout_known
         result.terminations[row["termination"]] += 1
@@ -221,7 +249,9 @@ class _Ingestion:
     def _flush(self) -> None:
         self.rollout_writer.write_rows(self.rollout_rows)
         self.step_writer.write_rows(self.step_rows)
-        self.rollout_rows, self.step_rows = [], []
+        if self.label_writer is not None:
+            self.label_writer.write_rows(self.label_rows)
+        self.rollout_rows, self.step_rows, self.label_rows = [], [], []
         if self.progress:
             self.progress(self.result.rollouts)
 
@@ -242,10 +272,14 @@ class _Ingestion:
     def abort(self) -> None:
         self.rollout_writer.abort()
         self.step_writer.abort()
+        if self.label_writer is not None:
+            self.label_writer.abort()
 
     def commit(self) -> None:
         self.rollout_writer.commit()
         self.step_writer.commit()
+        if self.label_writer is not None:
+            self.label_writer.commit()
 
 
 def _check_code_blocks(result: IngestResult, code: CodeRule, paths: list[Path]) -> None:
@@ -294,6 +328,7 @@ def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
         "train_step": train_step,
         "rollouts": result.rollouts,
         "steps": result.steps,
+        **({"step_labels": result.labels} if fmt in LABELLED_FORMATS else {}),
         "groups": result.groups,
         "single_rollout_groups": result.single_rollout_groups,
         "rejected": result.rejected,

@@ -90,6 +90,10 @@ class Episode:
     response_ids: list[int] | None = None
     outcome_field: str = "outcome"  # what the log calls the outcome, for errors
     task_context: str | None = None  # the agent's policy / system prompt, for rubric and judge
+    # Step labels keyed by the 0-based index of the labelled message in ``messages``
+    # (AgentProcessBench); the build maps them to step numbers.
+    message_labels: dict[int, int] | None = None
+    labels_field: str = "step_labels"
 
 
 @dataclass
@@ -115,6 +119,7 @@ class Built:
     layout_known: bool
     # code-block unit: fenced blocks that did not run, by language ("" = none given)
     skipped_blocks: Counter[str] = field(default_factory=Counter)
+    labels: list[dict[str, Any]] = field(default_factory=list)  # step_labels rows, if any
 
 
 def check_messages(ep: Episode, source: str) -> None:
@@ -440,4 +445,40 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
     steps = _step_rows(ep, policy_idx, msg_parts, part_tokens, blocks, layout, opts.step_unit)
     rollout = _rollout_row(ep, len(steps), len(policy_idx), layout)
     source_kind = _token_source(bool(policy_idx), runs is not None, logged, used_counter)
-    return Built(rollout, steps, source_kind, layout.known, skipped)
+    labels = _label_rows(ep, policy_idx, msg_parts, source)
+    return Built(rollout, steps, source_kind, layout.known, skipped, labels)
+
+
+def step_of_message(policy_idx: list[int], msg_parts: dict[int, list[Part]]
+                    ) -> dict[int, list[int]]:
+    """Message index -> the step numbers its parts became, in order."""
+    out: dict[int, list[int]] = {}
+    n = 0
+    for i in policy_idx:
+        for p in msg_parts[i]:
+            if p.is_step:
+                n += 1
+                out.setdefault(i, []).append(n)
+    return out
+
+
+def _label_rows(ep: Episode, policy_idx: list[int], msg_parts: dict[int, list[Part]],
+                source: str) -> list[dict[str, Any]]:
+    """The episode's message-keyed labels as step_labels rows (labeler human): a label on a
+    message that is not one step is an error naming it."""
+    if not ep.message_labels:
+        return []
+    steps = step_of_message(policy_idx, msg_parts)
+    rows = []
+    for i, label in sorted(ep.message_labels.items()):
+        at = steps.get(i, [])
+        if len(at) != 1:
+            role = ep.messages[i].role if 0 <= i < len(ep.messages) else None
+            what = ("no such message" if role is None else f"message {i} is a {role} message"
+                    if role != "assistant" else f"message {i} made {len(at)} steps")
+            raise InputError(f"a label on message index {i}, but {what} (labels key the "
+                             "assistant messages, one step each)", file=source, row=ep.where,
+                             field=f"{ep.labels_field}[{str(i)!r}]")
+        rows.append({"rollout_id": ep.rollout_id, "step": at[0], "label": label,
+                     "labeler": "human", "reason": None, "message_index": i})
+    return rows

@@ -19,6 +19,7 @@ from draco_cli.report.sections import (
     _distributions,
     _over_steps,
     _per_step,
+    _step_labels,
     _unanswered,
 )
 
@@ -55,10 +56,12 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
         ("Over training steps", _over_steps(runs, con, summary)),
         ("Unanswered calls", unanswered_html),
         ("Cost per training step", _cost(runs, con)),
+        ("Where credit lands (step labels)", _step_labels(runs, con)),
     ]
     con.close()
     body = "".join(f"<h2 id='{anchor}'>{t}</h2>{s}" for (t, s), anchor in zip(
-        sections, ("steps", "rewards", "credit", "criteria", "trends", "unanswered", "cost")))
+        sections, ("steps", "rewards", "credit", "criteria", "trends", "unanswered", "cost",
+                                 "step-labels")))
     settings = m.get("settings") or {}
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>draco report</title>"
             f"<style>{CSS}</style><script>{get_plotlyjs()}</script></head><body>"

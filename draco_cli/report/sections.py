@@ -380,3 +380,21 @@ def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
                                  "billed_over_naive": ".3f", "batch_share": ".2f"},
                          cls="naive"))
     return out
+
+
+def _step_labels(runs: list[Run], con: DuckDBPyConnection) -> str:
+    """The step-label audit's table (``draco audit step-labels`` wrote it under RUN/audit)."""
+    if "step_label_audit" not in _views(con):
+        return ("<p>No step-label audit in this run folder (<code>draco audit step-labels "
+                "--run RUN</code> writes one).</p>")
+    run = _q(str(runs[-1].dir))
+    t = _frame(con, "SELECT source, figure, value, ci_low, ci_high, uniform, lift, n "
+                    f"FROM step_label_audit WHERE run = {run}")
+    if t.height == 0:
+        return "<p>No step-label audit for the latest run.</p>"
+    note = ("<p class='note'>Against the human step labels (SPEC §4): <b>auroc_quality</b> "
+            "separates +1 from −1 steps by step quality; <b>bad_mass</b> / <b>good_mass</b>: "
+            "the share of a losing (winning) rollout's push on −1 (+1) steps, beside the token "
+            "share under uniform credit; <b>worst_step_hit</b>: the lowest-quality steps are "
+            "−1. Intervals: 95% bootstrap over groups.</p>")
+    return note + _table(t)

@@ -26,6 +26,7 @@ from draco_cli.schemas.pipeline import (
     RubricCandidate,
     Step,
     StepCredit,
+    StepLabel,
     TokenAdvantages,
     VerdictAggregated,
     VerdictRaw,
@@ -46,6 +47,7 @@ from draco_cli.schemas.results import (
     HeadPrediction,
     Metric,
     Overlap,
+    OverlapTest,
     OverlapUnit,
     Probability,
     ReplayCost,
@@ -56,6 +58,7 @@ from draco_cli.schemas.results import (
     RubricSummary,
     Share,
     Side,
+    StepLabelFigure,
 )
 
 __all__ = [
@@ -79,6 +82,7 @@ __all__ = [
     "Metric",
     "OUTPUT_TABLES",
     "Overlap",
+    "OverlapTest",
     "OverlapUnit",
     "Probability",
     "REPLAY_TABLES",
@@ -97,6 +101,8 @@ __all__ = [
     "Side",
     "Step",
     "StepCredit",
+    "StepLabel",
+    "StepLabelFigure",
     "StepNumber",
     "TABLES",
     "Table",

@@ -219,6 +219,25 @@ class TokenAdvantages(Table):
         "came from them (draco_cli.trainers.loader.fingerprint).")
 
 
+class StepLabel(Table):
+    """A label on one step (SPEC §4, step-label audit): a person's or a judge's word on
+    whether the step helped. One label per (rollout, step, labeler)."""
+
+    table_name: ClassVar[str] = "step_labels"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "step", "labeler")
+
+    rollout_id: str = Field(description="The rollout.")
+    step: StepNumber = Field(description="1-based step in draco's numbering (steps.step).")
+    label: Int32 = Field(ge=-1, le=1, description="-1 harmful or wrong, 0 neutral, "
+                         "+1 correct and useful.")
+    labeler: str = Field(description="Who gave the label: human, or a judge's name.")
+    reason: str | None = Field(None, description="The labeler's explanation, if given.")
+    message_index: Int32 | None = Field(None, ge=0, description="The labelled message's "
+                                        "0-based index in the log's messages, when the source "
+                                        "keyed labels by it (AgentProcessBench); maps a "
+                                        "judge's labels, keyed the same way, to steps.")
+
+
 TABLES: dict[str, type[Table]] = {
     m.table_name: m
     for m in (
@@ -231,5 +250,6 @@ TABLES: dict[str, type[Table]] = {
         Reward,
         StepCredit,
         TokenAdvantages,
+        StepLabel,
     )
 }

@@ -201,12 +201,21 @@ class AgreementTest(Table):
 
     metric: str = Field(description="The agreement figure tested (agreement, false_pass_rate, "
                         "...).")
-    test: str = Field(description="two_proportion_z_first_vs_last_quarter or "
-                      "logistic_trend_wald.")
-    statistic: float | None = Field(None, description="The test's z statistic; null when "
+    test: str = Field(description="welch_t_first_vs_last_quarter (per-step rates of the "
+                      "first vs last quarter of steps) or wls_trend_per_step (slope of the "
+                      "per-step rate on train_step, weighted by rows).")
+    statistic: float | None = Field(None, description="The test's t statistic; null when "
                                        "it cannot be computed.")
     p_value: Share | None = Field(None, description="Two-sided p-value; null when the test "
                                      "cannot be computed.")
+    n_steps: Count | None = Field(None, description="Train steps the test is over (each one "
+                                     "observation).")
+
+
+class OverlapTest(AgreementTest):
+    """``draco audit overlap``: step-level trend tests of recall and precision."""
+
+    table_name: ClassVar[str] = "overlap_tests"
 
 
 class Overlap(Table):
@@ -355,6 +364,30 @@ class CostNaive(Table):
                                  "dollars.")
 
 
+class StepLabelFigure(Table):
+    """``draco audit step-labels``: one figure of one credit source against the human step
+    labels (SPEC §4, step-label audit)."""
+
+    table_name: ClassVar[str] = "step_label_audit"
+    keys: ClassVar[tuple[str, ...]] = ("source", "figure")
+
+    source: str = Field(description="run, uniform, labels:NAME (a labeler's labels as "
+                        "verdicts; labels:human is the ceiling) or random_citation.")
+    figure: str = Field(description="auroc_quality, bad_mass, good_mass or worst_step_hit.")
+    value: float | None = Field(None, description="The figure; null when undefined.")
+    ci_low: float | None = Field(None, description="2.5th percentile of the group bootstrap.")
+    ci_high: float | None = Field(None, description="97.5th percentile of the group "
+                                     "bootstrap.")
+    uniform: float | None = Field(None, description="The figure under uniform credit (0.5 for "
+                                     "AUROC; the token share of the labelled steps for the "
+                                     "masses; the −1 share of labelled steps for worst_step_hit).")
+    lift: float | None = Field(None, description="value / uniform.")
+    n: Count = Field(description="Labelled ±1 steps (AUROC) or rollouts the figure is over.")
+    n_groups: Count = Field(description="Groups contributing.")
+    zero_advantage_rollouts: Count = Field(description="Audited rollouts with A_i = 0 "
+                                           "(counted, in no mass figure).")
+
+
 class Metric(Table):
     """``draco eval``: one figure of one scope (long form)."""
 
@@ -374,7 +407,8 @@ class Metric(Table):
 OUTPUT_TABLES: dict[str, type[Table]] = {
     m.table_name: m
     for m in (Agreement, AgreementTest, Overlap, OverlapUnit, RubricSummary,
-              RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric)
+              RubricCriterionStats, CostPhase, CostStep, CostCategory, CostNaive, Metric,
+              StepLabelFigure, OverlapTest)
 }
 
 

@@ -1,0 +1,119 @@
+"""``agentprocessbench``: AgentProcessBench trajectories with human step labels
+(RUCBM/AgentProcessBench, one trajectory per line; docs/ingest.md).
+
+{"data_source", "query_index", "sample_index", "question", "messages": [OpenAI messages],
+ "step_labels": {"<message index>": -1 | 0 | 1}, "final_label": -1 | 1, ...}
+
+The rollout id is the benchmark's own record id ``{data_source}:{query_index}:{sample_index}``
+(its judges' results files key their labels by it); the group is the question
+(``{data_source}:{query_index}``); the outcome is 1 where the human ``final_label`` is +1, else
+0. One step per assistant message in order; the labels, keyed in the source by the 0-based
+index of the message in ``messages``, are mapped to those step numbers by the build
+(``draco_cli.ingest.episode``) and written to ``step_labels.parquet`` with labeler ``human``.
+"""
+
+from __future__ import annotations
+
+import ast
+import json
+from collections.abc import Iterator
+from typing import Any, TextIO
+
+from draco_cli.errors import InputError
+from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.episode import Episode
+
+Item = tuple[str, "Episode | InputError"]
+HUMAN = "human"
+LABELS = (-1, 0, 1)
+
+
+def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
+    for lineno, line in enumerate(fp, start=1):
+        where = f"line {lineno}"
+        if not line.strip():
+            continue
+        try:
+            raw = json.loads(line)
+        except json.JSONDecodeError as exc:
+            yield where, InputError(f"invalid JSON ({exc.msg} at column {exc.colno})",
+                                    file=source, row=where)
+            continue
+        try:
+            yield where, to_episode(raw, EntryContext(source, where))
+        except InputError as exc:
+            yield where, exc
+
+
+def label_value(value: Any) -> int | None:
+    """A step label as an int in {-1, 0, 1}, or None when it is anything else."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return int(value) if value in LABELS else None
+
+
+def parse_label_keys(raw: Any, ctx: EntryContext, field: str) -> dict[int, int]:
+    """A {"<index>": label} object as {index: label}; a bad key or label is an error naming
+    it."""
+    if not isinstance(raw, dict):
+        raise ctx.error("expected an object of index -> label", field)
+    out: dict[int, int] = {}
+    for key, value in raw.items():
+        try:
+            index = int(key)
+        except ValueError:
+            raise ctx.error(f"key {key!r} is not an integer index", f"{field}[{key!r}]") from None
+        label = label_value(value)
+        if label is None:
+            raise ctx.error(f"label {value!r} is not one of -1, 0, 1", f"{field}[{key!r}]")
+        out[index] = label
+    return out
+
+
+def _normalise_calls(messages: Any) -> Any:
+    """Some AgentProcessBench splits store an assistant's ``tool_calls`` as a string holding a
+    Python-style list: read it as the list it spells."""
+    if not isinstance(messages, list):
+        return messages
+    out = []
+    for m in messages:
+        if isinstance(m, dict) and isinstance(m.get("tool_calls"), str):
+            text = m["tool_calls"].strip()
+            try:
+                calls = ast.literal_eval(text) if text else None
+            except (ValueError, SyntaxError):
+                calls = m["tool_calls"]  # left as is: parse_messages names the field
+            m = {**m, "tool_calls": calls}
+        out.append(m)
+    return out
+
+
+def to_episode(raw: Any, ctx: EntryContext) -> Episode:
+    if not isinstance(raw, dict):
+        raise ctx.error("a line must hold one JSON object")
+    source = ctx.require(raw, "data_source", str)
+    query = ctx.require(raw, "query_index", (int, str))
+    sample = ctx.require(raw, "sample_index", int)
+    question = ctx.require(raw, "question", str)
+    final = ctx.require(raw, "final_label", (int, float))
+    if final not in (-1, 1, 0):
+        raise ctx.error(f"final_label {final!r} is not one of -1, 0, 1", "final_label")
+    messages = parse_messages(_normalise_calls(raw.get("messages")), ctx)
+    labels = parse_label_keys(raw.get("step_labels") or {}, ctx, "step_labels")
+    answer = raw.get("answer_text")
+    task = f"{source}:{query}"
+    return Episode(
+        rollout_id=f"{task}:{sample}",
+        task_id=task,
+        group_id=task,
+        instruction=question,
+        messages=messages,
+        where=ctx.where,
+        outcome=1.0 if final == 1 else 0.0,
+        termination="submitted" if isinstance(answer, str) and answer.strip() else None,
+        termination_raw=None,
+        trial=sample,
+        outcome_field="final_label",
+        message_labels=labels,
+        labels_field="step_labels",
+    )
