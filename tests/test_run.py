@@ -152,7 +152,7 @@ def test_four_settings(server, tmp_path, setting, credit_mode, rubric_calls):
     modes = set(rewards["credit_mode"])
     assert credit_mode in modes and modes <= {credit_mode, "grpo_fallback"}
     systems = [b["messages"][0]["content"] + b["messages"][1]["content"] for b in server.bodies]
-    assert any("write grading criteria" in s for s in systems) == rubric_calls
+    assert any("This request: write grading criteria" in s for s in systems) == rubric_calls
     rb = pl.read_parquet(run / "rubric" / "rubrics.parquet")
     assert set(rb["source"]) == ({"merge"} if rubric_calls else {"static"})
     m = json.loads((run / "manifest.json").read_text())
