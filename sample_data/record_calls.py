@@ -130,7 +130,9 @@ def main() -> None:
         return max(fits, key=lambda r: len(actions.get(r, [])))
 
     def answer(body: dict, i: int) -> str:
-        system, user = body["messages"][0]["content"], body["messages"][-1]["content"]
+        # the system rules are shared; the stage's own text follows the data in the user message
+        user = body["messages"][1]["content"]
+        system = body["messages"][0]["content"] + user
         if "strict grader" in system:
             rid = rollout_in(user)
             titles = [c[0] for c in CRITERIA[task_of[rid]]]

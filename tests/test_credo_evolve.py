@@ -25,7 +25,7 @@ RIGHT = "Makes the right call"
 
 
 def scripted(body: dict, i: int) -> str:
-    system = body["messages"][0]["content"]
+    system = body["messages"][0]["content"] + body["messages"][1]["content"]
     user = body["messages"][-1]["content"]
     if "maintain a grading rubric" in system:
         assert "untrusted data begins" in user and "measured" in user
@@ -116,7 +116,7 @@ def test_llm_proposed_edit_accepted_only_when_the_objective_drops(server, tmp_pa
     assert set(rb["title"]) == {"Is polite", RIGHT}
     v = pl.read_parquet(d / "ev" / "verdicts.parquet")
     assert v["criterion_id"].n_unique() == rb["criterion_id"].n_unique()
-    calls = [b["messages"][0]["content"] for b in server.bodies]
+    calls = [b["messages"][0]["content"] + b["messages"][1]["content"] for b in server.bodies]
     n_calls = len(calls)
     assert sum("maintain a grading rubric" in c for c in calls) == 1
     assert sum("maintain a grading rubric" not in c for c in calls) == 160  # one per rollout

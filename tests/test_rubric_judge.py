@@ -24,7 +24,7 @@ def _h(*parts) -> int:
 
 def scripted(body: dict, i: int) -> str:
     """Answers like a judge would, deterministically, from what the request contains."""
-    system = body["messages"][0]["content"]
+    system = body["messages"][0]["content"] + body["messages"][1]["content"]
     user = body["messages"][-1]["content"]
     if "strict grader" in system:
         items = body["response_format"]["json_schema"]["schema"]["properties"]["verdicts"]["items"]
@@ -72,7 +72,7 @@ def test_three_stages_then_k_sample_judging_then_credit(server, tau, tmp_path):
     res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
                     str(tmp_path / "rubric"), "--max-criteria", "4", *llm_args(server))
     assert res.returncode == 0, res.stderr.decode()
-    phases = [b["messages"][0]["content"] for b in server.bodies]
+    phases = [b["messages"][0]["content"] + b["messages"][1]["content"] for b in server.bodies]
     assert sum("strict grader" in p for p in phases) == 0
     assert server.hits["chat"] == 60 + 15 + 15  # generate per rollout, union + merge per group
     rubrics = pl.read_parquet(tmp_path / "rubric" / "rubrics.parquet")

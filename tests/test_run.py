@@ -151,8 +151,8 @@ def test_four_settings(server, tmp_path, setting, credit_mode, rubric_calls):
     rewards = pl.read_parquet(run / "credit" / "rewards.parquet")
     modes = set(rewards["credit_mode"])
     assert credit_mode in modes and modes <= {credit_mode, "grpo_fallback"}
-    systems = [b["messages"][0]["content"] for b in server.bodies]
-    assert any("write grading criteria" in s for s in systems) == rubric_calls
+    systems = [b["messages"][0]["content"] + b["messages"][1]["content"] for b in server.bodies]
+    assert any("This request: write grading criteria" in s for s in systems) == rubric_calls
     rb = pl.read_parquet(run / "rubric" / "rubrics.parquet")
     assert set(rb["source"]) == ({"merge"} if rubric_calls else {"static"})
     m = json.loads((run / "manifest.json").read_text())
@@ -277,7 +277,7 @@ def test_redo_forces_a_stage_and_what_follows(server, tmp_path):
 
 def _garbage_for_judge(state):
     def answer(body, i):
-        if state["broken"] and "strict grader" in body["messages"][0]["content"]:
+        if state["broken"] and "strict grader" in body["messages"][1]["content"]:
             return "I think it passes."
         return scripted(body, i)
     return answer

@@ -252,7 +252,7 @@ def test_an_unanswered_merge_leaves_the_group_its_candidates(monkeypatch, tmp_pa
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
 
     def no_merge(body, i):
-        if "curate the final" in body["messages"][0]["content"]:
+        if "curate the final" in body["messages"][1]["content"]:
             return "not json at all"
         return scripted(body, i)
 

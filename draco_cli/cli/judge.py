@@ -58,6 +58,7 @@ def score(
     Example: draco judge score --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --model openai/gpt-4.1 -o d/judge
     """
     from draco_cli.judge.stage import judge_prompt, judge_score
+    from draco_cli.llm.settings import check_samples
     from draco_cli.llm.stage import render_options
 
     render = render_options(prompt.max_prompt_tokens, list(prompt.redact),
@@ -65,6 +66,7 @@ def score(
     if show_prompt:
         typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=judge.samples))
         return
+    check_samples(judge.samples, llm.temperature)
     with llmrun.progress_bar("judging") as bar:
         llmrun.announce_batch(llm)
         report = judge_score(rollouts, steps, rubrics, out, llm, samples=judge.samples,

@@ -123,6 +123,10 @@ def run(
         allow_no_signal=allow_no_signal, restart=restart,
         redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
         ray_address=ray_address, partitions=partitions)
+    if llm is not None:
+        from draco_cli.llm.settings import check_samples
+
+        check_samples(judge.samples, llm.temperature)
     run_dir = run_dir_for(out, train_step)
 
     def waiting(holder: str) -> None:
@@ -161,7 +165,8 @@ def _print_event(e: StageEvent) -> None:
     def calls() -> str:
         if not (e.calls_new or e.calls_reused):
             return ""
-        return (f", calls {e.calls_new} new / {e.calls_reused} reused, ${e.cost_usd:.4f}"
+        money = f"${e.cost_usd:.4f}" if e.priced else "unpriced"
+        return (f", calls {e.calls_new} new / {e.calls_reused} reused, {money}"
                 + (f", {e.unanswered} unanswered" if e.unanswered else ""))
 
     rows = f", {e.rows} rows" if e.rows is not None else ""

@@ -21,7 +21,7 @@ from pydantic import BaseModel
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_steps,
-                                     task_block, task_contexts)
+                                     rollout_prefix, stage_messages, task_contexts)
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client, Stage
@@ -120,19 +120,17 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
         schema = score_schema(ids, m)
         if schemas is not None:
             schemas[key] = schema
-    # Stable part first (instructions, the agent's policy: shared by the run; rubric, task:
-    # shared by the group) so prompt caches hit.
-    # The criteria were written by a model that read rollouts: fenced as untrusted text too.
+    # The rollout first (the same bytes as its rubric call's: one cached prefix per rollout),
+    # then this stage's instructions and the group's criteria. The criteria were written by a
+    # model that read rollouts: fenced as untrusted text too.
+    messages, shared = stage_messages(
+        rollout_prefix(context, task, traj, m),
+        f"{template}\nCriteria (one JSON object per line):\n{_fenced_criteria(listing)}")
     return LLMRequest(
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
         json_schema=schema, schema_key=("draco.judge.score_schema", *key),
-        check=verdict_check(ids),
-        messages=[{"role": "system", "content": template},
-                  {"role": "user", "content": f"{context}Criteria (one JSON object per line):\n"
-                   f"{_fenced_criteria(listing)}\n\n"
-                   f"Task:\n{task_block(task)}\n\nRollout ({m} steps):\n"
-                   f"{fenced('rollout', traj)}"}])
+        check=verdict_check(ids), messages=messages, cache_prefix=shared)
 
 
 @functools.lru_cache(maxsize=64)

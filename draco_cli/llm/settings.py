@@ -59,3 +59,14 @@ class LLMSettings:
                          use_n=self.use_n, temperature=self.temperature, seed=self.seed,
                          adaptive=self.adaptive,
                          max_reply_bytes=int(self.max_reply_mib * 2**20))
+
+
+def check_samples(samples: int, temperature: float | None) -> None:
+    """Refuse k > 1 samples at temperature 0 before any call: greedy decoding answers the same
+    k times, and vLLM rejects ``n > 1`` under greedy sampling (HTTP 400 at the first call)."""
+    from draco_cli.errors import UsageError
+
+    if samples > 1 and temperature == 0:
+        raise UsageError(f"--samples {samples} at --temperature 0: greedy decoding gives one "
+                         "answer k times (and vLLM refuses n > 1 under greedy sampling); use "
+                         "--samples 1 or a temperature above 0")

@@ -88,8 +88,8 @@ def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) ->
     report.budget_reached = client.budget_reached
     export_parquet(log_path, out / "llm_calls.parquet", force=True)
     if not client.priced:
-        report.notes.append(f"{client.model} is not in the price table: its cost shows as $0 "
-                            "(pass --prices FILE to price it)")
+        report.notes.append(f"{client.model} is not in the price table: its cost shows as "
+                            "unpriced (pass --prices FILE to price it)")
 
 
 def log_position(log_path: Path) -> int:

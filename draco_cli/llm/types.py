@@ -53,6 +53,11 @@ class LLMRequest:
     # body (the judge keys its schema by the group's criterion ids and the step count). Not
     # part of the cache key: the schema's JSON is.
     schema_key: Hashable | None = None
+    # Characters at the head of the first user message that every call about the same rollout
+    # (or group) shares: the data the stages' instructions follow. Providers with explicit
+    # prompt caching (Anthropic's cache_control) mark where it ends. Not part of the cache key
+    # (the messages are).
+    cache_prefix: int = 0
 
     def problem(self, value: BaseModel) -> str | None:
         return self.check(value) if self.check is not None else None

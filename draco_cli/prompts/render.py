@@ -116,3 +116,26 @@ def task_contexts(rollouts: pl.DataFrame, groups: list[str]) -> dict[str, str | 
     g = rollouts.select("group_id", "task_context").group_by("group_id").agg(
         pl.col("task_context").first())
     return dict(zip(g["group_id"].to_list(), g["task_context"].to_list()))
+
+
+def rollout_prefix(context: str, task: str, trajectory: str, n_steps: int) -> str:
+    """The head of the user message of every call about one rollout (its rubric call, its
+    judge samples, their re-asks): the task context block, the fenced task and the fenced
+    rollout, the same bytes for each, before any stage's instructions."""
+    return (f"{context}Task:\n{task_block(task)}\n\nRollout ({n_steps} steps):\n"
+            f"{fenced('rollout', trajectory)}\n\n")
+
+
+def group_prefix(context: str, task: str) -> str:
+    """The head of the user message of a group's calls (union, merge): its task context block
+    and fenced task."""
+    return f"{context}Task:\n{task_block(task)}\n\n"
+
+
+def stage_messages(prefix: str, stage_text: str) -> tuple[list[dict[str, str]], int]:
+    """(messages, cache_prefix): the shared system rules, then one user message of the shared
+    ``prefix`` followed by the stage's own text."""
+    from draco_cli.prompts import system_rules
+
+    return ([{"role": "system", "content": system_rules()},
+             {"role": "user", "content": prefix + stage_text}], len(prefix))

@@ -24,8 +24,8 @@ from pydantic import BaseModel, Field
 from draco_cli.errors import InputError
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
-from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_rollout,
-                                     task_block)
+from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, group_prefix,
+                                     render_rollout, rollout_prefix, stage_messages)
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client
@@ -132,16 +132,17 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
         if "generate" in stages:
             template, version = load_prompt("generate")
             for rid in members:
-                task, traj = render_rollout(instruction, by_rollout.get(rid, empty), render)
+                steps = by_rollout.get(rid, empty)
+                task, traj = render_rollout(instruction, steps, render)
+                messages, shared = stage_messages(
+                    rollout_prefix(context, task, traj, steps.height),
+                    template.format(max_candidates=max_criteria))
                 out.append(("generate", group_id, rid, LLMRequest(
                     phase="generate", key=rid, answer_model=CriteriaAnswer,
                     json_schema=criteria_schema(max_criteria), schema_name="criteria",
                     check=criteria_check(max_criteria),
-                    template_version=version, sampling=sampling,
-                    messages=[{"role": "system", "content": template.format(
-                                  max_candidates=max_criteria)},
-                              {"role": "user", "content": f"{context}Task:\n{task_block(task)}"
-                               f"\n\nRollout:\n{fenced('rollout', traj)}"}])))
+                    template_version=version, sampling=sampling, messages=messages,
+                    cache_prefix=shared)))
         if "union" in stages:
             template, version = load_prompt("union")
             share = max(render.max_prompt_tokens // max(len(members), 1), 500)
@@ -149,15 +150,15 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
             for k, rid in enumerate(members, start=1):
                 task, traj = render_rollout(instruction, by_rollout.get(rid, empty), render, share)
                 blocks.append(f"Attempt {k}:\n{fenced(f'attempt {k}', traj)}")
+            messages, shared = stage_messages(
+                group_prefix(context, task), "\n\n".join(blocks) + "\n\n"
+                + template.format(max_candidates=max_criteria))
             out.append(("union", group_id, None, LLMRequest(
                 phase="union", key=group_id, answer_model=CriteriaAnswer,
                 json_schema=criteria_schema(max_criteria), schema_name="criteria",
                 check=criteria_check(max_criteria),
-                template_version=version, sampling=sampling,
-                messages=[{"role": "system", "content": template.format(
-                              max_candidates=max_criteria)},
-                          {"role": "user", "content": f"{context}Task:\n{task_block(task)}"
-                           "\n\n" + "\n\n".join(blocks)}])))
+                template_version=version, sampling=sampling, messages=messages,
+                cache_prefix=shared)))
     return out
 
 
@@ -169,14 +170,14 @@ def merge_request(group_id: str, instruction: str, candidates: list[dict[str, An
     red = render.redactor or (lambda s: s)
     listing = "\n".join(json.dumps({"title": c["title"], "requirement": c["requirement"]},
                                    ensure_ascii=False) for c in candidates)
+    messages, shared = stage_messages(
+        group_prefix(context, red(instruction)),
+        template.format(max_criteria=max_criteria)
+        + f"\n\nCandidate criteria:\n{fenced('candidates', listing)}")
     return LLMRequest(
         phase="merge", key=group_id, answer_model=CriteriaAnswer, template_version=version,
         sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
-        check=criteria_check(max_criteria),
-        messages=[{"role": "system", "content": template.format(max_criteria=max_criteria)},
-                  {"role": "user", "content": f"{context}Task:\n"
-                   f"{task_block(red(instruction))}\n\n"
-                   f"Candidate criteria:\n{fenced('candidates', listing)}"}])
+        check=criteria_check(max_criteria), messages=messages, cache_prefix=shared)
 
 
 def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:

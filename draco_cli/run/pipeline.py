@@ -52,6 +52,7 @@ class StageEvent:
     calls_new: int = 0
     calls_reused: int = 0
     cost_usd: float = 0.0
+    priced: bool = True          # False: the model has no price, its cost says "unpriced"
     seconds: float = 0.0
     unanswered: int = 0
     reasons: dict[str, int] = field(default_factory=dict)
@@ -282,7 +283,8 @@ class _Run:
         self._emit(StageEvent(name, "end", status=rec.status, rows=getattr(rec, "rows", None),
                               calls_new=ev.get("calls_new", 0),
                               calls_reused=ev.get("calls_reused", 0),
-                              cost_usd=ev.get("cost_usd", 0.0), seconds=rec.seconds,
+                              cost_usd=ev.get("cost_usd", 0.0),
+                              priced=ev.get("priced", True), seconds=rec.seconds,
                               unanswered=ev.get("unanswered", 0),
                               reasons=dict((getattr(rec, "health", None) or {}).get("reasons", {})),
                               notes=list(rec.notes)))
@@ -405,6 +407,7 @@ class _Run:
                            health=health,
                            calls={"calls_new": new, "calls_reused": reused,
                                   "cost_usd": round(sum(s.cost_usd for s in phases.values()), 6),
+                                  "priced": all(s.priced for s in phases.values()),
                                   "unanswered": unanswered + skipped}, **extra)
 
     def _credit(self) -> StageRecord:

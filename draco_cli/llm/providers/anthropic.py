@@ -45,7 +45,10 @@ class AnthropicProvider(Provider):
         s = req.sampling
         if self.form == "prompt":
             messages = with_instruction(messages, schema_instruction(req.schema()))
+        shared = req.cache_prefix
         if not self.system_role:
+            folded, _ = split_system(messages)
+            shared += len(folded) + 2 if folded and shared else 0  # system text moved ahead
             messages = fold_system(messages)
         system, chat = split_system(messages)
         body: dict[str, Any] = {"model": self.model, "max_tokens": s.max_tokens,
@@ -57,14 +60,29 @@ class AnthropicProvider(Provider):
                               "description": "Record the answer."}]
             body["tool_choice"] = {"type": "tool", "name": req.schema_name}
         if system:
-            # Prompt caching: the instructions are the prefix every call of a phase shares.
+            # Prompt caching: the rules are the prefix every rubric and judge call shares.
             body["system"] = [{"type": "text", "text": system,
                                "cache_control": {"type": "ephemeral"}}]
-        if req.samples > 1 and chat and isinstance(chat[-1].get("content"), str):
+        marked: list[dict[str, Any]] = [dict(m) for m in chat]
+        # The answer schema (output_config or the tool) comes before the system text in
+        # Anthropic's cache order, and rubric and judge calls send different ones: their shared
+        # data is a prefix only when the schema follows it, in the prompt form. Elsewhere the
+        # mark would be a cache write (1.25x) nothing reads; k samples mark the whole message.
+        if self.form == "prompt" and shared and marked and marked[0].get("role") == "user" and \
+                isinstance(marked[0].get("content"), str) and len(marked[0]["content"]) > shared:
+            # One cached prefix per rollout: the data every call about it opens with (its rubric
+            # call, its judge samples, re-asks), marked where the stage's own text begins.
+            text = marked[0]["content"]
+            marked[0]["content"] = [{"type": "text", "text": text[:shared],
+                                     "cache_control": {"type": "ephemeral"}},
+                                    {"type": "text", "text": text[shared:]}]
+        if req.samples > 1 and marked and isinstance(chat[-1].get("content"), str):
             # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
-            marked: list[dict[str, Any]] = [dict(m) for m in chat]
-            marked[-1]["content"] = [{"type": "text", "text": chat[-1]["content"],
-                                      "cache_control": {"type": "ephemeral"}}]
+            last = marked[-1]["content"]
+            blocks = last if isinstance(last, list) else [{"type": "text", "text": last}]
+            blocks[-1] = {**blocks[-1], "cache_control": {"type": "ephemeral"}}
+            marked[-1]["content"] = blocks
+        if marked != chat:
             body["messages"] = marked
         if s.thinking:
             # Thinking tokens count toward max_tokens; leave room for the answer.
