@@ -80,6 +80,9 @@ class RubricOptions(_Options):
     static_rubric: Path | None = None  # None: draco's own default rubric
     # the LLM phases, in order; merge combines what generate and union wrote in the same run
     stages: tuple[Literal["generate", "union", "merge"], ...] = ("generate", "union", "merge")
+    # merge alone on another run's candidate pool (rubric_candidates.parquet): the paper's
+    # merge-on-a-fixed-pool replay (Figure 9c)
+    candidates: Path | None = None
 
     @field_validator("stages", mode="before")
     @classmethod
@@ -90,9 +93,15 @@ class RubricOptions(_Options):
 
     @model_validator(mode="after")
     def _merge_has_candidates(self) -> RubricOptions:
+        if self.candidates is not None:
+            if self.stages != ("merge",):
+                raise ValueError("--candidates: the merge stage alone runs on another run's "
+                                 "candidates; pass --stages merge")
+            return self
         if "merge" in self.stages and not {"generate", "union"} & set(self.stages):
             raise ValueError("--stages merge: merge combines the candidates that generate and "
-                             "union write in the same run; add them (e.g. --stages union,merge)")
+                             "union write in the same run; add them (e.g. --stages union,merge), "
+                             "or give another run's with --candidates")
         return self
 
 

@@ -268,3 +268,4 @@ def test_an_unanswered_merge_leaves_the_group_its_candidates(monkeypatch, tmp_pa
     assert set(rubrics["group_id"]) == set(groups)            # every group keeps criteria
     assert set(rubrics["source"]) <= {"generate", "union"}
     assert "whose merge call went unanswered are judged on their candidates" in res.stderr
+

@@ -219,6 +219,10 @@ StaticRubric = Annotated[Path | None, typer.Option(
     rich_help_panel=RUBRIC_PANEL)]
 RubricStages = Annotated[str, typer.Option(help="Comma-separated stages to run.",
                                            rich_help_panel=RUBRIC_PANEL)]
+Candidates = Annotated[Path | None, typer.Option(
+    parser=IN, help="With --stages merge: merge another run's candidate pool (its "
+    "rubric_candidates.parquet, or the rubric or run folder holding it) instead of new ones.",
+    rich_help_panel=RUBRIC_PANEL)]
 JudgeModel = Annotated[str | None, typer.Option(help="Judge model, if not --model.",
                                                    rich_help_panel=JUDGE_PANEL)]
 Samples = Annotated[int, typer.Option(help="Judge samples per rollout (k).",
@@ -231,7 +235,7 @@ JudgeLabel = Annotated[str, typer.Option(help="Judge arm label stored with the v
 
 _RUBRIC: dict[str, tuple[Any, Any]] = {
     "max_criteria": (MaxCriteria, 8), "stages": (RubricStages, "generate,union,merge"),
-    "static_rubric": (StaticRubric, None)}
+    "static_rubric": (StaticRubric, None), "candidates": (Candidates, None)}
 _JUDGE: dict[str, tuple[Any, Any]] = {
     "judge_model": (JudgeModel, None), "samples": (Samples, 1), "aggregate": (AggregateOpt, "all"),
     "judge_label": (JudgeLabel, "judge")}

@@ -24,7 +24,7 @@ StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parque
 @app.command("generate")
 @llm_options()
 @prompt_options()
-@rubric_options("max_criteria", "stages")
+@rubric_options("max_criteria", "stages", "candidates")
 def generate(
     rollouts: RolloutsOpt, steps: StepsOpt, out: OutDir,
     llm: LLMSettings, prompt: PromptOptions, rubric: RubricOptions,
@@ -54,7 +54,7 @@ def generate(
         report = rubric_generate(rollouts, steps, out, llm, stages=rubric.stages,
                                  max_criteria=rubric.max_criteria, render=render,
                                  max_tokens=prompt.max_tokens, call_log=call_log, force=force,
-                                 progress=bar)
+                                 progress=bar, candidates=rubric.candidates)
     llmrun.print_report(report)
 
 

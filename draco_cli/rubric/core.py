@@ -195,19 +195,21 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: Client
                      stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
                      render: RenderOptions | None = None, sampling: Sampling | None = None,
                      batch: bool | None = False,
-                     progress: Callable[[Progress], None] | None = None) -> RubricResult:
+                     progress: Callable[[Progress], None] | None = None,
+                     pool: pl.DataFrame | None = None) -> RubricResult:
     from draco_cli.llm.drive import drive
 
     return drive(rubric_stage(rollouts, steps, stages=stages, max_criteria=max_criteria,
-                              render=render, sampling=sampling), client, progress=progress,
-                 batch=batch)
+                              render=render, sampling=sampling, pool=pool), client,
+                 progress=progress, batch=batch)
 
 
 def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                  stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
-                 render: RenderOptions | None = None, sampling: Sampling | None = None
-                 ) -> Stage[RubricResult]:
-    """The rubric stage as a generator of request lists (``draco_cli.llm.drive``)."""
+                 render: RenderOptions | None = None, sampling: Sampling | None = None,
+                 pool: pl.DataFrame | None = None) -> Stage[RubricResult]:
+    """The rubric stage as a generator of request lists (``draco_cli.llm.drive``). ``pool``:
+    candidates another run wrote (``rubric_candidates``), merged instead of new ones."""
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
@@ -226,6 +228,9 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
     candidates = pl.DataFrame(cand_rows, schema={
         "group_id": pl.String, "candidate_id": pl.String, "stage": pl.String,
         "origin_rollout_id": pl.String, "title": pl.String, "requirement": pl.String})
+    if pool is not None:   # merge on another run's candidates, this chunk's groups only
+        candidates = pl.concat([candidates, pool.filter(pl.col("group_id").is_in(
+            rollouts["group_id"].unique().implode())).select(candidates.columns)])
     candidates = candidates.unique(["group_id", "candidate_id"], keep="first", maintain_order=True)
 
     final: dict[str, list[dict[str, Any]]] = {}

@@ -28,7 +28,8 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
                     *, stages: tuple[str, ...], max_criteria: int, render: RenderOptions,
                     max_tokens: int = 4096, call_log: Path | None = None, force: bool = False,
                     progress: Callable[[Any], None] | None = None,
-                    chunk_rollouts: int = CHUNK_ROLLOUTS) -> StageReport:
+                    chunk_rollouts: int = CHUNK_ROLLOUTS,
+                    candidates: Path | None = None) -> StageReport:
     """Criteria per group → ``out/rubric_candidates.parquet`` and ``out/rubrics.parquet``.
 
     Groups are written in chunks of about ``chunk_rollouts`` rollouts (``llmstage``): memory
@@ -40,6 +41,7 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
     for t in targets:
         check_writable(t, force)
     r, s = read_inputs(rollouts, steps)
+    pool = None if candidates is None else _candidate_pool(Path(candidates), r)
     report = StageReport(outputs=targets)
     log_path = call_log_path(out, call_log)
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
@@ -50,7 +52,7 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
         if batching(settings):   # one batch for the whole stage, as the batch API wants
             res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
                                    render=render, progress=progress, batch=settings.batch,
-                                   sampling=sampling)
+                                   sampling=sampling, pool=pool)
             finish(client, log_path, out, report)
             if not report.budget_reached:
                 with OutputSet(out, [t.name for t in targets], force=force) as output:
@@ -75,7 +77,8 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
             publish_chunks(out, {targets[0].name: RubricCandidate, targets[1].name: Rubric},
                            client, log_path,
                            (rubric_stage(cr, cs, stages=stages, max_criteria=max_criteria,
-                                         render=render, sampling=sampling) for cr, cs in frames),
+                                         render=render, sampling=sampling, pool=pool)
+                            for cr, cs in frames),
                            tables, report, force=force, progress=progress, total=total)
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
@@ -94,6 +97,26 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
                         f"groups, {summary.candidates} candidates")
     report.rows = summary.criteria
     return report
+
+
+def _candidate_pool(path: Path, rollouts: pl.DataFrame) -> pl.DataFrame:
+    """Another run's ``rubric_candidates`` (the file, or a rubric or run folder holding it),
+    for the groups of ``rollouts``; a group with none is an error naming it."""
+    for p in (path, path / "rubric_candidates.parquet", path / "rubric" / "rubric_candidates.parquet"):
+        if p.is_file():
+            break
+    else:
+        raise InputError("no rubric_candidates.parquet here (give the file, or the rubric or "
+                         "run folder that holds it)", file=str(path))
+    pool = read_table(p, RubricCandidate)
+    have = set(pool["group_id"].unique().to_list())
+    missing = [g for g in rollouts["group_id"].unique(maintain_order=True).to_list()
+               if g not in have]
+    if missing:
+        raise InputError(f"no candidates for group {missing[0]!r} ({len(missing)} groups "
+                         "without): the pool must come from a run on the same groups",
+                         file=str(p), field="group_id")
+    return pool
 
 
 class _Summary:
