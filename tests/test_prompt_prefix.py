@@ -144,6 +144,9 @@ def test_samples_above_one_at_temperature_zero_refused_up_front(tmp_path):
         assert "--samples 3 at --temperature 0" in err and err.count("\n") == 1
         assert "Traceback" not in err
     assert not (tmp_path / "run" / "llm_calls.sqlite").exists()  # no call was made
+    # one call per sample (--no-use-n), as llama.cpp's server takes them: allowed
+    res = run_draco("run", *common, "--no-use-n", "-o", str(tmp_path / "one-per-call"))
+    assert "--samples 3 at --temperature 0" not in res.stderr.decode()
 
 
 def test_unpriced_model_stage_lines_say_unpriced(tmp_path):

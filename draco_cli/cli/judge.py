@@ -66,7 +66,7 @@ def score(
     if show_prompt:
         typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=judge.samples))
         return
-    check_samples(judge.samples, llm.temperature)
+    check_samples(judge.samples, llm.temperature, llm.use_n)
     with llmrun.progress_bar("judging") as bar:
         llmrun.announce_batch(llm)
         report = judge_score(rollouts, steps, rubrics, out, llm, samples=judge.samples,

@@ -126,7 +126,7 @@ def run(
     if llm is not None:
         from draco_cli.llm.settings import check_samples
 
-        check_samples(judge.samples, llm.temperature)
+        check_samples(judge.samples, llm.temperature, llm.use_n)
     run_dir = run_dir_for(out, train_step)
 
     def waiting(holder: str) -> None:

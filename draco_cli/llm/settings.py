@@ -61,12 +61,14 @@ class LLMSettings:
                          max_reply_bytes=int(self.max_reply_mib * 2**20))
 
 
-def check_samples(samples: int, temperature: float | None) -> None:
-    """Refuse k > 1 samples at temperature 0 before any call: greedy decoding answers the same
-    k times, and vLLM rejects ``n > 1`` under greedy sampling (HTTP 400 at the first call)."""
+def check_samples(samples: int, temperature: float | None, use_n: bool = True) -> None:
+    """Refuse k > 1 samples asked with ``n`` at temperature 0 before any call: vLLM rejects
+    ``n > 1`` under greedy sampling (HTTP 400 at the first call). With ``--no-use-n`` each
+    sample is its own call, which any server takes."""
     from draco_cli.errors import UsageError
 
-    if samples > 1 and temperature == 0:
-        raise UsageError(f"--samples {samples} at --temperature 0: greedy decoding gives one "
-                         "answer k times (and vLLM refuses n > 1 under greedy sampling); use "
-                         "--samples 1 or a temperature above 0")
+    if samples > 1 and temperature == 0 and use_n:
+        raise UsageError(f"--samples {samples} at --temperature 0 asks for n = {samples} under "
+                         "greedy sampling, which vLLM refuses (and which gives one answer k "
+                         "times): use a temperature above 0, --samples 1, or --no-use-n (one "
+                         "call per sample)")
