@@ -233,3 +233,39 @@ def test_bad_input_is_one_line(rising, tmp_path):
                     "--min-steps", "2")
     assert res.returncode == 2 and b"--min-steps" in res.stderr
     assert b"Traceback" not in res.stderr
+
+
+def test_in_loop_history_gives_the_audit_figures(rising, tmp_path):
+    """StepResults holding each run folder's tables give the audit's trends."""
+    from draco_cli.inloop import CallTally, GroupScore, StepResult, judge_health_history
+
+    results, outcomes = [], []
+    ro = pl.read_parquet("sample_data/appworld_mini/rollouts.parquet")
+    for n in range(STEPS):
+        d = rising / f"step-{n}"
+        t = {"rubrics": pl.read_parquet(d / "rubric" / "rubrics.parquet"),
+             "verdicts": pl.read_parquet(d / "judge" / "verdicts.parquet"),
+             "rewards": pl.read_parquet(d / "credit" / "rewards.parquet")}
+        groups = []
+        for g in sorted(set(t["rewards"]["group_id"])):
+            ids = t["rewards"].filter(pl.col("group_id") == g)["rollout_id"]
+            groups.append(GroupScore(
+                g, t["rubrics"].filter(pl.col("group_id") == g), pl.DataFrame(),
+                t["verdicts"].filter(pl.col("rollout_id").is_in(ids.to_list())),
+                t["rewards"].filter(pl.col("group_id") == g), pl.DataFrame(), pl.DataFrame(),
+                CallTally()))
+        results.append(StepResult(n, {}, {}, groups))
+        outcomes.append(dict(zip(ro["rollout_id"], ro["outcome"])))
+    h = judge_health_history(results, outcomes)
+    doc = audit(rising, tmp_path / "h")
+    def same(a: list[dict], b: list[dict]) -> None:  # summation order may differ: 1e-12
+        assert len(a) == len(b)
+        for x, y in zip(a, b):
+            assert x.keys() == y.keys()
+            for k in x:
+                assert (x[k] == y[k] if not isinstance(x[k], float) or y[k] is None
+                        else x[k] == pytest.approx(y[k], rel=1e-9, abs=1e-12)), k
+
+    same(h.steps.to_dicts(), doc["steps"])
+    same(h.trends.drop("reason").to_dicts(),
+         [{k: v for k, v in t.items() if k != "reason"} for t in doc["trends"]])
