@@ -13,27 +13,30 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import polars as pl
 
 from draco_cli.audit.stats import step_trend
 
+if TYPE_CHECKING:
+    from polars._typing import PolarsDataType
+
 ALPHA = 0.05
 MIN_STEPS = 3
 
-STEP_SCHEMA: dict[str, Any] = {
+STEP_SCHEMA: dict[str, PolarsDataType] = {
     "train_step": pl.Int64, "rollouts": pl.Int64, "outcome_n": pl.Int64,
     "outcome_rate": pl.Float64, "verdicts": pl.Int64, "pass_rate": pl.Float64,
     "criteria": pl.Int64, "mean_reward": pl.Float64, "pairs": pl.Int64,
     "agreement": pl.Float64, "correlation": pl.Float64}
-CRITERION_SCHEMA: dict[str, Any] = {
+CRITERION_SCHEMA: dict[str, PolarsDataType] = {
     "criterion": pl.String, "title": pl.String, "train_step": pl.Int64, "groups": pl.Int64,
     "n": pl.Int64, "passes": pl.Int64, "na": pl.Int64, "unanswered": pl.Int64,
     "pass_rate": pl.Float64, "outcome_rate": pl.Float64, "pass_rate_success": pl.Float64,
     "pass_rate_failure": pl.Float64}
-TREND_SCHEMA: dict[str, Any] = {
+TREND_SCHEMA: dict[str, PolarsDataType] = {
     "scope": pl.String, "criterion": pl.String, "title": pl.String, "n_steps": pl.Int64,
     "pass_rate_first": pl.Float64, "pass_rate_last": pl.Float64, "pass_slope": pl.Float64,
     "pass_t": pl.Float64, "pass_p": pl.Float64, "pass_p_holm": pl.Float64,
@@ -193,7 +196,7 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
         (pl.col("__p0") / pl.col("__n0")).alias("pass_rate_failure"),
     ).with_columns(pl.col(c).fill_nan(None) for c in
                    ("pass_rate", "pass_rate_success", "pass_rate_failure", "outcome_rate")
-    ).select(list(CRITERION_SCHEMA)).cast(CRITERION_SCHEMA).sort("criterion", "train_step")
+    ).select(list(CRITERION_SCHEMA)).cast(pl.Schema(CRITERION_SCHEMA)).sort("criterion", "train_step")
 
     trends = [_run_trend(steps, alpha, min_steps)]
     rows = []
