@@ -8,7 +8,7 @@ import typer
 from draco_cli.cli.options import IN, OUT, BaseUrl, Force, folder_path
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 
-app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost.",
+app = typer.Typer(help="Audits: self-judge agreement, rubric overlap and statistics, cost, step labels, judge health.",
                   no_args_is_help=True)
 
 OutOpt = Annotated[Path, typer.Option("-o", "--out", help="Output folder for Parquet tables.",
@@ -203,3 +203,54 @@ def step_labels(
     emit(Report([(f"step-label audit ({r.rollouts} labelled rollouts; truth: {human})",
                   r.figures)], keys=["figures"]), pick_format(fmt, as_json))
     err_console.print(f"wrote {r.out}/step_label_audit.parquet", highlight=False)
+
+
+@app.command("judge-health")
+def judge_health(
+    runs: Annotated[list[Path], typer.Argument(
+        metavar="RUN_ROOT_OR_RUN_DIR...", parser=IN,
+        help="Run folders of several train steps (draco run --train-step N), or the folder "
+        "that holds them.")],
+    out: OutOpt,
+    judge: Annotated[str | None, typer.Option(help="Judge label, if the runs hold several.")]
+    = None,
+    match: Annotated[Literal["title", "id"], typer.Option(
+        help="How criteria are matched across steps: title (normalised; dynamic rubrics "
+        "write new ids per group) or id.")] = "title",
+    alpha: Annotated[float, typer.Option(help="Level of the trend tests behind a flag.")]
+    = 0.05,
+    min_steps: Annotated[int, typer.Option(help="Steps a criterion needs to be tested.")] = 3,
+    fmt: Format = None,
+    as_json: Json = False,
+    force: Force = False,
+) -> None:
+    """Judge health over training: per train step and per criterion, the judge's pass rate
+    beside the outcome rate of the rollouts judged, and the reward's agreement with the
+    outcome; step-level trends (each train step one observation: weighted least-squares slope
+    and its t-test); a flag where the pass rate rises (p < alpha; Holm over criteria) while the
+    outcome does not → OUT/judge_health_{steps,criteria,trends}.parquet.
+
+    Example: draco audit judge-health runs/ -o runs/health
+    """
+    from draco_cli.audit.health_stage import audit_judge_health
+
+    h = audit_judge_health(runs, out, judge=judge, match=match, alpha=alpha,
+                           min_steps=min_steps, force=force)
+    flagged = h.flagged
+    shape = pick_format(fmt, as_json)
+    trends = h.trends.select("scope", "title", "n_steps", "pass_rate_first", "pass_rate_last",
+                             "pass_slope", "pass_p", "pass_p_holm", "outcome_slope",
+                             "outcome_p", "flagged") if shape == "table" else h.trends
+    run_row = h.trends.filter(h.trends["scope"] == "run").to_dicts()[0]
+    lines = [f"flagged: {'the run' if run_row['flagged'] else 'not the run'}; "
+             f"{int((flagged['scope'] == 'criterion').sum())} of "
+             f"{int((h.trends['scope'] == 'criterion').sum())} criteria "
+             f"(pass rate rises with p < {alpha} while the outcome does not)",
+             f"run: {run_row['reason']}"]
+    emit(Report([("judge health per train step", h.steps), ("trends", trends)],
+                document={"steps": h.steps.to_dicts(), "trends": h.trends.to_dicts(),
+                          "criteria": h.criteria.to_dicts(), "alpha": alpha,
+                          "min_steps": min_steps, "flagged_run": run_row["flagged"],
+                          "flagged_criteria": flagged.filter(
+                              flagged["scope"] == "criterion")["criterion"].to_list()},
+                lines=lines), shape)

@@ -11,6 +11,7 @@ if TYPE_CHECKING:
 from draco_cli.report.data import _connect, _frame, _q, _runs, _verdicts, _views
 from draco_cli.report.heatmap import _credit
 from draco_cli.report.html import CSS, SCRIPT
+from draco_cli.report.trend import health_banner, health_section, judge_health_of
 from draco_cli.report.sections import (
     MAX_GROUP_STRIPS,
     _banner,
@@ -48,19 +49,21 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
     unanswered_html, unanswered = _unanswered(runs, con)
     counts = _verdicts(last, con)
     credit = _credit(last, con, counts, rollout_id, redact)
+    health, why_not = judge_health_of(runs)
     sections = [
         ("Training steps at a glance", summary_html),
         ("Rewards and advantages", _distributions(rw, n_groups)),
         (f"Step credit ({html.escape(last.label)})", credit),
         ("Criteria: pass rates, kept and dropped", _criteria(last, con, counts, redact)),
         ("Over training steps", _over_steps(runs, con, summary)),
+        ("Judge health over training steps", health_section(health, why_not, redact)),
         ("Unanswered calls", unanswered_html),
         ("Cost per training step", _cost(runs, con)),
         ("Where credit lands (step labels)", _step_labels(runs, con)),
     ]
     con.close()
     body = "".join(f"<h2 id='{anchor}'>{t}</h2>{s}" for (t, s), anchor in zip(
-        sections, ("steps", "rewards", "credit", "criteria", "trends", "unanswered", "cost",
+        sections, ("steps", "rewards", "credit", "criteria", "trends", "judge-health", "unanswered", "cost",
                                  "step-labels")))
     settings = m.get("settings") or {}
     return (f"<!doctype html><html><head><meta charset='utf-8'><title>draco report</title>"
@@ -69,5 +72,6 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
             f"<code>{html.escape(str(last.dir))}</code> ({html.escape(last.label)}), setting "
             f"<code>{html.escape(str(settings.get('setting')))}</code>, model "
             f"<code>{html.escape(str(settings.get('model')))}</code>, draco "
-            f"{html.escape(str(m.get('draco_version', '')))}.</p>{_banner(runs, redact, unanswered)}{body}"
+            f"{html.escape(str(m.get('draco_version', '')))}.</p>{_banner(runs, redact, unanswered)}"
+            f"{health_banner(health, redact)}{body}"
             f"<script>{SCRIPT}</script></body></html>")

@@ -31,6 +31,12 @@ from draco_cli.schemas.pipeline import (
     VerdictAggregated,
     VerdictRaw,
 )
+from draco_cli.schemas.health import (
+    HEALTH_TABLES,
+    JudgeHealthCriterion,
+    JudgeHealthStep,
+    JudgeHealthTrend,
+)
 from draco_cli.schemas.results import (
     OUTPUT_TABLES,
     REPLAY_TABLES,
@@ -76,8 +82,12 @@ __all__ = [
     "CreditMode",
     "EvolveScore",
     "Float32",
+    "HEALTH_TABLES",
     "HeadPrediction",
     "Int32",
+    "JudgeHealthCriterion",
+    "JudgeHealthStep",
+    "JudgeHealthTrend",
     "MAX_TOKENS",
     "Metric",
     "OUTPUT_TABLES",

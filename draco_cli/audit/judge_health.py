@@ -1,0 +1,251 @@
+"""Judge health over training: does the training judge's pass rate climb while the outcome
+does not? Per criterion (matched across steps by normalised title, or by id) and per step,
+the pass rate beside the outcome rate of the rollouts judged, their step-level trends, and
+the rubric reward's agreement with the outcome per step.
+
+Every test takes one train step as one observation (SPEC §4): a step's verdicts share its
+rollouts, rubric and judge state. The trend is the weighted least-squares slope of the
+per-step rate on ``train_step`` with its t-test on S − 2 degrees of freedom
+(``draco_cli.audit.stats.step_trend``)."""
+
+from __future__ import annotations
+
+import math
+import re
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import polars as pl
+
+from draco_cli.audit.stats import step_trend
+
+if TYPE_CHECKING:
+    from polars._typing import PolarsDataType
+
+ALPHA = 0.05
+MIN_STEPS = 3
+
+STEP_SCHEMA: dict[str, PolarsDataType] = {
+    "train_step": pl.Int64, "rollouts": pl.Int64, "outcome_n": pl.Int64,
+    "outcome_rate": pl.Float64, "verdicts": pl.Int64, "pass_rate": pl.Float64,
+    "criteria": pl.Int64, "mean_reward": pl.Float64, "pairs": pl.Int64,
+    "agreement": pl.Float64, "correlation": pl.Float64}
+CRITERION_SCHEMA: dict[str, PolarsDataType] = {
+    "criterion": pl.String, "title": pl.String, "train_step": pl.Int64, "groups": pl.Int64,
+    "n": pl.Int64, "passes": pl.Int64, "na": pl.Int64, "unanswered": pl.Int64,
+    "pass_rate": pl.Float64, "outcome_rate": pl.Float64, "pass_rate_success": pl.Float64,
+    "pass_rate_failure": pl.Float64}
+TREND_SCHEMA: dict[str, PolarsDataType] = {
+    "scope": pl.String, "criterion": pl.String, "title": pl.String, "n_steps": pl.Int64,
+    "pass_rate_first": pl.Float64, "pass_rate_last": pl.Float64, "pass_slope": pl.Float64,
+    "pass_t": pl.Float64, "pass_p": pl.Float64, "pass_p_holm": pl.Float64,
+    "outcome_slope": pl.Float64, "outcome_p": pl.Float64, "agreement_slope": pl.Float64,
+    "agreement_p": pl.Float64, "flagged": pl.Boolean, "reason": pl.String}
+
+
+@dataclass
+class JudgeHealth:
+    steps: pl.DataFrame      # one row per train step (aggregate over every criterion)
+    criteria: pl.DataFrame   # one row per criterion and train step
+    trends: pl.DataFrame     # one row for the run, one per criterion: trends and the flag
+    alpha: float = ALPHA
+    min_steps: int = MIN_STEPS
+
+    @property
+    def flagged(self) -> pl.DataFrame:
+        return self.trends.filter(pl.col("flagged"))
+
+
+def normalise_title(text: str) -> str:
+    return re.sub(r"\s+", " ", text.strip().lower())
+
+
+@dataclass
+class Trend:
+    slope: float | None
+    t: float | None
+    p: float | None
+
+
+def trend(per_step: list[tuple[int, float | None, int]]) -> Trend:
+    """The step-level trend of one rate from (train_step, rate, weight) per step: weighted
+    least-squares slope and its t-test (``step_trend``). A perfect linear fit over ≥ 3 steps
+    (no residual variance) has t = ±∞ and p = 0, the test's limit; a constant rate has slope
+    0 and p = 1."""
+    rows = [(s, r, w) for s, r, w in per_step if r is not None and w > 0]
+    if len(rows) < 3 or len({s for s, _, _ in rows}) < 2:
+        return Trend(None, None, None)
+    x = np.array([s for s, _, _ in rows], dtype=float)
+    y = np.array([r for _, r, _ in rows], dtype=float)
+    w = np.array([n for *_, n in rows], dtype=float)
+    slope, t, p = step_trend(y, x, w)
+    if slope is not None:
+        return Trend(slope, t, p)
+    wn = w / w.mean()
+    xm, ym = np.average(x, weights=wn), np.average(y, weights=wn)
+    b = float(np.sum(wn * (x - xm) * (y - ym)) / np.sum(wn * (x - xm) ** 2))
+    if b == 0:
+        return Trend(0.0, 0.0, 1.0)
+    return Trend(b, math.copysign(math.inf, b), 0.0)
+
+
+def holm(p: list[float | None]) -> list[float | None]:
+    """Holm's step-down adjustment over the p-values that exist (None stays None)."""
+    idx = sorted((i for i, v in enumerate(p) if v is not None), key=lambda i: p[i] or 0.0)
+    m, running = len(idx), 0.0
+    adjusted: list[float | None] = [None] * len(p)
+    for rank, i in enumerate(idx):
+        v = p[i]
+        assert v is not None
+        running = max(running, min(1.0, (m - rank) * v))
+        adjusted[i] = running
+    return adjusted
+
+
+def _rate(num: int, den: int) -> float | None:
+    return num / den if den else None
+
+
+def _agreement(rw: pl.DataFrame) -> tuple[int, float | None]:
+    """Within-group pairs of rollouts with different outcomes, and the share the reward orders
+    as the outcome does (ties half): the same figure as the report's per-step table."""
+    pairs, score = 0, 0.0
+    ok = rw.filter(pl.col("reward").is_not_null() & pl.col("outcome").is_not_null())
+    for _, g in ok.group_by("group_id"):
+        r, o = g["reward"].to_numpy(), g["outcome"].to_numpy()
+        i, j = np.triu_indices(len(r), k=1)
+        keep = o[i] != o[j]
+        i, j = i[keep], j[keep]
+        pairs += int(i.size)
+        d = (r[i] - r[j]) * (o[i] - o[j])
+        score += float(np.sum(d > 0) + 0.5 * np.sum(r[i] == r[j]))
+    return pairs, (score / pairs if pairs else None)
+
+
+def _correlation(rw: pl.DataFrame) -> float | None:
+    ok = rw.filter(pl.col("reward").is_not_null() & pl.col("outcome").is_not_null())
+    if ok.height < 2 or ok["reward"].std() == 0 or ok["outcome"].std() == 0:
+        return None
+    return float(np.corrcoef(ok["reward"].to_numpy(), ok["outcome"].to_numpy())[0, 1])
+
+
+def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
+                 rewards: pl.DataFrame | None = None, rubrics: pl.DataFrame | None = None, *,
+                 match: str = "title", alpha: float = ALPHA, min_steps: int = MIN_STEPS
+                 ) -> JudgeHealth:
+    """Judge health from tables that carry ``train_step``: verdicts (rollout_id,
+    criterion_id, verdict), rollouts (rollout_id, group_id, outcome), optional rewards
+    (rollout_id, reward) and rubrics (group_id, criterion_id, title; for ``match="title"``).
+
+    Flag (each scope, over ≥ ``min_steps`` steps): the pass rate's slope is > 0 with p <
+    ``alpha`` (Holm-adjusted over the criteria tested, for a criterion) while the outcome's
+    is not (slope ≤ 0 or p ≥ ``alpha``)."""
+    ro = rollouts.select("train_step", "rollout_id", "group_id",
+                         pl.col("outcome").cast(pl.Float64))
+    v = verdicts.select("train_step", "rollout_id", "criterion_id", "verdict").join(
+        ro, on=["train_step", "rollout_id"], how="inner")
+    title = pl.col("criterion_id")
+    if rubrics is not None and rubrics.height:
+        rb = rubrics.select("train_step", "group_id", "criterion_id", "title").unique(
+            ["train_step", "group_id", "criterion_id"], keep="first")
+        v = v.join(rb, on=["train_step", "group_id", "criterion_id"], how="left")
+        title = pl.coalesce("title", "criterion_id")
+    v = v.with_columns(title.alias("title"))
+    key = (pl.col("title").map_elements(normalise_title, return_dtype=pl.String)
+           if match == "title" else pl.col("criterion_id"))
+    v = v.with_columns(key.alias("criterion"))
+    judged = v.filter(pl.col("verdict").is_in(["pass", "fail"]))
+    steps_all = sorted(set(ro["train_step"].drop_nulls().to_list()))
+
+    step_rows = []
+    for s in steps_all:
+        r_s = ro.filter(pl.col("train_step") == s)
+        j_s = judged.filter(pl.col("train_step") == s)
+        rw = (rewards.filter(pl.col("train_step") == s).select("rollout_id", "reward")
+              .join(r_s, on="rollout_id") if rewards is not None else None)
+        pairs, agree = _agreement(rw) if rw is not None else (0, None)
+        n_out = int(r_s["outcome"].is_not_null().sum())
+        step_rows.append({
+            "train_step": s, "rollouts": r_s.height, "outcome_n": n_out,
+            "outcome_rate": float(r_s["outcome"].mean()) if n_out else None,  # type: ignore[arg-type]
+            "verdicts": j_s.height,
+            "pass_rate": _rate(int((j_s["verdict"] == "pass").sum()), j_s.height),
+            "criteria": v.filter(pl.col("train_step") == s)["criterion"].n_unique(),
+            "mean_reward": float(rw["reward"].mean())  # type: ignore[arg-type]
+            if rw is not None and rw["reward"].is_not_null().any() else None,
+            "pairs": pairs, "agreement": agree,
+            "correlation": _correlation(rw) if rw is not None else None})
+    steps = pl.DataFrame(step_rows, schema=STEP_SCHEMA)
+
+    crit = v.group_by("criterion", "train_step").agg(
+        pl.col("title").first(), pl.col("group_id").n_unique().alias("groups"),
+        (pl.col("verdict").is_in(["pass", "fail"])).sum().cast(pl.Int64).alias("n"),
+        (pl.col("verdict") == "pass").sum().cast(pl.Int64).alias("passes"),
+        (pl.col("verdict") == "na").sum().cast(pl.Int64).alias("na"),
+        pl.col("verdict").is_null().sum().cast(pl.Int64).alias("unanswered"),
+        pl.col("outcome").filter(pl.col("verdict").is_in(["pass", "fail"])).mean()
+        .alias("outcome_rate"),
+        *[((pl.col("verdict") == "pass") & (pl.col("outcome") == o)).sum().alias(f"__p{o}")
+          for o in (0, 1)],
+        *[(pl.col("verdict").is_in(["pass", "fail"]) & (pl.col("outcome") == o)).sum()
+          .alias(f"__n{o}") for o in (0, 1)],
+    ).with_columns(
+        (pl.col("passes") / pl.col("n")).alias("pass_rate"),
+        (pl.col("__p1") / pl.col("__n1")).alias("pass_rate_success"),
+        (pl.col("__p0") / pl.col("__n0")).alias("pass_rate_failure"),
+    ).with_columns(pl.col(c).fill_nan(None) for c in
+                   ("pass_rate", "pass_rate_success", "pass_rate_failure", "outcome_rate")
+    ).select(list(CRITERION_SCHEMA)).cast(pl.Schema(CRITERION_SCHEMA)).sort("criterion", "train_step")
+
+    trends = [_run_trend(steps, alpha, min_steps)]
+    rows = []
+    for (c,), g in crit.filter(pl.col("n") > 0).group_by("criterion", maintain_order=True):
+        p_t = trend(list(zip(g["train_step"], g["pass_rate"], g["n"])))
+        o_n = (g["n"] * g["outcome_rate"].is_not_null()).to_list()
+        o_t = trend(list(zip(g["train_step"], g["outcome_rate"], o_n)))
+        rows.append((str(c), g, p_t, o_t))
+    tested = [p.p if g.height >= min_steps else None for _, g, p, _ in rows]
+    for (c, g, p_t, o_t), p_adj in zip(rows, holm(tested)):
+        trends.append(_scope_row("criterion", c, g["title"][0], g, p_t, o_t, p_adj, alpha,
+                                 min_steps))
+    return JudgeHealth(steps, crit, pl.DataFrame(trends, schema=TREND_SCHEMA), alpha,
+                       min_steps)
+
+
+def _run_trend(steps: pl.DataFrame, alpha: float, min_steps: int) -> dict[str, Any]:
+    p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
+    o_t = trend(list(zip(steps["train_step"], steps["outcome_rate"], steps["outcome_n"])))
+    a_t = trend(list(zip(steps["train_step"], steps["agreement"], steps["pairs"])))
+    g = steps.filter(pl.col("verdicts") > 0)
+    row = _scope_row("run", None, None, g, p_t, o_t, p_t.p, alpha, min_steps)
+    row.update(agreement_slope=a_t.slope, agreement_p=a_t.p)
+    return row
+
+
+def _scope_row(scope: str, criterion: str | None, title: str | None, g: pl.DataFrame,
+               p_t: Trend, o_t: Trend, p_used: float | None, alpha: float, min_steps: int
+               ) -> dict[str, Any]:
+    rates = g["pass_rate"].to_list()
+    n = g.height
+    outcome_rises = (o_t.slope or 0) > 0 and o_t.p is not None and o_t.p < alpha
+    flagged = (n >= min_steps and p_used is not None and p_used < alpha
+               and (p_t.slope or 0) > 0 and not outcome_rises)
+    if n < min_steps:
+        reason = f"not tested: {n} step(s) with verdicts, fewer than {min_steps}"
+    elif p_t.slope is None or p_used is None:
+        reason = "not tested: the trend cannot be computed"
+    else:
+        what = "p_holm" if scope == "criterion" else "p"
+        out = ("the outcome: no trend" if o_t.slope is None else
+               f"the outcome {o_t.slope:+.4f}/step (p={o_t.p:.3g})")
+        reason = (f"pass rate {p_t.slope:+.4f}/step ({what}={p_used:.3g}), {out}"
+                  + ("; flagged: the judge passes more while the outcome does not rise"
+                     if flagged else ""))
+    return {"scope": scope, "criterion": criterion, "title": title, "n_steps": n,
+            "pass_rate_first": rates[0] if rates else None,
+            "pass_rate_last": rates[-1] if rates else None, "pass_slope": p_t.slope,
+            "pass_t": None if p_t.t is None or math.isinf(p_t.t) else p_t.t,
+            "pass_p": p_t.p, "pass_p_holm": p_used if scope == "criterion" else None,
+            "outcome_slope": o_t.slope, "outcome_p": o_t.p, "agreement_slope": None,
+            "agreement_p": None, "flagged": flagged, "reason": reason}
