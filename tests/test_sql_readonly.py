@@ -107,7 +107,7 @@ def test_dot_folders_and_dotdot_in_the_path(run, tmp_path):
     (base / "run" / "audit").mkdir()
     pl.DataFrame({"a": [1, 2, 3]}).write_parquet(base / "run" / "audit" / "extra.parquet")
     ing = run_draco("ingest", "openai-jsonl", "sample_data/appworld_mini.jsonl", "--step-unit",
-                    "code-block", "--tokenizer", "approx", "-o", base / "ingested")
+                    "code-block", "--code-language", "python", "--tokenizer", "approx", "-o", base / "ingested")
     assert ing.returncode == 0, ing.stderr.decode()
     for folder in (base / "run", base / "sub" / ".." / "run"):
         res = run_draco("sql", folder, "SELECT (SELECT count(*) FROM rewards) AS r, "

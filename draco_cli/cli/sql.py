@@ -31,7 +31,7 @@ def sql(
         "--table", help="View name for the table read from - (stdin), e.g. verdicts.")]
     = "stdin",
     allow_external: Annotated[bool, typer.Option(
-        "--allow-external", help="Let the query read any file, write files (COPY, EXPORT), "
+        "--allow-external", metavar="", help="Let the query read any file, write files (COPY, EXPORT), "
         "ATTACH databases and load extensions; by default it reads only the inputs (with no "
         "input, the current folder) and writes nothing.")] = False,
     fmt: Format = None,
