@@ -162,6 +162,12 @@ class Scorer:
         """Spent by calls made through this scorer (answers from the log cost nothing)."""
         return sum(c.spent for c in {id(c): c for c in self._clients.values()}.values())
 
+    def flush_log(self) -> None:
+        """Block until every answer so far is committed to the call log (a trainer killed
+        after this pays for none of them again)."""
+        if self._log is not None:
+            self._log.flush()
+
     @property
     def budget_reached(self) -> bool:
         return any(c.budget_reached for c in self._clients.values())

@@ -247,6 +247,9 @@ class StepScorer:
         scored = [g.score for g in st.groups.values() if g.score is not None]
         fallbacks = {gid: g.fallback for gid, g in st.groups.items() if g.fallback}
         metrics = step_metrics(scored, st.rows, fallbacks, latency, self.min_signal)
+        # the step's answers on disk before the trainer uses them: a kill after this step pays
+        # for none of them again on restart
+        await asyncio.to_thread(self.scorer.flush_log)
         return StepResult(train_step, st.rows, metrics, scored, fallbacks)
 
     def _split(self, train_step: int | None, groups: Collection[str]) -> _Step:
