@@ -145,6 +145,18 @@ def _assert_bookkeeping(log: Path) -> None:
         assert r["status"] != "http_error" or "HTTP 500" not in (r["error"] or ""), r["error"]
 
 
+def _assert_rerun_reasks_only_unanswered(before: list[dict], after: list[dict]) -> None:
+    """A rerun reuses every answer: it sends nothing for a (request, sample) answered before,
+    and asks again only what a 270M model left unanswered (with what follows from those
+    answers: a merge over a new candidate, verdicts on a changed rubric)."""
+    answered = {(r["request_hash"], r["sample"]) for r in before if r["status"] == "ok"}
+    asked = {(r["request_hash"], r["sample"]) for r in before}
+    new = after[len(before):]
+    assert not [r for r in new if (r["request_hash"], r["sample"]) in answered]
+    if not set(asked) - answered:
+        assert not new, "the rerun sent requests though every call was answered"
+
+
 def test_llm_check_finds_the_settings(llama):
     res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "64",
                     "--timeout", "600")
@@ -168,10 +180,11 @@ def test_rubric_then_judge_two_samples_rerun_and_kill(llama, tau_slice, tmp_path
     rubrics = pl.read_parquet(tmp_path / "rubric" / "rubrics.parquet")
     assert rubrics.height > 0
     assert rubrics.group_by("group_id").len()["len"].max() <= 3
-    n = len(_rows(log))
+    before = _rows(log)
     res = run_draco("rubric", "generate", "--rollouts", r, "--steps", s, "-o",
                     str(tmp_path / "rubric"), "--max-criteria", "3", "--force", *llm)
-    assert res.returncode == 0 and len(_rows(log)) == n  # the rerun sent nothing
+    assert res.returncode == 0, res.stderr.decode()
+    _assert_rerun_reasks_only_unanswered(before, _rows(log))
 
     # judge with k = 2; killed with SIGKILL once the first answers are logged, then resumed
     out = tmp_path / "judge"
@@ -205,20 +218,25 @@ def test_rubric_then_judge_two_samples_rerun_and_kill(llama, tau_slice, tmp_path
     # the server ignores n: every second sample was asked again on its own, none lost
     bodies = [json.loads(x["request"]) for x in _rows(jlog) if x["request"]]
     assert all("n" not in b for b in bodies)  # --no-use-n
-    n = len(_rows(jlog))
+    before = _rows(jlog)
     res = subprocess.run(args + ["--force"], cwd=REPO, capture_output=True)
-    assert res.returncode == 0 and len(_rows(jlog)) == n  # the rerun sent nothing
+    assert res.returncode == 0, res.stderr.decode()
+    _assert_rerun_reasks_only_unanswered(before, _rows(jlog))
 
 
 def test_draco_run_on_the_real_server(llama, tau_slice, tmp_path):
     r, s = str(tau_slice / "rollouts.parquet"), str(tau_slice / "steps.parquet")
     args = ["run", "--rollouts", r, "--steps", s, "-o", str(tmp_path / "run"), "--model", MODEL,
-            "--base-url", llama, "--samples", "2", "--max-criteria", "3", *SETTINGS, *COMMON]
+            "--base-url", llama, "--samples", "2", "--max-criteria", "3", *SETTINGS, *COMMON,
+            # a 270M model leaves some calls unanswered; the health gate is tested elsewhere,
+            # here the bookkeeping around a real server is the point
+            "--min-answered", "0.5"]
     res = run_draco(*args)
     assert res.returncode == 0, res.stderr.decode()
     log = tmp_path / "run" / "llm_calls.sqlite"
     _assert_bookkeeping(log)
     assert (tmp_path / "run" / "manifest.json").exists()
-    n = len(_rows(log))
+    before = _rows(log)
     res = run_draco(*args)
-    assert res.returncode == 0 and len(_rows(log)) == n
+    assert res.returncode == 0, res.stderr.decode()
+    _assert_rerun_reasks_only_unanswered(before, _rows(log))

@@ -293,3 +293,19 @@ def test_show_prompt_and_merge_alone_say_what_is_wrong(server, tau, tmp_path):
     res = run_draco("rubric", "generate", "--rollouts", str(empty), "--steps", s, "-o",
                     str(tmp_path / "x"), "--show-prompt", *llm_args(server))
     assert res.returncode == 1 and b"no rollouts" in res.stderr and b"Traceback" not in res.stderr
+
+
+def test_a_criterion_given_twice_word_for_word_is_kept_once_not_re_asked():
+    """A small model repeating a criterion verbatim loses nothing by the repeat (the rubric
+    keeps it once); one title with two requirements is ambiguous and is re-asked."""
+    from draco_cli.rubric.core import CriteriaAnswer, criteria_check, dedupe
+
+    check = criteria_check(3)
+    same = {"title": "Follows the policy", "requirement": "Cites the policy before acting."}
+    twice = CriteriaAnswer.model_validate({"criteria": [same, dict(same)]})
+    assert check(twice) is None
+    assert len(dedupe([c.model_dump() for c in twice.criteria])) == 1
+    other = CriteriaAnswer.model_validate({"criteria": [
+        same, {"title": "follows the policy!", "requirement": "Asks the user first."}]})
+    problem = check(other)
+    assert problem is not None and "criterion 2" in problem and "criterion 1" in problem

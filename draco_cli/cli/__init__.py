@@ -15,6 +15,7 @@ from draco_cli import storage
 from draco_cli.cli import audit as audit_cmd
 from draco_cli.cli import credit as credit_cmd
 from draco_cli.cli import evaluate as eval_cmd
+from draco_cli.cli import export as export_cmd
 from draco_cli.cli import ingest as ingest_cmd
 from draco_cli.cli import judge as judge_cmd
 from draco_cli.cli import llm as llm_cmd
@@ -42,6 +43,7 @@ app.command("eval")(eval_cmd.evaluate)
 app.command("run")(run_cmd.run)
 app.command("report")(report_cmd.report)
 app.command("sql")(sql_cmd.sql)
+app.command("export")(export_cmd.export)
 app.add_typer(rubric_cmd.app, name="rubric")
 app.add_typer(judge_cmd.app, name="judge")
 app.add_typer(credit_cmd.app, name="credit")

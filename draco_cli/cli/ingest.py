@@ -15,6 +15,10 @@ class Format(str, Enum):
     tau_bench = "tau-bench"
     tau2_bench = "tau2-bench"
     agentprocessbench = "agentprocessbench"
+    verifiers = "verifiers"
+    rllm = "rllm"
+    skyrl = "skyrl"
+    slime = "slime"
 
 
 class CodeBlocks(str, Enum):

@@ -33,6 +33,15 @@ FORMATS: dict[str, Reader] = {
     "tau2-bench": tau2_bench.iter_episodes,
     "agentprocessbench": agentprocessbench.iter_episodes,
 }
+# Other RL stacks' rollout records, which carry token ids and masks: each module provides
+# ``ingest(paths, out, *, tokenizer, train_step, force) -> IngestResult`` and takes positions
+# from the ids (draco_cli.inloop.rows), so its advantages land on the stack's own tokens.
+RECORD_FORMATS: dict[str, str] = {
+    "verifiers": "draco_cli.ingest.verifiers",
+    "rllm": "draco_cli.ingest.rllm",
+    "skyrl": "draco_cli.ingest.skyrl",
+    "slime": "draco_cli.ingest.slime",
+}
 # Formats whose entries carry step labels: they write step_labels.parquet too, and their
 # labels key whole messages, so a step is a message.
 LABELLED_FORMATS = ("agentprocessbench",)
@@ -95,13 +104,10 @@ def ingest(
     and under ``code_blocks='one'`` only in a message holding exactly one such block
     (``draco_cli.ingest.codeblocks``).
     """
-    if fmt not in FORMATS:
-        raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(FORMATS)}")
-    if step_unit not in STEP_UNITS:
-        raise UsageError(f"unknown step unit {step_unit!r}; choose one of {', '.join(STEP_UNITS)}")
-    for g in group_by or ():
-        if g not in GROUP_FIELDS:
-            raise UsageError(f"--group-by {g!r}: choose among {', '.join(GROUP_FIELDS)}")
+    if fmt in RECORD_FORMATS:
+        return _ingest_records(fmt, inputs, out_dir, tokenizer=tokenizer, train_step=train_step,
+                               force=force)
+    _check_options(fmt, step_unit, group_by)
     labelled, tokenizer = _labelled_format(fmt, step_unit, tokenizer)
     paths = [Path(p) for p in inputs]
     for p in paths:
@@ -145,6 +151,31 @@ def ingest(
             output.write_text("rejects.jsonl", "".join(json.dumps(r) + "\n" for r in run.rejects))
         output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
         return result
+
+
+def _check_options(fmt: str, step_unit: str, group_by: tuple[str, ...] | None) -> None:
+    if fmt not in FORMATS:
+        names = [*FORMATS, *RECORD_FORMATS]
+        raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(names)}")
+    if step_unit not in STEP_UNITS:
+        raise UsageError(f"unknown step unit {step_unit!r}; choose one of {', '.join(STEP_UNITS)}")
+    for g in group_by or ():
+        if g not in GROUP_FIELDS:
+            raise UsageError(f"--group-by {g!r}: choose among {', '.join(GROUP_FIELDS)}")
+
+
+def _ingest_records(fmt: str, inputs: list[str | Path], out_dir: str | Path, *,
+                    tokenizer: str | None, train_step: int | None, force: bool) -> IngestResult:
+    import importlib
+    from importlib.util import find_spec
+
+    if find_spec(RECORD_FORMATS[fmt]) is None:
+        raise UsageError(f"format {fmt!r} is not available in this draco")
+    reader = importlib.import_module(RECORD_FORMATS[fmt])
+    result: IngestResult = reader.ingest([Path(p) for p in inputs], Path(out_dir),
+                                         tokenizer=tokenizer, train_step=train_step,
+                                         force=force)
+    return result
 
 
 def _labelled_format(fmt: str, step_unit: str, tokenizer: str | None

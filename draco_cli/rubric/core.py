@@ -63,15 +63,17 @@ def criteria_check(max_items: int) -> Callable[[BaseModel], str | None]:
             return "the criteria list is empty: propose at least one criterion"
         if len(answer.criteria) > max_items:
             return f"{len(answer.criteria)} criteria: give at most {max_items}"
-        seen: dict[str, int] = {}
+        # A criterion given twice word for word says nothing new and is dropped where the
+        # candidates are deduplicated; one title with two requirements is ambiguous: re-asked.
+        seen: dict[str, tuple[int, str]] = {}
         for i, c in enumerate(answer.criteria, start=1):
             if not c.title.strip() or not c.requirement.strip():
                 return f"criterion {i} has an empty title or requirement"
-            key = normalise(c.title)
-            if key in seen:
-                return f"criterion {i} repeats criterion {seen[key]} ({c.title.strip()!r}): " \
-                    "give each criterion once"
-            seen[key] = i
+            key, requirement = normalise(c.title), normalise(c.requirement)
+            if key in seen and seen[key][1] != requirement:
+                return f"criterion {i} repeats the title of criterion {seen[key][0]} " \
+                    f"({c.title.strip()!r}) with another requirement: give each criterion once"
+            seen.setdefault(key, (i, requirement))
         return None
 
     return check

@@ -1,0 +1,54 @@
+"""``draco export --to STACK``: a run's token advantages written in another RL stack's own
+layout, for offline use (one module per stack, imported only when asked for).
+
+Each stack module provides ``export(advantages, out, *, records=None, force=False) ->
+ExportResult``: ``advantages`` is a run folder or a ``token_advantages.parquet``; ``records``
+the stack's own rollout records to fill in, where the layout needs them. A stack's exported
+file carries the same self-check columns as ``token_advantages.parquet`` (train step, number
+of policy tokens, response fingerprint) wherever the stack's records let it.
+"""
+
+from __future__ import annotations
+
+import importlib
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from draco_cli.errors import UsageError
+
+# stack name -> module providing export(); a stack whose module is absent is not offered.
+STACKS: dict[str, str] = {
+    "verifiers": "draco_cli.trainers.verifiers",
+    "rllm": "draco_cli.trainers.rllm",
+    "skyrl": "draco_cli.trainers.skyrl",
+    "slime": "draco_cli.trainers.slime",
+}
+
+
+@dataclass
+class ExportResult:
+    path: Path
+    rollouts: int
+    tokens: int
+    notes: list[str] = field(default_factory=list)
+
+
+def available() -> list[str]:
+    """The stacks whose adapter module ships with this draco."""
+    from importlib.util import find_spec
+
+    return [name for name, mod in STACKS.items() if find_spec(mod) is not None]
+
+
+def export_advantages(advantages: str | Path, to: str, out: str | Path, *,
+                      records: str | Path | None = None, force: bool = False,
+                      **options: Any) -> ExportResult:
+    """Write ``advantages`` (a run folder or token_advantages.parquet) for stack ``to``."""
+    if to not in available():
+        raise UsageError(f"--to {to!r}: choose one of {', '.join(available()) or '(none)'}")
+    module = importlib.import_module(STACKS[to])
+    result: ExportResult = module.export(Path(advantages), Path(out),
+                                         records=None if records is None else Path(records),
+                                         force=force, **options)
+    return result
