@@ -1,0 +1,207 @@
+"""The rLLM adapter: draco's advantages on every ``Step.advantage``, checked against rLLM's
+structures (a contract of commit 9beb6e0f; rLLM's own code too when DRACO_RLLM_SRC names a
+snapshot, see tests/trainers/rllm_structures.py): every value on its step's own tokens, a
+length or identity mismatch refused by name, "not assigned" kept as None, and the offline
+path (ingest → draco run → export) landing on the same tokens."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from draco_cli.errors import InputError
+from draco_cli.inloop import BlockingStepScorer
+from draco_cli.trainers.rllm import (DracoGroupingHook, apply_advantages, layout_of,
+                                     plan_groups)
+from tests.llm_server import FakeLLMServer
+from tests.test_rubric_judge import scripted
+from tests.trainers.rllm_structures import RLLM_SRC, structures, make_episodes
+
+N = 4
+KINDS = ["contract", pytest.param("real", marks=pytest.mark.skipif(
+    not RLLM_SRC, reason="DRACO_RLLM_SRC (a snapshot of rllm-org/rllm) not set"))]
+
+
+def decode(ids: list[int]) -> str:
+    return " ".join(f"w{i}" for i in ids)
+
+
+@pytest.fixture(scope="module")
+def server():
+    s = FakeLLMServer(answer=scripted, latency=0.0).start()
+    yield s
+    s.stop()
+
+
+@pytest.fixture
+def scorer(server, tmp_path, monkeypatch):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    with BlockingStepScorer("openai/m", base_url=server.url + "/v1", group_size=N,
+                            decode=decode, call_log=tmp_path / "calls.sqlite") as s:
+        yield s
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_puts_each_rollouts_values_on_its_own_steps(kind, scorer):
+    rl = structures(kind)
+    episodes = make_episodes(rl, np.random.default_rng(1), tasks=3, n=N)
+    rng = np.random.default_rng(2)
+    episodes = [episodes[i] for i in rng.permutation(len(episodes))]  # finished in any order
+    hook = DracoGroupingHook(scorer, rl.grouping, first_step=5)
+    groups = rl.transform(episodes, hook)
+    assert hook.train_step == 6 and hook.last is not None
+    rows = hook.last.rows
+    nonzero = 0
+    for group in groups:
+        flat = rl.precomputed(group)     # what rLLM trains on
+        want: list[float] = []
+        for traj in group.trajectories:
+            lay = layout_of(traj)
+            dense = rows[traj.uid].values
+            assert len(dense) == len(lay.response_ids)
+            assert not dense[lay.response_mask == 0].any()   # observations carry nothing
+            for step, (s, e) in zip(traj.steps, lay.spans):
+                assert isinstance(step.advantage, list)
+                assert len(step.advantage) == len(step.response_ids) == e - s
+                np.testing.assert_array_equal(np.float32(step.advantage), dense[s:e])
+                want += step.advantage
+            nonzero += int(np.count_nonzero(dense))
+        np.testing.assert_array_equal(np.float32(flat), np.float32(want))
+    assert nonzero > 0     # the judge's verdicts reached the tokens
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_context_reset_keeps_every_step_on_its_tokens(kind, scorer):
+    rl = structures(kind)
+    episodes = make_episodes(rl, np.random.default_rng(3), tasks=1, n=N, reset_at=1)
+    groups = rl.transform(episodes, DracoGroupingHook(scorer, rl.grouping))
+    for traj in groups[0].trajectories:
+        assert [len(s.advantage) for s in traj.steps] == [len(s.response_ids)
+                                                          for s in traj.steps]
+
+
+def _scored(rl, scorer, seed=4):
+    groups = rl.grouping(make_episodes(rl, np.random.default_rng(seed), tasks=2, n=N),
+                         rl.config, None)
+    planned = plan_groups(groups, group_size=N, decode=decode, train_step=1)
+    result = scorer.score_step([p.rollout for p in planned], 1)
+    return groups, planned, result
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_a_step_whose_length_changed_is_refused_not_zeroed(kind, scorer):
+    rl = structures(kind)
+    groups, planned, result = _scored(rl, scorer)
+    traj = groups[1].trajectories[2]
+    traj.steps[-1].response_ids = traj.steps[-1].response_ids[:-1]
+    with pytest.raises(InputError, match=rf"trajectory '{traj.uid}' step {len(traj.steps)} "
+                       r"\(id '.*'\): has \d+ response tokens, draco scored \d+ \(rLLM "
+                       "would zero"):
+        apply_advantages(planned, result)
+    # whole or nothing: no step of any trajectory was set
+    assert all(s.advantage is None for g in groups for t in g.trajectories for s in t.steps)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_swapped_pairs_are_refused(kind, scorer):
+    rl = structures(kind)
+    groups, planned, result = _scored(rl, scorer)
+    a, b = groups[0].trajectories[0], groups[0].trajectories[1]
+    a.steps[0].response_ids, b.steps[0].response_ids = (b.steps[0].response_ids,
+                                                        a.steps[0].response_ids)
+    with pytest.raises(InputError, match="response tokens, draco scored|token ids differ"):
+        apply_advantages(planned, result)
+    # two steps of one trajectory swapped: named by the step id draco scored there
+    groups, planned, result = _scored(rl, scorer, seed=5)
+    traj = next(t for g in groups for t in g.trajectories if len(t.steps) >= 2)
+    traj.steps[0], traj.steps[1] = traj.steps[1], traj.steps[0]
+    with pytest.raises(InputError, match="steps reordered or swapped"):
+        apply_advantages(planned, result)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_unscored_calls_keep_none_and_a_wrong_group_size_is_named(kind, scorer):
+    rl = structures(kind)
+    episodes = make_episodes(rl, np.random.default_rng(6), tasks=1, n=N)
+    hook = DracoGroupingHook(scorer, rl.grouping, score=lambda eps: False)   # validation
+    groups = rl.transform(episodes, hook)
+    assert hook.train_step == 0 and hook.last is None
+    assert all(s.advantage is None for t in groups[0].trajectories for s in t.steps)
+    with pytest.raises(InputError, match=r"TrajectoryGroup 'task0:solver': 3 trajectories, "
+                       "the scorer's group_size is 4"):
+        rl.transform(episodes[:3], DracoGroupingHook(scorer, rl.grouping))
+
+
+def _draco(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    env = {**os.environ, "OPENAI_API_KEY": "sk-test-api-0000000000000"}
+    return subprocess.run([sys.executable, "-m", "draco_cli", *args], cwd=cwd,
+                          capture_output=True, text=True, env=env)
+
+
+@pytest.mark.process
+@pytest.mark.parametrize("kind", KINDS)
+def test_ingest_run_export_lands_on_rllms_tokens(kind, server, tmp_path):
+    rl = structures(kind)
+    episodes = make_episodes(rl, np.random.default_rng(7), tasks=2, n=N)
+    folder = tmp_path / "episodes"          # rllm eval --save-episodes' layout
+    folder.mkdir()
+    for i, ep in enumerate(episodes):
+        (folder / f"episode_{i:06d}_{ep.id.split(':')[0]}.json").write_text(
+            json.dumps(ep.model_dump(mode="json"), indent=2))
+    res = _draco("ingest", "rllm", str(folder), "-o", "data", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    res = _draco("run", "--rollouts", "data/rollouts.parquet", "--steps", "data/steps.parquet",
+                 "--model", "openai/m", "--base-url", server.url + "/v1", "-o", "run",
+                 cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    table_path = tmp_path / "run" / "credit" / "token_advantages.parquet"
+    res = _draco("export", "--to", "rllm", "--advantages", "run", "--records", str(folder),
+                 "-o", "out.jsonl", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    from draco_cli.trainers.loader import load_token_advantages
+
+    table = load_token_advantages(table_path)
+    lines = (tmp_path / "out.jsonl").read_text().splitlines()
+    assert len(lines) == len(episodes)
+    assert any(np.count_nonzero(table.get(t.uid)) for e in episodes for t in e.trajectories)
+    for line, ep in zip(lines, episodes):
+        got = json.loads(line)
+        traj = got["trajectories"][0]
+        lay = layout_of(ep.trajectories[0])
+        dense = table.get(lay.rollout_id)
+        for step, (s, e) in zip(traj["steps"], lay.spans):
+            np.testing.assert_array_equal(np.float32(step["advantage"]), dense[s:e])
+        meta = traj.get("info") or traj["metadata"]
+        assert meta["draco"]["response_fingerprint"] == lay.fingerprint
+        if rl.kind == "real":     # rLLM reads the file back with its own loader
+            back = rl.Episode.model_validate(got)
+            assert [s.advantage for s in back.trajectories[0].steps] == \
+                [st["advantage"] for st in traj["steps"]]
+    # records that are not the scored rollouts are refused, nothing written
+    other = make_episodes(rl, np.random.default_rng(8), tasks=1, n=1)[0]
+    bad = other.model_dump(mode="json")
+    bad["trajectories"][0]["uid"] = episodes[0].trajectories[0].uid
+    (tmp_path / "bad.json").write_text(json.dumps(bad))
+    res = _draco("export", "--to", "rllm", "--advantages", "run", "--records", "bad.json",
+                 "-o", "bad.jsonl", cwd=tmp_path)
+    assert res.returncode != 0 and "Traceback" not in res.stderr
+    assert "not the rollouts the advantages were computed for" in res.stderr
+    assert not (tmp_path / "bad.jsonl").exists()
+
+
+def test_records_without_token_ids_are_refused_by_name(tmp_path):
+    ep = {"id": "t:0", "trajectories": [{"uid": "u1", "name": "a", "steps": [
+        {"model_response": "hi", "chat_completions": []}]}]}
+    (tmp_path / "e.jsonl").write_text(json.dumps(ep) + "\n")
+    from draco_cli.ingest import ingest
+
+    with pytest.raises(InputError, match=r"e.jsonl: line 1 trajectory 0: field 'response_ids': trajectory 'u1': "
+                       "no response token ids"):
+        ingest("rllm", [tmp_path / "e.jsonl"], tmp_path / "out")
+    assert not (tmp_path / "out" / "rollouts.parquet").exists()
