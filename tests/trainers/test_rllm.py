@@ -205,3 +205,41 @@ def test_records_without_token_ids_are_refused_by_name(tmp_path):
                        "no response token ids"):
         ingest("rllm", [tmp_path / "e.jsonl"], tmp_path / "out")
     assert not (tmp_path / "out" / "rollouts.parquet").exists()
+
+
+@pytest.mark.skipif(not RLLM_SRC, reason="DRACO_RLLM_SRC (a snapshot of rllm-org/rllm) not set")
+def test_the_contract_rule_is_rllms_own():
+    """rLLM's _collect_precomputed_advantages and the contract agree: a float spread, a list
+    kept, a list of the wrong length silently zeroed (why draco refuses one), None refused."""
+    from tests.trainers.rllm_structures import contract_precomputed
+
+    rl = structures("real")
+    group = rl.grouping(make_episodes(rl, np.random.default_rng(9), tasks=1, n=3), rl.config,
+                        None)[0]
+    a, b, c = group.trajectories
+    for s in a.steps:
+        s.advantage = 0.5
+    for s in b.steps:
+        s.advantage = [0.25] * len(s.response_ids)
+    for s in c.steps:
+        s.advantage = [1.0] * (len(s.response_ids) + 1)
+    want = contract_precomputed(group)
+    assert rl.precomputed(group) == want
+    assert want[-len(c.steps[-1].response_ids):] == [0.0] * len(c.steps[-1].response_ids)
+    a.steps[0].advantage = None
+    with pytest.raises(ValueError, match="scalar or a list"):
+        rl.precomputed(group)
+    with pytest.raises(ValueError, match="scalar or a list"):
+        contract_precomputed(group)
+
+
+def test_the_algorithm_config_must_take_precomputed_advantages(scorer):
+    from types import SimpleNamespace
+
+    from draco_cli.errors import UsageError
+    from draco_cli.trainers.rllm import check_algorithm_config
+
+    check_algorithm_config({"use_precomputed_advantage": True})
+    with pytest.raises(UsageError, match="use_precomputed_advantage must be true"):
+        DracoGroupingHook(scorer, lambda *a: [],
+                          algorithm_config=SimpleNamespace(use_precomputed_advantage=False))

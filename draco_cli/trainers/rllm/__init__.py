@@ -13,8 +13,8 @@ Nothing here imports rLLM: its objects are read by their field names (``Trajecto
 from draco_cli.trainers.rllm.export import export
 from draco_cli.trainers.rllm.inloop import (DracoGroupingHook, apply_advantages,
                                             assign_advantages, assign_advantages_blocking,
-                                            plan_groups)
+                                            check_algorithm_config, plan_groups)
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, layout_of, step_values
 
 __all__ = ["DracoGroupingHook", "TrajectoryLayout", "apply_advantages", "assign_advantages",
-           "assign_advantages_blocking", "export", "layout_of", "plan_groups", "step_values"]
+           "assign_advantages_blocking", "check_algorithm_config", "export", "layout_of", "plan_groups", "step_values"]

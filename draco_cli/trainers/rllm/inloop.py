@@ -31,7 +31,7 @@ from draco_cli.trainers.rllm.layout import (TrajectoryLayout, check_same, field_
                                             instruction_of, layout_of, step_values)
 
 __all__ = ["DracoGroupingHook", "ScoredTrajectory", "apply_advantages", "assign_advantages",
-           "assign_advantages_blocking", "plan_groups"]
+           "assign_advantages_blocking", "check_algorithm_config", "plan_groups"]
 
 
 @dataclass(frozen=True)
@@ -128,16 +128,30 @@ def assign_advantages_blocking(scorer: BlockingStepScorer, groups: Sequence[Any]
 GroupingHook = Callable[..., list[Any]]
 
 
+def check_algorithm_config(config: Any) -> None:
+    """rLLM's ``AlgorithmConfig`` (or its ``rllm.algorithm`` config section) must set
+    ``use_precomputed_advantage``: without it rLLM overwrites every step's advantage with its
+    own estimator, with a warning only, and draco's values would be dropped unseen."""
+    if field_of(config, "use_precomputed_advantage", None) is not True:
+        raise UsageError("rLLM's rllm.algorithm.use_precomputed_advantage must be true: "
+                         "otherwise rLLM replaces draco's step advantages with its own "
+                         "estimator's")
+
+
 class DracoGroupingHook:
     """An rLLM ``traj_grouping_hook``: groups as ``base`` (rLLM's own
     ``_default_traj_grouping_hook`` or yours) forms them, then draco's advantages set on every
     step. ``train_step`` counts the calls from ``first_step``; ``last`` is the latest
     ``StepResult`` (``last.metrics`` for the logger). rLLM calls the same hook for its
     validation episodes: ``score=lambda episodes: ...`` returning False leaves a call's groups
-    unscored (their advantages stay None) and does not count it as a step."""
+    unscored (their advantages stay None) and does not count it as a step. Given rLLM's
+    ``algorithm_config``, it is checked by ``check_algorithm_config``."""
 
     def __init__(self, scorer: BlockingStepScorer, base: GroupingHook, *, first_step: int = 0,
-                 score: Callable[[list[Any]], bool] | None = None) -> None:
+                 score: Callable[[list[Any]], bool] | None = None,
+                 algorithm_config: Any = None) -> None:
+        if algorithm_config is not None:
+            check_algorithm_config(algorithm_config)
         if not callable(base):
             raise UsageError("base: rLLM's grouping hook (a callable), e.g. "
                              "rllm.trainer.algorithms.transform._default_traj_grouping_hook")
