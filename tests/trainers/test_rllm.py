@@ -243,3 +243,31 @@ def test_the_algorithm_config_must_take_precomputed_advantages(scorer):
     with pytest.raises(UsageError, match="use_precomputed_advantage must be true"):
         DracoGroupingHook(scorer, lambda *a: [],
                           algorithm_config=SimpleNamespace(use_precomputed_advantage=False))
+
+
+def test_ingest_decodes_with_the_policys_tokenizer(tmp_path):
+    from tokenizers import Tokenizer, models, pre_tokenizers
+
+    import polars as pl
+
+    from draco_cli.ingest import ingest
+
+    tok = Tokenizer(models.WordLevel({f"w{i}": i for i in range(1000)}, unk_token="w0"))
+    tok.pre_tokenizer = pre_tokenizers.Whitespace()
+    tok.save(str(tmp_path / "tokenizer.json"))
+    rl = structures("contract")
+    episodes = make_episodes(rl, np.random.default_rng(10), tasks=1, n=2)
+    (tmp_path / "e.jsonl").write_text("".join(json.dumps(e.model_dump(mode="json")) + "\n"
+                                              for e in episodes))
+    res = ingest("rllm", [tmp_path / "e.jsonl"], tmp_path / "out",
+                 tokenizer=str(tmp_path / "tokenizer.json"), train_step=3)
+    assert res.rollouts == 2 and res.groups == 1
+    steps = pl.read_parquet(tmp_path / "out" / "steps.parquet")
+    rollouts = pl.read_parquet(tmp_path / "out" / "rollouts.parquet")
+    assert rollouts["train_step"].to_list() == [3, 3]
+    for ep in episodes:
+        traj = ep.trajectories[0]
+        got = steps.filter(pl.col("rollout_id") == traj.uid).sort("step")
+        assert got["action"].to_list() == [" ".join(f"w{i}" for i in s.response_ids)
+                                           for s in traj.steps]
+        assert got["token_start"].to_list() == [s for s, _ in layout_of(traj).spans]
