@@ -271,3 +271,18 @@ def test_ingest_decodes_with_the_policys_tokenizer(tmp_path):
         assert got["action"].to_list() == [" ".join(f"w{i}" for i in s.response_ids)
                                            for s in traj.steps]
         assert got["token_start"].to_list() == [s for s, _ in layout_of(traj).spans]
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_hook_called_from_the_trainers_event_loop(kind, scorer):
+    """UnifiedTrainer calls the grouping hook from its async step."""
+    import asyncio
+
+    rl = structures(kind)
+    episodes = make_episodes(rl, np.random.default_rng(11), tasks=1, n=N)
+
+    async def step():
+        return rl.transform(episodes, DracoGroupingHook(scorer, rl.grouping))
+
+    groups = asyncio.run(step())
+    assert all(isinstance(s.advantage, list) for t in groups[0].trajectories for s in t.steps)
