@@ -286,3 +286,39 @@ def test_hook_called_from_the_trainers_event_loop(kind, scorer):
 
     groups = asyncio.run(step())
     assert all(isinstance(s.advantage, list) for t in groups[0].trajectories for s in t.steps)
+
+
+@pytest.mark.process
+@pytest.mark.skipif(not RLLM_SRC, reason="DRACO_RLLM_SRC (a snapshot of rllm-org/rllm) not set")
+def test_to_dict_records_round_trip_through_rllms_from_dict(server, tmp_path):
+    """Episode.to_dict() files (no Step.id) in, Episode.from_dict reading the export back: the
+    values on each step, None on a trajectory the run did not score."""
+    rl = structures("real")
+    episodes = make_episodes(rl, np.random.default_rng(12), tasks=2, n=N)
+    (tmp_path / "eps.jsonl").write_text("".join(json.dumps(e.to_dict()) + "\n"
+                                                for e in episodes))
+    assert _draco("ingest", "rllm", "eps.jsonl", "-o", "data", cwd=tmp_path).returncode == 0
+    res = _draco("run", "--rollouts", "data/rollouts.parquet", "--steps", "data/steps.parquet",
+                 "--model", "openai/m", "--base-url", server.url + "/v1", "-o", "run",
+                 cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    extra = make_episodes(rl, np.random.default_rng(13), tasks=1, n=1)[0]   # not scored
+    with (tmp_path / "eps.jsonl").open("a") as f:
+        f.write(json.dumps(extra.to_dict()) + "\n")
+    res = _draco("export", "--to", "rllm", "--advantages", "run", "--records", "eps.jsonl",
+                 "-o", "out.jsonl", cwd=tmp_path)
+    assert res.returncode == 0, res.stderr
+    assert "1 trajectories have no draco advantages" in res.stderr
+    from draco_cli.trainers.loader import load_token_advantages
+
+    table = load_token_advantages(tmp_path / "run/credit/token_advantages.parquet")
+    back = [rl.Episode.from_dict(json.loads(line))
+            for line in (tmp_path / "out.jsonl").read_text().splitlines()]
+    for ep, got in zip(episodes, back):
+        lay = layout_of(ep.trajectories[0])
+        traj = got.trajectories[0]
+        assert traj.info["draco"]["response_fingerprint"] == lay.fingerprint
+        for step, (s, e) in zip(traj.steps, lay.spans):
+            np.testing.assert_array_equal(np.float32(step.advantage),
+                                          table.get(lay.rollout_id)[s:e])
+    assert all(s.advantage is None for s in back[-1].trajectories[0].steps)
