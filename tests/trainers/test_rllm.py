@@ -322,3 +322,41 @@ def test_to_dict_records_round_trip_through_rllms_from_dict(server, tmp_path):
             np.testing.assert_array_equal(np.float32(step.advantage),
                                           table.get(lay.rollout_id)[s:e])
     assert all(s.advantage is None for s in back[-1].trajectories[0].steps)
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_episode_credit_judges_each_group_as_it_completes(kind, server, tmp_path,
+                                                          monkeypatch):
+    import asyncio
+
+    from draco_cli.inloop import StepScorer
+    from draco_cli.trainers.rllm import EpisodeCredit
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    rl = structures(kind)
+    episodes = make_episodes(rl, np.random.default_rng(14), tasks=2, n=N)
+    first, second = episodes[:N], episodes[N:]
+
+    async def main():
+        async with StepScorer("openai/m", base_url=server.url + "/v1", group_size=N,
+                              decode=decode, call_log=tmp_path / "c.sqlite") as s:
+            credit = EpisodeCredit(s, train_step=2)
+            for ep in reversed(first):
+                await credit.add(ep)
+            # task0's group is judged while task1 has not started
+            await asyncio.wait_for(asyncio.gather(*(credit.assign(ep) for ep in first)), 60)
+            assert all(st.advantage is None for ep in second
+                       for st in ep.trajectories[0].steps)
+            for ep in second:
+                await credit.add(ep)
+            await asyncio.gather(*(credit.assign(ep) for ep in second))
+            return await credit.finish()
+
+    result = asyncio.run(main())
+    assert len(result.rows) == 2 * N and result.train_step == 2
+    for ep in episodes:
+        traj = ep.trajectories[0]
+        lay = layout_of(traj)
+        for st, (s, e) in zip(traj.steps, lay.spans):
+            np.testing.assert_array_equal(np.float32(st.advantage),
+                                          result.rows[traj.uid].values[s:e])

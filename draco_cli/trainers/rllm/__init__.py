@@ -2,7 +2,8 @@
 ``Step.advantage``, for rLLM's ``use_precomputed_advantage`` path.
 
 - in the loop: ``DracoGroupingHook`` (rLLM's ``traj_grouping_hook``), ``assign_advantages``
-  (async, a ``StepScorer``) and ``assign_advantages_blocking`` (a ``BlockingStepScorer``);
+  (async, a ``StepScorer``), ``assign_advantages_blocking`` (a ``BlockingStepScorer``) and
+  ``EpisodeCredit`` (one episode at a time, each group judged as it completes);
 - offline: ``draco ingest rllm`` (draco_cli.ingest.rllm) and ``draco export --to rllm``
   (``export`` here).
 
@@ -11,10 +12,10 @@ Nothing here imports rLLM: its objects are read by their field names (``Trajecto
 """
 
 from draco_cli.trainers.rllm.export import export
-from draco_cli.trainers.rllm.inloop import (DracoGroupingHook, apply_advantages,
+from draco_cli.trainers.rllm.inloop import (DracoGroupingHook, EpisodeCredit, apply_advantages,
                                             assign_advantages, assign_advantages_blocking,
                                             check_algorithm_config, plan_groups)
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, layout_of, step_values
 
-__all__ = ["DracoGroupingHook", "TrajectoryLayout", "apply_advantages", "assign_advantages",
+__all__ = ["DracoGroupingHook", "EpisodeCredit", "TrajectoryLayout", "apply_advantages", "assign_advantages",
            "assign_advantages_blocking", "check_algorithm_config", "export", "layout_of", "plan_groups", "step_values"]

@@ -28,9 +28,10 @@ from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import Decode, TrainerRollout
 from draco_cli.inloop.step import BlockingStepScorer, StepResult, StepScorer
 from draco_cli.trainers.rllm.layout import (TrajectoryLayout, check_same, field_of,
-                                            instruction_of, layout_of, step_values)
+                                            group_id_of, instruction_of, layout_of,
+                                            step_values)
 
-__all__ = ["DracoGroupingHook", "ScoredTrajectory", "apply_advantages", "assign_advantages",
+__all__ = ["DracoGroupingHook", "EpisodeCredit", "ScoredTrajectory", "apply_advantages", "assign_advantages",
            "assign_advantages_blocking", "check_algorithm_config", "plan_groups"]
 
 
@@ -167,3 +168,65 @@ class DracoGroupingHook:
         self.last = assign_advantages_blocking(self.scorer, groups, train_step=self.train_step)
         self.train_step += 1
         return groups
+
+
+class EpisodeCredit:
+    """For code that sees rLLM's episodes one at a time as they finish (a workflow, a buffer
+    of your own): ``await add(episode)`` as each finishes — a group is judged the moment its
+    last member arrives, while others still generate — then ``await assign(episode)`` waits
+    for its groups and sets its steps' advantages; ``finish()`` ends the step (its metrics).
+    Groups are rLLM's (``task_id:trajectory_name``); trajectories without steps are skipped,
+    as rLLM's grouping skips them, and a missing trajectory reward is the last step's, as
+    rLLM propagates it."""
+
+    def __init__(self, scorer: StepScorer, *, train_step: int | None = None) -> None:
+        self.scorer, self.train_step = scorer, train_step
+        self._layouts: dict[str, TrajectoryLayout] = {}
+
+    @staticmethod
+    def _trajectories(episode: Any) -> list[Any]:
+        return [t for t in field_of(episode, "trajectories") or [] if field_of(t, "steps")]
+
+    async def add(self, episode: Any) -> None:
+        eid = field_of(episode, "id")
+        if not isinstance(eid, str) or not eid:
+            raise InputError(f"episode {eid!r}: needs rLLM's string id ('task_id:index')",
+                             field="id")
+        for traj in self._trajectories(episode):
+            layout = layout_of(traj)
+            if layout.rollout_id in self._layouts:
+                raise InputError(f"trajectory {layout.rollout_id!r}: added twice",
+                                 field="uid")
+            reward = field_of(traj, "reward")
+            if reward is None:
+                reward = field_of(field_of(traj, "steps")[-1], "reward")
+            gid = group_id_of(eid, str(field_of(traj, "name") or "default_traj_name"))
+            await self.scorer.add(layout.rollout(
+                group_id=gid, instruction=_instruction(traj, self.scorer.decode),
+                outcome=None if reward is None else float(reward), task_id=gid.split(":")[0],
+                train_step=self.train_step, row=len(self._layouts)))
+            self._layouts[layout.rollout_id] = layout
+
+    async def assign(self, episode: Any) -> int:
+        """Set the advantages of every step of ``episode`` (all checked, then all set);
+        the number of steps set."""
+        cuts: list[tuple[Any, list[list[float]]]] = []
+        for traj in self._trajectories(episode):
+            uid = field_of(traj, "uid")
+            layout = self._layouts.get(uid)
+            if layout is None:
+                raise InputError(f"trajectory {uid!r}: not added to this step", field="uid")
+            row = await self.scorer.advantages(uid, self.train_step)
+            check_same(traj, layout)
+            cuts.append((traj, step_values(layout, row.values)))
+        n = 0
+        for traj, lists in cuts:
+            for step, values in zip(field_of(traj, "steps"), lists):
+                step.advantage = values
+                n += 1
+        return n
+
+    async def finish(self) -> StepResult:
+        result = await self.scorer.finish(self.train_step)
+        self._layouts.clear()
+        return result
