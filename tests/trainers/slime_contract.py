@@ -158,3 +158,12 @@ def rank_data(samples: list[dict[str, Any]], partition: list[int], *, cp_rank: i
     data["kl"] = [torch.zeros(len(zigzag(np.zeros(r), t, cp_rank, cp_size)))
                   for r, t in zip(data["response_lengths"], data["total_lengths"])]
     return data
+
+
+def as_objects(samples: list[dict[str, Any]]) -> list[Any]:
+    """The samples as the RolloutManager holds them (``Sample`` objects, attribute access)."""
+    if real_slime():
+        from slime.utils.types import Sample
+
+        return [Sample.from_dict(s) for s in samples]
+    return [types.SimpleNamespace(**s) for s in samples]

@@ -16,15 +16,13 @@ import pytest
 
 torch = pytest.importorskip("torch")
 
-from draco_cli.credit import credit_compute  # noqa: E402
 from draco_cli.errors import InputError, UsageError  # noqa: E402
 from draco_cli.ingest import ingest  # noqa: E402
-from draco_cli.io import write_table  # noqa: E402
-from draco_cli.schemas import VerdictAggregated  # noqa: E402
 from draco_cli.trainers import slime as draco_slime  # noqa: E402
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages  # noqa: E402
 from draco_cli.trainers.slime.layout import cp_local, cp_response_ranges  # noqa: E402
 from tests.trainers.slime_contract import (  # noqa: E402
+    as_objects,
     make_samples,
     megatron_mpu,
     rank_data,
@@ -45,18 +43,11 @@ def tokenizer_json(tmp_path_factory):
     return path
 
 
-def _credit(run: Path, rng: np.random.Generator) -> Path:
-    """draco's credit on an ingested folder: verdicts citing random steps, then credit."""
-    steps = pl.read_parquet(run / "ingest" / "steps.parquet")
-    turns = steps.group_by("rollout_id").agg(pl.col("step").max()).rows()
-    rows = [{"rollout_id": rid, "criterion_id": f"c{c}", "judge": "j",
-             "verdict": "pass" if rng.random() < 0.5 else "fail",
-             "cited_steps": [int(rng.integers(1, n + 1))], "reason": ""}
-            for rid, n in sorted(turns) for c in range(3)]
-    write_table(pl.DataFrame(rows), run / "verdicts.parquet", VerdictAggregated)
-    credit_compute(run / "ingest" / "rollouts.parquet", run / "ingest" / "steps.parquet",
-                   run / "verdicts.parquet", run / "credit")
-    return run / "credit" / "token_advantages.parquet"
+def _draco(*argv: str, cwd: Path) -> subprocess.CompletedProcess[str]:
+    proc = subprocess.run([sys.executable, "-m", "draco_cli", *argv], cwd=cwd,
+                          capture_output=True, text=True)
+    assert proc.returncode == 0, proc.stderr
+    return proc
 
 
 @pytest.fixture(scope="module")
@@ -72,9 +63,12 @@ def run(tmp_path_factory, tokenizer_json):
     samples[1] = {**second, "tokens": prompt + rng.integers(3, 300, size=n).tolist(),
                   "response_length": n, "loss_mask": list(first["loss_mask"])}
     dump = save_dump(root / "rollout_data" / "7.pt", 7, samples)
-    res = ingest("slime", [dump], root / "run" / "ingest", tokenizer=str(tokenizer_json))
-    assert res.rollouts == PROMPTS * N and res.groups == PROMPTS
-    _credit(root / "run", rng)
+    # the commands a user runs: ingest the dump, score it (mock judge, in-process, no network)
+    out = _draco("ingest", "slime", str(dump), "--tokenizer", str(tokenizer_json),
+                 "-o", "run/ingest", cwd=root)
+    assert f"ingested {PROMPTS * N} rollouts in {PROMPTS} groups" in out.stderr
+    _draco("run", "--rollouts", "run/ingest/rollouts.parquet", "--steps",
+           "run/ingest/steps.parquet", "--model", "mock/any", "-o", "run", cwd=root)
     return samples, dump, root / "run"
 
 
@@ -279,3 +273,53 @@ def test_real_slime_compute_advantages_and_returns(run):
                 np.testing.assert_array_equal(adv.numpy(),
                                               zigzag(full, len(s["tokens"]), rank, cp_size))
                 assert torch.equal(adv, ret)
+
+
+def test_in_the_loop_reward_post_process_then_advantages(run, tokenizer_json, tmp_path,
+                                                        monkeypatch):
+    """Rollout side: slime's reward post-process judges the step and writes it; training
+    side: the advantage function reads that folder; every row gets the scorer's values."""
+    from draco_cli.trainers.slime import inloop
+    from tests.llm_server import FakeLLMServer
+    from tests.test_rubric_judge import scripted
+
+    samples, _, _ = run
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    server = FakeLLMServer(answer=scripted).start()
+    steps = tmp_path / "steps"
+    args = SimpleNamespace(
+        n_samples_per_prompt=N, reward_key=None, start_rollout_id=6,
+        draco_tokenizer=str(tokenizer_json), draco_step_dir=str(steps), draco_keep=2,
+        draco_judge={"model": "openai/m", "base_url": server.url + "/v1",
+                     "call_log": tmp_path / "calls.sqlite"},
+        draco_token_advantages=str(steps), normalize_advantages=False)
+    try:
+        raw, rewards = draco_slime.score_rewards(args, as_objects(samples))
+        result = inloop._STATE["last"]
+    finally:
+        inloop.close()
+        server.stop()
+    assert raw == rewards == [s["reward"] for s in samples]   # slime's own, unchanged
+    assert result.train_step == 7 and not result.fallbacks
+    assert (steps / "step-000007" / "credit" / "token_advantages.parquet").is_file()
+    assert set(result.rows) == {str(s["index"]) for s in samples}
+    assert sum(bool(r.values.any()) for r in result.rows.values()) > N
+    order = np.random.default_rng(1).permutation(len(samples)).tolist()
+    for rank in range(2):
+        data = _call(args, rank_data(samples, order, cp_rank=rank, cp_size=2), rank, 2)
+        for j, adv in zip(order, data["advantages"]):
+            s = samples[j]
+            want = result.rows[str(s["index"])].values
+            np.testing.assert_array_equal(adv.numpy(),
+                                          zigzag(want, len(s["tokens"]), rank, 2))
+
+
+def test_docs_section_blocks_run():
+    import re
+
+    doc = (Path(__file__).resolve().parents[2] / "docs" / "trainers.md").read_text()
+    section = doc.split("\n## slime\n")[1].split("\n## ")[0]
+    blocks = re.findall(r"```python\n(.*?)```", section, re.DOTALL)
+    assert len(blocks) == 1
+    for block in blocks:
+        exec(compile(block, "docs/trainers.md#slime", "exec"), {})
