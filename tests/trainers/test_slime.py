@@ -186,6 +186,26 @@ def test_mismatches_refused(run):
         _call(SimpleNamespace(normalize_advantages=False), rank_data(samples, part))
 
 
+def test_only_the_last_pipeline_stage_is_written(run):
+    samples, _, folder = run
+    data = rank_data(samples, [0, 1])
+    with megatron_mpu(last_stage=False):
+        draco_slime.advantages(_args(folder), data)
+    assert "advantages" not in data and "returns" not in data
+
+
+def test_export_without_records_is_the_run(run, tmp_path):
+    samples, _, folder = run
+    res = draco_slime.export(folder, tmp_path / "all.parquet")
+    assert res.rollouts == len(samples) and "not checked" in res.notes[0]
+    got = load_token_advantages(tmp_path / "all.parquet")
+    want = load_token_advantages(folder / "credit" / "token_advantages.parquet")
+    for s in samples:
+        np.testing.assert_array_equal(got.get(str(s["index"])), want.get(str(s["index"])))
+    with pytest.raises(Exception, match="exists"):
+        draco_slime.export(folder, tmp_path / "all.parquet")
+
+
 def test_removed_sample_gets_zeros_without_lookup(run):
     samples, _, folder = run
     gone = [dict(s) for s in samples]

@@ -135,13 +135,15 @@ def dense_advantages(rollout_data: dict[str, Any], table: TokenAdvantageTable, *
     return out
 
 
-def _cp_layout() -> tuple[int, int]:
+def _layout() -> tuple[bool, int, int]:
+    """(last pipeline stage, CP rank, CP size) of this Megatron process."""
     try:
         from megatron.core import mpu  # type: ignore[import-not-found]
     except ImportError:
         raise UsageError("draco_cli.trainers.slime.advantages runs inside slime's Megatron "
                          "actor (megatron.core is not importable here)") from None
-    return int(mpu.get_context_parallel_rank()), int(mpu.get_context_parallel_world_size())
+    return (bool(mpu.is_pipeline_last_stage()), int(mpu.get_context_parallel_rank()),
+            int(mpu.get_context_parallel_world_size()))
 
 
 def advantages(args: Any, rollout_data: dict[str, Any]) -> None:
@@ -160,7 +162,10 @@ def advantages(args: Any, rollout_data: dict[str, Any]) -> None:
         raise UsageError("--normalize-advantages would whiten draco's advantages after this "
                          "function; drop it, or set draco_allow_normalize: true to train on "
                          "whitened values")
-    cp_rank, cp_size = _cp_layout()
+    last, cp_rank, cp_size = _layout()
+    if not last:
+        # as slime's own estimators: earlier pipeline stages hold no per-token outputs
+        return
     ids = sample_ids(rollout_data)
     table = load_token_advantages([str(p) for p in resolve_files(source)], rollout_ids=ids)
     rows = dense_advantages(rollout_data, table, cp_rank=cp_rank, cp_size=cp_size)
