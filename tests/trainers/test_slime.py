@@ -304,6 +304,8 @@ def test_in_the_loop_reward_post_process_then_advantages(run, tokenizer_json, tm
     from tests.test_rubric_judge import scripted
 
     samples, _, _ = run
+    samples = [dict(s) for s in samples]
+    samples[3] = {**samples[3], "remove_sample": True}   # judged with its group, trains on 0
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
     server = FakeLLMServer(answer=scripted).start()
     steps = tmp_path / "steps"
@@ -330,6 +332,8 @@ def test_in_the_loop_reward_post_process_then_advantages(run, tokenizer_json, tm
         for j, adv in zip(order, data["advantages"]):
             s = samples[j]
             want = result.rows[str(s["index"])].values
+            if s["remove_sample"]:
+                want = np.zeros_like(want)
             np.testing.assert_array_equal(adv.numpy(),
                                           zigzag(want, len(s["tokens"]), rank, 2))
 

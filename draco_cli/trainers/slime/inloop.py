@@ -8,7 +8,10 @@ id ``Sample.index``, group ``group_index``), judges them with one ``BlockingStep
 for the run (groups of ``n_samples_per_prompt``), writes the step's tables under
 ``draco_step_dir/step-NNNNNN`` (``write_step``) and returns the raw rewards unchanged:
 draco's values replace slime's advantages on the training side, where ``advantages`` reads
-that folder (``draco_token_advantages`` pointing at the same ``draco_step_dir``).
+that folder (``draco_token_advantages`` pointing at the same ``draco_step_dir``). A
+``remove_sample`` sample is judged with its group (slime zeroes its loss mask only later, and
+the training side gives it zeros); a group with fewer than ``n_samples_per_prompt`` samples
+is an error of the scorer, not a silent score.
 
 slime's training actors receive only a fixed list of per-sample keys from the rollout
 manager (no free-form metadata), so the values go through that folder: the rollout manager
@@ -87,8 +90,8 @@ def score_rewards(args: Any, samples: list[Any]) -> tuple[list[float], list[floa
         decode = _STATE["decode"]
         rollouts = [r for i, s in enumerate(samples)
                     if (r := sample_rollout(s, where=f"sample {i}", decode=decode,
-                                            train_step=step, row=i,
-                                            reward_key=reward_key)) is not None]
+                                            train_step=step, row=i, reward_key=reward_key,
+                                            keep_removed=True)) is not None]
         result = scorer.score_step(rollouts, step)
         write_step(result, step_dir, keep=getattr(args, "draco_keep", None))
         _STATE["last"] = result

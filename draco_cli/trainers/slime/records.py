@@ -87,12 +87,13 @@ def reward_of(sample: Any, where: str, reward_key: str | None = None) -> float |
 
 def sample_rollout(sample: Any, *, where: str, decode: Callable[[list[int]], str],
                    train_step: int | None, row: int | None = None,
-                   reward_key: str | None = None) -> Any:
-    """One slime sample as a ``TrainerRollout`` (None for a ``remove_sample`` one, which
-    slime trains on with an all-0 loss mask: nothing to credit)."""
+                   reward_key: str | None = None, keep_removed: bool = False) -> Any:
+    """One slime sample as a ``TrainerRollout``; None for a ``remove_sample`` one (slime
+    zeroes its loss mask when it builds the training data: nothing to credit) unless
+    ``keep_removed``, which keeps its group whole for a group-relative score."""
     from draco_cli.inloop import TrainerRollout
 
-    if field(sample, "remove_sample", False):
+    if field(sample, "remove_sample", False) and not keep_removed:
         return None
     index, group = field(sample, "index"), field(sample, "group_index")
     if not isinstance(index, int) or not isinstance(group, int):
