@@ -36,10 +36,16 @@ PROMPTS, N = 3, 4
 
 @pytest.fixture(scope="module")
 def tokenizer_json(tmp_path_factory):
-    from tests.trainers.chatml import chatml_tokenizer
+    """A byte-level BPE tokenizer.json made here (no hub, no transformers)."""
+    from tokenizers import ByteLevelBPETokenizer
+
+    from tests.trainers.chatml import CORPUS, SPECIAL
 
     path = tmp_path_factory.mktemp("tok") / "tokenizer.json"
-    chatml_tokenizer().backend_tokenizer.save(str(path))
+    bpe = ByteLevelBPETokenizer()
+    bpe.train_from_iterator(CORPUS * 4, vocab_size=320, min_frequency=2,
+                            special_tokens=SPECIAL, show_progress=False)
+    bpe.save(str(path))
     return path
 
 

@@ -170,7 +170,8 @@ def advantages(args: Any, rollout_data: dict[str, Any]) -> None:
     table = load_token_advantages([str(p) for p in resolve_files(source)], rollout_ids=ids)
     rows = dense_advantages(rollout_data, table, cp_rank=cp_rank, cp_size=cp_size)
     kl = rollout_data.get("kl")
-    device = kl[0].device if kl else rollout_data["loss_masks"][0].device
+    masks = rollout_data["loss_masks"]
+    device = getattr(kl[0] if kl else (masks[0] if len(masks) else None), "device", "cpu")
     adv = [torch.as_tensor(r, dtype=torch.float32, device=device) for r in rows]
     rollout_data["advantages"] = adv
     # GRPO-style: slime's own grpo path sets returns equal to advantages
