@@ -1,0 +1,103 @@
+"""``draco ingest slime DUMP.pt...``: slime's saved rollout samples → rollouts, steps, manifest.
+
+The input is what ``--save-debug-rollout-data`` (or ``--dump-details``) writes each step
+(``draco_cli.trainers.slime.records``). Positions come from the samples' own token ids and loss
+masks (``draco_cli.inloop.rows.trainer_rows``: a step is a run of loss-mask 1s), so
+``draco run``'s token advantages fit slime's response tensors exactly; the step texts are those
+ids decoded by ``--tokenizer`` (the model's tokenizer.json), which is therefore required.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from pathlib import Path
+from typing import Any
+
+
+from draco_cli import __version__
+from draco_cli.errors import InputError, UsageError
+from draco_cli.ingest import IngestResult, _sha256
+from draco_cli.io import OutputSet
+from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
+
+__all__ = ["ingest", "tokenizer_decode"]
+
+
+def tokenizer_decode(spec: str | None) -> Any:
+    """``decode(ids) -> str`` of a tokenizer.json (a file or the folder holding it)."""
+    if spec is None or spec == "approx":
+        raise UsageError("--tokenizer PATH: slime samples hold token ids, and the model's "
+                         "tokenizer.json turns each step's ids into the text the judge reads")
+    p = Path(spec)
+    if p.is_dir():
+        p = p / "tokenizer.json"
+    if not p.is_file():
+        raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as exc:  # the Rust side raises a bare Exception
+        raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
+    return lambda ids: tok.decode(ids, skip_special_tokens=False)
+
+
+def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,
+           force: bool) -> IngestResult:
+    from draco_cli.inloop.rows import trainer_rows
+    from draco_cli.trainers.slime.records import dump_rollouts
+
+    if not paths:
+        raise UsageError("give at least one slime rollout dump (.pt)")
+    decode = tokenizer_decode(tokenizer)
+    rollouts: list[Any] = []
+    removed, seen = 0, dict[str, str]()
+    for path in paths:
+        for i, r in dump_rollouts(path, decode=decode, train_step=train_step):
+            if r is None:
+                removed += 1
+                continue
+            if r.rollout_id in seen:
+                raise InputError(f"sample index {r.rollout_id} again (first in {seen[r.rollout_id]})"
+                                 ": draco keys rollouts by slime's Sample.index", file=str(path),
+                                 row=i, field="index")
+            seen[r.rollout_id] = f"{path}: sample {i}"
+            rollouts.append(r)
+    if not rollouts:
+        raise InputError("no sample to ingest (every sample was removed)", file=str(paths[0]))
+    rows, steps = trainer_rows(rollouts, decode)
+    result = IngestResult(out_dir=out, rollouts=rows.height, steps=steps.height)
+    sizes = rows.group_by("group_id").len()
+    result.groups = sizes.height
+    result.single_rollout_groups = int((sizes["len"] == 1).sum())
+    result.token_sources["tokenizer"] = rows.height
+    if removed:
+        result.warnings.append(f"{removed} sample(s) with remove_sample set left out (slime "
+                               "trains on none of their tokens)")
+    if result.single_rollout_groups:
+        result.warnings.append(f"{result.single_rollout_groups} group(s) of one sample: "
+                               "group-relative credit needs n_samples_per_prompt >= 2")
+    result.manifest = _manifest(result, paths, tokenizer, train_step, removed)
+    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
+    with OutputSet(out, names, force=force) as output:
+        result.manifest["output_set"] = output.id
+        output.write_table(rows, "rollouts.parquet", Rollout)
+        output.write_table(steps, "steps.parquet", Step)
+        output.write_text("manifest.json", json.dumps(result.manifest, indent=1) + "\n")
+    return result
+
+
+def _manifest(result: IngestResult, paths: list[Path], tokenizer: str | None,
+              train_step: int | None, removed: int) -> dict[str, Any]:
+    return {
+        "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "slime",
+        "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+                   for p in paths],
+        "step_unit": "policy-run", "token_counts": ["tokenizer"], "tokenizer": tokenizer,
+        "tokenizer_exact": True, "token_positions": "known", "group_by": ["group_index"],
+        "train_step": train_step, "rollouts": result.rollouts, "steps": result.steps,
+        "groups": result.groups, "single_rollout_groups": result.single_rollout_groups,
+        "rejected": 0, "removed_samples": removed, "terminations": {},
+        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+    }
