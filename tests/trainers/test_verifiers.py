@@ -214,3 +214,27 @@ def test_ingest_positions_are_the_nodes_masks(tmp_path):
         assert steps["n_tokens"].to_list() == [sum(n.mask) for n in sampled]
         assert steps["observation"].to_list()[:-1] == [
             f"observation {t}" for t in range(len(sampled) - 1)]
+
+
+def test_bad_records_are_one_line_errors(tmp_path):
+    rng = np.random.default_rng(7)
+    write_records(tmp_path, [make_group(rng, 1, 2)])
+    good = (tmp_path / "traces.jsonl").read_text().splitlines()
+    rec = json.loads(good[1])
+    node = next(n for n in rec["traces"][0]["nodes"] if any(n["mask"]))
+    node["mask"].append(True)
+    cases = {"notjson.jsonl": good[0] + "\n{oops\n",
+             "mask.jsonl": good[0] + "\n" + json.dumps(rec) + "\n",
+             "dup.jsonl": good[0] + "\n" + good[0] + "\n",
+             "other.jsonl": '{"rows": []}\n'}
+    said = {"notjson.jsonl": "row 2: not JSON", "mask.jsonl": "row 2: field 'nodes'",
+            "dup.jsonl": "duplicate trace id", "other.jsonl": "not a verifiers episode"}
+    for name, text in cases.items():
+        (tmp_path / name).write_text(text)
+        res = run_draco("ingest", "verifiers", tmp_path / name, "-o", tmp_path / name[:-6])
+        err = res.stderr.decode()
+        assert res.returncode != 0 and said[name] in err and "Traceback" not in err, err
+        assert len(err.strip().splitlines()) == 1 and not (tmp_path / name[:-6]).exists()
+    res = run_draco("export", "--to", "verifiers", "--advantages", tmp_path, "-o",
+                    tmp_path / "x.jsonl")
+    assert res.returncode == 2 and b"needs --records" in res.stderr
