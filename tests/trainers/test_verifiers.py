@@ -59,9 +59,10 @@ async def score(server, tmp_path, groups, **kw):
     return credit, results
 
 
-def test_in_loop_each_trace_gets_its_own_values_on_its_sampled_tokens(server, tmp_path):
+@pytest.mark.parametrize("spans", [True, False], ids=["message-spans", "no-spans"])
+def test_in_loop_each_trace_gets_its_own_values_on_its_sampled_tokens(server, tmp_path, spans):
     rng = np.random.default_rng(1)
-    groups = [make_group(rng, task, GROUP) for task in range(3)]
+    groups = [make_group(rng, task, GROUP, spans=spans) for task in range(3)]
     for g in groups:     # episodes arrive in completion order, not dispatch order
         rng.shuffle(g)
     credit, results = asyncio.run(score(server, tmp_path, groups))
@@ -192,12 +193,13 @@ def test_export_refuses_a_swapped_pair_and_a_length_mismatch(server, tmp_path):
 def test_ingest_positions_are_the_nodes_masks(tmp_path):
     rng = np.random.default_rng(6)
     group = make_group(rng, 2, 3, turns=(2, 4))
-    write_records(tmp_path, [group])
+    write_records(tmp_path, [group, make_group(rng, 3, 1, tokens=False)])
     from draco_cli.ingest import ingest
     import polars as pl
 
     result = ingest("verifiers", [tmp_path / "traces.jsonl"], tmp_path / "in")
     assert result.rollouts == 3 and result.groups == 1
+    assert result.warnings == ["1 traces without a sampled token were left out"]
     ro = pl.read_parquet(tmp_path / "in" / "rollouts.parquet")
     st = pl.read_parquet(tmp_path / "in" / "steps.parquet")
     for ep in group:
