@@ -22,9 +22,10 @@ under an existing name (``grpo`` by default: its config validates as is and decl
 ``DracoCredit`` is the prime-rl-free half (it also serves tests without prime-rl): the group's
 traces become draco rollouts (id = ``trace.id``, group = the episode's ``group.id``, train step
 = ``run.work.step``), the group is judged as one, and each trace gets its own row's values, the
-id and every length checked. A group that does not have ``group_size`` trainable traces (an
-errored member) is not judged: with ``short_groups="skip"`` its traces stay unassigned and are
-counted (``DracoCredit.short``), with ``"error"`` it raises.
+id and every length checked. A group with fewer trainable traces than ``group_size`` (prime-rl
+drops errored members) is counted (``DracoCredit.short``) and, by default
+(``short_groups="score"``), judged as the smaller group it is, as prime-rl's GRPO baselines the
+survivors; ``"skip"`` leaves its traces unassigned, ``"error"`` raises.
 """
 
 from __future__ import annotations
@@ -42,7 +43,7 @@ from draco_cli.trainers.verifiers import _get, assign_compact, fill_trace, trace
 
 __all__ = ["DracoCredit", "algorithm_class", "register", "trainable_traces"]
 
-ShortGroups = Literal["skip", "error"]
+ShortGroups = Literal["score", "skip", "error"]
 Assign = Callable[[Any, list[float]], None]
 
 
@@ -80,27 +81,32 @@ class DracoCredit:
     written there (``write_step``'s layout, one folder a step and group)."""
 
     scorer: StepScorer
-    short_groups: ShortGroups = "skip"
+    short_groups: ShortGroups = "score"
     steps_dir: Path | None = None
     short: int = 0
     results: list[StepResult] = field(default_factory=list)
 
     async def score_group(self, episodes: Sequence[Any], traces: Sequence[Any] | None = None,
                           assign: Assign | None = None) -> StepResult | None:
-        """Judge the group and fill its traces; None (traces unassigned) for a short group."""
+        """Judge the group and fill its traces; None when no trace was filled (no trainable
+        trace, or a short group under ``short_groups="skip"``)."""
         traces = trainable_traces(episodes) if traces is None else list(traces)
         if not traces:
             return None
         gid, step = group_identity(episodes, traces)
-        if len(traces) != self.scorer.group_size:
+        if len(traces) > self.scorer.group_size:
+            raise InputError(f"group {gid!r}: {len(traces)} trainable traces, more than "
+                             f"group_size {self.scorer.group_size}", field="group_size")
+        if len(traces) < self.scorer.group_size:
+            self.short += 1
             if self.short_groups == "error":
                 raise InputError(f"group {gid!r}: {len(traces)} trainable traces, group_size "
                                  f"is {self.scorer.group_size}", field="group_size")
-            self.short += 1
-            return None
+            if self.short_groups == "skip":
+                return None
         rollouts = [trace_rollout(t, gid, train_step=step, row=k) for k, t in enumerate(traces)]
         for r in rollouts:
-            await self.scorer.add(r)
+            await self.scorer.add(r, group_size=len(rollouts))
         result = await self.scorer.finish(step, groups=[gid])
         # every trace checked before any is written: a misfit leaves the whole group unassigned
         staged = [fill_trace(_Staged(t), result.rows[r.rollout_id].rollout_id,
@@ -124,7 +130,7 @@ class _Staged:
                       for n in _get(trace, "nodes", [])]
 
 
-def algorithm_class(model: str, *, short_groups: ShortGroups = "skip",
+def algorithm_class(model: str, *, short_groups: ShortGroups = "score",
                     steps_dir: str | Path | None = None, **scorer: Any) -> type[Any]:
     """A subclass of prime-rl's ``Algorithm`` scoring every group with draco; ``scorer`` are
     ``StepScorer``'s arguments (``call_log``, ``group_size``, ``decode``, ``deadline``, …).

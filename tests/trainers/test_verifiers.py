@@ -85,16 +85,22 @@ def test_in_loop_each_trace_gets_its_own_values_on_its_sampled_tokens(server, tm
     assert nonzero > 0
 
 
-def test_short_group_stays_unassigned_or_refused(server, tmp_path):
+def test_short_group_judged_as_its_survivors_skipped_or_refused(server, tmp_path):
     rng = np.random.default_rng(2)
     group = make_group(rng, 7, GROUP, errored=1)
     credit, results = asyncio.run(score(server, tmp_path, [group]))
+    assert credit.short == 1 and len(results[0].rows) == GROUP - 1
+    for ep in group:          # the errored trace: never scored, so unassigned (not zero)
+        t = ep.traces[0]
+        assert (t.branches[0].advantages is None) == (not t.ok)
+    group = make_group(rng, 8, GROUP, errored=1)
+    credit, results = asyncio.run(score(server, tmp_path, [group], short_groups="skip"))
     assert results == [None] and credit.short == 1
     for ep in group:
         assert all(n.advantages is None for n in ep.traces[0].nodes)
         assert ep.traces[0].branches[0].advantages is None
     with pytest.raises(InputError, match="3 trainable traces, group_size is 4"):
-        asyncio.run(score(server, tmp_path, [make_group(rng, 8, GROUP, errored=1)],
+        asyncio.run(score(server, tmp_path, [make_group(rng, 9, GROUP, errored=1)],
                           short_groups="error"))
 
 
