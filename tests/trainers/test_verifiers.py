@@ -246,3 +246,35 @@ def test_bad_records_are_one_line_errors(tmp_path):
     res = run_draco("export", "--to", "verifiers", "--advantages", tmp_path, "-o",
                     tmp_path / "x.jsonl")
     assert res.returncode == 2 and b"needs --records" in res.stderr
+
+
+def test_a_group_past_the_deadline_gets_the_counted_fallback_on_its_tokens(monkeypatch,
+                                                                           tmp_path):
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    slow = FakeLLMServer(answer=scripted, latency=5.0).start()
+    rng = np.random.default_rng(8)
+    group = make_group(rng, 1, GROUP)
+    for k, ep in enumerate(group):     # two solved, two not: the outcome GRPO is not all zero
+        ep.traces[0].rewards = {"solved": vf.Reward(score=float(k % 2))}
+
+    async def run():
+        async with StepScorer("openai/m", base_url=slow.url + "/v1", group_size=GROUP,
+                              decode=decode, call_log=tmp_path / "d.sqlite", deadline=0.5,
+                              fallback="outcome") as scorer:
+            return await DracoCredit(scorer).score_group(group)
+
+    try:
+        res = asyncio.run(run())
+    finally:
+        slow.stop()
+    assert res is not None and res.metrics["draco/fallback_groups"] == 1
+    o = np.array([ep.traces[0].reward for ep in group])
+    want = (o - o.mean()) / (o.std(ddof=1) + 1e-6)
+    for ep, a in zip(group, want):
+        t = ep.traces[0]
+        assert res.rows[t.id].source == "fallback:outcome"
+        for node in t.nodes:
+            if any(node.mask):
+                np.testing.assert_allclose(node.advantages, a, rtol=1e-5)
+            else:
+                assert node.advantages is None
