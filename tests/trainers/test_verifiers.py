@@ -278,3 +278,29 @@ def test_a_group_past_the_deadline_gets_the_counted_fallback_on_its_tokens(monke
                 np.testing.assert_allclose(node.advantages, a, rtol=1e-5)
             else:
                 assert node.advantages is None
+
+
+def test_a_two_branch_trace_is_read_node_by_node_and_each_branch_spreads_its_own():
+    from verifiers.v1 import graph
+    from verifiers.v1.types import AssistantMessage, Response, TurnTokens, UserMessage
+
+    trace = make_trace(np.random.default_rng(9), 1, 2, lengths=(3, 2))
+    # a compaction: the next request starts from a new prompt, so verifiers opens a new root
+    prompt = [UserMessage(content="summary so far")]
+    graph.prepare_turn(trace, prompt).commit(Response(
+        id="c", created=0, model="policy", finish_reason="stop",
+        message=AssistantMessage(content="resume"),
+        tokens=TurnTokens(prompt_ids=[1, 2, 77, 78, 3], completion_ids=[91, 92, 93, 94],
+                          completion_logprobs=[-0.1] * 4, message_spans=[(0, 4)])))
+    assert trace.num_branches == 2
+    tt = trace_tokens(trace)
+    assert tt.n_sampled == 3 + 2 + 4
+    dense = np.zeros(len(tt.ids))
+    dense[tt.mask == 1] = np.arange(1, tt.n_sampled + 1)
+    fill_trace(trace, trace.id, dense)
+    assert [n.advantages for n in trace.nodes if any(n.mask)] == [[1, 2, 3], [4, 5],
+                                                                  [6, 7, 8, 9]]
+    for branch in trace.branches:   # verifiers' own per-branch view picks each node's values
+        spread = np.asarray(branch.advantages)
+        assert spread[np.asarray(branch.sampled_mask)].tolist() == [
+            v for n in branch.nodes if any(n.mask) for v in n.advantages]
