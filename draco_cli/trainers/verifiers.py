@@ -83,32 +83,32 @@ def trace_tokens(trace: Any) -> TraceTokens:
     node when a node's mask does not describe its tokens, or no token was sampled."""
     tid = str(_get(trace, "id"))
     nodes = _get(trace, "nodes") or []
-    ids: list[int] = []
-    mask: list[int] = []
-    node_of: list[int] = []
+    ids: list[np.ndarray] = []
+    mask: list[np.ndarray] = []
+    node_of: list[np.ndarray] = []
     sampled: list[tuple[int, int]] = []
     first = -1
     for i, node in enumerate(nodes):
-        tok, m = list(_get(node, "token_ids") or []), list(_get(node, "mask") or [])
+        tok = np.asarray(_get(node, "token_ids") or [], dtype=np.int64)
+        m = np.asarray(_get(node, "mask") or [], dtype=bool)
         if len(tok) != len(m):
             raise AlignmentError(f"trace {tid!r} node {i}: mask has {len(m)} entries but "
                                  f"token_ids {len(tok)}: they must describe the same tokens")
-        n = sum(bool(x) for x in m)
+        n = int(m.sum())
         if n and first < 0:
             first = i
         if first < 0:
             continue
         if n:
             sampled.append((i, n))
-        ids += tok
-        mask += [int(bool(x)) for x in m]
-        node_of += [i] * len(tok)
+        ids.append(tok)
+        mask.append(m.astype(np.int8))
+        node_of.append(np.full(len(tok), i, dtype=np.int64))
     if first < 0:
         raise AlignmentError(f"trace {tid!r}: no sampled token (every node's mask is False): "
                              "nothing to credit")
-    return TraceTokens(tid, first, np.asarray(ids, dtype=np.int64),
-                       np.asarray(mask, dtype=np.int8), np.asarray(node_of, dtype=np.int64),
-                       tuple(sampled))
+    return TraceTokens(tid, first, np.concatenate(ids), np.concatenate(mask),
+                       np.concatenate(node_of), tuple(sampled))
 
 
 def message_text(message: Any) -> str:
@@ -157,18 +157,22 @@ def trace_rollout(trace: Any, group_id: str, *, train_step: int | None = None,
                           train_step=train_step, row=row)
 
 
-def assign_compact(trace: Any, values: Sequence[float]) -> None:
+def assign_compact(trace: Any, values: Sequence[float] | np.ndarray) -> None:
     """Fill the trace's sampled nodes from compact values: ``len(values)`` must equal the
     number of sampled tokens (the rule of prime-rl's ``assign_advantages``). Nodes without a
     sampled token keep ``advantages`` None."""
-    tt = trace_tokens(trace)
+    _assign(trace, trace_tokens(trace), values)
+
+
+def _assign(trace: Any, tt: TraceTokens, values: Sequence[float] | np.ndarray) -> None:
     if len(values) != tt.n_sampled:
         raise AlignmentError(f"trace {tt.trace_id!r}: {len(values)} advantages for "
                              f"{tt.n_sampled} sampled tokens")
+    flat = np.asarray(values, dtype=np.float64).tolist()
     nodes = _get(trace, "nodes")
     offset = 0
     for i, n in tt.sampled:
-        _set(nodes[i], "advantages", [float(v) for v in values[offset:offset + n]])
+        _set(nodes[i], "advantages", flat[offset:offset + n])
         offset += n
 
 
@@ -188,8 +192,8 @@ def fill_trace(trace: Any, rollout_id: str, dense: np.ndarray | Sequence[float])
     if stray:
         raise AlignmentError(f"trace {tt.trace_id!r}: advantages on {stray} tokens its mask "
                              "excludes: token positions are not the trace's")
-    compact = [v for node in tt.compact(dense) for v in node]
-    assign_compact(trace, compact)
+    compact: list[float] = np.asarray(dense, dtype=np.float64)[tt.mask == 1].tolist()
+    _assign(trace, tt, compact)
     return compact
 
 
