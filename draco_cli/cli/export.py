@@ -23,7 +23,8 @@ def export(
 ) -> None:
     """Export a run's token advantages in another RL stack's own layout, self-checking.
 
-    Example: draco export --to verifiers --advantages runs/step-3 -o step-3.verifiers.jsonl
+    Example: draco export --to verifiers --advantages runs/step-3 --records traces.jsonl -o
+    scored/traces.jsonl
     """
     from draco_cli.trainers.export import export_advantages
 

@@ -140,8 +140,12 @@ class StepScorer:
     def _step(self, train_step: int | None) -> _Step:
         return self._steps.setdefault(train_step, _Step())
 
-    async def add(self, rollout: TrainerRollout) -> None:
-        """A rollout finished: record it; its group starts scoring once it has ``group_size``."""
+    async def add(self, rollout: TrainerRollout, group_size: int | None = None) -> None:
+        """A rollout finished: record it; its group starts scoring once it has ``group_size``
+        (``group_size`` here: this group's own size, for a trainer that drops failed members)."""
+        size = self.group_size if group_size is None else group_size
+        if size < 1:
+            raise UsageError(f"group_size {group_size!r}: must be >= 1")
         st = self._step(rollout.train_step)
         if rollout.rollout_id in st.seen:
             raise InputError(f"{rollout.where()}: rollout id given twice in step "
@@ -152,10 +156,10 @@ class StepScorer:
         st.last_finish = max(st.last_finish, now)
         g = st.groups.setdefault(rollout.group_id, _Group())
         if g.complete_at is not None:
-            raise InputError(f"{rollout.where()}: group already has its {self.group_size} "
+            raise InputError(f"{rollout.where()}: group already has its {len(g.members)} "
                              "rollouts (group_size)", field="group_id")
         g.members.append(rollout)
-        if len(g.members) == self.group_size:
+        if len(g.members) == size:
             g.complete_at = now
             g.task = asyncio.create_task(self._score(st, rollout.group_id, g))
 
