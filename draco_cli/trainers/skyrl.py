@@ -110,7 +110,9 @@ class DracoGenerator:
                  steps_dir: str | Path | None = None, keep_steps: int | None = None) -> None:
         self.inner, self.scorer, self.decode = inner, scorer, decode
         self.deliveries = deliveries if deliveries is not None else Deliveries()
-        self.steps_dir, self.keep_steps = steps_dir, keep_steps
+        # resolved now: SkyRL's workers may change directory before the first step is written
+        self.steps_dir = None if steps_dir is None else Path(steps_dir).resolve()
+        self.keep_steps = keep_steps
         self.last_metrics: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Any:

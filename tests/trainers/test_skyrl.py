@@ -15,8 +15,10 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import re
 import subprocess
 import sys
+from pathlib import Path
 from types import SimpleNamespace
 
 import numpy as np
@@ -34,19 +36,44 @@ from skyrl_train.utils import trainer_utils
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop import BlockingStepScorer, TrainerRollout
 from draco_cli.trainers import skyrl as dsky
-from draco_cli.trainers.skyrl_export import dump_records, load_export
+from draco_cli.trainers.skyrl_export import dump_records
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 
 N, PROMPTS, STEP, DP = 4, 3, 3, 5
+DOC = Path(__file__).resolve().parents[2] / "docs" / "trainers.md"
+# the SkyRL section's Python blocks carry the info string "python skyrl": this test runs them
+BLOCKS = re.findall(r"```python skyrl\n(.*?)```", DOC.read_text(), re.DOTALL)
+
+
+def _doc_block(word):
+    found = [b for b in BLOCKS if word in b]
+    assert len(found) == 1, word
+    return found[0]
+
+
+def _run_block(block, ns, cwd, rename=None):
+    for old, new in (rename or {}).items():
+        block = block.replace(old, new)
+    here = os.getcwd()
+    os.chdir(cwd)
+    try:
+        exec(compile(block, str(DOC), "exec"), ns)
+    finally:
+        os.chdir(here)
+
+
+def test_every_skyrl_block_is_run():
+    assert len(BLOCKS) == 2 and _doc_block("DracoGenerator") and _doc_block("load_export")
 
 
 class Scripted:
     """The inner generator: multi-turn responses as SkyRLGymGenerator returns them in
     non-step-wise mode (no trajectory_ids, no is_last_step), a 0/1 outcome per row."""
 
-    def __init__(self, tok, seed=0, echo_ids=False):
+    def __init__(self, tok, seed=0, echo_ids=False, same_group=None):
         self.tok, self.rng, self.echo_ids = tok, np.random.default_rng(seed), echo_ids
+        self.same_group = same_group   # that group's members: one response, one outcome
         self.calls = 0
 
     async def generate(self, input_batch):
@@ -64,9 +91,13 @@ class Scripted:
                 act = self.rng.integers(3, 300, size=int(self.rng.integers(2, 12))).tolist()
                 ids += act
                 mask += [1] * len(act)
+            k = len(out["rewards"])
+            if k // N == self.same_group and k % N:
+                ids, mask = list(out["response_ids"][k - 1]), list(out["loss_masks"][k - 1])
             out["response_ids"].append(ids)
             out["loss_masks"].append(mask)
-            out["rewards"].append(float(self.rng.integers(0, 2)))
+            out["rewards"].append(1.0 if k // N == self.same_group else
+                                  float(self.rng.integers(0, 2)))
             out["stop_reasons"].append("stop")
         out.update(rollout_metrics=None, rollout_logprobs=None, is_last_step=None,
                    trajectory_ids=list(input_batch["trajectory_ids"]) if self.echo_ids else None)
@@ -281,7 +312,10 @@ def test_ingest_run_export_round_trip(tok, judge, tmp_path):
     from draco_cli.trainers.loader import load_token_advantages
 
     table = load_token_advantages(tmp_path / "run" / "credit" / "token_advantages.parquet")
-    exported, deliveries = load_export(tmp_path / "exp.json")
+    ns: dict = {}
+    _run_block(_doc_block("load_export"), ns, tmp_path, rename={"step-3.draco.json": "exp.json"})
+    exported = ns["output"]
+    assert isinstance(ns["deliveries"], dsky.Deliveries)
     ids = [t.to_string() for t in gen_input["trajectory_ids"]]
     assert exported["draco"]["rollout_ids"] == ids
 
@@ -290,7 +324,6 @@ def test_ingest_run_export_round_trip(tok, judge, tmp_path):
             return {**exported, "rollout_metrics": None, "rollout_logprobs": None,
                     "trajectory_ids": None, "is_last_step": None}
 
-    dsky.register_estimator(deliveries)
     trainer = _trainer(tok, Replay(), _cfg())
     _, _, data = _train_step(trainer, gen_input, uids)
     adv = data["advantages"].numpy()
@@ -306,3 +339,43 @@ def test_ingest_run_export_round_trip(tok, judge, tmp_path):
                tmp_path / "bad.json", "-o", tmp_path / "exp2.json", cwd=tmp_path)
     assert r.returncode != 0 and "Traceback" not in r.stderr and "bad.json" in r.stderr
     assert not (tmp_path / "exp2.json").exists()
+
+
+def test_in_loop_block(tok, judge, tmp_path):
+    """The docs' wiring block, then SkyRL's trainer path on its generator and cfg."""
+    ns = {"JUDGE_URL": judge.url + "/v1", "cfg": _cfg(advantage_estimator="grpo"),
+          "tokenizer": tok, "generator": Scripted(tok)}
+    _run_block(_doc_block("DracoGenerator"), ns, tmp_path)
+    try:
+        assert ns["cfg"].trainer.algorithm.advantage_estimator == "draco"
+        trainer = _trainer(tok, ns["generator"], ns["cfg"])
+        gen_input, uids = _input()
+        _, _, data = _train_step(trainer, gen_input, uids)
+        assert data["advantages"].abs().sum() > 0
+        assert (tmp_path / "runs" / "skyrl" / "steps" / f"step-{STEP:06d}").is_dir()
+    finally:
+        ns["scorer"].close()
+
+
+def test_replace_sampling_duplicates_rows_with_their_values(tok, scorer):
+    """SkyRL's dynamic sampling 'replace' copies good groups' rows over a zero-variance group
+    (here: a group of four identical rollouts, equal values): the copies carry
+    their values and pass the estimator's check, each with the values of the row it copies."""
+    gen = dsky.DracoGenerator(Scripted(tok, seed=2, same_group=1), scorer, decode=tok.decode)
+    _registered(gen)
+    trainer = _trainer(tok, gen, _cfg())
+    gen_input, uids = _input()
+    out = asyncio.run(trainer.generate(gen_input))
+    before = [list(r) for r in out["response_ids"]]
+    values = {tuple(r): v for r, v in zip(before, out["rewards"])}
+    assert len({tuple(v) for v in out["rewards"][N:2 * N]}) == 1
+    out, new_uids, keep = trainer_utils.handle_replace_sampling(
+        out, uids, {"n_samples_per_prompt": N, "min_replace_ratio": 0.3})
+    assert not keep and new_uids[N:2 * N] != uids[N:2 * N]       # group 1 replaced
+    out = trainer.postprocess_generator_output(out, new_uids)
+    batch = trainer.convert_to_training_input(out, new_uids)
+    batch["values"] = None
+    adv = trainer.compute_advantages_and_returns(batch)["advantages"].numpy()
+    for b, r in enumerate(out["response_ids"]):
+        v = values[tuple(r)]
+        np.testing.assert_array_equal(adv[b, :len(v)], np.asarray(v, dtype=np.float32))
