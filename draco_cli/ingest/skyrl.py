@@ -25,51 +25,19 @@ from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
+from draco_cli.trainers.skyrl_rows import outcome_of, read_records, trajectory
 
 __all__ = ["ingest", "read_records", "record_rollouts"]
 
-REQUIRED = ("prompt_token_ids", "response_ids", "loss_masks", "rewards", "trajectory_ids")
-
-
-def read_records(path: Path) -> dict[str, Any]:
-    """One dumped ``GeneratorOutput``, its lists checked to be one entry per row."""
-    if not path.is_file():
-        raise InputError("no such file", file=str(path))
-    try:
-        rec = json.loads(path.read_text(encoding="utf-8"))
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"not a JSON GeneratorOutput ({exc})", file=str(path)) from None
-    if not isinstance(rec, dict):
-        raise InputError("expected a JSON object (a GeneratorOutput)", file=str(path))
-    for key in REQUIRED:
-        if not isinstance(rec.get(key), list):
-            raise InputError(f"field {key!r} missing or not a list (SkyRL GeneratorOutput)",
-                             file=str(path), field=key)
-    n = len(rec["response_ids"])
-    for key in REQUIRED:
-        if len(rec[key]) != n:
-            raise InputError(f"{len(rec[key])} {key} for {n} response_ids", file=str(path),
-                             field=key)
-    for i, (ids, m) in enumerate(zip(rec["response_ids"], rec["loss_masks"])):
-        if len(ids) != len(m):
-            raise InputError(f"row {i}: {len(m)} loss_masks entries for {len(ids)} response "
-                             "tokens", file=str(path), field="loss_masks")
-    step = rec.get("global_step")
-    if step is not None and not isinstance(step, int):
-        raise InputError(f"global_step {step!r} is not an integer", file=str(path),
-                         field="global_step")
-    return rec
 
 
 def record_rollouts(rec: dict[str, Any], decode: Callable[[list[int]], str],
                     train_step: int | None, source: str) -> list[TrainerRollout]:
-    from draco_cli.trainers.skyrl import _trajectory, outcome_of
-
     step = train_step if train_step is not None else rec.get("global_step")
     out = []
     for i in range(len(rec["response_ids"])):
         try:
-            rid, uid = _trajectory(rec["trajectory_ids"][i])
+            rid, uid = trajectory(rec["trajectory_ids"][i])
         except InputError as exc:
             raise InputError(exc.detail, file=source, row=i, field="trajectory_ids") from None
         out.append(TrainerRollout(rid, uid, decode(list(rec["prompt_token_ids"][i])),

@@ -28,6 +28,7 @@ import numpy as np
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout
+from draco_cli.trainers.skyrl_rows import Deliveries, outcome_of, trajectory
 
 if TYPE_CHECKING:
     from draco_cli.inloop import BlockingStepScorer
@@ -44,32 +45,6 @@ _REFUSED = {"use_kl_in_reward": "adds a KL penalty to the rewards before the est
             "advantage_batch_normalize": "re-standardises the advantages over the batch"}
 
 
-class Deliveries:
-    """The rows ``DracoGenerator`` delivered since the estimator last ran, by group uid."""
-
-    def __init__(self) -> None:
-        self.by_uid: dict[str, list[tuple[str, np.ndarray]]] = {}
-
-    def add(self, uid: str, rollout_id: str, values: np.ndarray) -> None:
-        self.by_uid.setdefault(uid, []).append((rollout_id, values))
-
-    def take(self) -> dict[str, list[tuple[str, np.ndarray]]]:
-        out, self.by_uid = self.by_uid, {}
-        return out
-
-
-def _trajectory(t: Any) -> tuple[str, str]:
-    """(row id, group uid) of a SkyRL ``TrajectoryID`` (or its dict form in a dumped file)."""
-    if isinstance(t, Mapping):
-        inst, rep = t.get("instance_id"), t.get("repetition_id")
-    else:
-        inst, rep = getattr(t, "instance_id", None), getattr(t, "repetition_id", None)
-    if inst is None or rep is None:
-        raise InputError(f"trajectory id {t!r}: needs instance_id and repetition_id",
-                         field="trajectory_ids")
-    return f"{inst}_{rep}", str(inst)   # TrajectoryID.to_string()
-
-
 def row_ids(input_batch: Mapping[str, Any], output: Mapping[str, Any]) -> list[tuple[str, str]]:
     """Each output row's (row id, group uid). SkyRL's trainer takes the uids from the input
     order; a generator that also returns ``trajectory_ids`` must agree with it row by row."""
@@ -78,23 +53,18 @@ def row_ids(input_batch: Mapping[str, Any], output: Mapping[str, Any]) -> list[t
     if given is None:
         raise UsageError("the generator input has no trajectory_ids: draco needs them for the "
                          "rollout and group ids (SkyRL's prepare_generator_input sets them)")
-    ids = [_trajectory(t) for t in given]
+    ids = [trajectory(t) for t in given]
     if len(ids) != n:
         raise InputError(f"the generator returned {n} rows for {len(ids)} trajectories",
                          field="response_ids")
     back = output.get("trajectory_ids")
     if back is not None:
         for i, (t, (rid, _)) in enumerate(zip(back, ids)):
-            if _trajectory(t)[0] != rid:
-                raise InputError(f"generator row {i} is trajectory {_trajectory(t)[0]!r} but "
+            if trajectory(t)[0] != rid:
+                raise InputError(f"generator row {i} is trajectory {trajectory(t)[0]!r} but "
                                  f"the trainer's uids put {rid!r} there: SkyRL expects rows "
                                  "in input order", field="trajectory_ids")
     return ids
-
-
-def outcome_of(reward: Any) -> float:
-    """A row's outcome as SkyRL's own estimators read it: the sum of its rewards."""
-    return float(sum(reward)) if isinstance(reward, (list, tuple)) else float(reward)
 
 
 class DracoGenerator:
@@ -117,7 +87,10 @@ class DracoGenerator:
 
     def __getattr__(self, name: str) -> Any:
         # SkyRL's trainer and generators reach for inner attributes (e.g. the env config)
-        return getattr(self.__dict__["inner"], name)
+        inner = self.__dict__.get("inner")
+        if inner is None:
+            raise AttributeError(name)
+        return getattr(inner, name)
 
     async def generate(self, input_batch: Mapping[str, Any]) -> dict[str, Any]:
         out: dict[str, Any] = dict(await self.inner.generate(input_batch))

@@ -20,6 +20,7 @@ import numpy as np
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.trainers.export import ExportResult
+from draco_cli.trainers.skyrl_rows import Deliveries, read_records, trajectory
 
 __all__ = ["dump_records", "export_records", "load_export"]
 
@@ -61,17 +62,15 @@ def dump_records(output: Any, path: str | Path, *, global_step: int | None = Non
 
 def export_records(advantages: Path, out: Path, *, records: Path | None,
                    force: bool = False) -> ExportResult:
-    from draco_cli.ingest.skyrl import read_records
     from draco_cli.io.files import atomic_path
     from draco_cli.trainers.loader import AlignmentError, fingerprint, load_token_advantages
-    from draco_cli.trainers.skyrl import _trajectory
 
     if records is None:
         raise UsageError("--to skyrl needs --records FILE: the SkyRL generator output "
                          "(JSON) whose rows receive the advantages")
     rec = read_records(records)
     table = load_token_advantages(_table_path(advantages))
-    ids = [_trajectory(t)[0] for t in rec["trajectory_ids"]]
+    ids = [trajectory(t)[0] for t in rec["trajectory_ids"]]
     lengths = [len(r) for r in rec["response_ids"]]
     T = max(lengths, default=0)
     mask = np.zeros((len(ids), T), dtype=np.int64)
@@ -102,9 +101,7 @@ def export_records(advantages: Path, out: Path, *, records: Path | None,
 def load_export(path: str | Path) -> tuple[dict[str, Any], Any]:
     """An exported file back as (GeneratorOutput dict, ``Deliveries`` for the estimator),
     each row re-checked against its self-check (id, mask count, fingerprint)."""
-    from draco_cli.ingest.skyrl import read_records
     from draco_cli.trainers.loader import fingerprint
-    from draco_cli.trainers.skyrl import Deliveries, _trajectory
 
     p = Path(path)
     rec = read_records(p)
@@ -113,7 +110,7 @@ def load_export(path: str | Path) -> tuple[dict[str, Any], Any]:
         raise InputError("no 'draco' self-check: not a draco export", file=str(p), field="draco")
     deliveries = Deliveries()
     for b, t in enumerate(rec["trajectory_ids"]):
-        rid, uid = _trajectory(t)
+        rid, uid = trajectory(t)
         ids, m, v = rec["response_ids"][b], rec["loss_masks"][b], rec["rewards"][b]
         if (rid != check["rollout_ids"][b] or sum(m) != check["n_policy_tokens"][b]
                 or fingerprint(ids) != check["response_fingerprints"][b]):

@@ -379,3 +379,36 @@ def test_replace_sampling_duplicates_rows_with_their_values(tok, scorer):
     for b, r in enumerate(out["response_ids"]):
         v = values[tuple(r)]
         np.testing.assert_array_equal(adv[b, :len(v)], np.asarray(v, dtype=np.float32))
+
+
+@pytest.mark.parametrize("change,match", [
+    (lambda r: r.pop("loss_masks"), "field 'loss_masks'"),
+    (lambda r: r["loss_masks"][2].append(1), "row 2: .* loss_masks entries"),
+    (lambda r: r["trajectory_ids"].pop(), "trajectory_ids"),
+    (lambda r: r["trajectory_ids"][1].pop("repetition_id"), "repetition_id"),
+])
+def test_bad_records_refused_naming_the_field(tok, tmp_path, change, match):
+    from draco_cli.ingest.skyrl import ingest
+
+    gen_input, _ = _input()
+    raw = asyncio.run(Scripted(tok).generate(gen_input))
+    raw["trajectory_ids"] = gen_input["trajectory_ids"]
+    rec = json.loads(dump_records(raw, tmp_path / "gen.json").read_text())
+    change(rec)
+    (tmp_path / "gen.json").write_text(json.dumps(rec))
+    tok.backend_tokenizer.save(str(tmp_path / "tokenizer.json"))
+    with pytest.raises(InputError, match=match):
+        ingest([tmp_path / "gen.json"], tmp_path / "out", tokenizer=str(tmp_path / "tokenizer.json"),
+               train_step=None, force=False)
+    assert not (tmp_path / "out" / "rollouts.parquet").exists()
+
+
+def test_ingest_needs_a_tokenizer_and_export_needs_records(tmp_path):
+    from draco_cli.ingest.skyrl import ingest
+    from draco_cli.trainers.skyrl_export import export_records
+
+    with pytest.raises(UsageError, match="--tokenizer"):
+        ingest([tmp_path / "x.json"], tmp_path / "o", tokenizer=None, train_step=None,
+               force=False)
+    with pytest.raises(UsageError, match="--records"):
+        export_records(tmp_path, tmp_path / "o.json", records=None)
