@@ -309,6 +309,8 @@ def test_ingest_run_export_round_trip(tok, judge, tmp_path):
     r = _draco("export", "--to", "skyrl", "--advantages", tmp_path / "run", "--records", rec,
                "-o", tmp_path / "exp.json", cwd=tmp_path)
     assert r.returncode == 0, r.stderr
+    r = _draco("validate", tmp_path / "ing", tmp_path / "run", cwd=tmp_path)
+    assert r.returncode == 0, r.stderr + r.stdout
     from draco_cli.trainers.loader import load_token_advantages
 
     table = load_token_advantages(tmp_path / "run" / "credit" / "token_advantages.parquet")
