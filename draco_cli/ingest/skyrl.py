@@ -1,0 +1,114 @@
+"""``draco ingest skyrl FILE...``: SkyRL generator output → ``rollouts`` + ``steps`` tables.
+
+SkyRL dumps no generator output of its own in a readable form (its ``dump_data_batch`` writes a
+pickled ``TrainingInputBatch`` after advantages, without uids; pickles are not loaded here:
+they run code). The record is a ``GeneratorOutput`` as the generator returns it, written as
+JSON (``draco_cli.trainers.skyrl_export.dump_records`` writes one): ``prompt_token_ids``,
+``response_ids``, ``loss_masks`` (1 = policy token), ``rewards`` (a scalar or a token-level
+list per row), ``trajectory_ids`` (``{"instance_id", "repetition_id"}``), optionally
+``global_step``. Row id = ``TrajectoryID.to_string()``, group = its ``instance_id``; positions
+come from the response ids and loss mask (``draco_cli.inloop.rows``), so advantages computed
+from these tables land on SkyRL's own tokens.
+"""
+
+from __future__ import annotations
+
+import datetime as _dt
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import polars as pl
+
+from draco_cli import __version__
+from draco_cli.errors import InputError, UsageError
+from draco_cli.inloop.rows import TrainerRollout, trainer_rows
+from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
+from draco_cli.trainers.skyrl_rows import outcome_of, read_records, trajectory
+
+__all__ = ["ingest", "read_records", "record_rollouts"]
+
+
+
+def record_rollouts(rec: dict[str, Any], decode: Callable[[list[int]], str],
+                    train_step: int | None, source: str) -> list[TrainerRollout]:
+    step = train_step if train_step is not None else rec.get("global_step")
+    out = []
+    for i in range(len(rec["response_ids"])):
+        try:
+            rid, uid = trajectory(rec["trajectory_ids"][i])
+        except InputError as exc:
+            raise InputError(exc.detail, file=source, row=i, field="trajectory_ids") from None
+        out.append(TrainerRollout(rid, uid, decode(list(rec["prompt_token_ids"][i])),
+                                  rec["response_ids"][i], rec["loss_masks"][i],
+                                  outcome=outcome_of(rec["rewards"][i]), task_id=uid,
+                                  train_step=step, row=i))
+    return out
+
+
+def termination(stop_reason: Any) -> str | None:
+    """SPEC termination of a SkyRL stop reason (vLLM's: "stop", "length"); None if unknown."""
+    return {"stop": "submitted", "length": "max_length"}.get(str(stop_reason))
+
+
+def _decoder(tokenizer: str | None) -> tuple[Callable[[list[int]], str], str]:
+    if tokenizer is None:
+        raise UsageError("draco ingest skyrl needs --tokenizer PATH (the trainer's "
+                         "tokenizer.json): the records hold token ids, the judge reads text")
+    p = Path(tokenizer)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    if not p.is_file():
+        raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as exc:  # the Rust side raises a bare Exception
+        raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
+    return (lambda ids: str(tok.decode(ids, skip_special_tokens=True))), str(p)
+
+
+def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,
+           force: bool) -> Any:
+    from draco_cli.ingest import IngestResult, _sha256
+    from draco_cli.io import OutputSet
+
+    decode, tok_name = _decoder(tokenizer)
+    rollouts: list[TrainerRollout] = []
+    ends: list[str | None] = []
+    for p in paths:
+        rec = read_records(p)
+        rollouts += record_rollouts(rec, decode, train_step, str(p))
+        ends += [termination(s) for s in (rec.get("stop_reasons") or [None] * len(rec["response_ids"]))]
+    seen: set[str] = set()
+    for r in rollouts:
+        if r.rollout_id in seen:
+            raise InputError(f"trajectory {r.rollout_id!r} appears twice (row ids must be "
+                             "unique across the files)", field="trajectory_ids")
+        seen.add(r.rollout_id)
+    try:
+        rows, steps = trainer_rows(rollouts, decode)
+    except InputError as exc:
+        raise InputError(exc.detail, file=", ".join(map(str, paths)), field=exc.field) from None
+    rows = rows.with_columns(pl.Series("termination", ends, dtype=pl.String))
+    result = IngestResult(out_dir=out, rollouts=rows.height, steps=steps.height,
+                          groups=rows["group_id"].n_unique() if rows.height else 0)
+    sizes = rows.group_by("group_id").len()
+    result.single_rollout_groups = int((sizes["len"] == 1).sum())
+    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
+    with OutputSet(out, names, force=force) as output:
+        output.write_table(rows, "rollouts.parquet", Rollout)
+        output.write_table(steps, "steps.parquet", Step)
+        result.manifest = {
+            "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "skyrl",
+            "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+                       for p in paths],
+            "step_unit": "policy-run", "token_counts": ["response_ids"], "tokenizer": tok_name, "tokenizer_exact": True,
+            "token_positions": "known", "train_step": train_step, "rollouts": result.rollouts,
+            "steps": result.steps, "groups": result.groups,
+            "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
+            "output_set": output.id,
+            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
+        output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
+    return result
