@@ -279,4 +279,8 @@ def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
         filtered = discriminative_filter(
             attach_groups(narrow_judge(verdicts, c.judge), r, "verdicts"), c.drop
         ).drop("group_id", "__r", strict=False)
+        if result.dropout is not None:   # what --rubric-dropout left out, as a column
+            out = result.dropout.select("criterion_id", pl.lit(True).alias("dropped_out"))
+            filtered = filtered.join(out, on="criterion_id", how="left", maintain_order="left"
+                                     ).with_columns(pl.col("dropped_out").fill_null(False))
     return filtered, result.rewards, result.step_credit, ta
