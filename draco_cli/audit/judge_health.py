@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
+from draco_cli.audit.spot_agreement import SPOT_STEP_SCHEMA, spot_per_step, spot_scope_row
 from draco_cli.audit.stats import step_trend
 
 if TYPE_CHECKING:
@@ -30,7 +31,7 @@ STEP_SCHEMA: dict[str, PolarsDataType] = {
     "train_step": pl.Int64, "rollouts": pl.Int64, "outcome_n": pl.Int64,
     "outcome_rate": pl.Float64, "verdicts": pl.Int64, "pass_rate": pl.Float64,
     "criteria": pl.Int64, "mean_reward": pl.Float64, "pairs": pl.Int64,
-    "agreement": pl.Float64, "correlation": pl.Float64}
+    "agreement": pl.Float64, "correlation": pl.Float64, **SPOT_STEP_SCHEMA}
 CRITERION_SCHEMA: dict[str, PolarsDataType] = {
     "criterion": pl.String, "title": pl.String, "train_step": pl.Int64, "groups": pl.Int64,
     "n": pl.Int64, "passes": pl.Int64, "na": pl.Int64, "unanswered": pl.Int64,
@@ -132,15 +133,17 @@ def _correlation(rw: pl.DataFrame) -> float | None:
 
 def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
                  rewards: pl.DataFrame | None = None, rubrics: pl.DataFrame | None = None, *,
-                 match: str = "title", alpha: float = ALPHA, min_steps: int = MIN_STEPS
-                 ) -> JudgeHealth:
+                 match: str = "title", alpha: float = ALPHA, min_steps: int = MIN_STEPS,
+                 spot_checks: pl.DataFrame | None = None) -> JudgeHealth:
     """Judge health from tables that carry ``train_step``: verdicts (rollout_id,
     criterion_id, verdict), rollouts (rollout_id, group_id, outcome), optional rewards
     (rollout_id, reward) and rubrics (group_id, criterion_id, title; for ``match="title"``).
 
     Flag (each scope, over ≥ ``min_steps`` steps): the pass rate's slope is > 0 with p <
     ``alpha`` (Holm-adjusted over the criteria tested, for a criterion) while the outcome's
-    is not (slope ≤ 0 or p ≥ ``alpha``)."""
+    is not (slope ≤ 0 or p ≥ ``alpha``). ``spot_checks`` (the ``spot_checks`` tables of
+    ``draco run --spot-check``, with ``train_step``) add the agreement with the gold judge per
+    step and a ``spot_check`` trends row (``audit.spot_agreement``)."""
     ro = rollouts.select("train_step", "rollout_id", "group_id",
                          pl.col("outcome").cast(pl.Float64))
     v = verdicts.select("train_step", "rollout_id", "criterion_id", "verdict").join(
@@ -176,7 +179,10 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
             if rw is not None and rw["reward"].is_not_null().any() else None,
             "pairs": pairs, "agreement": agree,
             "correlation": _correlation(rw) if rw is not None else None})
-    steps = pl.DataFrame(step_rows, schema=STEP_SCHEMA)
+    steps = pl.DataFrame(step_rows, schema={k: STEP_SCHEMA[k] for k in STEP_SCHEMA
+                                            if k not in SPOT_STEP_SCHEMA}).join(
+        spot_per_step(spot_checks, steps_all), on="train_step", how="left",
+        maintain_order="left").select(list(STEP_SCHEMA))
 
     crit = v.group_by("criterion", "train_step").agg(
         pl.col("title").first(), pl.col("group_id").n_unique().alias("groups"),
@@ -199,6 +205,9 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
     ).select(list(CRITERION_SCHEMA)).cast(pl.Schema(CRITERION_SCHEMA)).sort("criterion", "train_step")
 
     trends = [_run_trend(steps, alpha, min_steps)]
+    if spot_checks is not None and spot_checks.height:
+        p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
+        trends.append(spot_scope_row(steps, p_t, alpha, min_steps))
     rows = []
     for (c,), g in crit.filter(pl.col("n") > 0).group_by("criterion", maintain_order=True):
         p_t = trend(list(zip(g["train_step"], g["pass_rate"], g["n"])))
