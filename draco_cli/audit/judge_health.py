@@ -19,7 +19,7 @@ import numpy as np
 import polars as pl
 
 from draco_cli.audit.spot_agreement import SPOT_STEP_SCHEMA, spot_per_step, spot_scope_row
-from draco_cli.audit.stats import step_trend
+from draco_cli.audit.stats import Trend, trend
 
 if TYPE_CHECKING:
     from polars._typing import PolarsDataType
@@ -60,35 +60,6 @@ class JudgeHealth:
 
 def normalise_title(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
-
-
-@dataclass
-class Trend:
-    slope: float | None
-    t: float | None
-    p: float | None
-
-
-def trend(per_step: list[tuple[int, float | None, int]]) -> Trend:
-    """The step-level trend of one rate from (train_step, rate, weight) per step: weighted
-    least-squares slope and its t-test (``step_trend``). A perfect linear fit over ≥ 3 steps
-    (no residual variance) has t = ±∞ and p = 0, the test's limit; a constant rate has slope
-    0 and p = 1."""
-    rows = [(s, r, w) for s, r, w in per_step if r is not None and w > 0]
-    if len(rows) < 3 or len({s for s, _, _ in rows}) < 2:
-        return Trend(None, None, None)
-    x = np.array([s for s, _, _ in rows], dtype=float)
-    y = np.array([r for _, r, _ in rows], dtype=float)
-    w = np.array([n for *_, n in rows], dtype=float)
-    slope, t, p = step_trend(y, x, w)
-    if slope is not None:
-        return Trend(slope, t, p)
-    wn = w / w.mean()
-    xm, ym = np.average(x, weights=wn), np.average(y, weights=wn)
-    b = float(np.sum(wn * (x - xm) * (y - ym)) / np.sum(wn * (x - xm) ** 2))
-    if b == 0:
-        return Trend(0.0, 0.0, 1.0)
-    return Trend(b, math.copysign(math.inf, b), 0.0)
 
 
 def holm(p: list[float | None]) -> list[float | None]:

@@ -14,10 +14,11 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
+from draco_cli.audit.stats import Trend, trend
+
 if TYPE_CHECKING:
     from polars._typing import PolarsDataType
 
-    from draco_cli.audit.judge_health import Trend
 
 SPOT_STEP_SCHEMA: dict[str, PolarsDataType] = {
     "spot_n": pl.Int64, "spot_agreement": pl.Float64, "spot_kappa": pl.Float64,
@@ -69,8 +70,6 @@ def spot_scope_row(steps: pl.DataFrame, pass_t: Trend, alpha: float, min_steps: 
     rows checked) beside the training judge's pass-rate trend over all its verdicts
     (``pass_t``). Flagged over ≥ ``min_steps`` steps with spot checks when the agreement
     falls (slope < 0, p < alpha) while the pass rate rises (slope > 0, p < alpha)."""
-    from draco_cli.audit.judge_health import trend
-
     g = steps.filter(pl.col("spot_n") > 0)
     a_t = trend(list(zip(g["train_step"], g["spot_agreement"], g["spot_n"])))
     n = g.height
