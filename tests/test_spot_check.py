@@ -187,6 +187,7 @@ def test_report_shows_the_gold_agreement(drifting, tmp_path):
     page = out.read_text()
     assert "agreement with the gold judge" in page
     assert "agrees less with the gold judge" in page   # the flag's reason, in the banner
+    assert "<b>spot checks (the training judge against the gold judge)</b>" in page
 
 
 def test_bad_spot_check_options_are_one_line(tmp_path):
