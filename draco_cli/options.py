@@ -144,6 +144,9 @@ class CreditOptions(_Options):
     tokens: TokenForm = "spans"
     reward: RewardSource = "rubric"
     judge: str | None = None
+    # a seeded share of each group's retained criteria left out of the reward (credit.dropout)
+    rubric_dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
+    dropout_seed: int = 0
 
 
 class RunOptions(_Options):
@@ -168,6 +171,10 @@ class RunOptions(_Options):
     engine: Literal["local", "ray"] = "local"
     ray_address: str | None = None   # None: a local cluster (or RAY_ADDRESS)
     partitions: Annotated[int, Field(ge=1)] | None = None   # None: the cluster's CPUs
+    # --spot-check N: N sampled verdicts per step asked again of a gold judge (judge/spot.py);
+    # they never change the reward
+    spot_check: Annotated[int, Field(ge=0)] = 0
+    spot_check_seed: Annotated[int, Field(ge=0)] = 0
 
     @model_validator(mode="after")
     def _fits_setting(self) -> RunOptions:
@@ -181,6 +188,8 @@ class RunOptions(_Options):
                                  "--reward outcome only")
         if self.rubric.kind != rubric:
             raise ValueError(f"--setting {self.setting} implies a {rubric} rubric")
+        if self.spot_check and self.rubric.kind == "none":
+            raise ValueError(f"--spot-check: --setting {self.setting} has no judge to check")
         return self
 
     @classmethod

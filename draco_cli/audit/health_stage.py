@@ -40,13 +40,13 @@ def step_folders(paths: list[Path]) -> list[tuple[int, RunFolder]]:
 
 def read_health_inputs(paths: list[Path], judge: str | None = None
                        ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame | None,
-                                  pl.DataFrame | None]:
-    """(verdicts, rollouts, rewards or None, rubrics or None) of every step, each with
-    ``train_step``."""
+                                  pl.DataFrame | None, pl.DataFrame | None]:
+    """(verdicts, rollouts, rewards or None, rubrics or None, spot checks or None) of every
+    step, each with ``train_step``."""
     from draco_cli.audit.stage import read_verdicts
-    from draco_cli.schemas import Reward, Rollout, Rubric
+    from draco_cli.schemas import Reward, Rollout, Rubric, SpotCheck
 
-    vs, rs, ws, bs = [], [], [], []
+    vs, rs, ws, bs, ss = [], [], [], [], []
     for step, f in step_folders(paths):
         tag = pl.lit(step, pl.Int64).alias("train_step")
         if not f.has("verdicts"):
@@ -62,8 +62,10 @@ def read_health_inputs(paths: list[Path], judge: str | None = None
         if f.has("rubrics"):
             bs.append(read_table(f.table("rubrics"), Rubric).select(
                 "group_id", "criterion_id", "title").with_columns(tag))
+        if f.has("spot_checks"):   # the run folder's step, whatever the table says
+            ss.append(read_table(f.table("spot_checks"), SpotCheck).with_columns(tag))
     return (pl.concat(vs), pl.concat(rs), pl.concat(ws) if ws else None,
-            pl.concat(bs) if bs else None)
+            pl.concat(bs) if bs else None, pl.concat(ss) if ss else None)
 
 
 def health_of_runs(paths: list[Path], *, judge: str | None = None, match: str = "title",
@@ -75,8 +77,9 @@ def health_of_runs(paths: list[Path], *, judge: str | None = None, match: str = 
         raise UsageError(f"--alpha {alpha}: give a level between 0 and 1")
     if min_steps < 3:
         raise UsageError(f"--min-steps {min_steps}: a trend test needs at least 3 steps")
-    v, r, w, b = read_health_inputs(paths, judge)
-    return judge_health(v, r, w, b, match=match, alpha=alpha, min_steps=min_steps)
+    v, r, w, b, spot = read_health_inputs(paths, judge)
+    return judge_health(v, r, w, b, match=match, alpha=alpha, min_steps=min_steps,
+                        spot_checks=spot)
 
 
 def audit_judge_health(paths: list[Path], out: Path, *, judge: str | None = None,

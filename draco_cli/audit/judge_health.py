@@ -18,7 +18,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 import polars as pl
 
-from draco_cli.audit.stats import step_trend
+from draco_cli.audit.spot_agreement import SPOT_STEP_SCHEMA, spot_per_step, spot_scope_row
+from draco_cli.audit.stats import Trend, trend
 
 if TYPE_CHECKING:
     from polars._typing import PolarsDataType
@@ -30,7 +31,7 @@ STEP_SCHEMA: dict[str, PolarsDataType] = {
     "train_step": pl.Int64, "rollouts": pl.Int64, "outcome_n": pl.Int64,
     "outcome_rate": pl.Float64, "verdicts": pl.Int64, "pass_rate": pl.Float64,
     "criteria": pl.Int64, "mean_reward": pl.Float64, "pairs": pl.Int64,
-    "agreement": pl.Float64, "correlation": pl.Float64}
+    "agreement": pl.Float64, "correlation": pl.Float64, **SPOT_STEP_SCHEMA}
 CRITERION_SCHEMA: dict[str, PolarsDataType] = {
     "criterion": pl.String, "title": pl.String, "train_step": pl.Int64, "groups": pl.Int64,
     "n": pl.Int64, "passes": pl.Int64, "na": pl.Int64, "unanswered": pl.Int64,
@@ -59,35 +60,6 @@ class JudgeHealth:
 
 def normalise_title(text: str) -> str:
     return re.sub(r"\s+", " ", text.strip().lower())
-
-
-@dataclass
-class Trend:
-    slope: float | None
-    t: float | None
-    p: float | None
-
-
-def trend(per_step: list[tuple[int, float | None, int]]) -> Trend:
-    """The step-level trend of one rate from (train_step, rate, weight) per step: weighted
-    least-squares slope and its t-test (``step_trend``). A perfect linear fit over ≥ 3 steps
-    (no residual variance) has t = ±∞ and p = 0, the test's limit; a constant rate has slope
-    0 and p = 1."""
-    rows = [(s, r, w) for s, r, w in per_step if r is not None and w > 0]
-    if len(rows) < 3 or len({s for s, _, _ in rows}) < 2:
-        return Trend(None, None, None)
-    x = np.array([s for s, _, _ in rows], dtype=float)
-    y = np.array([r for _, r, _ in rows], dtype=float)
-    w = np.array([n for *_, n in rows], dtype=float)
-    slope, t, p = step_trend(y, x, w)
-    if slope is not None:
-        return Trend(slope, t, p)
-    wn = w / w.mean()
-    xm, ym = np.average(x, weights=wn), np.average(y, weights=wn)
-    b = float(np.sum(wn * (x - xm) * (y - ym)) / np.sum(wn * (x - xm) ** 2))
-    if b == 0:
-        return Trend(0.0, 0.0, 1.0)
-    return Trend(b, math.copysign(math.inf, b), 0.0)
 
 
 def holm(p: list[float | None]) -> list[float | None]:
@@ -132,15 +104,17 @@ def _correlation(rw: pl.DataFrame) -> float | None:
 
 def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
                  rewards: pl.DataFrame | None = None, rubrics: pl.DataFrame | None = None, *,
-                 match: str = "title", alpha: float = ALPHA, min_steps: int = MIN_STEPS
-                 ) -> JudgeHealth:
+                 match: str = "title", alpha: float = ALPHA, min_steps: int = MIN_STEPS,
+                 spot_checks: pl.DataFrame | None = None) -> JudgeHealth:
     """Judge health from tables that carry ``train_step``: verdicts (rollout_id,
     criterion_id, verdict), rollouts (rollout_id, group_id, outcome), optional rewards
     (rollout_id, reward) and rubrics (group_id, criterion_id, title; for ``match="title"``).
 
     Flag (each scope, over ≥ ``min_steps`` steps): the pass rate's slope is > 0 with p <
     ``alpha`` (Holm-adjusted over the criteria tested, for a criterion) while the outcome's
-    is not (slope ≤ 0 or p ≥ ``alpha``)."""
+    is not (slope ≤ 0 or p ≥ ``alpha``). ``spot_checks`` (the ``spot_checks`` tables of
+    ``draco run --spot-check``, with ``train_step``) add the agreement with the gold judge per
+    step and a ``spot_check`` trends row (``audit.spot_agreement``)."""
     ro = rollouts.select("train_step", "rollout_id", "group_id",
                          pl.col("outcome").cast(pl.Float64))
     v = verdicts.select("train_step", "rollout_id", "criterion_id", "verdict").join(
@@ -176,7 +150,10 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
             if rw is not None and rw["reward"].is_not_null().any() else None,
             "pairs": pairs, "agreement": agree,
             "correlation": _correlation(rw) if rw is not None else None})
-    steps = pl.DataFrame(step_rows, schema=STEP_SCHEMA)
+    steps = pl.DataFrame(step_rows, schema={k: STEP_SCHEMA[k] for k in STEP_SCHEMA
+                                            if k not in SPOT_STEP_SCHEMA}).join(
+        spot_per_step(spot_checks, steps_all), on="train_step", how="left",
+        maintain_order="left").select(list(STEP_SCHEMA))
 
     crit = v.group_by("criterion", "train_step").agg(
         pl.col("title").first(), pl.col("group_id").n_unique().alias("groups"),
@@ -199,6 +176,9 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
     ).select(list(CRITERION_SCHEMA)).cast(pl.Schema(CRITERION_SCHEMA)).sort("criterion", "train_step")
 
     trends = [_run_trend(steps, alpha, min_steps)]
+    if spot_checks is not None and spot_checks.height:
+        p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
+        trends.append(spot_scope_row(steps, p_t, alpha, min_steps))
     rows = []
     for (c,), g in crit.filter(pl.col("n") > 0).group_by("criterion", maintain_order=True):
         p_t = trend(list(zip(g["train_step"], g["pass_rate"], g["n"])))

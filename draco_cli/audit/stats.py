@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import numpy as np
 from scipy import stats as st
@@ -106,3 +107,32 @@ def step_tests(per_step: list[tuple[int, float | None, int]], first: list[int],
                            np.array([n for *_, n in rows]))
     return [("welch_t_first_vs_last_quarter", t, p, int(a.size + b.size)),
             ("wls_trend_per_step", tt, pt, len(rows))]
+
+
+@dataclass
+class Trend:
+    slope: float | None
+    t: float | None
+    p: float | None
+
+
+def trend(per_step: list[tuple[int, float | None, int]]) -> Trend:
+    """The step-level trend of one rate from (train_step, rate, weight) per step: weighted
+    least-squares slope and its t-test (``step_trend``). A perfect linear fit over ≥ 3 steps
+    (no residual variance) has t = ±∞ and p = 0, the test's limit; a constant rate has slope
+    0 and p = 1."""
+    rows = [(s, r, w) for s, r, w in per_step if r is not None and w > 0]
+    if len(rows) < 3 or len({s for s, _, _ in rows}) < 2:
+        return Trend(None, None, None)
+    x = np.array([s for s, _, _ in rows], dtype=float)
+    y = np.array([r for _, r, _ in rows], dtype=float)
+    w = np.array([n for *_, n in rows], dtype=float)
+    slope, t, p = step_trend(y, x, w)
+    if slope is not None:
+        return Trend(slope, t, p)
+    wn = w / w.mean()
+    xm, ym = np.average(x, weights=wn), np.average(y, weights=wn)
+    b = float(np.sum(wn * (x - xm) * (y - ym)) / np.sum(wn * (x - xm) ** 2))
+    if b == 0:
+        return Trend(0.0, 0.0, 1.0)
+    return Trend(b, math.copysign(math.inf, b), 0.0)

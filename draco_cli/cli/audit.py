@@ -228,7 +228,9 @@ def judge_health(
     beside the outcome rate of the rollouts judged, and the reward's agreement with the
     outcome; step-level trends (each train step one observation: weighted least-squares slope
     and its t-test); a flag where the pass rate rises (p < alpha; Holm over criteria) while the
-    outcome does not → OUT/judge_health_{steps,criteria,trends}.parquet.
+    outcome does not; with draco run --spot-check, the agreement with the gold judge per step
+    (share and Cohen's kappa) and a flag where it falls while the pass rate rises →
+    OUT/judge_health_{steps,criteria,trends}.parquet.
 
     Example: draco audit judge-health runs/ -o runs/health
     """
@@ -247,10 +249,13 @@ def judge_health(
              f"{int((h.trends['scope'] == 'criterion').sum())} criteria "
              f"(pass rate rises with p < {alpha} while the outcome does not)",
              f"run: {run_row['reason']}"]
+    spot = h.trends.filter(h.trends["scope"] == "spot_check").to_dicts()
+    lines += [f"spot checks: {spot[0]['reason']}"] if spot else []
     emit(Report([("judge health per train step", h.steps), ("trends", trends)],
                 document={"steps": h.steps.to_dicts(), "trends": h.trends.to_dicts(),
                           "criteria": h.criteria.to_dicts(), "alpha": alpha,
                           "min_steps": min_steps, "flagged_run": run_row["flagged"],
                           "flagged_criteria": flagged.filter(
-                              flagged["scope"] == "criterion")["criterion"].to_list()},
+                              flagged["scope"] == "criterion")["criterion"].to_list(),
+                          "flagged_spot_check": bool(spot and spot[0]["flagged"])},
                 lines=lines), shape)

@@ -61,6 +61,12 @@ DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative f
 JudgeOpt = Annotated[str | None, typer.Option(help="Judge label to use when the verdicts "
                                                  "hold several judges.",
                                                      rich_help_panel=CREDIT_PANEL)]
+RubricDropoutOpt = Annotated[float, typer.Option(
+    help="Leave this seeded share (0 ≤ P < 1) of each group's retained criteria out of the "
+    "reward and credit, a group keeping at least one; written to rubric_dropout.parquet.",
+    rich_help_panel=CREDIT_PANEL)]
+DropoutSeedOpt = Annotated[int, typer.Option(help="Seed of --rubric-dropout.",
+                                             rich_help_panel=CREDIT_PANEL)]
 
 
 @app.command("compute")
@@ -87,6 +93,8 @@ def compute(
         "(vanilla GRPO: implies --credit uniform, needs no verdicts).",
             rich_help_panel=CREDIT_PANEL)] = RewardSource.rubric,
     judge: JudgeOpt = None,
+    rubric_dropout: RubricDropoutOpt = 0.0,
+    dropout_seed: DropoutSeedOpt = 0,
     fmt: Format = None,
     as_json: Json = False,
     force: Force = False,
@@ -105,7 +113,8 @@ def compute(
     options = CreditOptions.build(
         credit=credit.value if credit else ("uniform" if outcome else "step"),
         estimator=estimator.value, std=std.value, drop=drop.value, tokens=tokens.value,
-        reward=reward.value, judge=judge)
+        reward=reward.value, judge=judge, rubric_dropout=rubric_dropout,
+        dropout_seed=dropout_seed)
     if verdicts is None and not outcome:
         raise typer.BadParameter("--verdicts is required unless --reward outcome",
                                  param_hint="--verdicts")

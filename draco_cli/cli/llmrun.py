@@ -91,3 +91,21 @@ def print_report(report: StageReport) -> None:
         raise typer.Exit(1)
     err_console.print("[green]wrote[/] " + ", ".join(str(p) for p in report.outputs),
                       highlight=False)
+
+
+def gold_settings(llm: LLMSettings | None, model: str | None, base_url: str | None,
+                  thinking: bool) -> LLMSettings | None:
+    """The gold judge of ``--spot-check``: the run's LLM settings (concurrency, timeouts,
+    structured output…) with its own model, base URL and thinking."""
+    from dataclasses import replace
+
+    from draco_cli.errors import UsageError
+    from draco_cli.llm.settings import LLMSettings
+
+    if model is None:
+        if base_url is not None:
+            raise UsageError("--spot-check-base-url: give --spot-check-model too")
+        return None
+    if llm is None:
+        return LLMSettings(model=model, base_url=base_url, thinking=thinking)
+    return replace(llm, model=model, base_url=base_url, thinking=thinking)

@@ -26,6 +26,7 @@ PROMPT_PANEL = "Prompt options"
 RUBRIC_PANEL = "Rubric options"
 JUDGE_PANEL = "Judge options"
 CREDIT_PANEL = "Credit options"
+SPOT_PANEL = "Spot-check options"
 
 Command = Callable[..., None]
 

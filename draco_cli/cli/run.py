@@ -9,8 +9,10 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console, remote_named
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.credit import Credit, Drop, Estimator, RewardSource, Std, Tokens
-from draco_cli.cli.options import (IN, OUT, CREDIT_PANEL, LLM_PANEL, CallLogPath, folder_path,
+from draco_cli.cli.credit import (Credit, Drop, DropoutSeedOpt, Estimator, RewardSource,
+                                  RubricDropoutOpt, Std, Tokens)
+from draco_cli.cli.options import (IN, OUT, CREDIT_PANEL, LLM_PANEL, SPOT_PANEL, CallLogPath,
+                                   folder_path,
                                    judge_options, llm_options, prompt_options, rubric_options)
 
 if TYPE_CHECKING:
@@ -71,6 +73,8 @@ def run(
     tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
         rich_help_panel=CREDIT_PANEL)]
     = Tokens.spans,
+    rubric_dropout: RubricDropoutOpt = 0.0,
+    dropout_seed: DropoutSeedOpt = 0,
     redo: Annotated[list[Stage] | None, typer.Option(
         help="Redo this stage and every stage after it even if unchanged (repeatable); "
         "answers already in the call log are reused.")] = None,
@@ -102,6 +106,22 @@ def run(
     partitions: Annotated[int | None, typer.Option(
         help="Partitions of the groups for --engine ray, each one task with its own "
         "call log (default: the cluster's CPUs).")] = None,
+    spot_check: Annotated[int, typer.Option(
+        min=0, help="Each step, ask N of the training judge's verdicts (sampled with "
+        "--spot-check-seed) again of a gold judge (--spot-check-model), same prompt and "
+        "rubric → judge/spot_checks.parquet; never changes the reward.",
+        rich_help_panel=SPOT_PANEL)] = 0,
+    spot_check_model: Annotated[str | None, typer.Option(
+        help="The gold judge's provider/model (other LLM options as --model's).",
+        rich_help_panel=SPOT_PANEL)] = None,
+    spot_check_base_url: Annotated[str | None, typer.Option(
+        help="Base URL of the gold judge's OpenAI-compatible server (default: none, the "
+        "provider's own API).", rich_help_panel=SPOT_PANEL)] = None,
+    spot_check_thinking: Annotated[Literal["on", "off"], typer.Option(
+        help="on|off: thinking for the gold judge.", rich_help_panel=SPOT_PANEL)] = "off",
+    spot_check_seed: Annotated[int, typer.Option(
+        min=0, help="Seed of the spot-check sample (with the train step).",
+        rich_help_panel=SPOT_PANEL)] = 0,
     *, llm: LLMSettings | None, prompt: PromptOptions, judge: JudgeOptions,
     rubric: RubricOptions,
 ) -> None:
@@ -118,11 +138,15 @@ def run(
         setting.value, credit=credit.value if credit else None,
         reward=reward.value if reward else None, rubric=rubric, prompt=prompt, judge=judge,
         credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
-                        "tokens": tokens.value},
+                        "tokens": tokens.value, "rubric_dropout": rubric_dropout,
+                        "dropout_seed": dropout_seed},
         train_step=train_step, min_answered=min_answered, min_signal=min_signal,
         allow_no_signal=allow_no_signal, restart=restart,
         redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,
-        ray_address=ray_address, partitions=partitions)
+        ray_address=ray_address, partitions=partitions, spot_check=spot_check,
+        spot_check_seed=spot_check_seed)
+    gold = llmrun.gold_settings(llm, spot_check_model, spot_check_base_url,
+                                spot_check_thinking == "on")
     if llm is not None:
         from draco_cli.llm.settings import check_samples
 
@@ -138,7 +162,8 @@ def run(
     try:
         with llmrun.progress_bar("run") as bar:
             result = run_step(rollouts, steps, out, llm, opts, train_step, progress=bar,
-                              on_event=_on_event, wait=not no_wait, on_wait=waiting)
+                              on_event=_on_event, wait=not no_wait, on_wait=waiting,
+                              gold=gold)
     except KeyboardInterrupt:
         log = call_log or run_dir / "llm_calls.sqlite"
         err_console.print(f"interrupted: rerun the same command to resume (answered calls are "

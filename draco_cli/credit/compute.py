@@ -27,9 +27,10 @@ from draco_cli.errors import DracoError, InputError, OutputError, UsageError
 from draco_cli.io import OutputSet, check_writable, read_arrow, read_table
 from draco_cli.publish import publish_file, source_name
 from draco_cli.options import CreditOptions
-from draco_cli.schemas import Reward, Rollout, StepCredit, TokenAdvantages
+from draco_cli.schemas import Reward, Rollout, RubricDropout, StepCredit, TokenAdvantages
 
 OUTPUTS = ("rewards.parquet", "step_credit.parquet", "token_advantages.parquet")
+DROPOUT = "rubric_dropout.parquet"   # written with --rubric-dropout P > 0 only
 
 
 def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
@@ -51,13 +52,17 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
         raise UsageError("--verdicts is needed unless --reward outcome with --credit uniform "
                          "(no rubric: nothing to filter or spread credit by)")
     out = Path(out)
-    for name in OUTPUTS:
+    for name in (*OUTPUTS, DROPOUT):
         check_writable(out / name, force)
-    plan = plan_blocks(rollouts, steps, verdicts, block_rollouts)
+    # dropout takes the whole-table computation (its table is made in one piece)
+    plan = None if options.rubric_dropout > 0 else \
+        plan_blocks(rollouts, steps, verdicts, block_rollouts)
     if plan is not None:
         try:
-            return credit_by_blocks(plan, rollouts, steps, verdicts, out, options=options,
-                                    force=force)
+            stats = credit_by_blocks(plan, rollouts, steps, verdicts, out, options=options,
+                                     force=force)
+            (out / DROPOUT).unlink(missing_ok=True)   # as _whole_tables: none without dropout
+            return stats
         except OutputError:
             raise
         except (WholeTables, DracoError):
@@ -85,12 +90,14 @@ def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path 
                             **options.model_dump(exclude={"tokens"}))
     rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
                                        result.steps)
+    dropout = result.dropout
     del result
     step_adv = step_credit["advantage"].to_numpy()
     # token_spans finds each step's rollout from the offsets: the per-step index (8 bytes a
     # step) goes before the writes instead of adding to their peak.
     sa.r = np.zeros(0, dtype=np.int64)
-    with OutputSet(out, list(OUTPUTS), force=force) as output:
+    names = [*OUTPUTS, DROPOUT] if dropout is not None else list(OUTPUTS)
+    with OutputSet(out, names, force=force) as output:
         # step_credit is written, then freed, before token advantages are built: the two
         # largest tables never coexist (an error below still publishes nothing).
         output.write_table(rewards, OUTPUTS[0], Reward)
@@ -106,6 +113,10 @@ def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path 
                 "draco.token_form": options.tokens}
         output.write_table(ta, OUTPUTS[2], TokenAdvantages, drop_absent_optional=True,
                            metadata=meta)
+        if dropout is not None:
+            output.write_table(dropout, DROPOUT, RubricDropout)
+    if dropout is None:   # a table left by an earlier run with dropout would now be wrong
+        (out / DROPOUT).unlink(missing_ok=True)
     return stats
 
 

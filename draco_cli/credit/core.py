@@ -20,6 +20,7 @@ from draco_cli.credit.inputs import (StepArrays, _arrow_verdict_index, _check_ve
                                      _codes, _with_verdict_ids, criterion_keys, index_steps,
                                      narrow_judge, rollout_chunks, sum_by_offsets, verdict_flags,
                                      verdict_rows)
+from draco_cli.credit.dropout import apply_dropout, check_dropout
 from draco_cli.errors import DracoError, InputError, UsageError
 
 EPS = 1e-6
@@ -46,6 +47,7 @@ class CreditStats:
     mean_pass_rate_all: float | None = None
     null_rewards: int = 0
     nonzero_advantages: int = 0   # rollouts with A_i != 0: the ones the trainer learns from
+    criteria_dropout: int = 0     # retained criteria left out by --rubric-dropout
 
 
 def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
@@ -370,23 +372,16 @@ class CreditResult:
     step_credit: pl.DataFrame
     stats: CreditStats
     steps: StepArrays
+    dropout: pl.DataFrame | None = None   # the criteria --rubric-dropout left out
 
 
 def compute_credit(
-    rollouts: pl.DataFrame,
-    steps: pl.DataFrame | StepArrays,
-    verdicts: pl.DataFrame,
-    *,
-    credit: CreditKind = "step",
-    estimator: Estimator = "grpo",
-    std: StdMode = "sample",
-    drop: Drop = "all-pass",
-    reward: RewardSource = "rubric",
-    judge: str | None = None,
-    verdicts_source: str = "verdicts",
-    steps_source: str = "steps",
-    check_verdict_keys: bool = False,
-    verdict_ids: pa.Table | None = None,
+    rollouts: pl.DataFrame, steps: pl.DataFrame | StepArrays, verdicts: pl.DataFrame, *,
+    credit: CreditKind = "step", estimator: Estimator = "grpo", std: StdMode = "sample",
+    drop: Drop = "all-pass", reward: RewardSource = "rubric", judge: str | None = None,
+    verdicts_source: str = "verdicts", steps_source: str = "steps",
+    check_verdict_keys: bool = False, verdict_ids: pa.Table | None = None,
+    rubric_dropout: float = 0.0, dropout_seed: int = 0,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
 
@@ -397,7 +392,11 @@ def compute_credit(
     ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
     string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
     the rollouts' order are then indexed and coded without converting their ids to polars.
+    ``rubric_dropout`` > 0 leaves a seeded share of each group's retained criteria out
+    (``credit.dropout``; the result's ``dropout`` lists them).
     """
+    if check_dropout(rubric_dropout) and verdict_ids is not None:   # keyed by the id strings
+        verdicts, verdict_ids = _with_verdict_ids(verdicts, verdict_ids), None
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
     fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
     if fast is not None:
@@ -455,6 +454,7 @@ def compute_credit(
         criteria_kept = int(crit["retained"].sum())
         criteria = crit.height
         del crit
+    verdicts, dropout = apply_dropout(verdicts, rollouts, rubric_dropout, dropout_seed)
     # Only the columns still needed stay referenced (the ids and judge labels are freed when
     # the caller holds no other reference); the verdicts go once citations are counted.
     del firsts, keys, crits
@@ -491,5 +491,7 @@ def compute_credit(
         mean_pass_rate_all=cast("float | None", rw["pass_rate_all"].mean()),
         nonzero_advantages=int((rw["advantage"].fill_null(0.0) != 0).sum()),
         null_rewards=rw["reward"].null_count(),
+        criteria_dropout=0 if dropout is None else dropout.height,
     )
-    return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa)
+    return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa,
+                        dropout=dropout)

@@ -41,6 +41,10 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
                 continue
             (tmp / _LAYOUT[name]).mkdir(exist_ok=True)
             df.write_parquet(tmp / _LAYOUT[name] / f"{name}.parquet", compression="zstd")
+        if result.spot_checks is not None and result.spot_checks.height:   # spot_check=N
+            (tmp / "judge").mkdir(exist_ok=True)
+            result.spot_checks.write_parquet(tmp / "judge" / "spot_checks.parquet",
+                                             compression="zstd")
         (tmp / "metrics.json").write_text(json.dumps(
             {"train_step": result.train_step, "metrics": result.metrics,
              "fallbacks": result.fallbacks}, indent=1), encoding="utf-8")

@@ -23,7 +23,7 @@ def judge_health_history(results: Sequence[StepResult],
     if len(results) != len(outcomes):
         raise UsageError(f"judge_health_history: {len(results)} step results but "
                          f"{len(outcomes)} outcome maps: give one per step")
-    vs, rs, ws, bs = [], [], [], []
+    vs, rs, ws, bs, ss = [], [], [], [], []
     seen: set[int] = set()
     for i, (res, out) in enumerate(zip(results, outcomes)):
         step = res.train_step if res.train_step is not None else i
@@ -44,8 +44,10 @@ def judge_health_history(results: Sequence[StepResult],
                                                 return_dtype=pl.Float64).alias("outcome"), tag))
         if t["rubrics"].height and "title" in t["rubrics"].columns:
             bs.append(t["rubrics"].select("group_id", "criterion_id", "title").with_columns(tag))
+        if res.spot_checks is not None and res.spot_checks.height:   # spot_check=N
+            ss.append(res.spot_checks.with_columns(tag))
     if not vs:
         raise UsageError("judge_health_history: no scored step (every group fell back)")
     return judge_health(pl.concat(vs), pl.concat(rs), pl.concat(ws),
                         pl.concat(bs) if bs else None, match=match, alpha=alpha,
-                        min_steps=min_steps)
+                        min_steps=min_steps, spot_checks=pl.concat(ss) if ss else None)

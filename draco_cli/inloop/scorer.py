@@ -71,6 +71,8 @@ class GroupScore:
     step_credit: pl.DataFrame
     token_advantages: pl.DataFrame
     calls: CallTally
+    # the group's rollouts and steps as judged: a spot check asks the gold judge the same prompt
+    inputs: tuple[pl.DataFrame, pl.DataFrame] | None = field(default=None, repr=False)
 
 
 class _Tallied:
@@ -107,7 +109,8 @@ class Scorer:
     """
 
     def __init__(self, model: str, *, call_log: str | Path, options: RunOptions | None = None,
-                 deadline: float | None = None, **llm: Any) -> None:
+                 deadline: float | None = None, gold: LLMSettings | None = None,
+                 gold_call_log: str | Path | None = None, **llm: Any) -> None:
         self.options = options or RunOptions()
         if self.options.rubric.kind == "none" and self.options.credit.reward != "outcome":
             raise UsageError("rubric kind none scores by --reward outcome only")
@@ -118,6 +121,11 @@ class Scorer:
         except TypeError as exc:
             raise UsageError(f"Scorer: {exc}") from None
         self.call_log_path = Path(call_log)
+        # the spot checks' gold judge: its own call log, never the reward's
+        self.gold = gold
+        self.gold_call_log_path = Path(gold_call_log) if gold_call_log is not None else \
+            self.call_log_path.with_name(self.call_log_path.stem + ".spot_check.sqlite")
+        self._gold_log: CallLog | None = None
         self.deadline = deadline
         p = self.options.prompt
         from draco_cli.llm.stage import render_options
@@ -147,15 +155,24 @@ class Scorer:
             await session.__aenter__()
             self._sessions.append(session)
             self._clients[role] = client
+        if self.gold is not None:
+            self._gold_log = CallLog(self.gold_call_log_path).__enter__()
+            client = self.gold.client(self._gold_log)
+            client.deadline = self.deadline
+            session = client.session()
+            await session.__aenter__()
+            self._sessions.append(session)
+            self._clients["gold"] = client
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
         for session in reversed(self._sessions):
             await session.__aexit__(*exc)
         self._sessions.clear()
-        if self._log is not None:
-            self._log.__exit__(*exc)
-            self._log = None
+        for log in (self._log, self._gold_log):
+            if log is not None:
+                log.__exit__(*exc)
+        self._log = self._gold_log = None
 
     @property
     def cost_usd(self) -> float:
@@ -165,8 +182,9 @@ class Scorer:
     def flush_log(self) -> None:
         """Block until every answer so far is committed to the call log (a trainer killed
         after this pays for none of them again)."""
-        if self._log is not None:
-            self._log.flush()
+        for log in (self._log, self._gold_log):
+            if log is not None:
+                log.flush()
 
     @property
     def budget_reached(self) -> bool:
@@ -213,7 +231,30 @@ class Scorer:
         tally = CallTally()
         rubrics, raw, verdicts = await self._judge(r, s, tally)
         tables = await asyncio.to_thread(self._credit, r, s, verdicts, spans)
-        return GroupScore(groups[0], rubrics, raw, *tables, calls=tally)
+        return GroupScore(groups[0], rubrics, raw, *tables, calls=tally, inputs=(r, s))
+
+    async def spot_check(self, groups: list[GroupScore], n: int, seed: int,
+                         train_step: int | None) -> pl.DataFrame:
+        """N of these groups' verdicts (seeded by ``seed`` and ``train_step``) asked again of
+        the gold judge (``judge.spot``); nothing here touches a reward."""
+        from draco_cli.judge.spot import sample_verdicts, spot_stage
+
+        if self.gold is None:
+            raise UsageError("Scorer.spot_check: the scorer has no gold judge (spot_check_model)")
+        judged = [g for g in groups if g.inputs is not None and g.verdicts.height]
+        if not judged:
+            return pl.DataFrame()
+        r = pl.concat([g.inputs[0] for g in judged if g.inputs], how="diagonal_relaxed")
+        s = pl.concat([g.inputs[1] for g in judged if g.inputs], how="diagonal_relaxed")
+        verdicts = pl.concat([g.verdicts.drop("dropped_out", strict=False) for g in judged],
+                             how="diagonal_relaxed")
+        rubrics = pl.concat([g.rubrics for g in judged], how="diagonal_relaxed")
+        sample = sample_verdicts(verdicts, r, n, seed, train_step)
+        sampling = Sampling(max_tokens=self.options.prompt.max_tokens,
+                            thinking=self.gold.thinking)
+        return await adrive(spot_stage(sample, r, s, rubrics, gold_model=self.gold.model,
+                                       seed=seed, train_step=train_step, sampling=sampling,
+                                       render=self.render), self._clients["gold"])
 
     async def _judge(self, r: pl.DataFrame, s: pl.DataFrame, tally: CallTally
                      ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame]:
@@ -279,4 +320,8 @@ def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
         filtered = discriminative_filter(
             attach_groups(narrow_judge(verdicts, c.judge), r, "verdicts"), c.drop
         ).drop("group_id", "__r", strict=False)
+        if result.dropout is not None:   # what --rubric-dropout left out, as a column
+            out = result.dropout.select("criterion_id", pl.lit(True).alias("dropped_out"))
+            filtered = filtered.join(out, on="criterion_id", how="left", maintain_order="left"
+                                     ).with_columns(pl.col("dropped_out").fill_null(False))
     return filtered, result.rewards, result.step_credit, ta

@@ -22,10 +22,10 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from collections.abc import Awaitable, Collection, Coroutine, Sequence
+from collections.abc import Awaitable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal, TypeVar
+from typing import TYPE_CHECKING, Any, Literal, TypeVar
 
 import numpy as np
 import polars as pl
@@ -35,6 +35,9 @@ from draco_cli.inloop.metrics import step_metrics
 from draco_cli.inloop.rows import Decode, TrainerRollout, trainer_rows
 from draco_cli.inloop.scorer import GroupScore, Scorer, group_credit
 from draco_cli.options import CreditOptions, RunOptions
+
+if TYPE_CHECKING:
+    from draco_cli.llm.settings import LLMSettings
 
 __all__ = ["BlockingStepScorer", "Fallback", "RowAdvantages", "StepResult", "StepScorer"]
 
@@ -65,6 +68,8 @@ class StepResult:
     metrics: dict[str, float]
     groups: list[GroupScore]
     fallbacks: dict[str, str] = field(default_factory=dict)
+    # spot_check=N: the step's N sampled verdicts beside the gold judge's (never the reward)
+    spot_checks: pl.DataFrame | None = None
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """The step's tables as ``draco run`` names them (scored groups only)."""
@@ -105,13 +110,21 @@ class StepScorer:
     that missed it gets; ``decode`` token ids → text (the tokenizer's decode); the rest as
     ``Scorer`` (model, ``call_log``, ``options``, LLM settings such as ``base_url``).
     ``request_deadline`` bounds each LLM request (``Scorer``'s ``deadline``); by default the
-    group's deadline."""
+    group's deadline. ``rubric_dropout``/``dropout_seed`` and ``spot_check``/
+    ``spot_check_seed`` override ``options``' (``draco run``'s ``--rubric-dropout``,
+    ``--spot-check``); the gold judge is ``spot_check_model`` with ``spot_check_llm`` (the
+    keywords of ``LLMSettings``: base_url…), logged to ``spot_check_call_log`` (default: beside
+    ``call_log``). The spot check runs in ``finish``, after every group is scored."""
 
     def __init__(self, model: str, *, call_log: str | Path, group_size: int,
                  decode: Decode, options: RunOptions | None = None,
                  deadline: float | None = None, fallback: Fallback = "outcome",
                  request_deadline: float | None = None, min_signal: float = 0.0,
-                 **llm: Any) -> None:
+                 rubric_dropout: float | None = None, dropout_seed: int | None = None,
+                 spot_check: int | None = None, spot_check_seed: int | None = None,
+                 spot_check_model: str | None = None,
+                 spot_check_llm: Mapping[str, Any] | None = None,
+                 spot_check_call_log: str | Path | None = None, **llm: Any) -> None:
         if group_size < 1:
             raise UsageError(f"group_size {group_size!r}: must be >= 1")
         if deadline is not None and deadline <= 0:
@@ -122,8 +135,13 @@ class StepScorer:
             raise UsageError(f"min_signal {min_signal!r}: a share between 0 and 1")
         self.group_size, self.deadline, self.fallback = group_size, deadline, fallback
         self.decode, self.min_signal = decode, min_signal
+        options = _with_overrides(options or RunOptions(), rubric_dropout, dropout_seed,
+                                  spot_check, spot_check_seed)
+        gold = _gold(options, spot_check_model, spot_check_llm)
+        self.spot_check, self.spot_check_seed = options.spot_check, options.spot_check_seed
         self.scorer = Scorer(model, call_log=call_log, options=options,
-                             deadline=request_deadline or deadline, **llm)
+                             deadline=request_deadline or deadline, gold=gold,
+                             gold_call_log=spot_check_call_log, **llm)
         self._steps: dict[int | None, _Step] = {}
 
     async def __aenter__(self) -> StepScorer:
@@ -251,10 +269,18 @@ class StepScorer:
         scored = [g.score for g in st.groups.values() if g.score is not None]
         fallbacks = {gid: g.fallback for gid, g in st.groups.items() if g.fallback}
         metrics = step_metrics(scored, st.rows, fallbacks, latency, self.min_signal)
+        spot = None
+        if self.spot_check and scored:
+            spot = await self.scorer.spot_check(scored, self.spot_check, self.spot_check_seed,
+                                                train_step)
+            answered = spot["agree"].drop_nulls() if spot.height else pl.Series([], dtype=pl.Boolean)
+            metrics["draco/spot_check_n"] = float(answered.len())
+            if answered.len():
+                metrics["draco/spot_check_agreement"] = float(answered.sum()) / answered.len()
         # the step's answers on disk before the trainer uses them: a kill after this step pays
         # for none of them again on restart
         await asyncio.to_thread(self.scorer.flush_log)
-        return StepResult(train_step, st.rows, metrics, scored, fallbacks)
+        return StepResult(train_step, st.rows, metrics, scored, fallbacks, spot)
 
     def _split(self, train_step: int | None, groups: Collection[str]) -> _Step:
         whole = self._steps.get(train_step, _Step())
@@ -284,6 +310,34 @@ class StepScorer:
         for r in rollouts:
             await self.add(r)
         return await self.finish(train_step)
+
+
+def _with_overrides(options: RunOptions, rubric_dropout: float | None,
+                    dropout_seed: int | None, spot_check: int | None,
+                    spot_check_seed: int | None) -> RunOptions:
+    credit = {k: v for k, v in (("rubric_dropout", rubric_dropout),
+                                ("dropout_seed", dropout_seed)) if v is not None}
+    run = {k: v for k, v in (("spot_check", spot_check), ("spot_check_seed", spot_check_seed))
+           if v is not None}
+    if not credit and not run:
+        return options
+    return RunOptions.build(**{**options.model_dump(), **run,
+                               "credit": {**options.credit.model_dump(), **credit}})
+
+
+def _gold(options: RunOptions, model: str | None, llm: Mapping[str, Any] | None
+          ) -> LLMSettings | None:
+    from draco_cli.llm.settings import LLMSettings
+
+    if (options.spot_check > 0) != (model is not None):
+        raise UsageError("spot_check=N needs spot_check_model, and spot_check_model needs "
+                         "spot_check=N with N > 0")
+    if model is None:
+        return None
+    try:
+        return LLMSettings(model=model, **dict(llm or {}))
+    except TypeError as exc:
+        raise UsageError(f"spot_check_llm: {exc}") from None
 
 
 class BlockingStepScorer:

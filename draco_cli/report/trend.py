@@ -37,12 +37,14 @@ def judge_health_of(runs: list[Run]) -> tuple[JudgeHealth | None, str | None]:
 def health_banner(h: JudgeHealth | None, redact: Redact) -> str:
     if h is None or h.flagged.height == 0:
         return ""
-    items = [f"<li><b>{'the run (all criteria)' if r['scope'] == 'run' else _esc(r['title'], redact)}"
+    names = {"run": "the run (all criteria)",
+             "spot_check": "spot checks (the training judge against the gold judge)"}
+    items = [f"<li><b>{names.get(r['scope']) or _esc(r['title'], redact)}"
              f"</b>: {_esc(r['reason'], redact)}</li>" for r in h.flagged.iter_rows(named=True)]
     return ("<div class='banner'><b>Judge health</b> — the judge's pass rate rises over "
-            "training while the outcome does not (the judge may be drifting or being gamed); "
-            "see <a href='#judge-health'>Judge health</a>.<ul>" + "".join(items)
-            + "</ul></div>")
+            "training while the outcome does not, or while its agreement with the gold judge "
+            "falls (the judge may be drifting or being gamed); see <a href='#judge-health'>"
+            "Judge health</a>.<ul>" + "".join(items) + "</ul></div>")
 
 
 def health_section(h: JudgeHealth | None, why_not: str | None, redact: Redact) -> str:
@@ -53,9 +55,11 @@ def health_section(h: JudgeHealth | None, why_not: str | None, redact: Redact) -
     s = h.steps
     xs = s["train_step"].to_list()
     fig = go.Figure()
-    for col, name in (("pass_rate", "judge pass rate (all criteria)"),
-                      ("outcome_rate", "outcome rate"),
-                      ("agreement", "reward agrees with outcome (pairs in a group)")):
+    lines = [("pass_rate", "judge pass rate (all criteria)"), ("outcome_rate", "outcome rate"),
+             ("agreement", "reward agrees with outcome (pairs in a group)")]
+    if (s["spot_n"] > 0).any():   # draco run --spot-check
+        lines.append(("spot_agreement", "agreement with the gold judge (spot checks)"))
+    for col, name in lines:
         fig.add_trace(go.Scatter(x=xs, y=s[col].to_list(), mode="lines+markers", name=name))
     fig.update_layout(title="Judge pass rate against the outcome over training steps",
                       yaxis_range=[0, 1.02], legend=dict(orientation="h", y=-0.2))
@@ -63,12 +67,16 @@ def health_section(h: JudgeHealth | None, why_not: str | None, redact: Redact) -
     t = h.trends.sort(["flagged", "scope", "pass_p_holm"], descending=[True, True, False],
                       nulls_last=True)
     crit = t.filter(pl.col("scope") == "criterion")
-    shown = pl.concat([t.filter(pl.col("scope") == "run"), crit.head(MAX_TREND_ROWS)])
+    spot = t.filter(pl.col("scope") == "spot_check")
+    shown = pl.concat([t.filter(pl.col("scope") == "run"), spot, crit.head(MAX_TREND_ROWS)])
     shown = shown.with_columns(
-        pl.col("title").fill_null("(all criteria)").map_elements(redact, return_dtype=pl.String),
+        pl.when(pl.col("scope") == "spot_check").then(pl.lit("(gold judge agreement)"))
+        .otherwise(pl.col("title").fill_null("(all criteria)"))
+        .map_elements(redact, return_dtype=pl.String).alias("title"),
         pl.col("reason").map_elements(redact, return_dtype=pl.String)).select(
         "scope", "title", "n_steps", "pass_rate_first", "pass_rate_last", "pass_slope",
-        "pass_p", "pass_p_holm", "outcome_slope", "outcome_p", "flagged", "reason")
+        "pass_p", "pass_p_holm", "outcome_slope", "outcome_p", "agreement_slope",
+        "agreement_p", "flagged", "reason")
     rest = crit.height - min(crit.height, MAX_TREND_ROWS)
     note = (f"<p class='note'>Each train step is one observation: <b>pass_slope</b> is the "
             "weighted least-squares slope of the per-step pass rate (passes / (passes + "
@@ -76,7 +84,12 @@ def health_section(h: JudgeHealth | None, why_not: str | None, redact: Redact) -
             f"<b>flagged</b>: over ≥ {h.min_steps} steps the slope is positive with p < "
             f"{h.alpha} (Holm-adjusted over criteria: <b>pass_p_holm</b>) while the outcome "
             "rate of the same rollouts does not rise (its slope ≤ 0 or p ≥ "
-            f"{h.alpha}). Criteria are matched across steps by normalised title.</p>")
+            f"{h.alpha}). Criteria are matched across steps by normalised title. With "
+            "<code>draco run --spot-check N</code>, <b>spot_agreement</b> is the share of the "
+            "sampled verdicts on which the gold judge gives the training judge's verdict "
+            "(<b>spot_kappa</b>: Cohen's kappa); the <i>gold judge agreement</i> row is "
+            f"flagged when its slope is negative with p < {h.alpha} while the pass rate's is "
+            f"positive with p < {h.alpha}. Spot checks never change the reward.</p>")
     more = (f"<p class='note'>{rest} more criteria; all of them: <code>draco audit "
             "judge-health RUN_ROOT -o OUT</code>.</p>" if rest else "")
     return (_fig_html(fig, height=400) + "<p>Per train step:</p>"
@@ -84,5 +97,7 @@ def health_section(h: JudgeHealth | None, why_not: str | None, redact: Redact) -
                                                                           "pass_p_holm": ".3g",
                                                                           "outcome_p": ".3g",
                                                                           "pass_slope": ".4f",
-                                                                          "outcome_slope": ".4f"})
+                                                                          "outcome_slope": ".4f",
+                                                                          "agreement_slope": ".4f",
+                                                                          "agreement_p": ".3g"})
             + more)

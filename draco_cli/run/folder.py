@@ -35,6 +35,8 @@ TABLES = {
     "rewards": "credit/rewards.parquet",
     "step_credit": "credit/step_credit.parquet",
     "token_advantages": "credit/token_advantages.parquet",
+    "rubric_dropout": "credit/rubric_dropout.parquet",
+    "spot_checks": "judge/spot_checks.parquet",
     "agreement": "audit/agreement.parquet",
 }
 

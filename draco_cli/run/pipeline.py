@@ -14,8 +14,6 @@ from __future__ import annotations
 import datetime as _dt
 import hashlib
 import json
-import os
-import sys
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
@@ -28,7 +26,9 @@ from draco_cli.llm.settings import LLMSettings
 from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOptions,
                                RubricOptions, RunOptions)
 from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
+from draco_cli.run import spot
 from draco_cli.run.health import run_health
+from draco_cli.run.probe import rss_probe as _rss_probe
 from draco_cli.run.folder import (Health, Manifest, RunFolder, StageRecord,
                                  file_sha256, input_record)
 
@@ -69,23 +69,6 @@ class RunResult:
     events: list[StageEvent] = field(default_factory=list)
 
 
-def _rss_probe(where: str) -> None:
-    """With ``DRACO_RSS_PROBE=1`` (a debugging aid, off by default): print the process's RSS
-    and its peak since the last probe to stderr, then reset the peak (Linux ``clear_refs``),
-    so each stage's own peak shows in one run."""
-    if os.environ.get("DRACO_RSS_PROBE") != "1":
-        return
-    try:
-        status = Path("/proc/self/status").read_text()
-        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines())
-              if k in ("VmRSS", "VmHWM")}
-        print(f"draco rss-probe {where}: rss {kb['VmRSS'] / 1024:.1f} MiB, peak since last "
-              f"{kb['VmHWM'] / 1024:.1f} MiB", file=sys.stderr, flush=True)
-        Path("/proc/self/clear_refs").write_text("5")
-    except (OSError, KeyError, ValueError):
-        pass
-
-
 def _key(*parts: Any) -> str:
     return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
@@ -110,12 +93,14 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
              opts: RunOptions | None = None, train_step: int | None = None,
              progress: Callable[[Any], None] | None = None,
              on_event: Callable[[StageEvent], None] | None = None, wait: bool = True,
-             on_wait: Callable[[str], None] | None = None) -> RunResult:
+             on_wait: Callable[[str], None] | None = None,
+             gold: LLMSettings | None = None) -> RunResult:
     """Run one training step into ``out`` (or ``out/step-N`` with ``train_step``).
 
     ``llm`` may be None only for ``--setting outcome``, which makes no LLM call. ``on_event``
     hears each stage start and end; ``on_wait`` hears who holds the folder's lock when this
-    run has to wait for it (``wait=False`` refuses instead).
+    run has to wait for it (``wait=False`` refuses instead). ``gold`` is the second judge of
+    ``opts.spot_check`` (its answers go to RUN/spot_check_calls.sqlite, never to the reward).
     """
     opts = opts or RunOptions()
     if train_step is None:
@@ -129,8 +114,10 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     for path in (rollouts, steps):
         if not Path(path).is_file():
             raise InputError("no such file", file=str(path))
+    gold = spot.checked_gold(opts, gold)
     if llm is not None:  # a bad --judge-model must not wait until the rubric is paid for
-        for model in {llm.model, opts.judge.judge_model or llm.model}:
+        for model in {llm.model, opts.judge.judge_model or llm.model,
+                      *([gold.model] if gold else [])}:
             _check_model(model)
     static_criteria = None
     if opts.rubric.kind == "static":
@@ -139,8 +126,10 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
         static_criteria = load_static_rubric(opts.rubric.static_rubric)  # refused up front
     folder = RunFolder(run_dir_for(Path(out), train_step))
     with folder.lock(wait=wait, on_wait=on_wait):
-        return _Run(folder, Path(rollouts), Path(steps), llm, opts, train_step,
-                    static_criteria, progress, on_event).run()
+        run = _Run(folder, Path(rollouts), Path(steps), llm, opts, train_step,
+                   static_criteria, progress, on_event)
+        run.gold = gold
+        return run.run()
 
 
 def _row_count(path: Path) -> int:
@@ -187,6 +176,7 @@ class _Run:
         self.inputs = {"rollouts": input_record(rollouts, folder.path),
                        "steps": input_record(steps, folder.path)}
         self.input_hashes = {k: v.sha256 for k, v in self.inputs.items()}
+        self.gold: LLMSettings | None = None
 
     # -- the chain -------------------------------------------------------------------------
 
@@ -213,6 +203,15 @@ class _Run:
                         [run / "credit" / f for f in ("rewards.parquet", "step_credit.parquet",
                                                       "token_advantages.parquet")],
                         self._credit)
+            if self.gold is not None:   # after the credit: the reward never waits for it
+                gold = self.gold
+                key = spot.key(self.input_hashes, self.folder, self.opts, self.train_step,
+                               self._llm_key(gold))
+                self._stage("spot_check", key, [self.folder.table("spot_checks")],
+                            lambda: spot.stage(self.rollouts, self.steps, self.folder, gold,
+                                               self.opts, self.train_step, self.render))
+            else:   # a table of an earlier run's spot check would now be stale
+                self.folder.table("spot_checks").unlink(missing_ok=True)
         except KeyboardInterrupt:
             self._fail("interrupted")
             raise
@@ -327,8 +326,11 @@ class _Run:
     def _credit_key(self) -> str:
         verdicts = _contents(self.folder.table("verdicts")) if self.opts.rubric.kind != "none" \
             else None
+        # dropout off: the key of a folder made before dropout existed, so it is reused
+        off = {"rubric_dropout", "dropout_seed"} if self.opts.credit.rubric_dropout == 0 \
+            else set()
         return _key("credit", self.input_hashes, verdicts,
-                    self.opts.credit.model_dump(mode="json"))
+                    self.opts.credit.model_dump(mode="json", exclude=off))
 
     # -- the stages ------------------------------------------------------------------------
 
@@ -446,6 +448,8 @@ class _Run:
             "min_answered": self.opts.min_answered,
             "call_log": str(Path(self.log).absolute()),
         }
+        if self.gold is not None:
+            settings.update(spot.settings(self.opts, self.gold, self.folder.path))
         if self.llm is not None:
             settings.update(model=self.llm.model, thinking=self.llm.thinking,
                             base_url=self.llm.base_url)

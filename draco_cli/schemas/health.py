@@ -31,6 +31,16 @@ class JudgeHealthStep(Table):
                                     "as the outcome does (ties half; 0.5 is chance).")
     correlation: float | None = Field(None, ge=-1, le=1, description="Pearson's r of reward "
                                       "and outcome; null when either is constant.")
+    spot_n: Count = Field(0, description="Spot-checked verdicts the gold judge answered "
+                          "(draco run --spot-check); 0 without spot checks.")
+    spot_agreement: Share | None = Field(None, description="Share of them on which the "
+                                         "training and gold judges give the same verdict.")
+    spot_kappa: float | None = Field(None, ge=-1, le=1, description="Cohen's kappa of the two "
+                                     "judges' verdicts (pass, fail, na); null when undefined.")
+    spot_judge_pass_rate: Share | None = Field(None, description="The training judge's pass "
+                                               "rate on those verdicts (na left out).")
+    spot_gold_pass_rate: Share | None = Field(None, description="The gold judge's pass rate "
+                                              "on them (na left out).")
 
 
 class JudgeHealthCriterion(Table):
@@ -64,7 +74,9 @@ class JudgeHealthTrend(Table):
     table_name: ClassVar[str] = "judge_health_trends"
     keys: ClassVar[tuple[str, ...]] = ("scope", "criterion")
 
-    scope: Literal["run", "criterion"] = Field(description="run (all criteria) or criterion.")
+    scope: Literal["run", "criterion", "spot_check"] = Field(
+        description="run (all criteria), criterion, or spot_check (the training judge "
+        "against the gold judge of draco run --spot-check).")
     criterion: str | None = Field(None, description="The criterion key; null for the run.")
     title: str | None = Field(None, description="The criterion's title.")
     n_steps: Count = Field(description="Train steps with verdicts (each one observation).")
@@ -81,11 +93,14 @@ class JudgeHealthTrend(Table):
                                         "rate of the same rollouts.")
     outcome_p: Share | None = Field(None, description="Its two-sided p-value.")
     agreement_slope: float | None = Field(None, description="WLS slope of the per-step "
-                                          "reward-outcome agreement (run only).")
-    agreement_p: Share | None = Field(None, description="Its two-sided p-value (run only).")
+                                          "reward-outcome agreement (run), or of the "
+                                          "agreement with the gold judge (spot_check).")
+    agreement_p: Share | None = Field(None, description="Its two-sided p-value (run, "
+                                      "spot_check).")
     flagged: bool = Field(description="Pass rate rises (slope > 0, p < alpha; Holm for "
                           "criteria) over ≥ min-steps steps while the outcome does not "
-                          "(slope ≤ 0 or p ≥ alpha).")
+                          "(slope ≤ 0 or p ≥ alpha); spot_check: the agreement with the gold "
+                          "judge falls (slope < 0, p < alpha) while the pass rate rises.")
     reason: str = Field(description="The figures behind the flag, in words.")
 
 

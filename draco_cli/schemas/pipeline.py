@@ -238,6 +238,48 @@ class StepLabel(Table):
                                         "judge's labels, keyed the same way, to steps.")
 
 
+class RubricDropout(Table):
+    """Criteria ``--rubric-dropout`` left out of a step's reward and credit (after the
+    discriminative filter), one row each; written only when P > 0."""
+
+    table_name: ClassVar[str] = "rubric_dropout"
+    keys: ClassVar[tuple[str, ...]] = ("group_id", "criterion_id")
+
+    group_id: str = Field(description="Group whose retained criterion was left out.")
+    criterion_id: str = Field(description="The criterion left out.")
+    rubric_dropout: float = Field(gt=0, lt=1, description="P, the share asked for.")
+    seed: int = Field(description="The dropout seed (--dropout-seed).")
+
+
+class SpotCheck(Table):
+    """``draco run --spot-check N``: N sampled verdicts of the training judge, each asked
+    again of a second (gold) judge with the same score prompt on the same rubric. Never
+    enters the reward."""
+
+    table_name: ClassVar[str] = "spot_checks"
+    keys: ClassVar[tuple[str, ...]] = ("rollout_id", "criterion_id")
+
+    rollout_id: str = Field(description="Judged rollout.")
+    group_id: str = Field(description="Its group.")
+    criterion_id: str = Field(description="Criterion judged.")
+    train_step: int | None = Field(None, ge=0, description="The run's train step.")
+    judge: str = Field(description="The training judge's arm label.")
+    judge_verdict: Verdict = Field(description="The training judge's aggregated verdict.")
+    gold_verdict: Verdict | None = Field(None, description="The gold judge's verdict; null = "
+                                         "unanswered.")
+    judge_pass: bool | None = Field(None, description="judge_verdict is pass (null for na).")
+    gold_pass: bool | None = Field(None, description="gold_verdict is pass (null for na or "
+                                   "unanswered).")
+    agree: bool | None = Field(None, description="The two verdicts are equal (null when the "
+                               "gold judge left it unanswered).")
+    retained: bool | None = Field(None, description="The criterion entered the reward "
+                                  "(discriminative filter).")
+    gold_model: str = Field(description="The gold judge's provider/model.")
+    gold_reason: str | None = Field(None, description="The gold judge's reason (or why "
+                                    "unanswered).")
+    seed: int = Field(description="The sampling seed (--spot-check-seed).")
+
+
 TABLES: dict[str, type[Table]] = {
     m.table_name: m
     for m in (
@@ -251,5 +293,7 @@ TABLES: dict[str, type[Table]] = {
         StepCredit,
         TokenAdvantages,
         StepLabel,
+        RubricDropout,
+        SpotCheck,
     )
 }
