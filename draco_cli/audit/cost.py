@@ -28,13 +28,13 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
                ) -> tuple[pl.DataFrame, pl.DataFrame, float | None]:
     """(per phase, per train_step, projected dollars per 100 train steps)."""
     tokens = ["input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"]
-    c = calls.with_columns(pl.col(tokens).fill_null(0), pl.col("cost_usd").fill_null(0.0))
+    c = calls.with_columns(pl.col(tokens).fill_null(0))
     if "train_step" in c.columns and rollouts is not None and c["train_step"].null_count() == c.height:
         c = c.drop("train_step")  # unlabelled: attribute calls through the rollouts instead
     http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
     per_phase = c.group_by("phase").agg(
         http.sum().alias("calls"), (pl.col("status") == "ok").sum().alias("answered"),
-        *[pl.col(t).sum() for t in tokens], pl.col("cost_usd").sum()).sort("phase")
+        *[pl.col(t).sum() for t in tokens], _dollars()).sort("phase")
     per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
     projected = None
     if "train_step" in c.columns and c["train_step"].null_count() < c.height:
@@ -42,8 +42,8 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         # train step keeps its own row (train_step null) rather than vanishing
         per_step = c.group_by("train_step").agg(
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            pl.col("cost_usd").sum()).sort("train_step", nulls_last=True)
-        projected = _number(per_step.drop_nulls("train_step")["cost_usd"].mean()) * 100
+            _dollars()).sort("train_step", nulls_last=True)
+        projected = _projected(per_step.drop_nulls("train_step"))
     elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
         by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \
@@ -52,10 +52,22 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         j = c.join(keys, on="key", how="left")
         per_step = j.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            pl.col("cost_usd").sum()).sort("train_step")
+            _dollars()).sort("train_step")
         if per_step.height:
-            projected = _number(per_step["cost_usd"].mean()) * 100
+            projected = _projected(per_step)
     return per_phase, per_step, projected
+
+
+def _dollars() -> pl.Expr:
+    """Summed dollars, null where every row is unpriced: the cost is unknown, not $0."""
+    return pl.when(pl.col("cost_usd").is_not_null().any()).then(
+        pl.col("cost_usd").sum()).alias("cost_usd")
+
+
+def _projected(per_step: pl.DataFrame) -> float | None:
+    if per_step["cost_usd"].null_count() == per_step.height:
+        return None   # unpriced
+    return _number(per_step["cost_usd"].fill_null(0.0).mean()) * 100
 
 
 def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:

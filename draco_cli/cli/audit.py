@@ -159,8 +159,7 @@ def cost(
                 document={"per_phase": per_phase.to_dicts(), "per_step": per_step.to_dicts(),
                           "by_category": by_cat.to_dicts(), "billed_vs_naive": naive.to_dicts(),
                           "total_usd": total, "projected_usd_per_100_steps": projected},
-                lines=[f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
-                                                if projected is not None else "")]),
+                lines=[_cost_line(total, projected)]),
          pick_format(fmt, as_json))
 
 
@@ -254,3 +253,10 @@ def judge_health(
                           "flagged_criteria": flagged.filter(
                               flagged["scope"] == "criterion")["criterion"].to_list()},
                 lines=lines), shape)
+
+
+def _cost_line(total: float | None, projected: float | None) -> str:
+    if total is None:
+        return "total unpriced (the model is not in the price table; --prices FILE)"
+    return f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
+                                    if projected is not None else "")
