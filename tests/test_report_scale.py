@@ -114,7 +114,9 @@ def test_cost_tables_from_totals_equal_those_from_every_row(run, tmp_path):
     assert_frame_equal(cost_categories(totals), cost_categories(every), rel_tol=1e-12)
     want = billed_vs_naive(every)
     assert want.filter(pl.col("phase") == "all")["naive_usd"][0] > 0  # priced rows counted
-    assert (want["naive_calls"] > want["calls"]).all()  # replies with several samples
+    both = want.filter(pl.col("route") == "all")
+    assert (both["naive_calls"] > both["calls"]).all()  # replies with several samples
+    assert set(want["route"]) == {"online", "batch", "all"}   # the mixed log has both routes
     assert_frame_equal(billed_vs_naive_logs([log]), want, rel_tol=1e-12)
 
 

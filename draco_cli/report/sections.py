@@ -382,12 +382,17 @@ def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
            "calls by what they were for.</p>"
            + _table(by_cat, {"cost_usd": ".4f"}, nulls={"cost_usd": _unpriced("llm_calls")}))
     if naive.height:
-        total = naive.filter(pl.col("phase") == "all").to_dicts()[0]
-        ratio = total["billed_over_naive"]
+        every = {r["route"]: r["billed_over_naive"]
+                 for r in naive.filter(pl.col("phase") == "all").iter_rows(named=True)}
+        ratio = every.get("all")
+        apart = "; ".join(f"{route} {every[route]:.3f}×" for route in ("online", "batch")
+                          if every.get(route) is not None)
         out += ("<h3 id='cost-naive'>Billed vs a naive client</h3><p class='note'>A naive "
                 "client makes one call per sample, with no prompt caching and no batch "
                 "discount, paying every prompt token at the full input price"
-                + (f"; draco paid <b>{ratio:.3f}×</b> of that." if ratio is not None else
+                + (f"; draco paid <b>{ratio:.3f}×</b> of that" + (
+                    f" ({apart}: calls through a batch API pay half price)"
+                    if len(every) > 2 else "") + "." if ratio is not None else
                    " (unpriced model: tokens only).") + "</p>"
                 + _table(naive, {"billed_usd": ".4f", "naive_usd": ".4f",
                                  "billed_over_naive": ".3f", "batch_share": ".2f"},
