@@ -121,7 +121,7 @@ TOKEN_COLUMNS = ("input_tokens", "cached_tokens", "cache_write_tokens", "output_
 
 def read_call_totals(path: Path) -> pa.Table:
     """The call log summed per phase and status: ``n_rows`` (call-log rows), each token column
-    (nulls as 0) and ``cost_usd`` (nulls as 0), for those columns the log has. SQLite does the
+    (nulls as 0) and ``cost_usd`` (null where every row of the group is unpriced), for those columns the log has. SQLite does the
     grouping, so a log of any size costs a few dozen rows of memory."""
     import polars as pl
 
@@ -131,7 +131,8 @@ def read_call_totals(path: Path) -> pa.Table:
         keys = [c for c in ("phase", "status") if c in have]
         sums = [f"sum(coalesce({c}, 0)) AS {c}" for c in TOKEN_COLUMNS if c in have]
         if "cost_usd" in have:
-            sums.append("total(cost_usd) AS cost_usd")  # total(): a float, nulls as 0
+            # sum(): nulls left out, and NULL where every row is unpriced (unknown, not $0)
+            sums.append("sum(cost_usd) AS cost_usd")
         group = f" GROUP BY {', '.join(keys)} ORDER BY {', '.join(keys)}" if keys else ""
         cur = conn.execute(f"SELECT {', '.join([*keys, 'count(*) AS n_rows', *sums])} "
                            f"FROM calls{group}")

@@ -116,3 +116,35 @@ def test_audit_cost_command_writes_the_naive_table(server, tmp_path):
     assert row["calls"] == 1 and row["naive_calls"] == 3
     assert 0 < row["billed_over_naive"] < 0.5
     assert '"billed_vs_naive"' in res.stdout.decode()
+
+
+def test_online_and_batch_calls_are_apart_in_each_phase(server, tmp_path):
+    """One log with a batch and an online call: each phase has an online, a batch and an all
+    row, the batch row at the batch price, the online row at the online one; the summed-in-
+    SQLite table (the report's) says the same."""
+    import polars as pl
+
+    from draco_cli.audit import billed_vs_naive_logs
+
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        client(server, log, "openai/m").run([long_req("b0", 1)], batch=True,
+                                            poll_seconds=0.01)
+        client(server, log, "openai/m").run([req("o0")], batch=False)
+    table = billed_vs_naive(read_cost_rows(tmp_path / "calls.sqlite"), PRICES)
+    assert table.select("phase", "route").rows() == [
+        ("score", "online"), ("score", "batch"), ("score", "all"),
+        ("all", "online"), ("all", "batch"), ("all", "all")]
+    rows = {r["route"]: r for r in table.filter(pl.col("phase") == "all").iter_rows(named=True)}
+    online, batch, every = rows["online"], rows["batch"], rows["all"]
+    assert (online["calls"], batch["calls"], every["calls"]) == (1, 1, 2)
+    assert online["batch_share"] == 0.0 and batch["batch_share"] == 1.0
+    assert every["batch_share"] == 0.5
+    # nothing cached across the two (different prompts): online pays list, batch half
+    assert online["billed_over_naive"] == pytest.approx(1.0, rel=1e-6)
+    assert batch["billed_over_naive"] == pytest.approx(0.5, rel=1e-6)
+    assert every["billed_usd"] == pytest.approx(online["billed_usd"] + batch["billed_usd"])
+    assert every["naive_usd"] == pytest.approx(online["naive_usd"] + batch["naive_usd"])
+    from polars.testing import assert_frame_equal
+
+    assert_frame_equal(billed_vs_naive_logs([tmp_path / "calls.sqlite"], PRICES), table,
+                       rel_tol=1e-12)

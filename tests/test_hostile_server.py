@@ -2,7 +2,10 @@
 ``inf``, a reply body with no end, a small gzip reply inflating to hundreds of MiB, token
 counts that are negative, fractional or absurd. Each is served by a local aiohttp server the
 test starts; the client must end the call (unanswered with the reason) in seconds, with its
-memory bounded, and never count a negative or impossible cost."""
+memory bounded, and never count a negative or impossible cost — on each route a call can take
+(issue 31, issue 33): draco's own aiohttp route, the openai SDK's (httpx, as for a proxy or a
+key that is not static) and the anthropic SDK's, the SDKs' real code over their own
+transports."""
 
 from __future__ import annotations
 
@@ -36,6 +39,18 @@ def _completion(usage: Any) -> dict[str, Any]:
             "usage": usage}
 
 
+# the OpenAI usage fields the cases below name, as Anthropic's Messages API names them
+_ANTHROPIC_USAGE = {"prompt_tokens": "input_tokens", "completion_tokens": "output_tokens"}
+
+
+def _message(usage: Any) -> dict[str, Any]:
+    if isinstance(usage, dict):
+        usage = {_ANTHROPIC_USAGE.get(k, k): v for k, v in usage.items()}
+    return {"id": "msg_1", "type": "message", "role": "assistant", "model": "test-claude",
+            "content": [{"type": "text", "text": ANSWER}], "stop_reason": "end_turn",
+            "usage": usage}
+
+
 class Hostile:
     """One aiohttp server in a thread; ``behave`` picks what /v1/chat/completions does."""
 
@@ -51,6 +66,16 @@ class Hostile:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         await request.read()
         self.hits += 1
+        if self.behave == "declared":   # a Content-Length of 1 GiB, of which 1 MiB is sent
+            resp = web.StreamResponse(headers={"Content-Type": "application/json"})
+            resp.content_length = 1 << 30
+            await resp.prepare(request)
+            try:
+                await resp.write(b" " * MiB)
+                self.sent += MiB
+            except (ConnectionError, RuntimeError):
+                pass
+            return resp
         if self.behave == "retry-after":
             return web.json_response({"error": {"message": "slow down"}}, status=429,
                                      headers={"Retry-After": self.retry_after})
@@ -69,17 +94,27 @@ class Hostile:
         if self.behave == "bomb":
             return web.Response(body=self.bomb, headers={
                 "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        if self.behave == "gzip":   # an honest compressed reply
+            z = zlib.compressobj(6, zlib.DEFLATED, 31)
+            body = json.dumps(_completion(self.usage) if request.path.endswith("completions")
+                              else _message(self.usage)).encode()
+            return web.Response(body=z.compress(body) + z.flush(), headers={
+                "Content-Type": "application/json", "Content-Encoding": "gzip"})
+        if request.path.endswith("/messages"):
+            return web.json_response(_message(self.usage))
         return web.json_response(_completion(self.usage))
 
     def __enter__(self) -> Hostile:
         loop = asyncio.new_event_loop()
         app = web.Application()
         app.router.add_post("/v1/chat/completions", self.chat)
+        app.router.add_post("/v1/messages", self.chat)
         runner = web.AppRunner(app)
         loop.run_until_complete(runner.setup())
         site = web.TCPSite(runner, "127.0.0.1", 0)
         loop.run_until_complete(site.start())
-        self.url = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}/v1"  # type: ignore[union-attr]
+        self.root = f"http://127.0.0.1:{site._server.sockets[0].getsockname()[1]}"  # type: ignore[union-attr]
+        self.url = self.root + "/v1"
         self._loop, self._runner = loop, runner
         self._thread = threading.Thread(target=loop.run_forever, daemon=True)
         self._thread.start()
@@ -94,16 +129,45 @@ class Hostile:
 @pytest.fixture
 def hostile(monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", PLANTED)
     with Hostile() as server:
         yield server
 
 
-def _ask(server: Hostile, tmp_path, **kw: Any) -> tuple[Any, list[tuple[Any, ...]], float,
-                                                         LLMClient]:
+ROUTES = ["aiohttp", "openai-sdk", "anthropic-sdk"]
+
+
+@pytest.fixture(params=ROUTES)
+def route(request, monkeypatch):
+    """Which route the calls take. openai-sdk: the openai provider's SDK path, which it takes
+    for a key that is not static or a proxy from the environment (``direct_headers`` None,
+    as it returns then); every call through it is counted, so the test knows it was taken."""
+    import draco_cli.llm.providers.anthropic  # noqa: F401 - imported before a test times
+    import draco_cli.llm.providers.openai as openai_provider
+
+    taken = {"sdk": 0}
+    if request.param == "openai-sdk":
+        real = openai_provider.post_json
+
+        async def counted(*a: Any, **k: Any) -> Any:
+            taken["sdk"] += 1
+            return await real(*a, **k)
+
+        monkeypatch.setattr(openai_provider, "direct_headers", lambda client, timeout: None)
+        monkeypatch.setattr(openai_provider, "post_json", counted)
+    yield request.param
+    if request.param == "openai-sdk":
+        assert taken["sdk"] > 0, "the calls did not go through the SDK"
+
+
+def _ask(server: Hostile, tmp_path, route: str = "aiohttp", **kw: Any
+         ) -> tuple[Any, list[tuple[Any, ...]], float, LLMClient]:
     kw.setdefault("backoff_base", 0.01)
     t0 = time.perf_counter()
+    anthropic = route == "anthropic-sdk"
     with CallLog(tmp_path / "calls.sqlite") as log:
-        client = LLMClient("openai/test-model", call_log=log, base_url=server.url,
+        client = LLMClient("anthropic/test-claude" if anthropic else "openai/test-model",
+                           call_log=log, base_url=server.root if anthropic else server.url,
                            prices=PRICES, **kw)
         try:
             [answers] = client.run([req("a")])
@@ -118,17 +182,18 @@ def _ask(server: Hostile, tmp_path, **kw: Any) -> tuple[Any, list[tuple[Any, ...
 
 
 @pytest.mark.parametrize("value", ["1000000", "inf", "1e308"])
-def test_a_retry_after_of_days_is_waited_no_longer_than_the_timeout(hostile, tmp_path, value):
+def test_a_retry_after_of_days_is_waited_no_longer_than_the_timeout(hostile, tmp_path, value,
+                                                                     route):
     hostile.behave, hostile.retry_after = "retry-after", value
-    got, rows, elapsed, _ = _ask(hostile, tmp_path, timeout=2.0, max_retries=2)
+    got, rows, elapsed, _ = _ask(hostile, tmp_path, route, timeout=2.0, max_retries=2)
     # three attempts, two waits of at most --timeout: seconds, not days
     assert hostile.hits == 3 and elapsed < 10, (elapsed, hostile.hits)
     assert "giving up after 3 attempts" in got and "HTTP 429" in got
 
 
-def test_a_retry_after_within_the_timeout_is_still_honoured(hostile, tmp_path):
+def test_a_retry_after_within_the_timeout_is_still_honoured(hostile, tmp_path, route):
     hostile.behave, hostile.retry_after = "retry-after", "0.6"
-    _, _, elapsed, _ = _ask(hostile, tmp_path, timeout=30.0, max_retries=1)
+    _, _, elapsed, _ = _ask(hostile, tmp_path, route, timeout=30.0, max_retries=1)
     assert hostile.hits == 2 and elapsed >= 0.6
 
 
@@ -142,10 +207,10 @@ def _peak_mib(call) -> tuple[Any, float]:
         tracemalloc.stop()
 
 
-def test_an_endless_chunked_body_is_given_up_on_at_the_bound(hostile, tmp_path):
+def test_an_endless_chunked_body_is_given_up_on_at_the_bound(hostile, tmp_path, route):
     hostile.behave, hostile.body_mib = "endless", 512
     (got, rows, elapsed, _), peak = _peak_mib(
-        lambda: _ask(hostile, tmp_path, timeout=60.0, max_reply_bytes=4 * MiB))
+        lambda: _ask(hostile, tmp_path, route, timeout=60.0, max_reply_bytes=4 * MiB))
     [(status, reason, cost)] = got
     assert status == "unanswered" and "--max-reply-mib 4 MiB" in reason and cost == 0.0
     assert hostile.hits == 1            # not retried: another try would read as much again
@@ -154,22 +219,35 @@ def test_an_endless_chunked_body_is_given_up_on_at_the_bound(hostile, tmp_path):
     assert [r[0] for r in rows] == ["http_error", "unanswered"]
 
 
-def test_a_gzip_bomb_is_given_up_on_at_the_bound(hostile, tmp_path):
+def test_a_gzip_bomb_is_given_up_on_at_the_bound(hostile, tmp_path, route):
     z = zlib.compressobj(9, zlib.DEFLATED, 31)   # gzip
     zeros = b"\0" * MiB
     hostile.bomb = b"".join([z.compress(zeros) for _ in range(256)] + [z.flush()])
     assert len(hostile.bomb) < MiB          # < 1 MiB on the wire, 256 MiB inflated
     hostile.behave = "bomb"
     (got, _, _, _), peak = _peak_mib(
-        lambda: _ask(hostile, tmp_path, timeout=60.0, max_reply_bytes=4 * MiB))
+        lambda: _ask(hostile, tmp_path, route, timeout=60.0, max_reply_bytes=4 * MiB))
     [(status, reason, cost)] = got
     assert status == "unanswered" and "decompressed" in reason and cost == 0.0
+    assert hostile.hits == 1
     assert peak < 48, f"peak Python memory {peak:.1f} MiB inflating a 256 MiB gzip bomb"
 
 
-def test_the_default_bound_takes_an_ordinary_reply(hostile, tmp_path):
-    got, _, _, client = _ask(hostile, tmp_path)
-    assert got[0][0] == "ok" and got[0][2] > 0 and client.spent == got[0][2]
+@pytest.mark.parametrize("behave", ["ok", "gzip"])
+def test_the_default_bound_takes_an_ordinary_reply(hostile, tmp_path, route, behave):
+    hostile.behave = behave
+    got, _, _, client = _ask(hostile, tmp_path, route)
+    assert got[0][0] == "ok" and got[0][2] > 0 and client.spent == got[0][2], got
+
+
+def test_a_declared_length_over_the_bound_is_refused_before_reading(hostile, tmp_path, route):
+    hostile.behave = "declared"
+    got, rows, elapsed, _ = _ask(hostile, tmp_path, route, timeout=60.0,
+                                 max_reply_bytes=4 * MiB)
+    [(status, reason, cost)] = got
+    assert status == "unanswered" and "Content-Length is 1,073,741,824 bytes" in reason, reason
+    assert "--max-reply-mib 4 MiB" in reason and cost == 0.0 and hostile.hits == 1
+    assert elapsed < 30
 
 
 @pytest.mark.parametrize("usage", [
@@ -182,9 +260,12 @@ def test_the_default_bound_takes_an_ordinary_reply(hostile, tmp_path):
     {"prompt_tokens": 10, "completion_tokens": 5, "completion_tokens_details": [1]},
     "lots",
 ])
-def test_impossible_token_counts_are_refused_and_cost_nothing(hostile, tmp_path, usage):
+def test_impossible_token_counts_are_refused_and_cost_nothing(hostile, tmp_path, usage, route):
+    if route == "anthropic-sdk" and isinstance(usage, dict) and any(
+            k.endswith("_details") for k in usage):
+        pytest.skip("OpenAI's detail fields: Anthropic's messages have none")
     hostile.usage = usage
-    got, rows, _, client = _ask(hostile, tmp_path, max_cost=1.0)
+    got, rows, _, client = _ask(hostile, tmp_path, route, max_cost=1.0)
     [(status, reason, cost)] = got
     assert status == "unanswered" and "reply not used" in reason, reason
     assert cost == 0.0 and client.spent == 0.0
@@ -260,3 +341,28 @@ def test_llm_check_sees_a_queue_that_a_busy_machine_hides(monkeypatch):
     # alone (1.7 against 6.7 calls/s) would advise 2
     assert server.hits["chat"] == 4
     assert advice["--concurrency"] == "1", findings
+
+
+@pytest.mark.parametrize("model", ["openai/test-model", "anthropic/test-claude"])
+def test_a_batch_result_file_is_not_held_to_the_per_reply_bound(monkeypatch, tmp_path, model):
+    """The result file holds every line's reply, so it passes the bound a reply is held to;
+    each reply within it is under it, and the batch is answered whole."""
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    monkeypatch.setenv("ANTHROPIC_API_KEY", PLANTED)
+    server = FakeLLMServer(answer=schema_answer, batch_polls=1).start()
+    try:
+        with CallLog(tmp_path / "calls.sqlite") as log:
+            client = LLMClient(model, call_log=log, prices=PRICES, backoff_base=0.01,
+                               base_url=server.url + ("/v1" if model.startswith("openai/")
+                                                      else ""),
+                               max_reply_bytes=4096)
+            answers = client.run([req(f"r{i}") for i in range(40)], batch=True,
+                                 poll_seconds=0.01)
+    finally:
+        server.stop()
+    assert [a.status for [a] in answers] == ["ok"] * 40
+    conn = sqlite3.connect(tmp_path / "calls.sqlite")
+    sizes = conn.execute("SELECT length(response), batch_id IS NOT NULL FROM calls").fetchall()
+    conn.close()
+    assert all(batched for _, batched in sizes)
+    assert sum(n for n, _ in sizes) > 4096 > max(n for n, _ in sizes)   # file over, lines under

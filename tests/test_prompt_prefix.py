@@ -127,8 +127,11 @@ def test_the_replay_log_still_answers_the_sample(tmp_path):
     res = run_draco("run", "--rollouts", str(SAMPLE / "rollouts.parquet"), "--steps",
                     str(SAMPLE / "steps.parquet"), "--model", REPLAY, "-o", str(tmp_path / "r"))
     assert res.returncode == 0, res.stderr.decode()[-1500:]
-    assert "unanswered" not in res.stderr.decode().split("LLM calls logged")[0].replace(
-        "unanswered 0", "")
+    err = res.stderr.decode()
+    assert "unanswered" not in err.split("LLM calls logged")[0], err
+    import re
+
+    assert re.search(r"judge: done .*, answered (\d+) of \1 requests \(100%\)", err), err
 
 
 def test_samples_above_one_at_temperature_zero_refused_up_front(tmp_path):
@@ -168,3 +171,14 @@ def test_unpriced_model_stage_lines_say_unpriced(tmp_path):
     assert len(lines) == 2, err
     assert all(x.endswith("unpriced") or "unpriced," in x for x in lines), lines
     assert "$0.0000" not in err and "shows as $0" not in err
+    # the summary, the audit and the report say it too: unknown, not $0
+    assert "LLM calls logged:" in err and "unpriced model" in err, err
+    res = run_draco("audit", "cost", "--calls", str(tmp_path / "r"), "-o", str(tmp_path / "c"))
+    out = res.stderr.decode() + res.stdout.decode()
+    assert res.returncode == 0, out
+    assert "total unpriced" in out and "$0.0000" not in out and "0.0000" not in out, out
+    res = run_draco("report", str(tmp_path / "r"), "-o", str(tmp_path / "r.html"))
+    assert res.returncode == 0, res.stderr.decode()
+    cost = (tmp_path / "r.html").read_text().split("id='cost'")[1]
+    assert "<td>unpriced</td>" in cost and "unpriced model" in cost
+    assert "0.0000" not in cost.split("id='cost-naive'")[0], cost[:3000]

@@ -44,7 +44,7 @@ def test_report_is_self_contained(report):
     assert "plotly.js v" in text or "Plotly" in text
     for section in ("Training steps at a glance", "Rewards and advantages", "Step credit",
                     "Criteria: pass rates, kept and dropped", "Over training steps",
-                    "Unanswered calls", "Cost per training step"):
+                    "Answered requests", "Cost per training step"):
         assert section in text
     assert text.count("Plotly.newPlot") >= 6
     assert "Health check failed" not in text and "class='notice'" not in text  # all answered
@@ -113,8 +113,9 @@ def test_health_banner_redaction_and_minimal_call_log(runs, tmp_path):
     shutil.copytree(runs / "step-0", run)
     m = json.loads((run / "manifest.json").read_text())
     m["health"] = {"ok": False, "threshold": 0.9, "messages": [
-        "judge: 40% of calls answered (threshold 90%): 24 invalid"], "stages": {
-        "judge": {"calls": 40, "answered": 16, "answered_share": 0.4,
+        "judge: answered 16 of 40 requests (40%), under --min-answered 90%: invalid ×24"],
+        "stages": {
+        "judge": {"requests": 40, "answered": 16, "answered_share": 0.4,
                   "reasons": {"invalid": 24}, "ok": False}}}
     steps = pl.read_parquet(REPO / SAMPLE[3])
     steps.with_columns(pl.col("action") + f" # {SECRET}").write_parquet(tmp_path / "steps.parquet")
@@ -133,9 +134,10 @@ def test_health_banner_redaction_and_minimal_call_log(runs, tmp_path):
     res = run_draco("report", str(run), "-o", str(tmp_path / "r.html"))
     assert res.returncode == 0, res.stderr.decode()
     text = (tmp_path / "r.html").read_text()
-    assert "Health check failed" in text and "40% of calls answered" in text
-    assert "judge left 60.0% of 40 calls unanswered (invalid 24)" in text
-    assert "<td>judge</td><td class='num'>40</td><td class='num'>16</td>" in text
+    assert "Health check failed" in text and "answered 16 of 40 requests (40%)" in text
+    # the same figure in the warning and the table as in the health message
+    assert "judge answered 16 of 40 requests (40%) (invalid ×24)" in text
+    assert "<td>judge</td><td>answered 16 of 40 requests (40%)</td>" in text
     assert SECRET not in text and "[REDACTED]" in text
 
 

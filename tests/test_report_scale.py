@@ -114,7 +114,9 @@ def test_cost_tables_from_totals_equal_those_from_every_row(run, tmp_path):
     assert_frame_equal(cost_categories(totals), cost_categories(every), rel_tol=1e-12)
     want = billed_vs_naive(every)
     assert want.filter(pl.col("phase") == "all")["naive_usd"][0] > 0  # priced rows counted
-    assert (want["naive_calls"] > want["calls"]).all()  # replies with several samples
+    both = want.filter(pl.col("route") == "all")
+    assert (both["naive_calls"] > both["calls"]).all()  # replies with several samples
+    assert set(want["route"]) == {"online", "batch", "all"}   # the mixed log has both routes
     assert_frame_equal(billed_vs_naive_logs([log]), want, rel_tol=1e-12)
 
 
@@ -138,8 +140,9 @@ def test_report_figures_unchanged_by_reading_totals(run, tmp_path):
     for phase, calls, ok, reasons in con.execute(
             "SELECT phase, count(*), sum(status = 'ok'), group_concat(DISTINCT CASE WHEN "
             "status <> 'ok' THEN status END) FROM calls WHERE phase = 'score' GROUP BY 1"):
-        assert f"<td>{phase}</td><td class='num'>{calls}</td><td class='num'>{ok}</td>" \
-            in unanswered
+        # no health record: the log's rows, named as rows (a re-asked request has several)
+        assert f"<td>{phase}</td><td>answered {ok} of {calls} call-log rows " \
+            f"({100 * ok // calls}%)</td>" in unanswered
         listed = unanswered.split(f"<td>{phase}</td>")[1].split("</tr>")[0]
         assert sorted(reasons.split(",")) == [x.strip() for x in listed.split("<td>")[-1]
                                               .removesuffix("</td>").split(",")]

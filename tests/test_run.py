@@ -271,7 +271,9 @@ def test_redo_forces_a_stage_and_what_follows(server, tmp_path):
     res = run_sample(server, run, "--redo", "judge")
     assert res.returncode == 0, res.stderr
     assert "rubric: reused" in res.stderr and "judge: done" in res.stderr
-    assert "credit: done" in res.stderr and "calls 0 new / 12 reused" in res.stderr
+    assert "credit: done" in res.stderr
+    assert "judge: done" in res.stderr and \
+        "answered 12 of 12 requests (100%) (0 new, 12 reused)" in res.stderr
     assert server.hits["chat"] == SAMPLE_CALLS  # answers already logged are reused
 
 
@@ -291,15 +293,18 @@ def test_health_check_fails_the_run_and_a_rerun_asks_again(server, tmp_path):
     run = tmp_path / "run"
     res = run_sample(server, run, "--parse-retries", "0")
     assert res.returncode == 1, res.stderr
-    assert "judge: only 0/12 calls answered" in res.stderr and "Traceback" not in res.stderr
+    # one figure, the same words in the stage line and the health message
+    assert "judge: answered 0 of 12 requests (0%), under --min-answered 90%" in res.stderr
+    assert ", answered 0 of 12 requests (0%) (12 new, 0 reused)" in res.stderr
+    assert "Traceback" not in res.stderr
     assert "judge: partial" in res.stderr and "unanswered ×12: " in res.stderr
     m = json.loads((run / "manifest.json").read_text())
     h = m["health"]
     assert h["ok"] is False and h["threshold"] == 0.9 and m["status"] == "unhealthy"
-    assert h["stages"]["rubric"] == {"calls": 18, "answered": 18, "answered_share": 1.0,
+    assert h["stages"]["rubric"] == {"requests": 18, "answered": 18, "answered_share": 1.0,
                                      "reasons": {}, "ok": True}
     judge = h["stages"]["judge"]
-    assert (judge["calls"], judge["answered"], judge["ok"]) == (12, 0, False)
+    assert (judge["requests"], judge["answered"], judge["ok"]) == (12, 0, False)
     assert sum(judge["reasons"].values()) == 12 and h["messages"]
     assert m["stages"]["judge"]["status"] == "partial"
     # the threshold is a flag
@@ -368,7 +373,7 @@ def test_corrupt_manifest_is_one_line_saying_what_to_do(tmp_path):
     (run / "manifest.json").unlink()
     res = draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
                 "-o", run)
-    assert res.returncode == 0 and "calls 0 new" in res.stderr, res.stderr
+    assert res.returncode == 0 and "(0 new, " in res.stderr, res.stderr
 
 
 def test_missing_inputs_are_named_not_a_traceback(tmp_path):
@@ -590,7 +595,8 @@ def test_call_log_option_shares_one_log_across_steps(server, tmp_path):
     assert calls_in(log) == SAMPLE_CALLS
     # the same rollouts at the next step: every answer comes from the shared log
     res = run_sample(server, tmp_path / "runs", "--train-step", "1", "--call-log", log)
-    assert res.returncode == 0 and "calls 0 new / 18 reused" in res.stderr, res.stderr
+    assert res.returncode == 0, res.stderr
+    assert "rubric: done" in res.stderr and "answered 18 of 18 requests (100%) (0 new, 18 reused)" in res.stderr, res.stderr
     assert server.hits["chat"] == SAMPLE_CALLS
     res = draco("audit", "cost", "--calls", tmp_path / "runs" / "step-0", "-o", tmp_path / "c")
     assert res.returncode == 0, res.stderr  # found through the manifest

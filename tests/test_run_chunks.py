@@ -82,7 +82,12 @@ def test_chunked_stages_write_what_one_pass_writes(server, shuffled, tmp_path):
     assert pl.read_parquet(out / "judge" / "verdicts.parquet").equals(
         written(scored.verdicts, VerdictAggregated))
     assert judged.rows == scored.verdicts.height
-    assert judged.items == scored.raw.height
+    from draco_cli.llm.answered import Answered
+
+    # one request per (rollout, sample), every one answered, chunked or not
+    figure = Answered.of(judged.phases.values())
+    assert figure.answered == figure.requests == scored.raw.select("rollout_id", "sample") \
+        .n_unique()
     # the same calls, none more
     assert server.hits["chat"] - calls_whole == calls_whole
 

@@ -28,13 +28,13 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
                ) -> tuple[pl.DataFrame, pl.DataFrame, float | None]:
     """(per phase, per train_step, projected dollars per 100 train steps)."""
     tokens = ["input_tokens", "cached_tokens", "output_tokens", "reasoning_tokens"]
-    c = calls.with_columns(pl.col(tokens).fill_null(0), pl.col("cost_usd").fill_null(0.0))
+    c = calls.with_columns(pl.col(tokens).fill_null(0))
     if "train_step" in c.columns and rollouts is not None and c["train_step"].null_count() == c.height:
         c = c.drop("train_step")  # unlabelled: attribute calls through the rollouts instead
     http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
     per_phase = c.group_by("phase").agg(
         http.sum().alias("calls"), (pl.col("status") == "ok").sum().alias("answered"),
-        *[pl.col(t).sum() for t in tokens], pl.col("cost_usd").sum()).sort("phase")
+        *[pl.col(t).sum() for t in tokens], _dollars()).sort("phase")
     per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
     projected = None
     if "train_step" in c.columns and c["train_step"].null_count() < c.height:
@@ -42,8 +42,8 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         # train step keeps its own row (train_step null) rather than vanishing
         per_step = c.group_by("train_step").agg(
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            pl.col("cost_usd").sum()).sort("train_step", nulls_last=True)
-        projected = _number(per_step.drop_nulls("train_step")["cost_usd"].mean()) * 100
+            _dollars()).sort("train_step", nulls_last=True)
+        projected = _projected(per_step.drop_nulls("train_step"))
     elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
         by_group = rollouts.group_by("group_id").agg(pl.col("train_step").first()) \
@@ -52,10 +52,22 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         j = c.join(keys, on="key", how="left")
         per_step = j.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
             http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            pl.col("cost_usd").sum()).sort("train_step")
+            _dollars()).sort("train_step")
         if per_step.height:
-            projected = _number(per_step["cost_usd"].mean()) * 100
+            projected = _projected(per_step)
     return per_phase, per_step, projected
+
+
+def _dollars() -> pl.Expr:
+    """Summed dollars, null where every row is unpriced: the cost is unknown, not $0."""
+    return pl.when(pl.col("cost_usd").is_not_null().any()).then(
+        pl.col("cost_usd").sum()).alias("cost_usd")
+
+
+def _projected(per_step: pl.DataFrame) -> float | None:
+    if per_step["cost_usd"].null_count() == per_step.height:
+        return None   # unpriced
+    return _number(per_step["cost_usd"].fill_null(0.0).mean()) * 100
 
 
 def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:
@@ -172,7 +184,8 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
     from draco_cli.llm.prices import PriceTable
 
     prices = prices or PriceTable.load()
-    schema = {"phase": pl.String, "calls": pl.Int64, "naive_calls": pl.Int64,
+    schema = {"phase": pl.String, "route": pl.String, "calls": pl.Int64,
+              "naive_calls": pl.Int64,
               "input_tokens": pl.Int64, "cached_tokens": pl.Int64,
               "cache_write_tokens": pl.Int64, "output_tokens": pl.Int64,
               "naive_input_tokens": pl.Int64, "batch_share": pl.Float64,
@@ -212,11 +225,12 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
          / 1e6).alias("_naive"),
         pl.col("_p_in").is_null().alias("_unpriced"))
 
-    def agg(frame: pl.DataFrame, phase: str) -> dict[str, Any]:
+    def agg(frame: pl.DataFrame, phase: str, route: str) -> dict[str, Any]:
         priced = frame.filter(~pl.col("_unpriced"))
         billed = float(priced["cost_usd"].fill_null(0.0).sum()) if priced.height else None
         naive = float(priced["_naive"].sum()) if priced.height else None
-        return {"phase": phase, "calls": frame["_call"].n_unique(), "naive_calls": frame.height,
+        return {"phase": phase, "route": route, "calls": frame["_call"].n_unique(),
+                "naive_calls": frame.height,
                 **{t: int(frame[t].sum()) for t in tok},
                 "naive_input_tokens": int(frame["_prompt"].sum()),
                 "batch_share": _number(frame["batch_id"].is_not_null().mean())
@@ -225,11 +239,23 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
                 "billed_over_naive": billed / naive if billed is not None and naive else None,
                 "unpriced_rows": int(frame["_unpriced"].sum())}
 
-    rows = [agg(c.filter(pl.col("phase") == ph), ph)
-            for ph in sorted(c["phase"].drop_nulls().unique().to_list())]
-    if c.height:
-        rows.append(agg(c, "all"))
+    rows = []
+    for ph in [*sorted(c["phase"].drop_nulls().unique().to_list()), *(["all"] if c.height else [])]:
+        frame = c if ph == "all" else c.filter(pl.col("phase") == ph)
+        for route, part in _routes(frame, pl.col("batch_id").is_not_null()):
+            rows.append(agg(part, ph, route))
     return pl.DataFrame(rows, schema=schema)
+
+
+ROUTES = ("online", "batch", "all")
+
+
+def _routes(frame: pl.DataFrame, batched: pl.Expr) -> list[tuple[str, pl.DataFrame]]:
+    """A phase's rows apart by route, those through a batch API (half price) and the rest, and
+    together: the online figure is the one a caller without batching pays."""
+    out = [(route, part) for route, part in (("online", frame.filter(~batched)),
+                                            ("batch", frame.filter(batched))) if part.height]
+    return [*out, ("all", frame)]
 
 
 def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
@@ -241,8 +267,9 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
     from draco_cli.llm.prices import PriceTable
 
     prices = prices or PriceTable.load()
-    sums: list[tuple[Any, ...]] = []  # phase, model, rows, 4 tokens, prompt, batched, cost
-    calls: dict[str, int] = {}  # distinct replies per phase, and over all phases ("")
+    sums: list[tuple[Any, ...]] = []  # phase, model, batch?, rows, 4 tokens, prompt, cost
+    # distinct replies per (phase, route): phase "" is every phase, route "all" both routes
+    calls: dict[tuple[str, str], int] = {}
     for log in logs:
         with read_only(log) as (conn, have):
             if "status" not in have:
@@ -269,19 +296,21 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
             conn.execute("""INSERT INTO prompt SELECT k, sum(i + c + w) FROM billed
                             WHERE k IS NOT NULL GROUP BY k""")
             sums += conn.execute("""
-                SELECT b.phase, b.model, count(*), sum(b.i), sum(b.c), sum(b.w), sum(b.o),
-                       sum(coalesce(pr.p, b.i + b.c + b.w)), sum(b.batched),
-                       total(b.cost_usd)
+                SELECT b.phase, b.model, b.batched, count(*), sum(b.i), sum(b.c), sum(b.w),
+                       sum(b.o), sum(coalesce(pr.p, b.i + b.c + b.w)), total(b.cost_usd)
                 FROM billed b LEFT JOIN prompt pr ON pr.k = b.k
-                GROUP BY 1, 2""").fetchall()
+                GROUP BY 1, 2, 3""").fetchall()
             distinct = "count(DISTINCT k) + count(*) - count(k)"  # keyless: 1 each
-            for phase, n in conn.execute(
-                    f"SELECT phase, {distinct} FROM billed GROUP BY 1").fetchall() + \
-                    conn.execute(f"SELECT '', {distinct} FROM billed").fetchall():
+            route = "CASE WHEN batched THEN 'batch' ELSE 'online' END"
+            for phase, r, n in [*conn.execute(
+                    f"SELECT phase, {route}, {distinct} FROM billed GROUP BY 1, 2"),
+                    *conn.execute(f"SELECT phase, 'all', {distinct} FROM billed GROUP BY 1"),
+                    *conn.execute(f"SELECT '', {route}, {distinct} FROM billed GROUP BY 2"),
+                    *conn.execute(f"SELECT '', 'all', {distinct} FROM billed")]:
                 if phase is not None:
-                    calls[phase] = calls.get(phase, 0) + n
-    cols = ["phase", "model", "naive_calls", "input_tokens", "cached_tokens",
-            "cache_write_tokens", "output_tokens", "naive_input_tokens", "batched", "cost_usd"]
+                    calls[phase, r] = calls.get((phase, r), 0) + n
+    cols = ["phase", "model", "batched", "naive_calls", "input_tokens", "cached_tokens",
+            "cache_write_tokens", "output_tokens", "naive_input_tokens", "cost_usd"]
     t = pl.DataFrame(sums, schema=dict.fromkeys(cols[:2], pl.String) | dict.fromkeys(
         cols[2:-1], pl.Int64) | {"cost_usd": pl.Float64}, orient="row")
     models = t["model"].unique().drop_nulls().to_list()
@@ -295,23 +324,25 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
         pl.col("_p_in").is_null().alias("_unpriced"))
     tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
 
-    def agg(frame: pl.DataFrame, phase: str, key: str) -> dict[str, Any]:
+    def agg(frame: pl.DataFrame, phase: str, key: str, route: str) -> dict[str, Any]:
         priced = frame.filter(~pl.col("_unpriced"))
         billed = float(priced["cost_usd"].sum()) if priced.height else None
         naive = float(priced["_naive"].sum()) if priced.height else None
         rows = int(frame["naive_calls"].sum())
-        return {"phase": phase, "calls": calls.get(key, 0), "naive_calls": rows,
-                **{c: int(frame[c].sum()) for c in tok},
+        batched = int(frame.filter(pl.col("batched") > 0)["naive_calls"].sum())
+        return {"phase": phase, "route": route, "calls": calls.get((key, route), 0),
+                "naive_calls": rows, **{c: int(frame[c].sum()) for c in tok},
                 "naive_input_tokens": int(frame["naive_input_tokens"].sum()),
-                "batch_share": int(frame["batched"].sum()) / rows if rows else None,
+                "batch_share": batched / rows if rows else None,
                 "billed_usd": billed, "naive_usd": naive,
                 "billed_over_naive": billed / naive if billed is not None and naive else None,
                 "unpriced_rows": int(frame.filter(pl.col("_unpriced"))["naive_calls"].sum())}
 
-    rows = [agg(t.filter(pl.col("phase") == ph), ph, ph)
-            for ph in sorted(t["phase"].drop_nulls().unique().to_list())]
-    if t.height:
-        rows.append(agg(t, "all", ""))
+    rows = []
+    for ph in [*sorted(t["phase"].drop_nulls().unique().to_list()), *(["all"] if t.height else [])]:
+        frame = t if ph == "all" else t.filter(pl.col("phase") == ph)
+        for route, part in _routes(frame, pl.col("batched") > 0):
+            rows.append(agg(part, ph, "" if ph == "all" else ph, route))
     return pl.DataFrame(rows, schema=billed_vs_naive(pl.DataFrame(), prices).schema)
 
 

@@ -256,8 +256,12 @@ class CostReport:
     naive: pl.DataFrame
 
     @property
-    def total_usd(self) -> float:
-        return float(self.per_phase["cost_usd"].sum()) if self.per_phase.height else 0.0
+    def total_usd(self) -> float | None:
+        """None when every call is unpriced (the cost is unknown, not $0)."""
+        cost = self.per_phase["cost_usd"] if self.per_phase.height else None
+        if cost is not None and cost.null_count() == cost.len():
+            return None
+        return float(cost.sum()) if cost is not None else 0.0
 
 
 def read_call_logs(calls: list[Path]) -> pl.DataFrame:

@@ -142,7 +142,8 @@ def cost(
     (original, replay, reconstruction, judge, rubric writing, candidate scoring: tokens,
     environment actions, dollars) → OUT/cost_category.parquet; billed tokens and dollars next
     to a naive client's (one call per sample, no prompt caching, no batch discount) →
-    OUT/cost_naive.parquet.
+    OUT/cost_naive.parquet, a row per phase and route: the calls sent online, those sent
+    through a batch API (half price) and all.
 
     Example: draco audit cost --calls runs/step-0 --calls runs/step-1 -o audit
     """
@@ -154,13 +155,13 @@ def cost(
     per_phase, per_step, by_cat, naive = c.per_phase, c.per_step, c.by_category, c.naive
     total, projected = c.total_usd, c.projected_per_100_steps
     emit(Report([("cost by category", by_cat), ("cost per phase", per_phase),
-                 ("billed vs a naive client (k calls, no caching, no batch)", naive)]
+                 ("billed vs a naive client (k calls, no caching, no batch); online and batch "
+                  "calls apart", naive)]
                 + ([("cost per train step", per_step)] if per_step.height else []),
                 document={"per_phase": per_phase.to_dicts(), "per_step": per_step.to_dicts(),
                           "by_category": by_cat.to_dicts(), "billed_vs_naive": naive.to_dicts(),
                           "total_usd": total, "projected_usd_per_100_steps": projected},
-                lines=[f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
-                                                if projected is not None else "")]),
+                lines=[_cost_line(total, projected)]),
          pick_format(fmt, as_json))
 
 
@@ -259,3 +260,10 @@ def judge_health(
                               flagged["scope"] == "criterion")["criterion"].to_list(),
                           "flagged_spot_check": bool(spot and spot[0]["flagged"])},
                 lines=lines), shape)
+
+
+def _cost_line(total: float | None, projected: float | None) -> str:
+    if total is None:
+        return "total unpriced (the model is not in the price table; --prices FILE)"
+    return f"total ${total:.4f}" + (f"; projected per 100 steps ${projected:.2f}"
+                                    if projected is not None else "")

@@ -35,8 +35,10 @@ def progress_bar(label: str) -> Iterator[Callable[[BarProgress], None]]:
         TimeElapsedColumn
     from rich.progress import Progress as Bar
 
+    from draco_cli.llm.answered import money
+
     with Bar(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                  TextColumn("failed {task.fields[failed]}  ${task.fields[cost]:.4f}"),
+                  TextColumn("failed {task.fields[failed]}  {task.fields[cost]}"),
                   TimeElapsedColumn(), console=err_console, transient=True,
                   disable=not err_console.is_terminal) as bar:
         tasks: dict[int, TaskID] = {}
@@ -44,9 +46,10 @@ def progress_bar(label: str) -> Iterator[Callable[[BarProgress], None]]:
         def update(p: BarProgress) -> None:
             key = p.total
             if key not in tasks:
-                tasks[key] = bar.add_task(label, total=p.total, failed=0, cost=0.0)
+                tasks[key] = bar.add_task(label, total=p.total, failed=0, cost="")
             note = getattr(p, "note", None)
-            bar.update(tasks[key], completed=p.done, failed=p.failed, cost=p.cost_usd,
+            bar.update(tasks[key], completed=p.done, failed=p.failed,
+                       cost=money(p.cost_usd, getattr(p, "priced", True)),
                        description=f"{label}: {note}" if note else label)
 
         yield update
@@ -66,8 +69,10 @@ def announce_batch(llm: LLMSettings | None) -> None:
 def print_report(report: StageReport) -> None:
     from rich.table import Table
 
+    from draco_cli.llm.answered import Answered, money
+
     t = Table(title="LLM calls", title_justify="left", box=None, pad_edge=False)
-    for col in ("phase", "calls", "cached", "answered", "unanswered", "retried", "input",
+    for col in ("phase", "requests", "answered", "reused", "HTTP calls", "retried", "input",
                 "cached in", "output", "reasoning", "USD"):
         t.add_column(col, justify="right" if col != "phase" else "left")
     total = 0.0
@@ -76,14 +81,16 @@ def print_report(report: StageReport) -> None:
         u = s.usage
         ok = getattr(s, "priced", True)
         priced = priced and ok
-        t.add_row(phase, str(s.calls), str(s.cached), str(s.answered), str(s.unanswered),
-                  str(s.failed_attempts), f"{u.input_tokens:,}", f"{u.cached_tokens:,}",
-                  f"{u.output_tokens:,}", f"{u.reasoning_tokens:,}",
-                  f"{s.cost_usd:.4f}" if ok else "unpriced")
+        figure = Answered.of([s])
+        t.add_row(phase, str(figure.requests), f"{figure.answered} ({figure.percent})",
+                  str(s.cached), str(s.calls), str(s.failed_attempts), f"{u.input_tokens:,}",
+                  f"{u.cached_tokens:,}", f"{u.output_tokens:,}", f"{u.reasoning_tokens:,}",
+                  money(s.cost_usd, ok))
         total += s.cost_usd
     err_console.print(t)
-    err_console.print(f"total ${total:.4f}" if priced else
-                      "total unpriced (the model is not in the price table; --prices FILE)",
+    err_console.print(f"{Answered.of(report.phases.values())}; total "
+                      + (money(total) if priced else
+                         "unpriced (the model is not in the price table; --prices FILE)"),
                       highlight=False)
     for note in report.notes:
         err_console.print(f"- {note}", highlight=False)

@@ -287,7 +287,10 @@ def propose_cmd(
     for n in res.notes:
         err_console.print(n, highlight=False)
     for phase, st in res.llm_stats.items():
-        err_console.print(f"LLM {phase}: {st.calls} calls, ${st.cost_usd:.4f}", highlight=False)
+        from draco_cli.llm.answered import Answered, money
+
+        err_console.print(f"LLM {phase}: {Answered.of([st])}, {st.calls} HTTP calls, "
+                          f"{money(st.cost_usd, st.priced)}", highlight=False)
     err_console.print(f"accepted: {res.accepted}" if res.accepted else
                       "no edit lowers the held-out objective: the rubric stays", highlight=False)
 

@@ -187,12 +187,13 @@ def _on_event(e: StageEvent) -> None:
 
 
 def _print_event(e: StageEvent) -> None:
+    from draco_cli.llm.answered import money
+
     def calls() -> str:
-        if not (e.calls_new or e.calls_reused):
+        if e.answered is None or not e.answered.requests:
             return ""
-        money = f"${e.cost_usd:.4f}" if e.priced else "unpriced"
-        return (f", calls {e.calls_new} new / {e.calls_reused} reused, {money}"
-                + (f", {e.unanswered} unanswered" if e.unanswered else ""))
+        return (f", {e.answered} ({e.calls_new} new, {e.calls_reused} reused), "
+                f"{money(e.cost_usd, e.priced)}")
 
     rows = f", {e.rows} rows" if e.rows is not None else ""
     if e.event == "start":
@@ -256,9 +257,11 @@ def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
                              if credit.get("reward") != "outcome" else
                              "reward: the environment outcome; ")
                           + f"credit modes: {modes}", highlight=False)
+    from draco_cli.llm.answered import money
+
     unpriced = bool(calls) and all(v.get("cost_usd") is None for v in calls.values())
-    money = "unpriced model" if unpriced else f"${total:.4f} in all"
-    err_console.print(f"LLM calls logged: {rows} rows, {money}; "
+    spent = "unpriced model" if unpriced else f"{money(total)} in all"
+    err_console.print(f"LLM calls logged: {rows} rows, {spent}; "
                       f"{m['wall_seconds']:.1f} s", highlight=False)
     health = m.get("health") or {}
     for message in health.get("messages", []):

@@ -162,11 +162,14 @@ def cost_by_category(calls: pl.DataFrame | None = None, rollouts: pl.DataFrame |
             pl.col("phase").replace_strict(PHASE_CATEGORY, default=pl.col("phase"))
             .alias("category")).group_by("category").agg(
             pl.sum_horizontal([pl.col(c).fill_null(0) for c in tok]).sum().alias("tokens"),
-            http.sum().alias("llm_calls"), pl.col("cost_usd").fill_null(0.0).sum())
+            http.sum().alias("llm_calls"),
+            # null where every row is unpriced: the cost is unknown, not $0
+            pl.when(pl.col("cost_usd").is_not_null().any()).then(pl.col("cost_usd").sum())
+            .alias("cost_usd"))
         for r in per.iter_rows(named=True):
             rows.append({"category": r["category"], "tokens": int(r["tokens"]),
                          "env_actions": None, "llm_calls": int(r["llm_calls"]),
-                         "cost_usd": float(r["cost_usd"])})
+                         "cost_usd": None if r["cost_usd"] is None else float(r["cost_usd"])})
     order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
     rows.sort(key=lambda r: (order.get(r["category"], len(order)), r["category"]))
     return pl.DataFrame(rows, schema={"category": pl.String, "tokens": pl.Int64,

@@ -2,7 +2,9 @@
 tensorboard or any logger the trainer has).
 
 - ``draco/judge_calls``: LLM samples answered by calls made this step (paid); ``cached_calls``
-  came from the call log (free); ``unanswered_share`` is unanswered / all samples asked.
+  came from the call log (free); ``unanswered_share`` is 1 − the step's answered figure
+  (``draco_cli.llm.answered``: answered of the requests the step needed, reused ones included,
+  the figure ``draco run`` checks with ``--min-answered``).
 - ``draco/cost_usd``: dollars spent this step.
 - ``draco/criteria_kept`` / ``criteria_total``: criteria the discriminative filter retained,
   over all the step's criteria.
@@ -33,7 +35,9 @@ def step_metrics(groups: list[GroupScore], rows: Mapping[str, Any], fallbacks: M
     answered = sum(g.calls.answered for g in groups)
     cached = sum(g.calls.cached for g in groups)
     unanswered = sum(g.calls.unanswered for g in groups)
-    asked = answered + cached + unanswered
+    from draco_cli.llm.answered import Answered
+
+    figure = Answered(answered + cached, answered + cached + unanswered)
     kept = total = 0
     for g in groups:
         v = g.verdicts
@@ -55,7 +59,7 @@ def step_metrics(groups: list[GroupScore], rows: Mapping[str, Any], fallbacks: M
         "draco/rollouts": float(n),
         "draco/judge_calls": float(answered),
         "draco/cached_calls": float(cached),
-        "draco/unanswered_share": unanswered / asked if asked else 0.0,
+        "draco/unanswered_share": 1.0 - figure.share,
         "draco/cost_usd": float(sum(g.calls.cost_usd for g in groups)),
         "draco/criteria_kept": float(kept),
         "draco/criteria_total": float(total),

@@ -129,7 +129,6 @@ def spot_check_files(rollouts: Path, steps: Path, rubrics: Path, verdicts: Path,
     report.rows = table.height
     unanswered = table["gold_verdict"].null_count()
     agreed = table["agree"].drop_nulls().cast(pl.Float64)
-    report.items, report.items_answered = table.height, table.height - unanswered
     report.notes.append(
         f"{table.height} verdicts spot-checked by {gold.model} (seed {seed}); agreement "
         + (f"{float(agreed.sum()) / agreed.len():.1%} over {agreed.len()}"

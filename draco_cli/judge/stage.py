@@ -89,14 +89,14 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
     n = summary.verdicts
-    unanswered = summary.unanswered
+    null = summary.unanswered
     report.rows = n
-    # per sample: a sample verdict left null is an unanswered call or a criterion the answer
-    # left out; aggregated nulls also count samples that disagree, which is not a failure
-    report.items = summary.raw
-    report.items_answered = summary.raw - summary.raw_null
-    report.notes.append(f"{n} verdicts ({summary.raw} sample rows); unanswered "
-                        f"{unanswered} ({unanswered / n:.1%})" if n else "no verdicts")
+    # Not an "answered" figure (that is the stage's requests, one per sample): an aggregated
+    # verdict is also null where the samples disagree, which is no failure of the judge. A
+    # criterion an answer left out makes that answer invalid (verdict_check), so unanswered.
+    report.notes.append(f"{n} verdicts ({summary.raw} sample rows); {null} without a verdict "
+                        f"({null / n:.1%}: no answer, or the samples disagree)" if n
+                        else "no verdicts")
     st = summary.stats
     if st.citations_dropped:
         report.notes.append(f"{st.citations_dropped} citations outside 1..M dropped")
@@ -116,14 +116,13 @@ class _Summary:
     def __init__(self) -> None:
         from draco_cli.judge.core import ScoreStats
 
-        self.verdicts = self.unanswered = self.raw = self.raw_null = self.without_rubric = 0
+        self.verdicts = self.unanswered = self.raw = self.without_rubric = 0
         self.stats = ScoreStats()
 
     def add(self, res: ScoreResult) -> None:
         self.verdicts += res.verdicts.height
         self.unanswered += res.verdicts["verdict"].null_count()
         self.raw += res.raw.height
-        self.raw_null += res.raw["verdict"].null_count()
         self.without_rubric += res.rollouts_without_rubric
         for name in ("unknown_ids", "citations_dropped", "missing", "unanswered_samples"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(res.stats, name))

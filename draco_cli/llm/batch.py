@@ -116,7 +116,7 @@ async def _collect(client: BatchClient, provider: Provider, requests: list[LLMRe
         if progress is not None:
             progress(Progress(0, total, 0, client.spent, note=(
                 f"batch {batch_id} {state.status} ({len(mapping)} requests); polling every "
-                f"{poll_seconds:g} s, a rerun resumes it")))
+                f"{poll_seconds:g} s, a rerun resumes it"), priced=getattr(client, "priced", True)))
         await asyncio.sleep(poll_seconds)
         state = await retrying(client, lambda: provider.poll_batch(batch_id))
     results = await retrying(client, lambda: provider.batch_results(batch_id))

@@ -271,7 +271,7 @@ class LLMClient:
             done[0] += len(answers)
             done[1] += sum(a.status != "ok" for a in answers)
             if progress:
-                progress(Progress(done[0], total, done[1], self.spent))
+                progress(Progress(done[0], total, done[1], self.spent, priced=self.priced))
 
         return tick
 

@@ -42,8 +42,6 @@ class StageReport:
     outputs: list[Path] = field(default_factory=list)
     budget_reached: bool = False
     rows: int = 0                 # rows of the stage's main output table
-    items: int = 0                # what the stage's answers had to cover (judge: verdicts)
-    items_answered: int = 0
 
 
 def read_inputs(rollouts: str | Path, steps: str | Path) -> tuple[pl.DataFrame, pl.DataFrame]:
@@ -257,7 +255,7 @@ class _ChunkProgress:
 
             assert self.progress is not None
             self.progress(Progress(self.done, self.total, self.failed, p.cost_usd,
-                                   getattr(p, "note", None)))
+                                   getattr(p, "note", None), getattr(p, "priced", True)))
 
         return tick
 

@@ -292,6 +292,7 @@ class Progress:
     failed: int
     cost_usd: float
     note: str | None = None   # what a long wait is waiting for (a submitted batch)
+    priced: bool = True       # False: cost_usd is unknown (the model has no price), not $0
 
 
 class RequestStream:

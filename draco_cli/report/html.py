@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import html
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
@@ -22,8 +23,11 @@ def _num(v: float | None, fmt: str = ".3f") -> str:
     return "—" if v is None else format(v, fmt)
 
 
-def _table(df: pl.DataFrame, formats: dict[str, str] | None = None, cls: str = "") -> str:
-    formats = formats or {}
+def _table(df: pl.DataFrame, formats: dict[str, str] | None = None, cls: str = "",
+           nulls: dict[str, Callable[[dict[str, Any]], str]] | None = None) -> str:
+    """``nulls``: what a null of a column says, given its row (else "—"): "unpriced" for
+    the dollars of calls whose model has no price."""
+    formats, nulls = formats or {}, nulls or {}
     head = "".join(f"<th>{html.escape(c)}</th>" for c in df.columns)
     body = []
     for row in df.iter_rows(named=True):
@@ -34,7 +38,8 @@ def _table(df: pl.DataFrame, formats: dict[str, str] | None = None, cls: str = "
             elif isinstance(v, int):
                 cells.append(f"<td class='num'>{v}</td>")
             else:
-                cells.append(f"<td>{html.escape('—' if v is None else str(v))}</td>")
+                text = (nulls[c](row) if c in nulls else "—") if v is None else str(v)
+                cells.append(f"<td>{html.escape(text)}</td>")
         body.append("<tr>" + "".join(cells) + "</tr>")
     return f"<table class='{cls}'><tr>{head}</tr>{''.join(body)}</table>"
 

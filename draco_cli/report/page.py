@@ -57,7 +57,7 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
         ("Criteria: pass rates, kept and dropped", _criteria(last, con, counts, redact)),
         ("Over training steps", _over_steps(runs, con, summary)),
         ("Judge health over training steps", health_section(health, why_not, redact)),
-        ("Unanswered calls", unanswered_html),
+        ("Answered requests", unanswered_html),
         ("Cost per training step", _cost(runs, con)),
         ("Where credit lands (step labels)", _step_labels(runs, con)),
     ]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
+from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -25,8 +26,8 @@ HISTOGRAM_BINS = 30
 
 def _banner(runs: list[Run], redact: Redact, unanswered: list[str]) -> str:
     notice = "" if not unanswered else (
-        "<div class='notice'><b>Unanswered calls</b> — these count as neither pass nor fail; "
-        "see <a href='#unanswered'>Unanswered calls</a>.<ul>"
+        "<div class='notice'><b>Unanswered requests</b> — these count as neither pass nor "
+        "fail; see <a href='#unanswered'>Answered requests</a>.<ul>"
         + "".join(f"<li>{html.escape(w)}</li>" for w in unanswered) + "</ul></div>")
     items, silent = [], []
     for r in runs:
@@ -49,7 +50,7 @@ def _banner(runs: list[Run], redact: Redact, unanswered: list[str]) -> str:
     if not items:
         return notice
     return notice + ("<div class='banner'><b>Health check failed</b> — the judge or rubric writer left "
-            "too many calls unanswered; rewards and credit below rest on what was answered."
+            "too many requests unanswered; rewards and credit below rest on what was answered."
             f"<ul>{''.join(items)}</ul></div>")
 
 
@@ -203,25 +204,24 @@ def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Red
 
 
 def _unanswered(runs: list[Run], con: DuckDBPyConnection) -> tuple[str, list[str]]:
-    """Answered shares per stage (from the run's health record, else from its call log), and a
-    warning line for each stage that left calls unanswered."""
-    rows = []
+    """Each stage's answered figure (from the run's health record, else from its call log),
+    and a warning line for each stage that left requests unanswered."""
+    from draco_cli.llm.answered import Answered
+    from draco_cli.run.health import stage_figure
+
+    rows: list[tuple[str, str, Answered, str]] = []
     from_health = set()
     for r in runs:
         health = r.manifest.get("health")
         stages = health.get("stages") if isinstance(health, dict) else None
         if isinstance(stages, dict) and stages:
             for stage, s in stages.items():
-                if not isinstance(s, dict):
+                figure = stage_figure(s) if isinstance(s, dict) else None
+                if figure is None:
                     continue
-                calls, answered = s.get("calls"), s.get("answered")
-                share = s.get("answered_share")
-                reasons = ", ".join(f"{k} {v}" for k, v in (s.get("reasons") or {}).items())
+                reasons = ", ".join(f"{k} ×{v}" for k, v in (s.get("reasons") or {}).items())
                 from_health.add(str(r.dir))
-                rows.append({"run": r.label, "stage": stage, "calls": calls,
-                             "answered": answered,
-                             "unanswered_share": None if share is None else 1 - share,
-                             "reasons": reasons or "—"})
+                rows.append((r.label, stage, figure, reasons or "—"))
     if "call_totals" in _views(con):
         labels = {str(r.dir): r.label for r in runs}
         got = _frame(con, """SELECT run, phase, sum(n_rows)::BIGINT AS calls,
@@ -230,22 +230,23 @@ def _unanswered(runs: list[Run], con: DuckDBPyConnection) -> tuple[str, list[str
                                     string_agg(CASE WHEN status <> 'ok' THEN status END, ', '
                                                ORDER BY status) AS reasons
                              FROM call_totals GROUP BY 1, 2 ORDER BY 1, 2""")
+        # no health record (a folder of `draco judge`, say): the log's rows are all there is,
+        # and a re-asked request has several, so the unit says rows, not requests
         for x in got.filter(~pl.col("run").is_in(list(from_health))).iter_rows(named=True):
-            rows.append({"run": labels.get(x["run"], x["run"]), "stage": x["phase"],
-                         "calls": x["calls"], "answered": x["answered"],
-                         "unanswered_share": 1 - x["answered"] / x["calls"] if x["calls"]
-                         else None, "reasons": x["reasons"] or "—"})
+            rows.append((labels.get(x["run"], x["run"]), x["phase"],
+                         Answered(x["answered"], x["calls"], "call-log rows"),
+                         x["reasons"] or "—"))
     if not rows:
         return "<p>No LLM calls logged.</p>", []
-    df = pl.DataFrame(rows, schema={"run": pl.String, "stage": pl.String, "calls": pl.Int64,
-                                    "answered": pl.Int64, "unanswered_share": pl.Float64,
-                                    "reasons": pl.String})
-    warnings = [f"{r['run']}: {r['stage']} left {r['unanswered_share']:.1%} of "
-                f"{r['calls']} calls unanswered ({r['reasons']})"
-                for r in df.iter_rows(named=True) if (r["unanswered_share"] or 0) > 0]
-    return ("<p>Calls per stage and the share left unanswered (an unanswered verdict counts "
-            "as neither pass nor fail).</p>" + _table(df, {"unanswered_share": ".1%"}),
-            warnings)
+    df = pl.DataFrame([{"run": run, "stage": stage, "answered": str(f), "reasons": why}
+                       for run, stage, f, why in rows],
+                      schema={"run": pl.String, "stage": pl.String, "answered": pl.String,
+                              "reasons": pl.String})
+    warnings = [f"{run}: {stage} {f} ({why})" for run, stage, f, why in rows
+                if f.answered < f.requests]
+    return ("<p>Each stage's requests (one per sample of each prompt, answers reused from the "
+            "call log included) and how many were answered; an unanswered verdict counts as "
+            "neither pass nor fail.</p>" + _table(df), warnings)
 
 
 def _over_steps(runs: list[Run], con: DuckDBPyConnection, summary: pl.DataFrame) -> str:
@@ -312,31 +313,42 @@ def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
     if "call_totals" not in _views(con):
         return "<p>No LLM calls logged.</p>"
     c = _frame(con, """SELECT run, phase, sum(n_rows)::BIGINT AS calls,
-                              coalesce(sum(cost_usd), 0) AS cost_usd
+                              sum(cost_usd) AS cost_usd
                        FROM call_totals GROUP BY 1, 2 ORDER BY 1, 2""")
     if c.height == 0:
         return "<p>No LLM calls logged.</p>"
     order = {str(r.dir): (r.step if r.step is not None else i) for i, r in enumerate(runs)}
     c = c.with_columns(pl.col("run").replace_strict(order, return_dtype=pl.Int64).alias("x"))
     xs = sorted(set(c["x"].to_list()))
-    total = float(c["cost_usd"].sum())
-    # replayed or self-hosted calls cost nothing: then the calls themselves are the cost
+    unpriced = c["cost_usd"].null_count() == c.height
+    total = float(c["cost_usd"].fill_null(0.0).sum())
+    # replayed, self-hosted or unpriced calls: then the calls themselves are the cost
     y, unit = ("cost_usd", "USD") if total > 0 else ("calls", "calls")
     fig = go.Figure()
     for phase in sorted(set(c["phase"].to_list())):
         p = c.filter(pl.col("phase") == phase)
         fig.add_trace(go.Bar(x=p["x"].to_list(), y=p[y].to_list(), name=phase,
                              customdata=p[["calls", "cost_usd"]].rows(),
-                             hovertemplate="%{x}: $%{customdata[1]:.4f}, %{customdata[0]} "
+                             hovertemplate="%{x}: %{customdata[0]} calls, unpriced"
+                             if unpriced else "%{x}: $%{customdata[1]:.4f}, %{customdata[0]} "
                              "calls"))
     title = (f"Dollars per training step, by phase (total ${total:.4f})" if total > 0 else
+             "Calls per training step, by phase (unpriced model: its cost is unknown; "
+             "--prices FILE prices it)" if unpriced else
              "Calls per training step, by phase (no dollars logged: replayed or free calls)")
     fig.update_layout(barmode="stack", title=title, yaxis_title=unit, yaxis_rangemode="tozero")
     _int_axis(fig, xs)
-    table = c.group_by("phase").agg(pl.col("calls").sum(), pl.col("cost_usd").sum()).sort(
-        "phase")
+    table = c.group_by("phase").agg(pl.col("calls").sum(), pl.when(
+        pl.col("cost_usd").is_not_null().any()).then(pl.col("cost_usd").sum()).alias(
+        "cost_usd")).sort("phase")
     return (_fig_html(fig) + "<p>Calls and dollars per phase, all steps:</p>"
-            + _table(table, {"cost_usd": ".4f"}) + _cost_breakdown(runs, con))
+            + _table(table, {"cost_usd": ".4f"}, nulls={"cost_usd": _unpriced("calls")})
+            + _cost_breakdown(runs, con))
+
+
+def _unpriced(calls: str) -> Callable[[dict[str, Any]], str]:
+    """A null cost says "unpriced" where the row has LLM calls (unknown, not $0), else "—"."""
+    return lambda row: "—" if row.get(calls) is None else "unpriced"
 
 
 def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
@@ -367,14 +379,20 @@ def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
     naive = billed_vs_naive_logs(logs)
     out = ("<h3 id='cost-category'>Cost by category</h3><p class='note'>Original = the "
            "rollouts' own response tokens and environment actions; the LLM rows are draco's "
-           "calls by what they were for.</p>" + _table(by_cat, {"cost_usd": ".4f"}))
+           "calls by what they were for.</p>"
+           + _table(by_cat, {"cost_usd": ".4f"}, nulls={"cost_usd": _unpriced("llm_calls")}))
     if naive.height:
-        total = naive.filter(pl.col("phase") == "all").to_dicts()[0]
-        ratio = total["billed_over_naive"]
+        every = {r["route"]: r["billed_over_naive"]
+                 for r in naive.filter(pl.col("phase") == "all").iter_rows(named=True)}
+        ratio = every.get("all")
+        apart = "; ".join(f"{route} {every[route]:.3f}×" for route in ("online", "batch")
+                          if every.get(route) is not None)
         out += ("<h3 id='cost-naive'>Billed vs a naive client</h3><p class='note'>A naive "
                 "client makes one call per sample, with no prompt caching and no batch "
                 "discount, paying every prompt token at the full input price"
-                + (f"; draco paid <b>{ratio:.3f}×</b> of that." if ratio is not None else
+                + (f"; draco paid <b>{ratio:.3f}×</b> of that" + (
+                    f" ({apart}: calls through a batch API pay half price)"
+                    if len(every) > 2 else "") + "." if ratio is not None else
                    " (unpriced model: tokens only).") + "</p>"
                 + _table(naive, {"billed_usd": ".4f", "naive_usd": ".4f",
                                  "billed_over_naive": ".3f", "batch_share": ".2f"},

@@ -16,7 +16,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draco_cli.errors import DracoError, InputError
 
@@ -69,11 +69,23 @@ class StageRecord(BaseModel):
 
 
 class StageHealth(BaseModel):
-    calls: int
+    """A stage's answered figure (``draco_cli.llm.answered``): requests the stage needed, one
+    per sample of each prompt, reused answers included, and how many have an answer."""
+
+    requests: int
     answered: int
     answered_share: float
     reasons: dict[str, int] = Field(default_factory=dict)
     ok: bool
+
+    @model_validator(mode="before")
+    @classmethod
+    def _older(cls, data: Any) -> Any:
+        # manifests before the figure was named called the same requests "calls"
+        if isinstance(data, dict) and "requests" not in data and "calls" in data:
+            data = {**data, "requests": data["calls"]}
+            del data["calls"]
+        return data
 
 
 class Health(BaseModel):

@@ -6,43 +6,47 @@ from __future__ import annotations
 from collections.abc import Mapping
 from typing import Any
 
+from draco_cli.llm.answered import Answered
 from draco_cli.options import RunOptions
 from draco_cli.run.folder import Health, StageHealth, StageRecord
 
-__all__ = ["run_health", "signal_check"]
+__all__ = ["run_health", "signal_check", "stage_figure"]
+
+
+def stage_figure(health: Mapping[str, Any] | None) -> Answered | None:
+    """The answered figure of a stage's health record (``calls`` in manifests before the
+    figure was named; those counted the same requests)."""
+    if not health:
+        return None
+    return Answered(int(health["answered"]), int(health.get("requests", health.get("calls", 0))))
 
 
 def run_health(stages: Mapping[str, StageRecord], opts: RunOptions) -> Health:
-    """The run's health: each LLM stage's answered share against ``min_answered``, and the
+    """The run's health: each LLM stage's answered figure against ``min_answered``, and the
     signal check on the credit stage."""
     threshold = opts.min_answered
     out: dict[str, StageHealth] = {}
     messages = []
     for name, rec in stages.items():
         h = getattr(rec, "health", None)
-        if not h:
+        figure = stage_figure(h)
+        if h is None or figure is None:
             continue
-        share = h["answered"] / h["calls"] if h["calls"] else 1.0
-        items, items_ok = h.get("items", 0), h.get("items_answered", 0)
-        item_share = items_ok / items if items else 1.0
-        ok = share >= threshold and item_share >= threshold
-        out[name] = StageHealth(calls=h["calls"], answered=h["answered"],
-                                answered_share=round(share, 6), reasons=h["reasons"], ok=ok)
-        if share < threshold:
+        ok = figure.share >= threshold
+        out[name] = StageHealth(requests=figure.requests, answered=figure.answered,
+                                answered_share=round(figure.share, 6), reasons=h["reasons"],
+                                ok=ok)
+        if not ok:
             why = "; ".join(f"{r} ×{n}" for r, n in
                             sorted(h["reasons"].items(), key=lambda kv: -kv[1])[:3])
-            messages.append(f"{name}: only {h['answered']}/{h['calls']} calls answered "
-                            f"({share:.0%} < --min-answered {threshold:.0%})"
+            messages.append(f"{name}: {figure}, under --min-answered {threshold:.0%}"
                             + (f": {why}" if why else ""))
-        elif item_share < threshold:
-            messages.append(f"{name}: only {items_ok}/{items} sample verdicts answered "
-                            f"({item_share:.0%} < --min-answered {threshold:.0%}); the "
-                            "judge's answers left criteria out")
     signal = signal_check(stages, opts)
     if signal is not None and not signal["ok"]:
         messages.append(signal["problem"])
     return Health(ok=all(h.ok for h in out.values()) and (signal is None or signal["ok"]),
                   threshold=threshold, stages=out, messages=messages, signal=signal)
+
 
 def signal_check(stages: Mapping[str, StageRecord], opts: RunOptions) -> dict[str, Any] | None:
     """Whether the step gives the trainer a learning signal (from the credit stage)."""

@@ -26,8 +26,9 @@ from draco_cli.llm.settings import LLMSettings
 from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOptions,
                                RubricOptions, RunOptions)
 from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
+from draco_cli.llm.answered import Answered
 from draco_cli.run import spot
-from draco_cli.run.health import run_health
+from draco_cli.run.health import run_health, stage_figure
 from draco_cli.run.probe import rss_probe as _rss_probe
 from draco_cli.run.folder import (Health, Manifest, RunFolder, StageRecord,
                                  file_sha256, input_record)
@@ -51,10 +52,11 @@ class StageEvent:
     rows: int | None = None
     calls_new: int = 0
     calls_reused: int = 0
-    cost_usd: float = 0.0
+    cost_usd: float | None = 0.0  # None: unpriced
     priced: bool = True          # False: the model has no price, its cost says "unpriced"
     seconds: float = 0.0
     unanswered: int = 0
+    answered: Answered | None = None   # LLM stages: the stage's one answered figure
     reasons: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
 
@@ -285,6 +287,7 @@ class _Run:
                               cost_usd=ev.get("cost_usd", 0.0),
                               priced=ev.get("priced", True), seconds=rec.seconds,
                               unanswered=ev.get("unanswered", 0),
+                              answered=stage_figure(getattr(rec, "health", None)),
                               reasons=dict((getattr(rec, "health", None) or {}).get("reasons", {})),
                               notes=list(rec.notes)))
         return rec
@@ -399,17 +402,18 @@ class _Run:
         reasons = unanswered_reasons(self.log, LLM_PHASES[name], self._log_start)
         if skipped:
             reasons["budget reached (--max-cost)"] = skipped
-        calls = reused + new + skipped
-        answered = calls - unanswered - skipped
-        health = {"calls": calls, "answered": answered, "reasons": reasons,
-                  "items": report.items, "items_answered": report.items_answered}
+        figure = Answered.of(phases.values())
+        health = {"requests": figure.requests, "answered": figure.answered, "reasons": reasons}
         status = "budget reached" if report.budget_reached else \
             "done" if unanswered == 0 and skipped == 0 else "partial"
+        priced = all(s.priced for s in phases.values())
         return StageRecord(key="", status=status, notes=list(report.notes), rows=report.rows,
                            health=health,
                            calls={"calls_new": new, "calls_reused": reused,
-                                  "cost_usd": round(sum(s.cost_usd for s in phases.values()), 6),
-                                  "priced": all(s.priced for s in phases.values()),
+                                  # unknown, not $0: the model is not in the price table
+                                  "cost_usd": round(sum(s.cost_usd for s in phases.values()), 6)
+                                  if priced else None,
+                                  "priced": priced,
                                   "unanswered": unanswered + skipped}, **extra)
 
     def _credit(self) -> StageRecord:

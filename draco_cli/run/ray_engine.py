@@ -256,8 +256,6 @@ def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
                     setattr(acc, f.name, getattr(acc, f.name) + getattr(st, f.name))
         out.budget_reached = out.budget_reached or rep.budget_reached
         out.rows += rep.rows
-        out.items += rep.items
-        out.items_answered += rep.items_answered
     out.notes = [f"--engine ray: {len(parts)} partitions"]
     return out
 

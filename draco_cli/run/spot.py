@@ -8,6 +8,7 @@ import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from draco_cli.llm.answered import Answered
 from draco_cli.run.folder import RunFolder, StageRecord, file_sha256
 
 if TYPE_CHECKING:
@@ -57,14 +58,15 @@ def stage(rollouts: Path, steps: Path, folder: RunFolder, gold: LLMSettings, opt
         train_step=train_step, render=render, max_tokens=opts.prompt.max_tokens,
         call_log=folder.path / CALL_LOG, drop=opts.credit.drop)
     st = report.phases.get("score")
-    unanswered = report.items - report.items_answered
+    figure = Answered.of(report.phases.values())
+    unanswered = figure.requests - figure.answered
     # no health record: an unanswered gold call leaves the stage partial, never the step
     # unhealthy (the reward does not depend on it)
     status = ("budget reached" if report.budget_reached else
               "done" if unanswered == 0 else "partial")
     calls = {"calls_new": (st.answered + st.unanswered) if st else 0,
              "calls_reused": st.cached if st else 0,
-             "cost_usd": round(st.cost_usd, 6) if st else 0.0,
+             "cost_usd": (round(st.cost_usd, 6) if st.priced else None) if st else 0.0,
              "priced": st.priced if st else True, "unanswered": unanswered}
     return StageRecord(key="", status=status, notes=report.notes, rows=report.rows,
                        calls=calls)

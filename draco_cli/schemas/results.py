@@ -338,13 +338,17 @@ class CostCategory(Table):
 
 
 class CostNaive(Table):
-    """``draco audit cost``: billed tokens and dollars per phase (and ``total``) next to what a
-    naive client would have paid: one call per sample, no prompt caching, no batch discount."""
+    """``draco audit cost``: billed tokens and dollars per phase (and ``all``) next to what a
+    naive client would have paid: one call per sample, no prompt caching, no batch discount.
+    Each phase has a row per route (``online``, ``batch``: calls sent through a provider's
+    batch API, logged with their ``batch_id``) and ``all`` for both."""
 
     table_name: ClassVar[str] = "cost_naive"
-    keys: ClassVar[tuple[str, ...]] = ("phase",)
+    keys: ClassVar[tuple[str, ...]] = ("phase", "route")
 
-    phase: str = Field(description="The LLM phase, or total.")
+    phase: str = Field(description="The LLM phase, or all.")
+    route: Literal["online", "batch", "all"] = Field(
+        description="online, batch (through a batch API: half price), or all.")
     calls: Count = Field(description="Requests billed (one n-choice reply is one request).")
     naive_calls: Count = Field(description="Requests a naive client sends: one per sample.")
     input_tokens: Count = Field(description="Uncached prompt tokens billed.")

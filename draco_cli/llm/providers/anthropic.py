@@ -10,8 +10,9 @@ from typing import Any
 import anthropic
 
 from draco_cli.llm.errors import LLMError, ReplyRefused
-from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, BatchState, Provider, fold_system,
-                                          schema_instruction, split_system, with_instruction)
+from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, DEFAULT_MAX_REPLY_BYTES, BatchState,
+                                          Provider, fold_system, schema_instruction,
+                                          split_system, with_instruction)
 from draco_cli.llm.providers.sdk import get_json, get_text, http_client, jsonl, post_json
 from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage, counts, token_count
 
@@ -37,7 +38,8 @@ class AnthropicProvider(Provider):
             if base_url is None:
                 raise LLMError(f"anthropic/{model}: ANTHROPIC_API_KEY is not set")
             api_key = "none"  # a local or proxy endpoint; the SDK insists on some key
-        http = http_client(anthropic, concurrency, timeout)
+        http = http_client(anthropic, concurrency, timeout,
+                           DEFAULT_MAX_REPLY_BYTES if max_reply_bytes is None else max_reply_bytes)
         self.client = anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0,
                                                timeout=timeout, http_client=http)
 

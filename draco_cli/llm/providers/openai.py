@@ -56,7 +56,7 @@ class OpenAIProvider(Provider):
                 raise LLMError(f"openai/{model}: OPENAI_API_KEY is not set (or use --base-url "
                                "for a self-hosted server, which needs no key)")
             api_key = "none"  # local servers take any key; the SDK insists on one
-        http = http_client(openai, concurrency, timeout)
+        http = http_client(openai, concurrency, timeout, max_reply_bytes)
         self.client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, max_retries=0,
                                          timeout=timeout, http_client=http)
         # absolute, so the SDK does not parse and merge the base URL again on every call

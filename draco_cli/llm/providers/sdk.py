@@ -1,31 +1,123 @@
 """Calls through an SDK's public low-level client (the Anthropic Messages API, OpenAI batch
 files, and OpenAI calls whose authentication or proxy the SDK handles), their typed errors
-mapped to the same ``Retryable`` / ``RequestRejected`` as draco's own route."""
+mapped to the same ``Retryable`` / ``RequestRejected`` as draco's own route, and their replies
+held to the same bounds (``--max-reply-mib``, decompressed; Retry-After and token counts are
+checked in the code both routes share)."""
 
 from __future__ import annotations
 
+import contextvars
 import json
 import time
-from collections.abc import Awaitable, Callable
+import zlib
+from collections.abc import AsyncIterator, Awaitable, Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
-from draco_cli.llm.errors import Retryable
-from draco_cli.llm.providers.http import refused, status_failure, tls_context, transport_failure
+from draco_cli.llm.errors import ReplyRefused, Retryable
+from draco_cli.llm.providers.base import DEFAULT_MAX_REPLY_BYTES
+from draco_cli.llm.providers.http import (refused, status_failure, tls_context, too_large,
+                                          transport_failure)
 
 T = TypeVar("T")
 
+# What draco inflates itself, bounded: an encoding it did not ask for is refused, so brotli or
+# zstd (which httpx inflates whole, a chunk at a time, if their packages are installed) never
+# reach a decoder that cannot stop at the bound.
+ACCEPT_ENCODING = "gzip, deflate"
 
-def http_client(sdk: ModuleType, concurrency: int, timeout: float) -> Any:
+# Set while a batch result file is read (``get_text``): a file of every line's reply grows with
+# the batch, so the per-reply bound does not apply to it (each line is still checked).
+_WHOLE_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("draco_whole_file",
+                                                                   default=False)
+
+
+def http_client(sdk: ModuleType, concurrency: int, timeout: float,
+                max_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> Any:
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
-    concurrency (the SDK's own transport if the aiohttp extra is missing)."""
+    concurrency (the SDK's own transport if the aiohttp extra is missing). Each reply passes
+    ``bounded_reply``: no body over ``max_bytes`` (decompressed) is ever held."""
     import httpx2
 
     limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
+    common: dict[str, Any] = dict(limits=limits, timeout=timeout, verify=tls_context(),
+                                  headers={"Accept-Encoding": ACCEPT_ENCODING},
+                                  event_hooks={"response": [bounded_reply(max_bytes)]})
     try:
-        return sdk.DefaultAioHttpClient(limits=limits, timeout=timeout, verify=tls_context())
+        return sdk.DefaultAioHttpClient(**common)
     except RuntimeError:
-        return sdk.DefaultAsyncHttpxClient(limits=limits, timeout=timeout, verify=tls_context())
+        return sdk.DefaultAsyncHttpxClient(**common)
+
+
+def bounded_reply(limit: int) -> Callable[[Any], Awaitable[None]]:
+    """An httpx response hook (run before the body is read): a declared length over ``limit``
+    is refused at once, and the body is read through ``_Bounded``, which inflates it itself
+    and gives up (``ReplyRefused``, not retried) as soon as it passes ``limit`` bytes."""
+
+    async def hook(response: Any) -> None:
+        if _WHOLE_FILE.get():
+            return
+        declared = response.headers.get("content-length")
+        if declared is not None and declared.strip().isdigit() and int(declared) > limit:
+            raise ReplyRefused(too_large(limit, f"its Content-Length is {int(declared):,} "
+                                                "bytes"))
+        codings = [c.strip().lower() for c in response.headers.get_list(
+            "content-encoding", split_commas=True) if c.strip().lower() not in ("", "identity")]
+        for c in codings:
+            if c not in ("gzip", "x-gzip", "deflate"):
+                raise ReplyRefused(f"reply not used: its Content-Encoding {c[:40]!r} is not one "
+                                   f"draco asked for ({ACCEPT_ENCODING})")
+        if codings:
+            del response.headers["content-encoding"]   # inflated here, so not again by httpx
+        response.stream = _bounded_stream(response.stream, limit, codings)
+
+    return hook
+
+
+def _bounded_stream(inner: Any, limit: int, codings: list[str]) -> Any:
+    import httpx2
+
+    class Bounded(httpx2.AsyncByteStream):
+        async def __aiter__(self) -> AsyncIterator[bytes]:
+            # content codings are listed in the order applied: undone in reverse
+            inflaters = [_Inflater(c) for c in reversed(codings)]
+            size = 0
+            async for chunk in inner:
+                for z in inflaters:
+                    chunk = z.feed(chunk, limit - size)
+                size += len(chunk)
+                if size > limit:
+                    raise ReplyRefused(too_large(limit, "its body (decompressed) is larger"))
+                if chunk:
+                    yield chunk
+
+        async def aclose(self) -> None:
+            await inner.aclose()
+
+    return Bounded()
+
+
+class _Inflater:
+    """One content coding undone with zlib, never producing more than it is allowed."""
+
+    def __init__(self, coding: str) -> None:
+        self.deflate = coding == "deflate"
+        # gzip, or deflate as most servers send it (zlib-wrapped); raw deflate is tried next
+        self.z = zlib.decompressobj(zlib.MAX_WBITS | (0 if self.deflate else 16))
+        self.started = False
+
+    def feed(self, data: bytes, room: int) -> bytes:
+        """At most ``room + 1`` bytes of output: one more than allowed says "too large"."""
+        try:
+            out = self.z.decompress(data, max(room, 0) + 1)
+        except zlib.error:
+            if not (self.deflate and not self.started):
+                raise Retryable("connection error (a compressed body that does not inflate)",
+                                kind="connection") from None
+            self.z = zlib.decompressobj(-zlib.MAX_WBITS)
+            out = self.z.decompress(data, max(room, 0) + 1)
+        self.started = True
+        return out
 
 
 def _sdk_body(exc: Any) -> object:
@@ -52,6 +144,10 @@ async def mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) 
     except sdk.APITimeoutError as exc:
         raise transport_failure(exc) from None
     except sdk.APIConnectionError as exc:
+        # the anthropic SDK wraps whatever its send raised, ``bounded_reply``'s refusal too
+        cause = exc.__cause__ or exc.__context__
+        if isinstance(cause, ReplyRefused):
+            raise cause from None
         if refused(exc):
             raise Retryable("connection refused (is the server running?)",
                             kind="refused") from None
@@ -98,7 +194,11 @@ async def get_text(sdk: ModuleType, client: Any, path: str, label: str,
     options = {"headers": {"Accept": accept}} if accept else {}
 
     async def call() -> str:
-        raw = await client.get(path, cast_to=httpx2.Response, options=options)
+        token = _WHOLE_FILE.set(True)
+        try:
+            raw = await client.get(path, cast_to=httpx2.Response, options=options)
+        finally:
+            _WHOLE_FILE.reset(token)
         text: str = raw.text
         return text
 
