@@ -400,12 +400,13 @@ def test_cli_check_and_export(server, tmp_path):
                        server.url + "/v1")
     # the fake server answers with its default Judgement, which is not a Pong: check fails
     assert env_ok.returncode == 1 and b"failed" in env_ok.stderr
-    server.answer = lambda body, i: '{"answer": "pong", "steps": [1, 2]}'
+    from tests.llm_server import default_answer, schema_answer
+
+    server.answer = schema_answer   # an instance of the judge's schema the check sends
     res = run_draco("llm", "check", "--model", "openai/test-model", "--base-url",
                     server.url + "/v1")
     assert res.returncode == 0 and b"answered valid JSON" in res.stderr
     assert PLANTED.encode() not in res.stderr + res.stdout
-    from tests.llm_server import default_answer
 
     server.answer = default_answer
     with CallLog(tmp_path / "calls.sqlite") as log:
