@@ -194,6 +194,7 @@ class FakeLLMServer:
         self.faults: deque[Fault] = deque()
         self.fault_count = 0
         self.serial = False
+        self.max_model_len: int | None = None   # served in /v1/models as vLLM's ModelCard
         self.capacity: int | None = None   # at most this many requests served at once
         self._slots: asyncio.Semaphore | None = None
         self.in_flight_max = 0   # serial mode: the deepest queue seen
@@ -249,6 +250,7 @@ class FakeLLMServer:
             app.router.add_post("/v1/chat/completions", self.chat)
             app.router.add_post("/v1/messages", self.messages)
             app.router.add_post("/v1/embeddings", self.embeddings)
+            app.router.add_get("/v1/models", self.models)
             app.router.add_post("/v1/files", self.upload)
             app.router.add_get("/v1/files/{id}/content", self.file_content)
             app.router.add_post("/v1/batches", self.create_batch)
@@ -379,6 +381,13 @@ class FakeLLMServer:
         if resp is not None:
             return resp
         return web.json_response(build(body, kind))
+
+    async def models(self, request: web.Request) -> web.Response:
+        """vLLM's model list: each ModelCard carries ``max_model_len`` (its context window)."""
+        card: dict[str, Any] = {"id": "test-model", "object": "model", "owned_by": "vllm"}
+        if self.max_model_len is not None:
+            card["max_model_len"] = self.max_model_len
+        return web.json_response({"object": "list", "data": [card]})
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         return await self._generate(request, "chat", self._completion)

@@ -158,8 +158,10 @@ def _assert_rerun_reasks_only_unanswered(before: list[dict], after: list[dict]) 
 
 
 def test_llm_check_finds_the_settings(llama):
-    res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "64",
-                    "--timeout", "600")
+    # probed at the run's --max-tokens (COMMON): the probe is judge-shaped, and two verdicts
+    # from a 270M model at the server's default temperature do not fit in 64 tokens
+    res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "384",
+                    "--timeout", "900")
     err = res.stderr.decode()
     assert res.returncode == 0, err
     # strict json_schema is rejected, with the server's own reason, and not retried for a minute
@@ -167,6 +169,8 @@ def test_llm_check_finds_the_settings(llama):
     assert "use: " + " ".join(SETTINGS) in err.replace("\n", " ") or all(
         s in err for s in ("--structured-output json-object", "--no-use-n",
                            "--system-role fold", "--concurrency 1")), err
+    # the whole line: the token limit and a timeout that fits it at the measured rate
+    assert "--max-tokens 384 --timeout" in err.replace("\n", " ") and "tokens/s: " in err, err
 
 
 def test_rubric_then_judge_two_samples_rerun_and_kill(llama, tau_slice, tmp_path):

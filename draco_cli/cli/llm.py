@@ -42,20 +42,21 @@ def export(
 def check(
     model: Model,
     base_url: BaseUrl = None,
-    timeout: Timeout = 60.0,
-    max_tokens: MaxTokens = 256,
-    temperature: Temperature = 0.0,
+    timeout: Timeout = 120.0,
+    max_tokens: MaxTokens = 1024,
+    temperature: Temperature = None,
     seed: Seed = None,
     structured_output: StructuredOutput = "auto",
     parallelism: Annotated[bool, typer.Option(
         "--parallelism/--no-parallelism", metavar="",
         help="Measure the server's useful parallelism (1, 2, 4, 8 requests at once).")] = True,
 ) -> None:
-    """Probe a model setup with a few tiny requests: which structured-output form the server
-    takes, whether it honours n, whether its chat format keeps the system role, and its useful
-    parallelism; prints the options to use. A cheap test of keys, URL and schema support.
+    """Probe a model setup with a few small judge-shaped requests, at the temperature, token
+    limit and timeout the run will use: every structured-output form the server takes, whether
+    it honours n, whether its chat format keeps the system role, its useful parallelism,
+    tokens/s and context window; prints the options to run with, the whole line.
 
-    Example: draco llm check --model openai/gemma-3-270m --base-url http://localhost:8000/v1
+    Example: draco llm check --model openai/qwen --base-url http://localhost:8000/v1 --temperature 1
     """
     from draco_cli.llm.checks import run_check
 

@@ -7,10 +7,12 @@ every call sent beyond that waits in its queue, so latency rises while throughpu
 queued calls hit the timeout. The limit starts low and doubles each round (one round = as many
 completions as the limit) while throughput rises with it; when a doubling does not raise
 throughput by ``GAIN`` the limit goes back to the last level that did, and stays there (a probe
-one level up every ``REPROBE`` rounds follows a server that scales up). A call that timed out is
-counted as still running on the server for ``timeout`` more seconds (servers keep computing an
-abandoned request), and the limit halves: the retry of a queued request does not pile a second
-copy on top of the first.
+one level up every ``REPROBE`` rounds follows a server that scales up). A call that timed out halves
+the limit. Its connection is closed, so a server that aborts a request on disconnect (vLLM,
+llama.cpp's llama-server) stops computing it, and no slot is held for it (a "ghost" held another
+``--timeout`` of idle server time); llama-cpp-python's non-streaming route does not abort, and
+``draco llm check`` advises a ``--timeout`` that fits ``--max-tokens`` at the measured rate, so
+a call there times out only by queuing, not by running away.
 """
 
 from __future__ import annotations
@@ -32,7 +34,6 @@ class AdaptiveLimit:
         self.adaptive = adaptive
         self.limit = min(self.maximum, start) if adaptive else self.maximum
         self.in_flight = 0
-        self.ghosts = 0          # timed-out calls the server is presumably still computing
         # Callers waiting for a slot, first come first served. A freed slot is handed to the
         # head waiter directly (one wake-up per slot, not every waiter re-checking a condition:
         # with thousands of calls queued that herd cost more CPU than the calls themselves).
@@ -46,7 +47,7 @@ class AdaptiveLimit:
         self._slot = _Slot(self)
 
     def _free(self) -> bool:
-        return self.in_flight + self.ghosts < self.limit
+        return self.in_flight < self.limit
 
     def _wake(self) -> None:
         """Hand free slots to the waiters at the head of the queue."""
@@ -109,21 +110,14 @@ class AdaptiveLimit:
                 self.limit = min(self.maximum, self.limit * 2)
         self._wake()   # a raised limit frees slots for calls already waiting
 
-    async def timed_out(self, seconds: float) -> None:
-        """A call timed out: halve the limit, and count the abandoned call as running on the
-        server for ``seconds`` more."""
+    def timed_out(self) -> None:
+        """A call timed out: halve the limit. The abandoned call holds no slot: its connection
+        was closed, which a server that aborts on disconnect (vLLM, llama.cpp's llama-server)
+        takes as the end of it, and its retry goes out at once."""
         if self.adaptive:
             self.limit = max(1, self.limit // 2)
             self._growing = False
             self._held = 0
-        self.ghosts += 1
-
-        async def release() -> None:
-            await asyncio.sleep(seconds)
-            self.ghosts -= 1
-            self._wake()
-
-        asyncio.get_running_loop().create_task(release())
 
 
 class _Slot:

@@ -463,7 +463,7 @@ class LLMClient:
                         stats.calls += 1
                         self.rows.failure(req, samples, n, str(exc), exc.body)
                     if exc.kind == "timeout":
-                        await self._sem.timed_out(self.timeout)
+                        self._sem.timed_out()
                     same = same + 1 if exc.body and exc.body == last_body else 0
                     if exc.status == 500 and same >= 2:
                         # Three 500s with one body: the server rejects this request (llama.cpp

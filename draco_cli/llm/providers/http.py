@@ -103,11 +103,14 @@ class AioHttpPost:
         import httpx2
 
         # as the SDK's transport: httpx's TLS context (its CA bundle, SSL_CERT_FILE), its
-        # keep-alive expiry, a timeout per connect and per read rather than for the whole call
+        # keep-alive expiry, a timeout per connect and per read; and one for the whole call
+        # too: a server trickling bytes (keep-alive spaces, a slow stream) never trips a read
+        # timeout, and --timeout promises the call is given up. A call given up closes its
+        # connection, which is what makes vLLM (and llama.cpp's llama-server) abort it.
         connector = aiohttp.TCPConnector(
             limit=self.concurrency, keepalive_timeout=httpx2.Limits().keepalive_expiry or 5.0,
             ssl=tls_context())
-        self.timeout = aiohttp.ClientTimeout(sock_connect=self.timeout_s,
+        self.timeout = aiohttp.ClientTimeout(total=self.timeout_s, sock_connect=self.timeout_s,
                                              sock_read=self.timeout_s, connect=self.timeout_s)
         # trust_env off, as the SDK's own aiohttp session: it would look up netrc and proxy
         # settings in a worker thread on every request (a URL behind a proxy from the
