@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import signal
 import socket
 import sqlite3
@@ -157,11 +158,20 @@ def _assert_rerun_reasks_only_unanswered(before: list[dict], after: list[dict]) 
         assert not new, "the rerun sent requests though every call was answered"
 
 
+def _documented_check() -> list[str]:
+    """The `draco llm check` line of docs/self-hosted.md, as written there."""
+    doc = (REPO / "docs" / "self-hosted.md").read_text()
+    line = next(x for x in doc.splitlines()
+                if x.startswith("draco llm check") and "127.0.0.1:8080" in x)
+    return shlex.split(line)[1:]
+
+
 def test_llm_check_finds_the_settings(llama):
-    # probed at the run's --max-tokens (COMMON): the probe is judge-shaped, and two verdicts
-    # from a 270M model at the server's default temperature do not fit in 64 tokens
-    res = run_draco("llm", "check", "--model", MODEL, "--base-url", llama, "--max-tokens", "384",
-                    "--timeout", "900")
+    # the page's line, at the run's --max-tokens (COMMON): the probe is judge-shaped, and two
+    # verdicts from a 270M model at the server's default temperature do not fit in 64 tokens
+    args = [llama if a == "http://127.0.0.1:8080/v1" else a for a in _documented_check()]
+    assert args[args.index("--max-tokens") + 1] == "384" and llama in args
+    res = run_draco(*args)
     err = res.stderr.decode()
     assert res.returncode == 0, err
     # strict json_schema is rejected, with the server's own reason, and not retried for a minute
