@@ -255,3 +255,41 @@ def test_draco_run_on_the_real_server(llama, tau_slice, tmp_path):
     res = run_draco(*args)
     assert res.returncode == 0, res.stderr.decode()
     _assert_rerun_reasks_only_unanswered(before, _rows(log))
+
+
+def test_hotpotqa_group_through_the_real_server_then_the_step_label_audit(llama, tmp_path):
+    """Issue 29's protocol on a real server: a rubric run on a hotpotqa group with human step
+    labels, then `draco audit step-labels` on that run (the figures of a 270M judge mean little;
+    that they are computed from its verdicts, whole, is the point)."""
+    from tests.conftest import APB_HOTPOT
+
+    if not APB_HOTPOT.exists():
+        pytest.skip("needs ../shared/data (AgentProcessBench hotpotqa)")
+    full = tmp_path / "hotpot"
+    assert run_draco("ingest", "agentprocessbench", str(APB_HOTPOT), "-o",
+                     str(full)).returncode == 0
+    rollouts = pl.read_parquet(full / "rollouts.parquet")
+    mixed = (rollouts.group_by("group_id").agg(pl.col("outcome").n_unique().alias("k"))
+             .filter(pl.col("k") > 1)["group_id"].sort()[0])
+    one = rollouts.filter(pl.col("group_id") == mixed).sort("outcome").group_by(
+        "outcome", maintain_order=True).head(1)          # one losing, one winning rollout
+    d = tmp_path / "data"
+    d.mkdir()
+    one.write_parquet(d / "rollouts.parquet")
+    for name in ("steps", "step_labels"):
+        pl.read_parquet(full / f"{name}.parquet").filter(
+            pl.col("rollout_id").is_in(one["rollout_id"].implode())).write_parquet(
+            d / f"{name}.parquet")
+    run = tmp_path / "run"
+    res = run_draco("run", "--rollouts", str(d / "rollouts.parquet"), "--steps",
+                    str(d / "steps.parquet"), "-o", str(run), "--model", MODEL, "--base-url",
+                    llama, "--max-criteria", "3", *SETTINGS, *COMMON, "--min-answered", "0.5",
+                    "--allow-no-signal")
+    assert res.returncode == 0, res.stderr.decode()
+    _assert_bookkeeping(run / "llm_calls.sqlite")
+    res = run_draco("audit", "step-labels", "--rollouts", str(d), "--run", str(run),
+                    "--bootstrap", "20", "--format", "json")
+    assert res.returncode == 0, res.stderr.decode()
+    sources = {f["source"] for f in json.loads(res.stdout)["figures"]}
+    assert {"run", "uniform", "labels:human", "random_citation"} <= sources
+    assert (run / "audit" / "step_label_audit.parquet").is_file()
