@@ -95,9 +95,28 @@ def _prompts(step, two_outputs=False, equal=False):
     return uids, raw
 
 
-def _expected(cluster, rows):
+def _answered_rows(path) -> int:
+    import sqlite3
+
+    try:
+        with sqlite3.connect(f"file:{path}?mode=ro", uri=True) as conn:
+            return conn.execute("SELECT count(*) FROM calls WHERE status = 'ok'").fetchone()[0]
+    except sqlite3.Error:
+        return 0
+
+
+def _expected(cluster, rows, before=0):
     """Each rollout's advantages from a StepScorer of its own over the same rollouts and call
     log: what draco gives that rollout (every call now answered from the log)."""
+    # the actor flushes its call log when its step ends, which may come just after the batch
+    # is handed back: wait until its answers are on disk (more than ``before``, the count
+    # before the step, and no new rows for a second)
+    deadline, seen, still = time.time() + 60, -1, 0
+    while time.time() < deadline and still < 5:
+        n = _answered_rows(cluster.settings["call_log"])
+        still = still + 1 if n == seen and n > before else 0
+        seen = n
+        time.sleep(0.2)
     tok = chatml_tokenizer()
     with BlockingStepScorer("openai/judge", base_url=cluster.settings["base_url"],
                             call_log=cluster.settings["call_log"], group_size=N,
@@ -231,6 +250,7 @@ def test_v1_rows_carry_their_advantages_through_the_transfer_queue(cluster, v1_m
                                                                     monkeypatch):
     step = 11
     config = _config(workers=2)
+    before = _answered_rows(cluster.settings["call_log"])
     uids, raw, batch = _v1_generate(v1_manager, step, two_outputs=True)
     assert len(batch) == PROMPTS * N + 1                        # one session gave two outputs
     prompts = {u: raw[i][0]["content"] for i, u in enumerate(uids)}
@@ -239,7 +259,7 @@ def test_v1_rows_carry_their_advantages_through_the_transfer_queue(cluster, v1_m
         u, sess, i = k.rsplit("_", 2)
         last[(u, int(sess))] = max(last.get((u, int(sess)), 0), int(i))
     rows = [_rollout(u, sess, prompts[u], step, index=i) for (u, sess), i in last.items()]
-    expected = _expected(cluster, rows)
+    expected = _expected(cluster, rows, before)
     for dp in (2, 4, 8):
         metrics: dict = {}
         meta = KVBatchMeta(partition_id="train", keys=list(batch.keys), tags=list(batch.tags))
