@@ -130,9 +130,13 @@ def read_only(path: str | os.PathLike[str]) -> Iterator[tuple[sqlite3.Connection
 
 
 def reader(path: Path) -> sqlite3.Connection:
-    """A read-only handle on a log a stage may be writing (with a busy wait, so another
-    process's lock is waited out; ``retry_read`` retries what still fails)."""
+    """A handle for reading a log a stage may be writing. A plain handle where the file and its
+    folder are writable (draco's readers issue no write; SQLite may checkpoint on close, as for
+    any reader): a mode=ro handle on a WAL database cannot rebuild the shared-memory index or
+    recover the WAL, and fails with an I/O error while other processes use the log."""
     try:
+        if os.access(path, os.W_OK) and os.access(path.parent, os.W_OK):
+            return sqlite3.connect(path, check_same_thread=False, timeout=10.0)
         return sqlite3.connect(f"file:{path}?mode=ro", uri=True, check_same_thread=False,
                                timeout=10.0)
     except sqlite3.DatabaseError as exc:
