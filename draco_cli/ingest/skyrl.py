@@ -56,17 +56,9 @@ def _decoder(tokenizer: str | None) -> tuple[Callable[[list[int]], str], str]:
     if tokenizer is None:
         raise UsageError("draco ingest skyrl needs --tokenizer PATH (the trainer's "
                          "tokenizer.json): the records hold token ids, the judge reads text")
-    p = Path(tokenizer)
-    p = p / "tokenizer.json" if p.is_dir() else p
-    if not p.is_file():
-        raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
-    from tokenizers import Tokenizer
+    from draco_cli.ingest.tokens import tokenizer_file_decode
 
-    try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as exc:  # the Rust side raises a bare Exception
-        raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
-    return (lambda ids: str(tok.decode(ids, skip_special_tokens=True))), str(p)
+    return tokenizer_file_decode(tokenizer, skip_special_tokens=True)
 
 
 def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,

@@ -29,18 +29,9 @@ def tokenizer_decode(spec: str | None) -> Any:
     if spec is None or spec == "approx":
         raise UsageError("--tokenizer PATH: slime samples hold token ids, and the model's "
                          "tokenizer.json turns each step's ids into the text the judge reads")
-    p = Path(spec)
-    if p.is_dir():
-        p = p / "tokenizer.json"
-    if not p.is_file():
-        raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
-    from tokenizers import Tokenizer
+    from draco_cli.ingest.tokens import tokenizer_file_decode
 
-    try:
-        tok = Tokenizer.from_file(str(p))
-    except Exception as exc:  # the Rust side raises a bare Exception
-        raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
-    return lambda ids: tok.decode(ids, skip_special_tokens=False)
+    return tokenizer_file_decode(spec, skip_special_tokens=False)[0]
 
 
 def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,

@@ -7,6 +7,7 @@ silent default: a log without counts and no ``--tokenizer`` is an error.
 
 from __future__ import annotations
 
+from collections.abc import Callable
 import math
 from pathlib import Path
 from typing import Protocol
@@ -129,3 +130,20 @@ def apportion(total: int, weights: list[int], minimum: list[int]) -> list[int]:
     for i in order[:left]:
         base[i] += 1
     return [b + m for b, m in zip(base, minimum)]
+
+
+def tokenizer_file_decode(path: str, *, skip_special_tokens: bool
+                          ) -> tuple[Callable[[list[int]], str], str]:
+    """``decode(ids) -> str`` of a Hugging Face tokenizer.json (the file, or the folder holding
+    it), and the file's path; for record formats that hold token ids, not text."""
+    p = Path(path)
+    p = p / "tokenizer.json" if p.is_dir() else p
+    if not p.is_file():
+        raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
+    from tokenizers import Tokenizer
+
+    try:
+        tok = Tokenizer.from_file(str(p))
+    except Exception as exc:  # the Rust side raises a bare Exception
+        raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
+    return (lambda ids: str(tok.decode(ids, skip_special_tokens=skip_special_tokens))), str(p)

@@ -95,12 +95,7 @@ def apply_advantages(planned: Sequence[ScoredTrajectory], result: StepResult) ->
                              "scored step", field="uid")
         check_same(p.trajectory, p.layout)
         cuts.append((p.trajectory, step_values(p.layout, row.values)))
-    n = 0
-    for traj, lists in cuts:
-        for step, values in zip(field_of(traj, "steps"), lists):
-            step.advantage = values
-            n += 1
-    return n
+    return _set_steps(cuts)
 
 
 async def assign_advantages(scorer: StepScorer, groups: Sequence[Any], *,
@@ -219,14 +214,19 @@ class EpisodeCredit:
             row = await self.scorer.advantages(uid, self.train_step)
             check_same(traj, layout)
             cuts.append((traj, step_values(layout, row.values)))
-        n = 0
-        for traj, lists in cuts:
-            for step, values in zip(field_of(traj, "steps"), lists):
-                step.advantage = values
-                n += 1
-        return n
+        return _set_steps(cuts)
 
     async def finish(self) -> StepResult:
         result = await self.scorer.finish(self.train_step)
         self._layouts.clear()
         return result
+
+
+def _set_steps(cuts: list[tuple[Any, list[Any]]]) -> int:
+    """Every step's advantage set, only once every trajectory was checked (all or none)."""
+    n = 0
+    for traj, lists in cuts:
+        for step, values in zip(field_of(traj, "steps"), lists):
+            step.advantage = values
+            n += 1
+    return n
