@@ -7,7 +7,7 @@ Runs the real commands (`draco rubric generate`, then `draco judge score --sampl
 slice of the real tau-bench sample (whole groups: the rollouts of a group share a rubric) against the local protocol server with prompt caching
 accounted the way each provider does (``FakeLLMServer(caching=True)``: OpenAI's automatic
 prefix cache, Anthropic's cache_control reads and writes), for openai/gpt-4.1 and
-anthropic/claude-sonnet-4-5 at their list prices (draco_cli/llm/prices.json), k = 1 and 3,
+anthropic/claude-sonnet-4-5 at their list prices, with 0.3 s per call so that calls sent together miss each other's prefixes as they do at the providers (a cache holds a prefix once its prefill is done), (draco_cli/llm/prices.json), k = 1 and 3,
 with the default for a hosted API (batch) and with --no-batch. The figures come from the call
 log through ``draco_cli.audit.billed_vs_naive`` — the function behind `draco audit cost` —
 with the calls sent online and through a batch API apart (``route``).
@@ -38,6 +38,7 @@ sys.path.insert(0, str(REPO))
 
 MODELS = ("openai/gpt-4.1", "anthropic/claude-sonnet-4-5")
 GOAL = {1: 0.6, 3: 0.4}   # online billed ÷ naive, all phases (issue 33)
+LATENCY = 0.3   # s per call: calls sent at once miss each other's prefixes, as at the providers
 
 
 def main() -> None:
@@ -70,7 +71,8 @@ def main() -> None:
     for model in MODELS:
         for k in (1, 3):
             for mode in ("batch", "online"):
-                server = FakeLLMServer(answer=schema_answer, caching=True, batch_polls=1).start()
+                server = FakeLLMServer(answer=schema_answer, caching=True, batch_polls=1,
+                                        latency=LATENCY).start()
                 try:
                     env = {**os.environ, "OPENAI_API_KEY": "sk-bench", "ANTHROPIC_API_KEY":
                            "sk-bench", "OPENAI_BASE_URL": server.url + "/v1",

@@ -38,6 +38,23 @@ def _schema_of(body: dict[str, Any]) -> dict[str, Any] | None:
 
 
 def _sent_schema(body: dict[str, Any]) -> Any:
+    found = _wire_schema(body)
+    if found is not None:
+        return found
+    marker = "matches this JSON schema:\n"
+    for m in reversed(body.get("messages") or []):
+        content = "".join(text for text, _ in _text_of(m.get("content")))
+        if marker in content:  # the prompt form: schema at the end
+            try:
+                return json.loads(content.rsplit(marker, 1)[1])
+            except ValueError:
+                return None
+    return None
+
+
+def _wire_schema(body: dict[str, Any]) -> Any:
+    """The schema a request sends beside its messages (the prompt form sends none: its
+    schema is part of the messages, and is cached as their text)."""
     rf = body.get("response_format") or {}
     if rf.get("type") == "json_schema":
         return (rf.get("json_schema") or {}).get("schema")
@@ -51,14 +68,6 @@ def _sent_schema(body: dict[str, Any]) -> Any:
     for tool in body.get("tools") or []:
         if tool.get("input_schema"):
             return tool["input_schema"]
-    marker = "matches this JSON schema:\n"
-    for m in reversed(body.get("messages") or []):
-        content = m.get("content")
-        if isinstance(content, str) and marker in content:  # the prompt form: schema at the end
-            try:
-                return json.loads(content.rsplit(marker, 1)[1])
-            except ValueError:
-                return None
     return None
 
 
@@ -106,25 +115,33 @@ class PrefixCache:
 
     def openai(self, tokens: list[str]) -> int:
         """Cached tokens of this prompt; the prompt's prefixes are cached for later ones."""
+        hit, new = self.openai_lookup(tokens)
+        self.seen.update(new)
+        return hit
+
+    def openai_lookup(self, tokens: list[str]) -> tuple[int, set[str]]:
+        """(cached tokens, the entries this prompt leaves once its prefill is done)."""
         if len(tokens) < self.minimum:
-            return 0
+            return 0, set()
         cuts = list(range(self.minimum, len(tokens) + 1, self.step))
         hashes = self._hashes(tokens, cuts)
-        hit = max((c for c in cuts if hashes[c] in self.seen), default=0)
-        self.seen.update(hashes.values())
-        return hit
+        return max((c for c in cuts if hashes[c] in self.seen), default=0), set(hashes.values())
 
     def anthropic(self, tokens: list[str], marks: list[int]) -> tuple[int, int]:
         """(cache read, cache write) tokens for a prompt with cache_control marks ending at
         ``marks`` (token positions)."""
+        read, write, new = self.anthropic_lookup(tokens, marks)
+        self.seen.update(new)
+        return read, write
+
+    def anthropic_lookup(self, tokens: list[str], marks: list[int]
+                         ) -> tuple[int, int, set[str]]:
         marks = [m for m in marks if m >= self.minimum]
         if not marks:
-            return 0, 0
+            return 0, 0, set()
         hashes = self._hashes(tokens, marks)
         read = max((m for m in marks if hashes[m] in self.seen), default=0)
-        last = max(marks)
-        self.seen.update(hashes.values())
-        return read, last - read
+        return read, max(marks) - read, set(hashes.values())
 
 
 def _text_of(content: Any) -> list[tuple[str, bool]]:
@@ -141,8 +158,8 @@ def _text_of(content: Any) -> list[tuple[str, bool]]:
 def openai_prompt(body: dict[str, Any]) -> list[str]:
     """The prompt's tokens in the order they are cached: the answer schema (a stable part of
     the prefix), then the messages."""
-    schema = _schema_of(body)
-    head = json.dumps(schema, sort_keys=True) if schema else ""
+    schema = _wire_schema(body)
+    head = json.dumps(schema, sort_keys=True) if isinstance(schema, dict) else ""
     parts = [head] + [f"{m.get('role')}: {json.dumps(m.get('content'))}"
                       for m in body.get("messages") or []]
     return count_tokens("\n".join(parts))
@@ -187,6 +204,7 @@ class FakeLLMServer:
         self.caching = caching
         self.openai_cache = PrefixCache(cache_minimum)
         self.anthropic_cache = PrefixCache(cache_minimum)
+        self._arrived: dict[int, Any] = {}   # request body id -> the cache as it arrived
         self.batch_polls = batch_polls   # polls of a batch before it has ended
         self.batch_faults: deque[Fault] = deque()
         self.answer = answer
@@ -345,7 +363,7 @@ class FakeLLMServer:
                                         "refusal": refusal}})
         if self.caching:  # the prompt is billed once for its n choices
             prompt = openai_prompt(body)
-            p, c = len(prompt), self.openai_cache.openai(prompt)
+            p, c = len(prompt), self._cached(body, lambda: self.openai_cache.openai(prompt))
             completion = out_tokens
         else:
             completion = o * n
@@ -364,6 +382,11 @@ class FakeLLMServer:
         body = await request.json()
         self.bodies.append(body)
         self.headers.append(dict(request.headers))
+        if self.caching and self.latency:
+            # Real caches hold a prefix once its prefill is done, not while it runs: a request
+            # reads what requests answered before it arrived left, and leaves its own entries
+            # when answered (calls sent at once miss each other, as they do at the providers).
+            self._arrived[id(body)] = self._lookup(body, hit)
         if self.serial:  # one request at a time, as llama-cpp-python's server
             if self._lock is None:
                 self._lock = asyncio.Lock()
@@ -381,6 +404,24 @@ class FakeLLMServer:
         if resp is not None:
             return resp
         return web.json_response(build(body, kind))
+
+    def _lookup(self, body: dict[str, Any], hit: str) -> tuple[Any, set[str]]:
+        if hit == "chat":
+            found, new = self.openai_cache.openai_lookup(openai_prompt(body))
+            return found, new
+        read, write, new = self.anthropic_cache.anthropic_lookup(*anthropic_prompt(body))
+        return (read, write), new
+
+    def _cached(self, body: dict[str, Any], now: Callable[[], Any]) -> Any:
+        """The cache's answer for this request: as found when it arrived (with latency), or
+        now; its entries are left either way."""
+        arrived = self._arrived.pop(id(body), None)
+        if arrived is None:
+            return now()
+        found, new = arrived
+        cache = self.openai_cache if isinstance(found, int) else self.anthropic_cache
+        cache.seen.update(new)
+        return found
 
     async def models(self, request: web.Request) -> web.Response:
         """vLLM's model list: each ModelCard carries ``max_model_len`` (its context window)."""
@@ -480,7 +521,7 @@ class FakeLLMServer:
         write = 0
         if self.caching:
             tokens, marks = anthropic_prompt(body)
-            c, write = self.anthropic_cache.anthropic(tokens, marks)
+            c, write = self._cached(body, lambda: self.anthropic_cache.anthropic(tokens, marks))
             p, o = len(tokens), len(count_tokens(text))
         return {"id": "msg_" + uuid.uuid4().hex, "type": "message", "role": "assistant",
                 "model": body.get("model"), "content": [{"type": "text", "text": text}],
@@ -559,3 +600,6 @@ if __name__ == "__main__":
                   batch_polls=1).start(args.host, args.port)
     while True:
         time.sleep(3600)
+
+
+schema_of = _schema_of   # for tests scripting answers: the schema in whichever form it was sent

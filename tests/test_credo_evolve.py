@@ -15,7 +15,7 @@ import pytest
 from draco_cli.credo import plan
 from draco_cli.rubric.core import static_rubrics
 from tests.conftest import REPO, run_draco
-from tests.llm_server import FakeLLMServer
+from tests.llm_server import schema_of, FakeLLMServer
 
 sys.path.insert(0, str(REPO / "examples"))
 from chain_env import ChainEnv, rollout_actions  # noqa: E402
@@ -35,7 +35,7 @@ def scripted(body: dict, i: int) -> str:
             {"op": "remove", "keys": ["c1"], "title": "", "requirement": "", "reason": "noise"},
             {"op": "merge", "keys": ["c9"], "title": "x", "requirement": "y", "reason": "bad"}]})
     # a judge: the new criterion fails an attempt with a wrong call, citing the wrong calls
-    items = body["response_format"]["json_schema"]["schema"]["properties"]["verdicts"]["items"]
+    items = schema_of(body)["properties"]["verdicts"]["items"]
     ids = items["properties"]["criterion_id"]["enum"]
     acts = re.findall(r"### Step (\d+)\nAction:\ncall (right|wrong)", user)
     wrong = [int(s) for s, a in acts if a == "wrong"]

@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 from tests.conftest import run_draco
-from tests.llm_server import FakeLLMServer
+from tests.llm_server import schema_of, FakeLLMServer
 
 SAMPLE = ["--rollouts", "sample_data/appworld_mini/rollouts.parquet", "--steps",
           "sample_data/appworld_mini/steps.parquet", "--setting", "static"]
@@ -33,7 +33,7 @@ def judge(rate):
     def answer(body: dict, i: int) -> str:
         step = int(body["model"].rsplit("-", 1)[1])
         user = body["messages"][-1]["content"]
-        items = body["response_format"]["json_schema"]["schema"]["properties"]["verdicts"][
+        items = schema_of(body)["properties"]["verdicts"][
             "items"]
         ids = items["properties"]["criterion_id"]["enum"]
         cites = items["properties"]["cited_steps"]["items"].get("enum", [])[:1]

@@ -166,7 +166,7 @@ def test_one_truncated_choice_does_not_lose_the_others(server, tmp_path):
 
 def test_anthropic_messages(server, tmp_path):
     with CallLog(tmp_path / "calls.sqlite") as log:
-        c = client(server, log, model="anthropic/test-claude")
+        c = client(server, log, model="anthropic/test-claude", structured_output="output-format")
         [answers] = c.run([req(samples=2, sampling=Sampling(thinking=True, temperature=0.7,
                                                             max_tokens=4000))])
     assert server.hits["messages"] == 2  # one call per sample

@@ -62,13 +62,21 @@ def test_rubric_and_judge_calls_of_a_rollout_share_their_head():
         # a re-ask keeps the head too
         again = reask(sc, Choice(text="{}", finish="stop"), "invalid", "bad")
         assert again[1]["content"].startswith(head)
-    # the group's calls (union, merge) share the group's head: context and task
+    # the group's calls share the group's head (context and task); the union call opens with
+    # its longest rollout in the bytes of that rollout's own calls (its rubric call's cache)
     union = [req for stage, _, _, req in rubric if stage == "union"]
+    assert union
     for u in union:
         gid = u.key
-        member = next(r for r in rollouts.filter(pl.col("group_id") == gid)["rollout_id"])
-        ghead = u.messages[1]["content"][:u.cache_prefix]
-        assert generate[member].messages[1]["content"].startswith(ghead)
+        members = rollouts.filter(pl.col("group_id") == gid)["rollout_id"].to_list()
+        text = u.messages[1]["content"]
+        ghead, rhead = text[:u.cache_marks[0]], text[:u.cache_marks[1]]
+        assert all(generate[m].messages[1]["content"].startswith(ghead) for m in members)
+        lead = [m for m in members if generate[m].messages[1]["content"].startswith(rhead)]
+        assert len(lead) == 1
+        assert len(generate[lead[0]].messages[1]["content"]) == max(
+            len(generate[m].messages[1]["content"]) for m in members)
+        assert text.count("rollout: untrusted data begins") == len(members)
         m = merge_request(gid, rollouts.filter(pl.col("group_id") == gid)["instruction"][0],
                           [{"title": "t", "requirement": "r"}], 8,
                           RenderOptions(redactor=Redactor()), Sampling(),
@@ -110,10 +118,20 @@ def test_anthropic_marks_the_shared_head_where_the_schema_follows_it():
     req = judge[0]
     body = _anthropic("prompt").body(req, req.messages)
     blocks = body["messages"][0]["content"]
-    assert blocks[0]["text"] == req.messages[1]["content"][:req.cache_prefix]
-    assert blocks[0]["cache_control"] == {"type": "ephemeral"}
-    assert "cache_control" not in blocks[1] and "JSON schema" in blocks[1]["text"]
+    text = req.messages[1]["content"]
+    group, rollout = req.cache_marks
+    # the group's head, then the rollout, each marked where it ends; the stage's text after
+    assert [b["text"] for b in blocks[:2]] == [text[:group], text[group:rollout]]
+    assert all(b["cache_control"] == {"type": "ephemeral"} for b in blocks[:2])
+    assert "cache_control" not in blocks[2] and "JSON schema" in blocks[2]["text"]
     assert body["system"][0]["cache_control"] == {"type": "ephemeral"}
+    # k samples mark the whole message too: 4 marks, Anthropic's most
+    _, _, judge3 = _rubric_and_judge(samples=3)
+    body3 = _anthropic("prompt").body(judge3[0], judge3[0].messages)
+    marks = [b for b in body3["messages"][0]["content"] if "cache_control" in b]
+    assert len(marks) + len(body3["system"]) == 4
+    # the hosted APIs default to the prompt form (their caches put a server-side schema first)
+    assert _anthropic("auto").form == "prompt"
     # output_config precedes the system text in the cache order and differs by stage: the
     # head alone is not marked (a write nothing reads); k samples mark the whole message
     one = _anthropic("output-format").body(req, req.messages)

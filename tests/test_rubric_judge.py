@@ -13,7 +13,7 @@ import pytest
 
 from draco_cli.judge.core import aggregate_verdicts
 from tests.conftest import TAU, run_draco
-from tests.llm_server import FakeLLMServer
+from tests.llm_server import schema_of, FakeLLMServer
 
 KEY = "sk-test-planted-0123456789abcdefghij"
 
@@ -25,9 +25,10 @@ def _h(*parts) -> int:
 def scripted(body: dict, i: int) -> str:
     """Answers like a judge would, deterministically, from what the request contains."""
     system = body["messages"][0]["content"] + body["messages"][1]["content"]
-    user = body["messages"][-1]["content"]
+    # the request as it reads without the prompt form's schema (hosted APIs' default)
+    user = body["messages"][-1]["content"].split("\n\nReply with one JSON object only")[0]
     if "strict grader" in system:
-        items = body["response_format"]["json_schema"]["schema"]["properties"]["verdicts"]["items"]
+        items = schema_of(body)["properties"]["verdicts"]["items"]
         ids = items["properties"]["criterion_id"]["enum"]
         steps = items["properties"]["cited_steps"]["items"].get("enum", [])
         out = []
@@ -38,9 +39,9 @@ def scripted(body: dict, i: int) -> str:
         return json.dumps({"verdicts": out})
     if "curate the final" in system:
         lines = [json.loads(x) for x in re.findall(r"^\{.*\}$", user, flags=re.M)]
-        cap = body["response_format"]["json_schema"]["schema"]["properties"]["criteria"]["maxItems"]
+        cap = schema_of(body)["properties"]["criteria"]["maxItems"]
         return json.dumps({"criteria": lines[:cap]})
-    kind = "union" if "SEVERAL attempts" in system else "generate"
+    kind = "union" if "SEVERAL rollouts" in system else "generate"
     task = re.search(r"begins>>>\n(.*?)\n<<<", user, flags=re.S).group(1)[:40]
     return json.dumps({"criteria": [
         {"title": f"{kind} check {k} for {task[:12]}", "requirement": f"Does {k} right."}

@@ -13,7 +13,7 @@ import pytest
 from scipy import stats
 
 from tests.conftest import run_draco
-from tests.llm_server import FakeLLMServer
+from tests.llm_server import schema_of, FakeLLMServer
 from tests.test_judge_health import SAMPLE, STEPS, _u
 
 N = 40
@@ -27,7 +27,7 @@ def judges(train_rate, gold_rate):
         step = int(model.rsplit("-", 1)[1])
         rate = gold_rate(step) if model.startswith("gold-") else train_rate(step)
         user = body["messages"][-1]["content"]
-        items = body["response_format"]["json_schema"]["schema"]["properties"]["verdicts"][
+        items = schema_of(body)["properties"]["verdicts"][
             "items"]
         ids = items["properties"]["criterion_id"]["enum"]
         cites = items["properties"]["cited_steps"]["items"].get("enum", [])[:1]

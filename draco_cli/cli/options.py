@@ -117,7 +117,9 @@ ShowPrompt = Annotated[bool, typer.Option(
     help="Print the rendered prompt for the first rollout and exit; no call.",
         rich_help_panel=PROMPT_PANEL)]
 StructuredOutput = Annotated[str, typer.Option(
-    help="How answers are constrained to JSON: auto, json-schema (OpenAI strict), "
+    help="How answers are constrained to JSON: auto (prompt on the hosted OpenAI and Anthropic "
+    "APIs, whose caches put a server-side schema first; json-schema with --base-url), "
+    "json-schema (OpenAI strict), "
     "json-schema-loose (strict false; SGLang, Ollama), json-object (llama.cpp), vllm "
     "(structured_outputs, vLLM >= 0.12), prompt (schema in the prompt, validated and re-asked), "
     "output-format or tool (Anthropic). `draco llm check` says which one a server takes.",

@@ -130,7 +130,7 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
         json_schema=schema, schema_key=("draco.judge.score_schema", *key),
-        check=verdict_check(ids), messages=messages, cache_prefix=shared)
+        check=verdict_check(ids), messages=messages, cache_marks=shared)
 
 
 @functools.lru_cache(maxsize=64)

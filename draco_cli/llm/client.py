@@ -297,8 +297,11 @@ class LLMClient:
             if len(groups) == 1:   # the common case: no task of its own to gather
                 results = [await self._ask_in_time(provider, req, groups[0])]
             else:
-                results = await asyncio.gather(*(self._ask_in_time(provider, req, g)
-                                                 for g in groups))
+                # One sample ahead of the rest: a provider's prompt cache holds a prompt once
+                # its prefill is done, so samples sent together would each pay (or write) it.
+                results = [await self._ask_in_time(provider, req, groups[0])]
+                results += await asyncio.gather(*(self._ask_in_time(provider, req, g)
+                                                  for g in groups[1:]))
             for group in results:
                 for a in group:
                     answers[a.sample] = a

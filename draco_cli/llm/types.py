@@ -53,11 +53,17 @@ class LLMRequest:
     # body (the judge keys its schema by the group's criterion ids and the step count). Not
     # part of the cache key: the schema's JSON is.
     schema_key: Hashable | None = None
-    # Characters at the head of the first user message that every call about the same rollout
-    # (or group) shares: the data the stages' instructions follow. Providers with explicit
-    # prompt caching (Anthropic's cache_control) mark where it ends. Not part of the cache key
-    # (the messages are).
-    cache_prefix: int = 0
+    # Where the heads of the first user message that other calls share end, ascending: the
+    # group's (task context and task: every call about the group) and the rollout's (its
+    # rubric call, judge samples, re-asks and its group's union call). Providers with explicit
+    # prompt caching (Anthropic's cache_control) mark them. Not part of the cache key (the
+    # messages are).
+    cache_marks: tuple[int, ...] = ()
+
+    @property
+    def cache_prefix(self) -> int:
+        """Characters of the longest shared head (0: none)."""
+        return self.cache_marks[-1] if self.cache_marks else 0
 
     def problem(self, value: BaseModel) -> str | None:
         return self.check(value) if self.check is not None else None

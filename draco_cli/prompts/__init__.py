@@ -6,7 +6,7 @@ Layout (``rules`` and the stage templates): every request's system message is th
 text; its user message opens with the data the request is about (the task context, the task and
 the fenced rollout, or the group's attempts) and only then the stage's own template, criteria
 and candidates — so every call about a rollout (its rubric call, its k judge samples, re-asks)
-starts with the same bytes, which the providers' prompt caches serve (``LLMRequest.cache_prefix``).
+starts with the same bytes, which the providers' prompt caches serve (``LLMRequest.cache_marks``).
 """
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-CURRENT = {"rules": "v1", "generate": "v2", "union": "v2", "merge": "v2", "score": "v3"}
+CURRENT = {"rules": "v1", "generate": "v2", "union": "v3", "merge": "v2", "score": "v3"}
 
 
 @functools.cache

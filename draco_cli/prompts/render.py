@@ -118,12 +118,17 @@ def task_contexts(rollouts: pl.DataFrame, groups: list[str]) -> dict[str, str | 
     return dict(zip(g["group_id"].to_list(), g["task_context"].to_list()))
 
 
-def rollout_prefix(context: str, task: str, trajectory: str, n_steps: int) -> str:
-    """The head of the user message of every call about one rollout (its rubric call, its
-    judge samples, their re-asks): the task context block, the fenced task and the fenced
-    rollout, the same bytes for each, before any stage's instructions."""
-    return (f"{context}Task:\n{task_block(task)}\n\nRollout ({n_steps} steps):\n"
-            f"{fenced('rollout', trajectory)}\n\n")
+def rollout_block(trajectory: str, n_steps: int) -> str:
+    """One fenced rollout, as every call that shows it writes it (the union call shows the
+    group's first rollout in the same bytes as that rollout's own calls)."""
+    return f"Rollout ({n_steps} steps):\n{fenced('rollout', trajectory)}\n\n"
+
+
+def rollout_prefix(context: str, task: str, trajectory: str, n_steps: int) -> list[str]:
+    """The heads of the user message of every call about one rollout (its rubric call, its
+    judge samples, their re-asks): the group's (task context block and fenced task), then the
+    fenced rollout — the same bytes for each, before any stage's instructions."""
+    return [group_prefix(context, task), rollout_block(trajectory, n_steps)]
 
 
 def group_prefix(context: str, task: str) -> str:
@@ -132,10 +137,16 @@ def group_prefix(context: str, task: str) -> str:
     return f"{context}Task:\n{task_block(task)}\n\n"
 
 
-def stage_messages(prefix: str, stage_text: str) -> tuple[list[dict[str, str]], int]:
-    """(messages, cache_prefix): the shared system rules, then one user message of the shared
-    ``prefix`` followed by the stage's own text."""
+def stage_messages(heads: str | list[str], stage_text: str
+                   ) -> tuple[list[dict[str, str]], tuple[int, ...]]:
+    """(messages, cache marks): the shared system rules, then one user message of the shared
+    ``heads`` followed by the stage's own text; a mark where each head ends."""
     from draco_cli.prompts import system_rules
 
+    parts = [heads] if isinstance(heads, str) else heads
+    marks, at = [], 0
+    for part in parts:
+        at += len(part)
+        marks.append(at)
     return ([{"role": "system", "content": system_rules()},
-             {"role": "user", "content": prefix + stage_text}], len(prefix))
+             {"role": "user", "content": "".join(parts) + stage_text}], tuple(marks))

@@ -25,7 +25,8 @@ from draco_cli.errors import InputError
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, group_prefix,
-                                     render_rollout, rollout_prefix, stage_messages)
+                                     render_rollout, rollout_block, rollout_prefix,
+                                     stage_messages)
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client
@@ -131,36 +132,48 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
     context_of = ContextBlocks(render.redactor)
     for group_id, instruction, members, task_context in _groups(rollouts):
         context = context_of(task_context)  # first: the same bytes for every group
+        whole = {rid: render_rollout(instruction, by_rollout.get(rid, empty), render)
+                 for rid in members}
+        union: tuple[list[dict[str, str]], tuple[int, ...]] | None = None
+        if "union" in stages:
+            share = max(render.max_prompt_tokens // max(len(members), 1), 500)
+            blocks, cacheable = [], []
+            for rid in members:
+                steps = by_rollout.get(rid, empty)
+                task, traj = render_rollout(instruction, steps, render, share)
+                blocks.append(rollout_block(traj, steps.height))
+                cacheable.append(traj == whole[rid][1])
+            # First, the longest rollout its share of the budget left whole: in the same bytes
+            # as its own calls, so the union reads that head from the cache its rubric call
+            # left (the order of the attempts carries no meaning in the prompt).
+            first = max((i for i, ok in enumerate(cacheable) if ok),
+                        key=lambda i: len(blocks[i]), default=0)
+            blocks.insert(0, blocks.pop(first))
+            union = stage_messages([group_prefix(context, task), *blocks[:1]],
+                                   "".join(blocks[1:]) + load_prompt("union")[0].format(
+                                       max_candidates=max_criteria))
         if "generate" in stages:
             template, version = load_prompt("generate")
             for rid in members:
-                steps = by_rollout.get(rid, empty)
-                task, traj = render_rollout(instruction, steps, render)
+                task, traj = whole[rid]
                 messages, shared = stage_messages(
-                    rollout_prefix(context, task, traj, steps.height),
+                    rollout_prefix(context, task, traj, by_rollout.get(rid, empty).height),
                     template.format(max_candidates=max_criteria))
                 out.append(("generate", group_id, rid, LLMRequest(
                     phase="generate", key=rid, answer_model=CriteriaAnswer,
                     json_schema=criteria_schema(max_criteria), schema_name="criteria",
                     check=criteria_check(max_criteria),
                     template_version=version, sampling=sampling, messages=messages,
-                    cache_prefix=shared)))
-        if "union" in stages:
-            template, version = load_prompt("union")
-            share = max(render.max_prompt_tokens // max(len(members), 1), 500)
-            blocks = []
-            for k, rid in enumerate(members, start=1):
-                task, traj = render_rollout(instruction, by_rollout.get(rid, empty), render, share)
-                blocks.append(f"Attempt {k}:\n{fenced(f'attempt {k}', traj)}")
-            messages, shared = stage_messages(
-                group_prefix(context, task), "\n\n".join(blocks) + "\n\n"
-                + template.format(max_candidates=max_criteria))
+                    cache_marks=shared)))
+        if union is not None:
+            version = load_prompt("union")[1]
+            messages, shared = union
             out.append(("union", group_id, None, LLMRequest(
                 phase="union", key=group_id, answer_model=CriteriaAnswer,
                 json_schema=criteria_schema(max_criteria), schema_name="criteria",
                 check=criteria_check(max_criteria),
                 template_version=version, sampling=sampling, messages=messages,
-                cache_prefix=shared)))
+                cache_marks=shared)))
     return out
 
 
@@ -179,7 +192,7 @@ def merge_request(group_id: str, instruction: str, candidates: list[dict[str, An
     return LLMRequest(
         phase="merge", key=group_id, answer_model=CriteriaAnswer, template_version=version,
         sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
-        check=criteria_check(max_criteria), messages=messages, cache_prefix=shared)
+        check=criteria_check(max_criteria), messages=messages, cache_marks=shared)
 
 
 def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -202,20 +215,49 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: Client
     from draco_cli.llm.drive import drive
 
     return drive(rubric_stage(rollouts, steps, stages=stages, max_criteria=max_criteria,
-                              render=render, sampling=sampling, pool=pool), client,
+                              render=render, sampling=sampling, pool=pool,
+                              warm=batch is False), client,
                  progress=progress, batch=batch)
+
+
+def _cache_leads(jobs: list[tuple[str, str, str | None, LLMRequest]]) -> list[int]:
+    """Per group, the generate call to send ahead: the one whose rollout opens the group's
+    union call (else the longest), so its answer leaves the heads the others read."""
+    union_head = {g: req.messages[1]["content"][:req.cache_prefix]
+                  for stage, g, _, req in jobs if stage == "union"}
+    best: dict[str, tuple[bool, int, int]] = {}
+    for i, (stage, g, _, req) in enumerate(jobs):
+        if stage != "generate":
+            continue
+        text = req.messages[1]["content"]
+        rank = (text[:req.cache_prefix] == union_head.get(g), len(text), -i)
+        if g not in best or rank > best[g]:
+            best[g] = rank
+    return sorted(-rank[2] for rank in best.values())
 
 
 def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                  stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
                  render: RenderOptions | None = None, sampling: Sampling | None = None,
-                 pool: pl.DataFrame | None = None) -> Stage[RubricResult]:
+                 pool: pl.DataFrame | None = None, warm: bool = True) -> Stage[RubricResult]:
     """The rubric stage as a generator of request lists (``draco_cli.llm.drive``). ``pool``:
-    candidates another run wrote (``rubric_candidates``), merged instead of new ones."""
+    candidates another run wrote (``rubric_candidates``), merged instead of new ones.
+    ``warm``: send each group's lead call a round ahead (online calls; a batch gains nothing
+    and would wait for one more batch)."""
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
-    answers = (yield [j[3] for j in jobs]) if jobs else []
+    leads = _cache_leads(jobs) if warm else []
+    if leads and len(leads) < len(jobs):
+        # Each group's lead call first: a provider's cache holds a prefix once its prefill is
+        # done, so calls sent together all pay it; after the lead, the group's other calls
+        # read its task context, and the union its rollout, from the cache.
+        ahead = dict(zip(leads, (yield [jobs[i][3] for i in leads])))
+        rest = [i for i in range(len(jobs)) if i not in ahead]
+        ahead.update(zip(rest, (yield [jobs[i][3] for i in rest])))
+        answers = [ahead[i] for i in range(len(jobs))]
+    else:
+        answers = (yield [j[3] for j in jobs]) if jobs else []
     cand_rows = []
     for (stage, group_id, origin, _), [answer] in zip(jobs, answers):
         if answer.status != "ok":

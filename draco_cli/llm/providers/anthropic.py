@@ -24,7 +24,9 @@ class AnthropicProvider(Provider):
     name = "anthropic"
     supports_n = False
     forms = ANTHROPIC_FORMS
-    default_form = "output-format"
+    # output_config and tools come ahead of the system text in the cache order: the prompt
+    # form is the one in which a rollout's calls share a cached head (docs/decisions.md)
+    default_form = "prompt"
 
     def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float,
                  structured_output: str | None = None, system_role: bool = True,
@@ -47,10 +49,11 @@ class AnthropicProvider(Provider):
         s = req.sampling
         if self.form == "prompt":
             messages = with_instruction(messages, schema_instruction(req.schema()))
-        shared = req.cache_prefix
+        marks = list(req.cache_marks)
         if not self.system_role:
             folded, _ = split_system(messages)
-            shared += len(folded) + 2 if folded and shared else 0  # system text moved ahead
+            if folded and marks:  # the system text moved ahead of the heads
+                marks = [m + len(folded) + 2 for m in marks]
             messages = fold_system(messages)
         system, chat = split_system(messages)
         body: dict[str, Any] = {"model": self.model, "max_tokens": s.max_tokens,
@@ -68,16 +71,23 @@ class AnthropicProvider(Provider):
         marked: list[dict[str, Any]] = [dict(m) for m in chat]
         # The answer schema (output_config or the tool) comes before the system text in
         # Anthropic's cache order, and rubric and judge calls send different ones: their shared
-        # data is a prefix only when the schema follows it, in the prompt form. Elsewhere the
+        # heads are prefixes only when the schema follows them, in the prompt form. Elsewhere a
         # mark would be a cache write (1.25x) nothing reads; k samples mark the whole message.
-        if self.form == "prompt" and shared and marked and marked[0].get("role") == "user" and \
-                isinstance(marked[0].get("content"), str) and len(marked[0]["content"]) > shared:
-            # One cached prefix per rollout: the data every call about it opens with (its rubric
-            # call, its judge samples, re-asks), marked where the stage's own text begins.
+        if self.form == "prompt" and marks and marked and marked[0].get("role") == "user" and \
+                isinstance(marked[0].get("content"), str):
+            # The group's head (read by every call about the group) and the rollout's (its
+            # rubric call, judge samples, re-asks, its group's union), each marked where it
+            # ends: with the system mark and the k-samples mark at most 4, Anthropic's limit.
             text = marked[0]["content"]
-            marked[0]["content"] = [{"type": "text", "text": text[:shared],
-                                     "cache_control": {"type": "ephemeral"}},
-                                    {"type": "text", "text": text[shared:]}]
+            cuts = [m for m in dict.fromkeys(marks) if 0 < m < len(text)][-2:]
+            blocks: list[dict[str, Any]] = []
+            at = 0
+            for cut in cuts:
+                blocks.append({"type": "text", "text": text[at:cut],
+                               "cache_control": {"type": "ephemeral"}})
+                at = cut
+            if blocks:
+                marked[0]["content"] = [*blocks, {"type": "text", "text": text[at:]}]
         if req.samples > 1 and marked and isinstance(chat[-1].get("content"), str):
             # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
             last = marked[-1]["content"]

@@ -17,7 +17,9 @@ DEFAULT_MAX_REPLY_BYTES = 32 * 2**20
 # How a request asks for a JSON answer (``--structured-output``). Servers differ; `draco llm
 # check` probes which of these a server accepts and prints the one to use.
 STRUCTURED_FORMS = {
-    "auto": "json-schema for openai/ and OpenAI-compatible servers, output-format for anthropic/",
+    "auto": "prompt for the hosted OpenAI and Anthropic APIs (their prompt caches put a "
+            "server-side schema ahead of the messages), json-schema for OpenAI-compatible "
+            "servers (--base-url)",
     "json-schema": "OpenAI response_format json_schema, strict (OpenAI, vLLM, SGLang)",
     "json-schema-loose": "response_format json_schema with strict false (SGLang, Ollama, "
                          "servers that refuse strict)",

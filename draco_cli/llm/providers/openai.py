@@ -47,7 +47,11 @@ class OpenAIProvider(Provider):
         self._openai = openai
         self.model = model
         self.self_hosted = base_url is not None
-        self.form = self._form(structured_output)
+        # OpenAI's prompt cache puts a structured-output schema ahead of the messages, and
+        # each stage sends its own: only the prompt form lets a rollout's calls share a cached
+        # head (docs/decisions.md). Self-hosted servers constrain decoding without it.
+        auto = (structured_output or "auto") == "auto"
+        self.form = "prompt" if auto and not self.self_hosted else self._form(structured_output)
         self.system_role = system_role
         self.supports_n = use_n
         api_key = None
