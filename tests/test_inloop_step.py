@@ -148,6 +148,27 @@ def test_a_restarted_trainer_pays_nothing_twice(server, tmp_path):
         np.testing.assert_array_equal(row.values, again.rows[k].values)
 
 
+def test_a_restart_whose_sessions_finish_in_another_order_pays_nothing_twice(server,
+                                                                           tmp_path):
+    """Sessions finish in a different order every run (verl's workers, async rollouts): the
+    group's requests must not follow it. The rubric's union prompt lists the group's attempts;
+    in arrival order, the verl in-loop test's reference scorer (rows in batch order) missed
+    the actor's union calls, and a restarted trainer would ask them, and pay, again."""
+    log = tmp_path / "calls.sqlite"
+    with BlockingStepScorer("openai/m", base_url=server.url + "/v1", group_size=GROUP,
+                            decode=decode, call_log=log) as s:
+        first = s.score_step(batch(), 1)
+    paid = sum(server.hits.values())
+    with BlockingStepScorer("openai/m", base_url=server.url + "/v1", group_size=GROUP,
+                            decode=decode, call_log=log) as s:
+        again = s.score_step(batch()[::-1], 1)     # every group's members in reverse
+    assert sum(server.hits.values()) == paid
+    assert again.metrics["draco/judge_calls"] == 0
+    assert again.metrics["draco/cached_calls"] == first.metrics["draco/judge_calls"] > 0
+    for k, row in first.rows.items():
+        np.testing.assert_array_equal(row.values, again.rows[k].values)
+
+
 def test_groups_start_judging_while_others_generate(server, tmp_path):
     rollouts = batch(n_groups=2)
 

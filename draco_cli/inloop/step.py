@@ -114,7 +114,8 @@ class StepScorer:
     ``spot_check_seed`` override ``options``' (``draco run``'s ``--rubric-dropout``,
     ``--spot-check``); the gold judge is ``spot_check_model`` with ``spot_check_llm`` (the
     keywords of ``LLMSettings``: base_url…), logged to ``spot_check_call_log`` (default: beside
-    ``call_log``). The spot check runs in ``finish``, after every group is scored."""
+    ``call_log``). The spot check runs in ``finish``, after every group is scored. A group's
+    rollouts are scored in rollout-id order, whatever order they arrived in."""
 
     def __init__(self, model: str, *, call_log: str | Path, group_size: int,
                  decode: Decode, options: RunOptions | None = None,
@@ -183,7 +184,9 @@ class StepScorer:
 
     async def _score(self, st: _Step, group_id: str, g: _Group) -> None:
         try:
-            r, s = trainer_rows(g.members, self.decode)
+            # rollout-id order, not arrival order: the union prompt lists the group's attempts,
+            # and sessions finish in another order every run (a restart would pay again)
+            r, s = trainer_rows(sorted(g.members, key=lambda m: m.rollout_id), self.decode)
             job = asyncio.ensure_future(self.scorer.score_group(r, s))
             try:
                 g.score = await asyncio.wait_for(asyncio.shield(job), self.deadline)

@@ -42,6 +42,9 @@ def _damaged(exc: sqlite3.DatabaseError) -> bool:
 def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> BaseException:
     """The error for a failed read: corruption only when SQLite reports damage."""
     if _damaged(exc):
+        name = getattr(exc, "sqlite_errorname", "") or ""
+        if name.startswith("SQLITE_NOTADB") or "not a database" in str(exc):
+            return _bad(path, f"not a SQLite call log ({exc})")
         return _bad(path, f"corrupt call log ({exc})")
     from draco_cli.errors import DracoError
 
@@ -83,25 +86,15 @@ def _write_failed(path: Path, exc: BaseException) -> BaseException:
 
 def _check_file(path: Path) -> None:
     """Refuse, naming the file and how to recover, anything that is not a whole call log:
-    draco never silently starts over on a damaged log (that would pay for every call again)."""
-    if not path.exists():
-        return
-    size = path.stat().st_size
-    if size == 0:
+    draco never silently starts over on a damaged log (that would pay for every call again).
+
+    Only ``stat`` here: SQLite reads the header when the caller's connection first reads (a
+    file that is not SQLite is SQLITE_NOTADB; one shorter than its header's page count,
+    without a WAL holding the rest, SQLITE_CORRUPT), and ``_unreadable`` names both. The file
+    is never opened outside SQLite: closing a descriptor of it drops every POSIX lock this
+    process holds on it, its live connections' included, and the next process to close the
+    log then takes itself for the last one and deletes the write-ahead log this process still
+    commits into (those answers reach no other reader, and are lost if this process is
+    killed)."""
+    if path.exists() and path.stat().st_size == 0:
         raise _bad(path, "empty file where a call log should be (a truncated copy?)")
-    with open(path, "rb") as f:
-        head = f.read(100)
-    if not head.startswith(b"SQLite format 3\x00"):
-        raise _bad(path, "not a SQLite call log")
-    if len(head) < 100:
-        raise _bad(path, "truncated call log")
-    page = int.from_bytes(head[16:18], "big")
-    page = 65536 if page == 1 else page
-    pages = int.from_bytes(head[28:32], "big")
-    # The header's page count is valid when its version counter matches the change counter,
-    # and only without a write-ahead log: a checkpoint cut short (a full disk) leaves page 1
-    # written and the file short while every frame is still in the WAL.
-    wal = path.with_name(path.name + "-wal")
-    in_wal = wal.exists() and wal.stat().st_size > 0
-    if head[92:96] == head[24:28] and pages and size < page * pages and not in_wal:
-        raise _bad(path, f"truncated call log ({size} bytes, its header says {page * pages})")
