@@ -148,3 +148,22 @@ def test_online_and_batch_calls_are_apart_in_each_phase(server, tmp_path):
 
     assert_frame_equal(billed_vs_naive_logs([tmp_path / "calls.sqlite"], PRICES), table,
                        rel_tol=1e-12)
+
+
+def test_k_samples_without_n_send_one_ahead_so_the_rest_read_its_cache(monkeypatch, tmp_path):
+    """Anthropic answers one sample per call: sent together, each of k calls would write the
+    prompt (the cache holds it once a call is answered); one ahead writes it once."""
+    monkeypatch.setenv("ANTHROPIC_API_KEY", PLANTED)
+    slow = FakeLLMServer(caching=True, latency=0.2).start()
+    try:
+        with CallLog(tmp_path / "c.sqlite") as log:
+            c = client(slow, log, "anthropic/c", concurrency=8, adaptive=False)
+            [answers] = c.run([long_req("k", 3)])
+    finally:
+        slow.stop()
+    assert [a.status for a in answers] == ["ok"] * 3
+    rows = read_cost_rows(tmp_path / "c.sqlite")
+    writes = sorted(rows["cache_write_tokens"].to_list())
+    reads = sorted(rows["cached_tokens"].to_list())
+    assert writes[0] == writes[1] == 0 < writes[2]   # written once
+    assert reads[0] == 0 < reads[1] == reads[2]       # read by the other two

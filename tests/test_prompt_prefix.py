@@ -70,7 +70,10 @@ def test_rubric_and_judge_calls_of_a_rollout_share_their_head():
         gid = u.key
         members = rollouts.filter(pl.col("group_id") == gid)["rollout_id"].to_list()
         text = u.messages[1]["content"]
-        ghead, rhead = text[:u.cache_marks[0]], text[:u.cache_marks[1]]
+        context, group, rollout = u.cache_marks
+        ghead, rhead = text[:group], text[:rollout]
+        assert text[:context].startswith("The agent's own instructions") and \
+            "Task:" not in text[:context]
         assert all(generate[m].messages[1]["content"].startswith(ghead) for m in members)
         lead = [m for m in members if generate[m].messages[1]["content"].startswith(rhead)]
         assert len(lead) == 1
@@ -119,17 +122,21 @@ def test_anthropic_marks_the_shared_head_where_the_schema_follows_it():
     body = _anthropic("prompt").body(req, req.messages)
     blocks = body["messages"][0]["content"]
     text = req.messages[1]["content"]
-    group, rollout = req.cache_marks
-    # the group's head, then the rollout, each marked where it ends; the stage's text after
-    assert [b["text"] for b in blocks[:2]] == [text[:group], text[group:rollout]]
-    assert all(b["cache_control"] == {"type": "ephemeral"} for b in blocks[:2])
-    assert "cache_control" not in blocks[2] and "JSON schema" in blocks[2]["text"]
+    context, group, rollout = req.cache_marks
+    # the task context (shared by groups), the task, the rollout, each marked where it ends;
+    # the stage's text after; the rules take the fourth mark
+    assert [b["text"] for b in blocks[:3]] == [text[:context], text[context:group],
+                                               text[group:rollout]]
+    assert all(b["cache_control"] == {"type": "ephemeral"} for b in blocks[:3])
+    assert "cache_control" not in blocks[3] and "JSON schema" in blocks[3]["text"]
     assert body["system"][0]["cache_control"] == {"type": "ephemeral"}
-    # k samples mark the whole message too: 4 marks, Anthropic's most
+    # k samples mark the whole message instead of the rules: 4 marks, Anthropic's most
     _, _, judge3 = _rubric_and_judge(samples=3)
     body3 = _anthropic("prompt").body(judge3[0], judge3[0].messages)
     marks = [b for b in body3["messages"][0]["content"] if "cache_control" in b]
-    assert len(marks) + len(body3["system"]) == 4
+    assert len(marks) == 4 and "cache_control" not in body3["system"][0]
+    assert marks[-1]["text"].endswith(judge3[0].messages[1]["content"][-40:]) or \
+        "JSON schema" in marks[-1]["text"]
     # the hosted APIs default to the prompt form (their caches put a server-side schema first)
     assert _anthropic("auto").form == "prompt"
     # output_config precedes the system text in the cache order and differs by stage: the
@@ -200,3 +207,49 @@ def test_unpriced_model_stage_lines_say_unpriced(tmp_path):
     cost = (tmp_path / "r.html").read_text().split("id='cost'")[1]
     assert "<td>unpriced</td>" in cost and "unpriced model" in cost
     assert "0.0000" not in cost.split("id='cost-naive'")[0], cost[:3000]
+
+
+def _rubric_calls(tmp_path, warm: bool):
+    """The rubric stage on the sample (a long shared task context) against a server whose
+    cache holds a prefix only once the call that sent it was answered, as the providers'."""
+    from draco_cli.llm import CallLog, LLMClient
+    from draco_cli.llm.drive import drive
+    from draco_cli.rubric.core import rubric_stage
+    from tests.llm_server import FakeLLMServer, schema_answer
+
+    rollouts, steps = _frames("Policy: confirm every change with the user first.\n" * 150)
+    server = FakeLLMServer(answer=schema_answer, caching=True, latency=0.2).start()
+    try:
+        with CallLog(tmp_path / f"calls-{warm}.sqlite") as log:
+            client = LLMClient("openai/m", call_log=log, base_url=server.url + "/v1",
+                               concurrency=16, adaptive=False)
+            drive(rubric_stage(rollouts, steps, render=RenderOptions(redactor=Redactor()),
+                               warm=warm), client)
+    finally:
+        server.stop()
+    import sqlite3
+    from contextlib import closing
+
+    with closing(sqlite3.connect(tmp_path / f"calls-{warm}.sqlite")) as db:
+        rows = db.execute("select phase, key, input_tokens, cached_tokens from calls "
+                          "where status = 'ok'").fetchall()
+    return rows, rollouts["group_id"].n_unique()
+
+
+def test_leads_go_a_round_ahead_so_the_rest_read_the_cache(tmp_path):
+    cold, groups = _rubric_calls(tmp_path, warm=False)
+    warm, _ = _rubric_calls(tmp_path, warm=True)
+
+    def cached(rows, phase):
+        return sum(r[3] for r in rows if r[0] == phase)
+
+    # sent together, no call reads another's prefix: what each group's calls share is paid
+    # by all of them; a round ahead, one call per task context pays it and the rest read it
+    assert cached(cold, "generate") == 0 and cached(cold, "union") == 0
+    assert cached(warm, "generate") > 0
+    # every union call opens with its lead rollout: read from the lead's cache
+    unions = [r for r in warm if r[0] == "union"]
+    assert len(unions) == groups and all(r[3] > 0 for r in unions)
+    billed = {name: sum(r[2] + 0.25 * r[3] for r in rows) for name, rows in
+              (("cold", cold), ("warm", warm))}
+    assert billed["warm"] < 0.9 * billed["cold"], billed

@@ -1,7 +1,8 @@
 """A fleet of judges: several OpenAI-compatible endpoints serving one model, used as one.
 
-Each call goes to the healthy endpoint with the fewest requests outstanding (ties to the one
-that has served least), so a fast replica takes more of the load than a slow one. An endpoint
+Each call goes to the healthy endpoint with the fewest requests outstanding (ties to one not
+yet tried, then to the one whose answers came back fastest), so a fast replica takes more of
+the load than a slow one, also when calls come a few at a time. An endpoint
 whose call fails for a reason of its own (connection refused or dropped, timeout, HTTP 5xx or
 429) is backed off — out of rotation for 1, 2, 4 … up to 30 seconds, reset by its next success —
 and the call is sent again at once to another endpoint; only when every endpoint has failed it
@@ -72,6 +73,7 @@ class Endpoint:
     failed: int = 0
     failures_in_a_row: int = 0
     down_until: float = 0.0
+    seconds: float | None = None   # moving average of its answered calls' wall time
 
     def fail(self) -> None:
         self.failed += 1
@@ -79,7 +81,8 @@ class Endpoint:
         self.down_until = time.monotonic() + min(
             BACKOFF_CAP, BACKOFF_BASE * 2 ** (self.failures_in_a_row - 1))
 
-    def succeed(self) -> None:
+    def succeed(self, seconds: float) -> None:
+        self.seconds = seconds if self.seconds is None else 0.8 * self.seconds + 0.2 * seconds
         self.served += 1
         self.failures_in_a_row = 0
         self.down_until = 0.0
@@ -112,7 +115,8 @@ class EndpointPool(Provider):
             return None
         healthy = [e for e in left if e.down_until <= now]
         if healthy:
-            return min(healthy, key=lambda e: (e.outstanding, e.served + e.failed))
+            return min(healthy, key=lambda e: (e.outstanding, e.seconds is not None,
+                                               e.seconds or 0.0, e.served + e.failed))
         if tried:
             return None   # the rest are backed off: the client waits, then tries again
         return min(left, key=lambda e: e.down_until)   # all down: probe the first back
@@ -128,6 +132,7 @@ class EndpointPool(Provider):
                 raise last
             tried.add(self.endpoints.index(ep))
             ep.outstanding += 1
+            start = time.monotonic()
             try:
                 reply = await ep.provider.complete(req, messages, samples)
             except Retryable as exc:
@@ -141,7 +146,7 @@ class EndpointPool(Provider):
                 continue
             finally:
                 ep.outstanding -= 1
-            ep.succeed()
+            ep.succeed(time.monotonic() - start)
             reply.endpoint = ep.url
             return reply
 

@@ -126,15 +126,16 @@ def rollout_block(trajectory: str, n_steps: int) -> str:
 
 def rollout_prefix(context: str, task: str, trajectory: str, n_steps: int) -> list[str]:
     """The heads of the user message of every call about one rollout (its rubric call, its
-    judge samples, their re-asks): the group's (task context block and fenced task), then the
-    fenced rollout — the same bytes for each, before any stage's instructions."""
-    return [group_prefix(context, task), rollout_block(trajectory, n_steps)]
+    judge samples, their re-asks): the task context (every group that shares it), the fenced
+    task (the group), then the fenced rollout — the same bytes for each, before any stage's
+    instructions."""
+    return [*group_prefix(context, task), rollout_block(trajectory, n_steps)]
 
 
-def group_prefix(context: str, task: str) -> str:
-    """The head of the user message of a group's calls (union, merge): its task context block
-    and fenced task."""
-    return f"{context}Task:\n{task_block(task)}\n\n"
+def group_prefix(context: str, task: str) -> list[str]:
+    """The heads of the user message of a group's calls (union, merge): its task context block
+    (empty without one), then its fenced task."""
+    return [context, f"Task:\n{task_block(task)}\n\n"]
 
 
 def stage_messages(heads: str | list[str], stage_text: str
@@ -146,7 +147,8 @@ def stage_messages(heads: str | list[str], stage_text: str
     parts = [heads] if isinstance(heads, str) else heads
     marks, at = [], 0
     for part in parts:
-        at += len(part)
-        marks.append(at)
+        if part:
+            at += len(part)
+            marks.append(at)
     return ([{"role": "system", "content": system_rules()},
              {"role": "user", "content": "".join(parts) + stage_text}], tuple(marks))

@@ -149,7 +149,7 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
             first = max((i for i, ok in enumerate(cacheable) if ok),
                         key=lambda i: len(blocks[i]), default=0)
             blocks.insert(0, blocks.pop(first))
-            union = stage_messages([group_prefix(context, task), *blocks[:1]],
+            union = stage_messages([*group_prefix(context, task), *blocks[:1]],
                                    "".join(blocks[1:]) + load_prompt("union")[0].format(
                                        max_candidates=max_criteria))
         if "generate" in stages:
@@ -220,9 +220,11 @@ def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: Client
                  progress=progress, batch=batch)
 
 
-def _cache_leads(jobs: list[tuple[str, str, str | None, LLMRequest]]) -> list[int]:
-    """Per group, the generate call to send ahead: the one whose rollout opens the group's
-    union call (else the longest), so its answer leaves the heads the others read."""
+def _cache_rounds(jobs: list[tuple[str, str, str | None, LLMRequest]]) -> list[list[int]]:
+    """The jobs in the rounds that warm the provider's cache: one lead per task context (the
+    first group's), then the other groups' leads, then the rest. A group's lead is the generate
+    call whose rollout opens its union call (else the longest): its answer leaves the heads
+    the group's other calls read. One round when there is nothing to warm."""
     union_head = {g: req.messages[1]["content"][:req.cache_prefix]
                   for stage, g, _, req in jobs if stage == "union"}
     best: dict[str, tuple[bool, int, int]] = {}
@@ -233,7 +235,16 @@ def _cache_leads(jobs: list[tuple[str, str, str | None, LLMRequest]]) -> list[in
         rank = (text[:req.cache_prefix] == union_head.get(g), len(text), -i)
         if g not in best or rank > best[g]:
             best[g] = rank
-    return sorted(-rank[2] for rank in best.values())
+    leads = sorted(-rank[2] for rank in best.values())
+    by_context: dict[str, int] = {}
+    for i in leads:   # a context head: the first of a generate call's three marks
+        req = jobs[i][3]
+        if len(req.cache_marks) == 3:
+            by_context.setdefault(req.messages[1]["content"][:req.cache_marks[0]], i)
+    first = sorted(by_context.values())
+    rounds = [first, [i for i in leads if i not in set(first)],
+              [i for i in range(len(jobs)) if i not in set(leads)]]
+    return [r for r in rounds if r] if len(leads) < len(jobs) else [list(range(len(jobs)))]
 
 
 def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
@@ -247,17 +258,14 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     jobs = stage_requests(rollouts, steps, stages, max_criteria, render, sampling)
-    leads = _cache_leads(jobs) if warm else []
-    if leads and len(leads) < len(jobs):
-        # Each group's lead call first: a provider's cache holds a prefix once its prefill is
-        # done, so calls sent together all pay it; after the lead, the group's other calls
-        # read its task context, and the union its rollout, from the cache.
-        ahead = dict(zip(leads, (yield [jobs[i][3] for i in leads])))
-        rest = [i for i in range(len(jobs)) if i not in ahead]
-        ahead.update(zip(rest, (yield [jobs[i][3] for i in rest])))
-        answers = [ahead[i] for i in range(len(jobs))]
-    else:
-        answers = (yield [j[3] for j in jobs]) if jobs else []
+    answers: list[list[Answer]] = []
+    if jobs:
+        # A provider's cache holds a prefix once its prefill is done, so calls sent together
+        # each pay it: the leads go first (``_cache_rounds``), the rest read what they left.
+        got: dict[int, list[Answer]] = {}
+        for batch_of in (_cache_rounds(jobs) if warm else [list(range(len(jobs)))]):
+            got.update(zip(batch_of, (yield [jobs[i][3] for i in batch_of])))
+        answers = [got[i] for i in range(len(jobs))]
     cand_rows = []
     for (stage, group_id, origin, _), [answer] in zip(jobs, answers):
         if answer.status != "ok":

@@ -64,36 +64,11 @@ class AnthropicProvider(Provider):
             body["tools"] = [{"name": req.schema_name, "input_schema": req.schema(),
                               "description": "Record the answer."}]
             body["tool_choice"] = {"type": "tool", "name": req.schema_name}
+        marked, cuts = mark_heads(chat, marks if self.form == "prompt" else [], req.samples)
         if system:
-            # Prompt caching: the rules are the prefix every rubric and judge call shares.
-            body["system"] = [{"type": "text", "text": system,
-                               "cache_control": {"type": "ephemeral"}}]
-        marked: list[dict[str, Any]] = [dict(m) for m in chat]
-        # The answer schema (output_config or the tool) comes before the system text in
-        # Anthropic's cache order, and rubric and judge calls send different ones: their shared
-        # heads are prefixes only when the schema follows them, in the prompt form. Elsewhere a
-        # mark would be a cache write (1.25x) nothing reads; k samples mark the whole message.
-        if self.form == "prompt" and marks and marked and marked[0].get("role") == "user" and \
-                isinstance(marked[0].get("content"), str):
-            # The group's head (read by every call about the group) and the rollout's (its
-            # rubric call, judge samples, re-asks, its group's union), each marked where it
-            # ends: with the system mark and the k-samples mark at most 4, Anthropic's limit.
-            text = marked[0]["content"]
-            cuts = [m for m in dict.fromkeys(marks) if 0 < m < len(text)][-2:]
-            blocks: list[dict[str, Any]] = []
-            at = 0
-            for cut in cuts:
-                blocks.append({"type": "text", "text": text[at:cut],
-                               "cache_control": {"type": "ephemeral"}})
-                at = cut
-            if blocks:
-                marked[0]["content"] = [*blocks, {"type": "text", "text": text[at:]}]
-        if req.samples > 1 and marked and isinstance(chat[-1].get("content"), str):
-            # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
-            last = marked[-1]["content"]
-            blocks = last if isinstance(last, list) else [{"type": "text", "text": last}]
-            blocks[-1] = {**blocks[-1], "cache_control": {"type": "ephemeral"}}
-            marked[-1]["content"] = blocks
+            body["system"] = [{"type": "text", "text": system}]
+            if cuts < 4 - (req.samples > 1):   # the rules alone: the prefix every call shares
+                body["system"][0]["cache_control"] = {"type": "ephemeral"}
         if marked != chat:
             body["messages"] = marked
         if s.thinking:
@@ -164,6 +139,39 @@ class AnthropicProvider(Provider):
                 out[entry["custom_id"]] = Reply([anthropic_choice(message)], usage, {},
                                                 message, 0.0, batch_id)
         return out
+
+
+def mark_heads(chat: list[dict[str, Any]], marks: list[int], samples: int
+               ) -> tuple[list[dict[str, Any]], int]:
+    """The messages with Anthropic cache marks, and how many heads were marked. Anthropic takes
+    at most 4 marks: k samples put one on the whole message; the heads ``marks`` ends (the task
+    context, every group sharing it; the task, the group; the rollout, its rubric call, judge
+    samples, re-asks and union) take the rest, last first; the rules get one if any is left.
+    ``marks`` is empty outside the prompt form: the answer schema (output_config or the tool)
+    comes before the system text in Anthropic's cache order and rubric and judge calls send
+    different ones, so a mark would be a cache write (1.25x) nothing reads."""
+    marked = [dict(m) for m in chat]
+    room = 4 - (samples > 1)
+    cuts: list[int] = []
+    if marks and marked and marked[0].get("role") == "user" and \
+            isinstance(marked[0].get("content"), str):
+        text = marked[0]["content"]
+        cuts = [m for m in dict.fromkeys(marks) if 0 < m < len(text)][-room:]
+        blocks: list[dict[str, Any]] = []
+        at = 0
+        for cut in cuts:
+            blocks.append({"type": "text", "text": text[at:cut],
+                           "cache_control": {"type": "ephemeral"}})
+            at = cut
+        if blocks:
+            marked[0]["content"] = [*blocks, {"type": "text", "text": text[at:]}]
+    if samples > 1 and marked and isinstance(chat[-1].get("content"), str):
+        # k samples are k calls with one prompt (no n on Anthropic): cache all of it.
+        last = marked[-1]["content"]
+        parts = last if isinstance(last, list) else [{"type": "text", "text": last}]
+        parts[-1] = {**parts[-1], "cache_control": {"type": "ephemeral"}}
+        marked[-1]["content"] = parts
+    return marked, len(cuts)
 
 
 def anthropic_choice(message: dict[str, Any]) -> Choice:
