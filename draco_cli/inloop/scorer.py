@@ -273,9 +273,13 @@ class Scorer:
         if self.static_criteria is not None:   # rubric kind static
             rubrics = static_rubrics(r, self.static_criteria)
         else:
+            # warm=False: groups finish one after another, so the task context is in the
+            # cache from earlier groups; a lead round would lengthen each group's chain by a
+            # call for the union's one cached rollout (docs/decisions.md)
             res = await adrive(rubric_stage(r, s, stages=("generate", "union", "merge"),
                                             max_criteria=o.rubric.max_criteria,
-                                            render=self.render, sampling=self.sampling),
+                                            render=self.render, sampling=self.sampling,
+                                            warm=False),
                                _Tallied(self._clients["rubric"], tally))
             rubrics = res.rubrics
         scored = await adrive(score_stage(r, s, rubrics, samples=o.judge.samples,
