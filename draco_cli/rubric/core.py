@@ -241,10 +241,12 @@ def _cache_rounds(jobs: list[tuple[str, str, str | None, LLMRequest]]) -> list[l
         req = jobs[i][3]
         if len(req.cache_marks) == 3:
             by_context.setdefault(req.messages[1]["content"][:req.cache_marks[0]], i)
-    first = sorted(by_context.values())
-    rounds = [first, [i for i in leads if i not in set(first)],
-              [i for i in range(len(jobs)) if i not in set(leads)]]
-    return [r for r in rounds if r] if len(leads) < len(jobs) else [list(range(len(jobs)))]
+    if len(leads) == len(jobs):
+        return [leads]
+    first, lead_set = set(by_context.values()), set(leads)
+    rounds = [sorted(first), [i for i in leads if i not in first],
+              [i for i in range(len(jobs)) if i not in lead_set]]
+    return [r for r in rounds if r]
 
 
 def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
