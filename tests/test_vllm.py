@@ -259,9 +259,10 @@ def _run_args(vllm, check, tau_group: Path, out: Path) -> list[str]:
             "--steps", str(tau_group / "steps.parquet"), "-o", str(out), "--model", MODEL,
             "--base-url", vllm.url, "--samples", "2", "--max-criteria", "3",
             "--parse-retries", "1", *advised,
-            # a 270M model leaves some calls unanswered and may judge both rollouts alike; the
+            # a 270M model leaves many calls unanswered (one run here: 1 of 4 judge requests
+            # answered, the rest truncated at 256 tokens) and may judge both rollouts alike; the
             # health and signal gates are tested elsewhere, here the server's side is the point
-            "--min-answered", "0.5", "--allow-no-signal"]
+            "--min-answered", "0", "--allow-no-signal"]
 
 
 def test_run_samples_2_killed_mid_judging_resumes_and_hits_the_prefix_cache(
