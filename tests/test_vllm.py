@@ -234,7 +234,8 @@ def _assert_judged_whole(run: Path) -> None:
     raw = pl.read_parquet(run / "judge" / "verdicts_raw.parquet")
     per = raw.group_by("rollout_id").agg(pl.col("sample").unique().sort())
     assert per.height == 2 and all(x == [0, 1] for x in per["sample"].to_list()), per
-    assert _status(run) == "done"
+    # finished: "partial" is a finished run whose stages left calls unanswered, said so
+    assert _status(run) in ("done", "partial")
 
 
 def test_llm_check_finds_n_and_the_window(check):
