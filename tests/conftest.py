@@ -53,16 +53,16 @@ def _reads_real_logs(item) -> bool:
 # Marker `process`: a test that crosses a process boundary — a real subprocess (`draco` run as
 # a user runs it, `process=True`), kill -9, two processes racing for a lock, a Ray cluster, a
 # trainer's own code. These are most of the suite's wall time, so the README's `python -m
-# pytest` leaves them out (pyproject.toml addopts: -m "not process and not llamacpp") and
-# `.ci/run` runs them after it (`-m process`, in parallel). Found from the test's own source,
+# pytest` leaves them out (pyproject.toml addopts: -m "not process and not llamacpp and not
+# vllm") and `.ci/run` runs them after it (`-m process`, in parallel). Found from the test's own source,
 # its fixtures' and the module's helpers it calls, so a new test of that kind is marked without
 # a list to keep; `_PROCESS_TESTS` names the few that reach a process another way.
 _PROCESS = re.compile(r"process=True|subprocess\.(run|Popen|check_call|check_output|call)\b|"
                       r"\bPopen\(|SIGKILL|os\.kill\(|\bray\.init\(|multiprocessing|"
                       r"engine=\"ray\"|\"--engine\", \"ray\"")
 _RAY = re.compile(r"\bray\.init\(|engine=\"ray\"|\"--engine\", \"ray\"|engine_ray")
-# whole modules: the Ray engine (a local cluster of worker processes) and the real llama.cpp server
-_PROCESS_MODULES = {"test_engine_ray.py", "test_llamacpp.py"}
+# whole modules: the Ray engine (a local cluster of worker processes) and the real servers
+_PROCESS_MODULES = {"test_engine_ray.py", "test_llamacpp.py", "test_vllm.py"}
 _PROCESS_TESTS: set[str] = set()  # "test_module.py::test_name" (parametrized ids included)
 
 
@@ -79,7 +79,7 @@ def _sources(item):
 
 
 def _crosses_a_process(item) -> bool:
-    if item.get_closest_marker("trainers") or item.get_closest_marker("llamacpp"):
+    if any(item.get_closest_marker(m) for m in ("trainers", "llamacpp", "vllm")):
         return True
     if item.path.name in _PROCESS_MODULES or item.path.parent.name == "trainers":
         return True
