@@ -320,7 +320,7 @@ def test_run_samples_2_killed_mid_judging_resumes_and_hits_the_prefix_cache(
     # ... and at the server: after the kill it got only what was still unanswered (the judge
     # calls and their re-asks), each logged
     assert new and "score" in {r["phase"] for r in new}
-    assert 0 < len(resent) <= len({(r["key"], r["attempt"]) for r in new}), resent
+    assert 0 < len(resent) <= len(new), resent   # each request writes at least one row
     assert sent and all(code == 200 for code in sent), sent
     _assert_judged_whole(run)
     # k = 2 asked with n = 2 in one request per rollout
