@@ -101,7 +101,9 @@ Thinking = Annotated[Literal["on", "off"], typer.Option(
 MaxTokens = Annotated[int, typer.Option(help="Token limit per answer (at least 16).",
     rich_help_panel=PROMPT_PANEL)]
 MaxPromptTokens = Annotated[int, typer.Option(
-    help="Prompt budget (at least 500): long observations are shortened in the middle to fit.",
+    help="Prompt budget, tokens (at least 500; estimated at 4 characters a token): the whole "
+    "prompt — task context, task, steps and an allowance of 1000 for the instructions, criteria "
+    "and schema; long observations are shortened in the middle to fit.",
         rich_help_panel=PROMPT_PANEL)]
 Redact = Annotated[list[str] | None, typer.Option(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "

@@ -21,7 +21,8 @@ from pydantic import BaseModel
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_steps,
-                                     rollout_prefix, stage_messages, task_contexts)
+                                     rollout_budget, rollout_prefix, stage_messages,
+                                     task_contexts)
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client, Stage
@@ -110,7 +111,8 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
                    context: str = "") -> LLMRequest:
     """``context``: the rendered task-context block (``ContextBlocks``), or ""."""
     template, version = prompt
-    task, traj = render_steps(instruction, numbers, actions, observations, render)
+    task, traj = render_steps(instruction, numbers, actions, observations, render,
+                              rollout_budget(render, context, instruction))
     m = len(numbers)
     # The rollouts of a group with as many steps share one schema: made, and encoded for the
     # cache key and the body, once (``schema_key``).

@@ -11,6 +11,10 @@ import polars as pl
 from draco_cli.redact import Redactor
 
 CHARS_PER_TOKEN = 4  # prompt budgets are estimates; the provider's count is what is billed
+# What a prompt holds besides the task context, the task and the steps: the rules, the stage's
+# instructions, the criteria or candidates, the answer schema in the prompt form. One allowance
+# for every stage, so that a rollout's steps render to the same bytes in each (one cached head).
+PROMPT_RESERVE_TOKENS = 1000
 
 
 def fence_token(text: str) -> str:
@@ -40,6 +44,15 @@ class RenderOptions:
     max_prompt_tokens: int = 24000
     observation_chars: int = 2000  # before budget-driven shortening
     redactor: Redactor | None = None
+
+
+def rollout_budget(opts: RenderOptions, context: str, instruction: str) -> int:
+    """Tokens left for a rollout's steps under ``max_prompt_tokens`` (the whole prompt's
+    budget) once its task context block, its task and the stages' allowance are counted; at
+    least 250 (a window too small for the task context is the server's to refuse, with its
+    reason)."""
+    used = (len(context) + len(instruction)) // CHARS_PER_TOKEN + PROMPT_RESERVE_TOKENS
+    return max(opts.max_prompt_tokens - used, 250)
 
 
 def render_rollout(instruction: str, steps: pl.DataFrame, opts: RenderOptions,

@@ -25,7 +25,8 @@ from draco_cli.errors import InputError
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, group_prefix,
-                                     render_rollout, rollout_block, rollout_prefix,
+                                     render_rollout, rollout_block, rollout_budget,
+                                     rollout_prefix,
                                      stage_messages)
 
 if TYPE_CHECKING:
@@ -132,11 +133,12 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
     context_of = ContextBlocks(render.redactor)
     for group_id, instruction, members, task_context in _groups(rollouts):
         context = context_of(task_context)  # first: the same bytes for every group
-        whole = {rid: render_rollout(instruction, by_rollout.get(rid, empty), render)
+        budget = rollout_budget(render, context, instruction)
+        whole = {rid: render_rollout(instruction, by_rollout.get(rid, empty), render, budget)
                  for rid in members}
         union: tuple[list[dict[str, str]], tuple[int, ...]] | None = None
         if "union" in stages:
-            share = max(render.max_prompt_tokens // max(len(members), 1), 500)
+            share = max(budget // max(len(members), 1), 500)
             blocks, cacheable = [], []
             for rid in members:
                 steps = by_rollout.get(rid, empty)
