@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import inspect
 import json
+import os
 import re
 import subprocess
 import sys
@@ -10,7 +11,6 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parent.parent
-import os
 
 SHARED_DATA = Path(os.environ.get("DRACO_SHARED_DATA", REPO.parent / "shared" / "data"))
 TAU = SHARED_DATA / "tau-bench" / "gpt-4o-airline-15tasks.json"
@@ -20,6 +20,16 @@ APB = SHARED_DATA / "agentprocessbench"
 APB_HOTPOT = APB / "hotpotqa.jsonl"
 APB_JUDGES = ("gpt-5.2", "deepseek-chat", "deepseek-reasoner")
 SAMPLE = REPO / "sample_data" / "appworld_mini.jsonl"
+
+
+# Property tests draw a fifth of their examples in a maintainer's run of the README's command
+# (a quick loop); `.ci/run` sets DRACO_THOROUGH=1 and every one draws them all.
+THOROUGH = os.environ.get("DRACO_THOROUGH", "") not in ("", "0")
+
+
+def examples(n: int) -> int:
+    """Hypothesis ``max_examples`` for a property test written for ``n``."""
+    return n if THOROUGH else max(20, n // 5)
 
 
 MISSING_DATA = [p for p in (TAU, TAU2, TAU2_FT, APB_HOTPOT) if not p.exists()]

@@ -18,6 +18,7 @@ from draco_cli.credit import (
 )
 from draco_cli.errors import InputError, UsageError
 from tests.reference_credit import reference
+from tests.conftest import examples
 
 
 def frames(rollouts, steps, verdicts):
@@ -106,7 +107,7 @@ def run_props(rollouts, scale=1.0, flip_quality=False, credit="step"):
     return table.sort("rollout_id", "step"), dict(modes.iter_rows())
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.lists(rollout_st, min_size=1, max_size=30))
 def test_conservation_sign_and_modes(rollouts):
     table, modes = run_props(rollouts)
@@ -122,7 +123,7 @@ def test_conservation_sign_and_modes(rollouts):
             assert mine["advantage"].to_list() == [A] * len(n)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(rollout_st, min_size=1, max_size=20), st.floats(0.01, 100), st.randoms())
 def test_length_independence_and_linearity(rollouts, c, rnd):
     base, _ = run_props(rollouts)
@@ -141,7 +142,7 @@ def test_length_independence_and_linearity(rollouts, c, rnd):
                                rtol=1e-9, atol=1e-12)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(rollout_st, min_size=1, max_size=20))
 def test_mirror_symmetry(rollouts):
     """A loser step of quality Q gets the weight a winner step of quality 1 − Q gets."""
@@ -153,7 +154,7 @@ def test_mirror_symmetry(rollouts):
                                win["weight"].fill_null(-1).to_numpy(), rtol=1e-12)
 
 
-@settings(max_examples=100, deadline=None)
+@settings(max_examples=examples(100), deadline=None)
 @given(st.lists(st.tuples(st.lists(st.integers(1, 400), min_size=1, max_size=10),
                           st.sampled_from([(1, 0), (0, 1), (2, 2)]),
                           st.floats(-5, 5, allow_nan=False)), min_size=1, max_size=20))
@@ -166,7 +167,7 @@ def test_constant_weights_give_equal_totals(rollouts):
         np.testing.assert_allclose(totals, A * sum(n) / len(n), rtol=1e-9, atol=1e-12)
 
 
-@settings(max_examples=50, deadline=None)
+@settings(max_examples=examples(50), deadline=None)
 @given(st.lists(rollout_st, min_size=1, max_size=20))
 def test_uniform_mode_is_baseline_grpo(rollouts):
     table, modes = run_props(rollouts, credit="uniform")
@@ -201,7 +202,7 @@ def pipeline_inputs(draw):
     return rollouts, steps, verdicts
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(pipeline_inputs(), st.sampled_from(["step", "uniform"]),
        st.sampled_from([("grpo", "sample"), ("grpo", "population"), ("grpo", "none"),
                         ("rloo", "sample")]),

@@ -14,10 +14,10 @@ from hypothesis import strategies as st
 from draco_cli.credo import allocate, correct, fit_heads, plan, weighted_ridge
 from draco_cli.credo.exact_check import exact_check
 from draco_cli.errors import InputError, UsageError
-from tests.conftest import run_draco
+from tests.conftest import examples, run_draco
 
 
-@settings(max_examples=200, deadline=None)
+@settings(max_examples=examples(200), deadline=None)
 @given(st.integers(2, 40), st.integers(0, 10**6), st.floats(0.05, 0.95))
 def test_allocation_kkt(n, seed, share):
     rng = np.random.default_rng(seed)

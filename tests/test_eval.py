@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.evaluate.core import compare, evaluate
-from tests.conftest import TAU, run_draco
+from tests.conftest import TAU, examples, run_draco
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +190,7 @@ def test_unbalanced_trials_match_display_metrics(tmp_path, seed, n_drop):
     assert drop["retention"]["tasks"] == len(full)
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(st.integers(1, 12), st.integers(1, 6), st.integers(0, 10**6), st.floats(0, 0.6))
 def test_display_metrics_property(n_tasks, n_trials, seed, p_drop):
     import random

@@ -7,7 +7,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.ingest.jsonstream import JsonStream, iter_object_with_array
-from tests.conftest import TAU, TAU2
+from tests.conftest import TAU, TAU2, examples
 
 json_values = st.recursive(
     st.none() | st.booleans() | st.integers() | st.floats(allow_nan=False, allow_infinity=False)
@@ -17,7 +17,7 @@ json_values = st.recursive(
 )
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(json_values, max_size=8), st.integers(1, 64), st.sampled_from(["", " ", "\n  "]))
 def test_array_stream_equals_json_load(items, chunk, ws):
     text = ws + "[" + ws + ("," + ws).join(json.dumps(x) for x in items) + ws + "]" + ws

@@ -9,9 +9,10 @@ from hypothesis import strategies as st
 
 from draco_cli.judge.core import ScoreAnswer, ScoreStats, VerdictItem, verdict_rows
 from draco_cli.llm.types import Answer
+from tests.conftest import examples
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(st.lists(st.lists(st.integers(-3, 12), max_size=8), min_size=1, max_size=4),
        st.integers(0, 9))
 def test_citations_kept_and_dropped_as_the_rule_says(cited, n_steps):

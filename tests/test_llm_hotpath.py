@@ -16,6 +16,7 @@ from draco_cli.judge.core import ScoreAnswer
 from draco_cli.llm.adaptive import AdaptiveLimit
 from draco_cli.llm.providers.openai import wire_json
 from draco_cli.llm.types import LLMRequest, Sampling
+from tests.conftest import examples
 
 
 def documented_hash(r: LLMRequest, sample: int, model: str | None) -> str:
@@ -28,7 +29,7 @@ def documented_hash(r: LLMRequest, sample: int, model: str | None) -> str:
 texts = st.text(min_size=0, max_size=40)
 
 
-@settings(max_examples=60, deadline=None)
+@settings(max_examples=examples(60), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["system", "user", "assistant"]), texts), max_size=4),
        texts, st.one_of(st.none(), st.floats(0, 2)), st.one_of(st.none(), st.integers(0, 9)),
        st.integers(0, 5), st.one_of(st.none(), texts),
@@ -41,7 +42,7 @@ def test_cache_key_is_the_documented_hash(msgs, template, temp, seed, sample, mo
     assert r.hash(sample, None) == documented_hash(r, sample, None)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(st.sampled_from(["system", "user"]), texts), max_size=3),
        st.dictionaries(st.sampled_from(["model", "n", "max_tokens", "seed"]),
                        st.one_of(st.integers(), texts), max_size=4))

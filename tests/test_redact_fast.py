@@ -14,7 +14,7 @@ from hypothesis import strategies as st
 
 from draco_cli import redact as R
 from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor
-from tests.conftest import SHARED_DATA
+from tests.conftest import SHARED_DATA, examples
 
 PLAIN = re.compile("|".join(DEFAULT_PATTERNS))
 TEMPLATE = "".join(rf"\g<{name}>" for name in R.KEPT) + MASK
@@ -43,7 +43,7 @@ texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)),
                  max_size=30).map("".join)
 
 
-@settings(max_examples=600, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(600), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(texts)
 @example("pa\u017f\u017fword=hunter2")              # the long s: (?i) reads it as "s"
 @example("\u017fecret_access_key=" + "A" * 40)
@@ -59,7 +59,7 @@ def test_one_text_as_the_plain_pass(text):
             R.PIECES_MIN_CHARS = saved
 
 
-@settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(st.lists(texts, max_size=12), st.sampled_from([0, R.MANY_MIN_CHARS]))
 @example(["a" * 3000, "x pa\u017f\u017fword=hunter2"], R.MANY_MIN_CHARS)
 @example(["b" * 3000, "Bearer abcdefghijklmnop"], R.MANY_MIN_CHARS)
@@ -76,7 +76,7 @@ def test_many_texts_as_the_plain_pass(batch, min_chars):
     assert r.count == sum(d[1] for d in done)
 
 
-@settings(max_examples=600, deadline=None)
+@settings(max_examples=examples(600), deadline=None)
 @given(texts)
 def test_the_batch_screen_never_clears_a_text_the_plain_pass_changes(text):
     if PLAIN.search(text):

@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 
 from draco_cli.credit import compute_credit
 from draco_cli.credit.dropout import dropped_criteria
-from tests.conftest import run_draco
+from tests.conftest import examples, run_draco
 from tests.reference_credit import reference
 from tests.test_credit import frames, pipeline_inputs
 from tests.test_golden_outputs import GOLDEN, REPLAY, SAMPLE_R, SAMPLE_S, digest_folder
@@ -97,7 +97,7 @@ def test_bad_p_is_a_usage_error(tmp_path):
         assert b"Traceback" not in res.stderr
 
 
-@settings(max_examples=150, deadline=None)
+@settings(max_examples=examples(150), deadline=None)
 @given(pipeline_inputs(), st.sampled_from([0.25, 0.5, 0.9]), st.integers(0, 50),
        st.sampled_from(["step", "uniform"]))
 def test_dropout_is_the_reference_without_the_dropped(inputs, p, seed, credit):

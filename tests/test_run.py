@@ -2,8 +2,8 @@
 each stage reads, the manifest as stages finish, the health check, the folder lock, resume
 after kill -9 and Ctrl-C, and run folders read from anywhere (report, eval, audit).
 
-Commands run in-process (typer's CliRunner) unless a real process is the point: the README
-command, kill -9, Ctrl-C and two concurrent writers."""
+Commands run in-process (the CLI's entry point, ``run_draco``) unless a real process is the
+point: the README command, kill -9, Ctrl-C and two concurrent writers."""
 
 from __future__ import annotations
 
@@ -20,11 +20,8 @@ import time
 import polars as pl
 import pytest
 
-from typer.testing import CliRunner
 
-from draco_cli.cli import app
-from draco_cli.errors import DracoError
-from tests.conftest import REPO, TAU
+from tests.conftest import REPO, TAU, run_draco
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 
@@ -87,20 +84,9 @@ class Result:
 
 
 def draco(*args: str, cwd=None) -> Result:
-    """The CLI in-process, mapping library errors as ``draco_cli.cli.main`` does."""
-    old = os.getcwd()
-    if cwd is not None:
-        os.chdir(cwd)
-    try:
-        res = CliRunner().invoke(app, [str(a) for a in args])
-    finally:
-        os.chdir(old)
-    code, err = res.exit_code, res.stderr
-    if isinstance(res.exception, DracoError):
-        code, err = res.exception.exit_code, err + f"error: {res.exception}\n"
-    elif res.exception is not None and not isinstance(res.exception, SystemExit):
-        raise res.exception
-    return Result(code, err)
+    """The CLI's entry point in this process (``run_draco``), stderr as text."""
+    res = run_draco(*args, cwd=cwd)
+    return Result(res.returncode, res.stderr.decode())
 
 
 def wait_for(condition, what: str, timeout: float = 60.0) -> None:

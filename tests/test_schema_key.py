@@ -16,6 +16,7 @@ from draco_cli.llm.providers.openai import OpenAIProvider
 from draco_cli.llm.types import LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import RenderOptions
+from tests.conftest import examples
 
 
 def documented_hash(r: LLMRequest, sample: int, model: str | None) -> str:
@@ -33,7 +34,7 @@ def provider(monkeypatch) -> OpenAIProvider:
 ids_ = st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4, unique=True)
 
 
-@settings(max_examples=40, deadline=None)
+@settings(max_examples=examples(40), deadline=None)
 @given(st.lists(st.tuples(ids_, st.integers(0, 4), st.text(max_size=20)), min_size=1,
                 max_size=6),
        st.one_of(st.none(), st.floats(0, 2)), st.integers(1, 3))

@@ -10,6 +10,7 @@ from hypothesis import strategies as st
 
 from draco_cli.credit import compute_credit
 from draco_cli.credit.tokens import build_token_advantages, dense_to_spans, spans_to_dense
+from tests.conftest import examples
 
 
 def setup(credit="step", token_start=True, spans=True, verdicts=None):
@@ -108,7 +109,7 @@ dense_rows = st.lists(
     min_size=1, max_size=12)
 
 
-@settings(max_examples=300, deadline=None)
+@settings(max_examples=examples(300), deadline=None)
 @given(dense_rows)
 def test_dense_spans_dense_is_exact(rows):
     df = pl.DataFrame({"rollout_id": [f"r{i}" for i in range(len(rows))],
