@@ -34,7 +34,7 @@ def examples(n: int) -> int:
 
 MISSING_DATA = [p for p in (TAU, TAU2, TAU2_FT, APB_HOTPOT) if not p.exists()]
 # A test reads the real logs when it or one of its fixtures names them.
-_REAL_DATA = re.compile(r"\b(TAU|TAU2|TAU2_FT|SHARED_DATA|APB|APB_HOTPOT)\b")
+_REAL_DATA = re.compile(r"\b(TAU|TAU2|TAU2_FT|SHARED_DATA|APB|APB_HOTPOT|tau_slice_tables)\b")
 
 
 def pytest_configure(config):
@@ -178,6 +178,21 @@ def _run_in_process(args: list[str], input: bytes | None, cwd: Path):
         sys.argv, sys.stdin, sys.stdout, sys.stderr, cwd_before, _allocator.tune_allocator = saved
         os.chdir(cwd_before)
     return subprocess.CompletedProcess(["draco", *args], code, stdout, stderr)
+
+
+def tau_slice_tables(d: Path, pick) -> Path:
+    """The real tau-bench sample ingested into ``d/all``, and the rollouts ``pick`` keeps from
+    its rollouts table (with their steps) written to ``d``: the inputs of a real-server test."""
+    import polars as pl
+
+    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
+                     "-o", str(d / "all")).returncode == 0
+    keep = pick(pl.read_parquet(d / "all" / "rollouts.parquet"))
+    pl.read_parquet(d / "all" / "steps.parquet").filter(
+        pl.col("rollout_id").is_in(keep["rollout_id"].implode())).write_parquet(
+        d / "steps.parquet")
+    keep.write_parquet(d / "rollouts.parquet")
+    return d
 
 
 def write_jsonl(path: Path, rows: list) -> Path:

@@ -31,7 +31,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import REPO, TAU, run_draco
+from tests.conftest import REPO, run_draco, tau_slice_tables
 
 pytestmark = pytest.mark.llamacpp
 
@@ -107,18 +107,11 @@ def llama(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tau_slice(tmp_path_factory):
     """Two tasks of the real tau-bench sample, two rollouts each."""
-    d = tmp_path_factory.mktemp("tau")
-    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
-                     "-o", str(d / "all")).returncode == 0
-    rollouts = pl.read_parquet(d / "all" / "rollouts.parquet")
-    groups = rollouts["group_id"].unique(maintain_order=True).to_list()[:2]
-    keep = (rollouts.filter(pl.col("group_id").is_in(groups))
-            .group_by("group_id", maintain_order=True).head(2))
-    steps = pl.read_parquet(d / "all" / "steps.parquet").filter(
-        pl.col("rollout_id").is_in(keep["rollout_id"].implode()))
-    keep.write_parquet(d / "rollouts.parquet")
-    steps.write_parquet(d / "steps.parquet")
-    return d
+    def pick(rollouts):
+        groups = rollouts["group_id"].unique(maintain_order=True).to_list()[:2]
+        return (rollouts.filter(pl.col("group_id").is_in(groups))
+                .group_by("group_id", maintain_order=True).head(2))
+    return tau_slice_tables(tmp_path_factory.mktemp("tau"), pick)
 
 
 def _rows(log: Path) -> list[dict]:

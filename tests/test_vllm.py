@@ -33,7 +33,7 @@ from pathlib import Path
 import polars as pl
 import pytest
 
-from tests.conftest import REPO, TAU, run_draco
+from tests.conftest import REPO, run_draco, tau_slice_tables
 
 pytestmark = pytest.mark.vllm
 
@@ -169,18 +169,12 @@ def vllm(tmp_path_factory):
 @pytest.fixture(scope="module")
 def tau_group(tmp_path_factory):
     """One real tau-bench group, two rollouts (its task context, the airline policy, kept)."""
-    d = tmp_path_factory.mktemp("tau")
-    assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx",
-                     "-o", str(d / "all")).returncode == 0
-    rollouts = pl.read_parquet(d / "all" / "rollouts.parquet")
-    # group 12: its rollouts fit the window whole (~2,950 Gemma tokens a prompt)
-    keep = rollouts.filter(pl.col("group_id") == "12").head(2)
-    assert keep.height == 2
-    steps = pl.read_parquet(d / "all" / "steps.parquet").filter(
-        pl.col("rollout_id").is_in(keep["rollout_id"].implode()))
-    keep.write_parquet(d / "rollouts.parquet")
-    steps.write_parquet(d / "steps.parquet")
-    return d
+    def pick(rollouts):
+        # group 12: its rollouts fit the window whole (~2,950 Gemma tokens a prompt)
+        keep = rollouts.filter(pl.col("group_id") == "12").head(2)
+        assert keep.height == 2
+        return keep
+    return tau_slice_tables(tmp_path_factory.mktemp("tau"), pick)
 
 
 def _documented_check() -> list[str]:
