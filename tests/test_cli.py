@@ -36,6 +36,10 @@ def test_every_command_has_help_with_an_example():
 
 def test_no_command_is_usage_error():
     assert run_draco(process=True).returncode == 2
+    # a group without its command: the group's help, once (typer's rich help prints itself)
+    res = run_draco("judge", process=True)
+    assert res.returncode == 2 and res.stdout.decode().count("Usage:") == 1
+    assert "Judging rollouts against rubrics" in res.stdout.decode()
 
 
 def test_usage_errors_exit_2():
@@ -43,6 +47,17 @@ def test_usage_errors_exit_2():
     assert res.returncode == 2
     res = run_draco("ingest", "tau-bench", str(TAU), "-o", "y", "--step-unit", "paragraph")
     assert res.returncode == 2
+
+
+def test_a_usage_error_is_one_line_and_no_help():
+    """Typer's rich help prints as it is formatted: a usage error once printed the command's
+    whole help on stdout before its one line."""
+    for args in (("judge", "score", "--rollouts", "nope.parquet"), ("run", "--samples", "x"),
+                 ("credit", "compute", "--nope")):
+        res = run_draco(*args)
+        assert res.returncode == 2, args
+        assert res.stdout == b"", (args, res.stdout[:200])
+        assert len(res.stderr.decode().strip().splitlines()) == 1, res.stderr
 
 
 def test_ingest_sample_and_validate(tmp_path):

@@ -105,8 +105,12 @@ def main() -> None:
 
         ctx = getattr(exc, "ctx", None)
         message = exc.format_message()
-        if ctx is not None and message == ctx.get_help():   # a group called without a command
-            typer.echo(message)
+        # A group called without a command: its help. Typer's rich help is printed as the
+        # error is made (the message is then empty); asking ctx.get_help() would print it again.
+        # By name, as typer itself tells it apart (the class moved between click and typer).
+        if type(exc).__name__ == "NoArgsIsHelpError":
+            if message:
+                typer.echo(message)
             sys.exit(2)
         hint = f" (see '{ctx.command_path} -h')" if ctx is not None and exc.exit_code == 2 \
             else ""
