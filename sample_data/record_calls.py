@@ -130,10 +130,10 @@ def main() -> None:
         return max(fits, key=lambda r: len(actions.get(r, [])))
 
     def answer(body: dict, i: int) -> str:
-        # the system rules are shared; the stage's own text follows the data in the user message
+        # the system text is every stage's; what a request asks follows the data in its user
+        # message (the grading instructions are in every request's system text)
         user = body["messages"][1]["content"]
-        system = body["messages"][0]["content"] + user
-        if "strict grader" in system:
+        if "strict grader" in user:
             rid = rollout_in(user)
             titles = [c[0] for c in CRITERIA[task_of[rid]]]
             out = []

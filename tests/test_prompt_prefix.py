@@ -11,7 +11,7 @@ from draco_cli.judge.core import score_stage
 from draco_cli.llm.answers import reask
 from draco_cli.llm.providers.anthropic import AnthropicProvider
 from draco_cli.llm.types import Choice, Sampling
-from draco_cli.prompts import CURRENT, load_prompt
+from draco_cli.prompts import CURRENT, load_prompt, system_rules
 from draco_cli.prompts.render import RenderOptions
 from draco_cli.redact import Redactor
 from draco_cli.rubric.core import merge_request, stage_requests
@@ -102,10 +102,19 @@ def test_injection_stays_fenced_in_the_shared_head():
 
 
 def test_prompt_versions_are_new_and_recorded():
-    assert CURRENT["rules"] == "v1" and CURRENT["score"] == "v3" and CURRENT["generate"] == "v2"
-    assert load_prompt("score")[1] == "rules.v1+score.v3"
-    generate = load_prompt("generate")[0]
-    assert "Deduplicates artists" not in generate  # a small model copied it into rubrics
+    assert CURRENT["rules"] == "v2" and CURRENT["score"] == "v4" and CURRENT["generate"] == "v3"
+    assert load_prompt("score")[1] == "rules.v2+score.v4"
+    assert "Deduplicates artists" not in system_rules()  # a small model copied it into rubrics
+
+
+def test_stage_instructions_sit_in_the_shared_system_text():
+    """The instructions for writing and grading criteria are the system text every call
+    sends (cached with it); after the data, a stage adds only what it asks, so the prompt form
+    pays little past the cached head."""
+    rules = system_rules()
+    assert "Writing criteria." in rules and "Grading." in rules
+    for stage in ("generate", "union", "merge", "score"):
+        assert len(load_prompt(stage)[0]) < len(rules) // 4
 
 
 def _anthropic(form):
@@ -253,3 +262,41 @@ def test_leads_go_a_round_ahead_so_the_rest_read_the_cache(tmp_path):
     billed = {name: sum(r[2] + 0.25 * r[3] for r in rows) for name, rows in
               (("cold", cold), ("warm", warm))}
     assert billed["warm"] < 0.9 * billed["cold"], billed
+
+
+def test_the_prompt_form_states_a_compact_schema():
+    """The prompt form pays its schema on every call after the cached head: references
+    inlined, no pydantic titles, a closed all-required schema said once in words, a step list
+    as its bounds; nothing a model needs is lost."""
+    import json
+
+    from draco_cli.judge.core import score_schema
+    from draco_cli.llm.providers.base import prompt_schema, schema_instruction
+    from draco_cli.rubric.core import criteria_schema
+
+    text = schema_instruction(criteria_schema(6))
+    assert "every property shown is required, no other is allowed" in text
+    sent = json.loads(text.split("matches this JSON schema:\n", 1)[1])
+    for word in ("$ref", "$defs", "title\":\"", "additionalProperties", "required"):
+        assert word not in json.dumps(sent)
+    item = sent["properties"]["criteria"]["items"]
+    assert list(item["properties"]) == ["title", "requirement"]
+    assert item["properties"]["title"]["description"] == "At most 8 words."
+    assert sent["properties"]["criteria"]["maxItems"] == 6
+    full = json.dumps(criteria_schema(6), separators=(",", ":"))
+    assert len(json.dumps(sent, separators=(",", ":"))) < len(full) * 0.6
+
+    verdicts = prompt_schema(score_schema(["a", "b"], 60), closed=True)["properties"]["verdicts"]
+    props = verdicts["items"]["properties"]
+    assert props["cited_steps"]["items"] == {"type": "integer", "minimum": 1, "maximum": 60}
+    assert props["criterion_id"]["enum"] == ["a", "b"]
+    assert props["verdict"]["enum"] == ["pass", "fail", "na"]
+    assert (verdicts["minItems"], verdicts["maxItems"]) == (2, 2)
+
+    # a schema with an optional property keeps its lists, and the sentence claims nothing
+    open_schema = {"type": "object", "properties": {"a": {"type": "string"},
+                                                    "b": {"type": "integer", "enum": [1, 3]}},
+                   "required": ["a"]}
+    text = schema_instruction(open_schema)
+    assert "every property shown is required" not in text
+    assert json.loads(text.split("schema:\n", 1)[1]) == open_schema

@@ -14,7 +14,7 @@ from __future__ import annotations
 import functools
 from importlib import resources
 
-CURRENT = {"rules": "v1", "generate": "v2", "union": "v3", "merge": "v2", "score": "v3"}
+CURRENT = {"rules": "v2", "generate": "v3", "union": "v4", "merge": "v3", "score": "v4"}
 
 
 @functools.cache

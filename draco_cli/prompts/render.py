@@ -14,7 +14,7 @@ CHARS_PER_TOKEN = 4  # prompt budgets are estimates; the provider's count is wha
 # What a prompt holds besides the task context, the task and the steps: the rules, the stage's
 # instructions, the criteria or candidates, the answer schema in the prompt form. One allowance
 # for every stage, so that a rollout's steps render to the same bytes in each (one cached head).
-PROMPT_RESERVE_TOKENS = 1000
+PROMPT_RESERVE_TOKENS = 1200
 
 
 def fence_token(text: str) -> str:

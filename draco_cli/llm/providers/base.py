@@ -6,7 +6,7 @@ from __future__ import annotations
 import abc
 import json
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, cast
 
 from draco_cli.llm.errors import LLMError, ModelSpecError
 from draco_cli.llm.types import LLMRequest, Reply
@@ -55,9 +55,62 @@ def fold_system(messages: list[dict[str, str]]) -> list[dict[str, str]]:
 
 
 def schema_instruction(schema: dict[str, Any]) -> str:
-    """For servers that constrain nothing: the schema, stated in the prompt."""
-    return ("Reply with one JSON object only (no prose, no code fence) that matches this JSON "
-            "schema:\n" + json.dumps(schema, ensure_ascii=False, separators=(",", ":")))
+    """For servers that constrain nothing: the schema, stated in the prompt (``prompt_schema``:
+    the prompt form pays for it on every call, after the cached head)."""
+    closed = _all_closed(schema)
+    said = "; every property shown is required, no other is allowed" if closed else ""
+    return (f"Reply with one JSON object only (no prose, no code fence{said}) that matches "
+            "this JSON schema:\n"
+            + json.dumps(prompt_schema(schema, closed), ensure_ascii=False,
+                         separators=(",", ":")))
+
+
+def _all_closed(node: Any) -> bool:
+    """Every object of the schema closed with all its properties required (``strict_schema``)."""
+    if isinstance(node, list):
+        return all(_all_closed(v) for v in node)
+    if not isinstance(node, dict):
+        return True
+    props = node.get("properties")
+    if isinstance(props, dict) and (node.get("additionalProperties") is not False
+                                    or list(node.get("required") or []) != list(props)):
+        return False
+    return all(_all_closed(v) for v in node.values())
+
+
+def prompt_schema(schema: dict[str, Any], closed: bool = False) -> dict[str, Any]:
+    """The schema as a reader needs it, without what only a validator uses: references
+    inlined, pydantic's titles dropped, a run of consecutive integers as its bounds, and with
+    ``closed`` (said once in the sentence before it) no ``required`` and
+    ``additionalProperties`` lists. Under half the tokens of the full schema: they are paid on
+    every call of the prompt form, after the cached head."""
+    defs = schema.get("$defs") or {}
+    first = ("type", "description", "enum")
+
+    def visit(node: Any) -> Any:
+        if isinstance(node, list):
+            return [visit(v) for v in node]
+        if not isinstance(node, dict):
+            return node
+        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/$defs/"):
+            return visit(defs[node["$ref"].rsplit("/", 1)[1]])
+        out: dict[str, Any] = {}
+        for k in sorted(node, key=lambda k: first.index(k) if k in first else len(first)):
+            v = node[k]
+            if k in ("title", "$defs") or (closed and k in ("required",
+                                                            "additionalProperties")):
+                continue
+            out[k] = ({p: visit(s) for p, s in v.items()} if k == "properties"
+                      and isinstance(v, dict) else visit(v))
+        run = out.get("enum")
+        if (out.get("type") == "integer" and isinstance(run, list) and len(run) > 2
+                and all(type(x) is int for x in run)
+                and run == list(range(run[0], run[0] + len(run)))):
+            del out["enum"]
+            out["minimum"], out["maximum"] = run[0], run[-1]
+        return out
+
+    return cast(dict[str, Any], visit(schema))
 
 
 def with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
