@@ -59,7 +59,7 @@ def test_readme_main_command_runs_as_written(tmp_path):
     assert manifest["status"] == "done"
     # 4 rollouts x 4 criteria (spotify) + 4 x 3 (venmo) + 4 x 3 (amazon)
     assert manifest["rows"]["judge/verdicts.parquet"] == 40
-    assert manifest["prompt_versions"]["score"] == "score.v3"
+    assert manifest["prompt_versions"]["score"] == "score.v4"
     assert set(manifest["inputs"]) == {"rollouts", "steps"}
     # idempotent: a finished run reruns with zero calls and skips every stage
     before = sqlite3.connect(tmp_path / "runs/demo/llm_calls.sqlite").execute(
