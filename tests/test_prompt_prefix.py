@@ -300,3 +300,12 @@ def test_the_prompt_form_states_a_compact_schema():
     text = schema_instruction(open_schema)
     assert "every property shown is required" not in text
     assert json.loads(text.split("schema:\n", 1)[1]) == open_schema
+
+
+def test_a_recursive_schema_is_stated_whole():
+    from draco_cli.llm.providers.base import prompt_schema
+
+    tree = {"$defs": {"Node": {"type": "object", "properties": {
+        "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}},
+        "$ref": "#/$defs/Node"}
+    assert prompt_schema(tree) == tree

@@ -86,14 +86,22 @@ def prompt_schema(schema: dict[str, Any], closed: bool = False) -> dict[str, Any
     every call of the prompt form, after the cached head."""
     defs = schema.get("$defs") or {}
     first = ("type", "description", "enum")
+    expanding: list[str] = []
 
     def visit(node: Any) -> Any:
         if isinstance(node, list):
             return [visit(v) for v in node]
         if not isinstance(node, dict):
             return node
-        if isinstance(node.get("$ref"), str) and node["$ref"].startswith("#/$defs/"):
-            return visit(defs[node["$ref"].rsplit("/", 1)[1]])
+        ref = node.get("$ref")
+        if isinstance(ref, str) and ref.startswith("#/$defs/") and ref[8:] in defs:
+            if ref in expanding:
+                raise RecursionError(ref)   # a recursive model: no finite inlined form
+            expanding.append(ref)
+            try:
+                return visit(defs[ref[8:]])
+            finally:
+                expanding.pop()
         out: dict[str, Any] = {}
         for k in sorted(node, key=lambda k: first.index(k) if k in first else len(first)):
             v = node[k]
@@ -110,7 +118,10 @@ def prompt_schema(schema: dict[str, Any], closed: bool = False) -> dict[str, Any
             out["minimum"], out["maximum"] = run[0], run[-1]
         return out
 
-    return cast(dict[str, Any], visit(schema))
+    try:
+        return cast(dict[str, Any], visit(schema))
+    except RecursionError:
+        return schema
 
 
 def with_instruction(messages: list[dict[str, str]], text: str) -> list[dict[str, str]]:
