@@ -17,6 +17,7 @@ from draco_cli.inloop import (BlockingStepScorer, Scorer, StepScorer, TrainerRol
                               trainer_rows, write_step)
 from draco_cli.options import RunOptions
 from draco_cli.trainers.loader import fingerprint, load_token_advantages
+from tests.conftest import run_draco
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 
@@ -89,10 +90,11 @@ def test_step_rows_equal_the_groups_own_scoring(server, tmp_path):
     rollouts = batch()
 
     async def main():
-        async with StepScorer("openai/m", base_url=server.url + "/v1", group_size=GROUP,
+        async with StepScorer("openai/gpt-4.1", base_url=server.url + "/v1", group_size=GROUP,
                               decode=decode, call_log=tmp_path / "a.sqlite") as s:
             return await s.score_step(rollouts, 1)
 
+    started = time.monotonic()
     res = asyncio.run(main())
     assert not res.fallbacks and len(res.rows) == len(rollouts)
     # the same groups through Scorer.score_group on the same rows, on a log of its own
@@ -125,11 +127,28 @@ def test_step_rows_equal_the_groups_own_scoring(server, tmp_path):
     assert m["draco/nonzero_share"] == nonzero / len(rollouts) > 0
     assert m["draco/signal_ok"] == 1.0 and m["draco/fallback_groups"] == 0
     assert 0 < m["draco/criteria_kept"] <= m["draco/criteria_total"]
+    # every answer was new, and each is a call-log row with its dollars (gpt-4.1's list price)
+    with sqlite3.connect(tmp_path / "a.sqlite") as conn:
+        logged = conn.execute("SELECT count(*), sum(cost_usd) FROM calls WHERE status = 'ok'"
+                              ).fetchone()
+    assert m["draco/unanswered_share"] == 0.0 and m["draco/cached_calls"] == 0
+    assert m["draco/cost_usd"] == pytest.approx(logged[1]) and logged[1] > 0
+    modes = {}
+    for r in res.rows.values():
+        modes[r.credit_mode] = modes.get(r.credit_mode, 0) + 1
+    assert {k.split("/")[-1]: v for k, v in m.items() if k.startswith("draco/credit_mode/")} \
+        == {k: v / len(rollouts) for k, v in modes.items()}
+    assert 0 <= m["draco/seconds_to_advantages"] <= time.monotonic() - started
     # the audit files: draco run's layout, loadable by the trainers' loader
     folder = write_step(res, tmp_path / "steps")
     table = load_token_advantages(folder / "credit" / "token_advantages.parquet")
     np.testing.assert_array_equal(table.get(rollouts[0].rollout_id),
                                   res.rows[rollouts[0].rollout_id].values)
+    # and what `draco report` reads: the steps as judged beside their credit
+    got = run_draco("report", str(tmp_path / "steps"), "-o", str(tmp_path / "r.html"))
+    assert got.returncode == 0, got.stderr.decode()
+    html = (tmp_path / "r.html").read_text()
+    assert rollouts[0].rollout_id in html and "step 1" in html
 
 
 @pytest.mark.parametrize("order", ["same", "reversed"])

@@ -11,7 +11,10 @@ import shutil
 import tempfile
 from pathlib import Path
 
+import polars as pl
+
 from draco_cli.errors import UsageError
+from draco_cli.inloop.metrics import signal_problem
 from draco_cli.inloop.step import StepResult
 
 __all__ = ["step_folder", "write_step"]
@@ -28,7 +31,9 @@ def step_folder(root: str | os.PathLike[str], train_step: int | None) -> Path:
 def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | None = None
                ) -> Path:
     """Write the step's tables under ``root/step-NNNNNN/`` (``draco run``'s layout: rubric/,
-    judge/, credit/, plus ``metrics.json``); keep the newest ``keep`` step folders."""
+    judge/, credit/, the judged ``rollouts``/``steps``, ``metrics.json`` and a
+    ``manifest.json`` that `draco report` and `draco sql` read); keep the newest ``keep``
+    step folders."""
     if keep is not None and keep < 1:
         raise UsageError(f"keep {keep!r}: at least 1 step folder (None keeps all)")
     root = Path(root)
@@ -45,9 +50,25 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
             (tmp / "judge").mkdir(exist_ok=True)
             result.spot_checks.write_parquet(tmp / "judge" / "spot_checks.parquet",
                                              compression="zstd")
-        (tmp / "metrics.json").write_text(json.dumps(
-            {"train_step": result.train_step, "metrics": result.metrics,
-             "fallbacks": result.fallbacks}, indent=1), encoding="utf-8")
+        # the rollouts and steps as judged (decoded from the trainer's tokens), so that
+        # `draco report` and `draco sql` show the steps beside their credit
+        judged = [g.inputs for g in result.groups if g.inputs is not None]
+        for i, name in enumerate(("rollouts", "steps")):
+            if judged:
+                pl.concat([t[i] for t in judged], how="diagonal_relaxed").write_parquet(
+                    tmp / f"{name}.parquet", compression="zstd")
+        summary = {"train_step": result.train_step, "metrics": result.metrics,
+                   "fallbacks": result.fallbacks}
+        (tmp / "metrics.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
+        # what `draco report` reads of a run folder: the step, and the signal check's verdict
+        ok = result.metrics.get("draco/signal_ok", 1.0) == 1.0
+        problem = (signal_problem(result.metrics) or "under the scorer's min_signal") \
+            if not ok else None
+        (tmp / "manifest.json").write_text(json.dumps({
+            "kind": "draco in-loop step", **summary,
+            "health": {"ok": problem is None,
+                       "messages": [problem] if problem else [],
+                       "signal": {"problem": problem}}}, indent=1), encoding="utf-8")
         if dest.exists():
             shutil.rmtree(dest)
         os.replace(tmp, dest)

@@ -294,7 +294,8 @@ def test_v1_file_route_checks_fingerprint_and_refuses_a_swapped_pair(cluster, v1
                                                                       monkeypatch):
     """The file path stays: V1 rows found by key in the step's token_advantages.parquet, now
     checked against the TransferQueue's responses (fingerprint) and global_steps (train step);
-    equal masks in a group, so the count check alone would pass a swap."""
+    equal masks in a group, so the count check alone would pass a swap; a file of another
+    step is refused too."""
     import polars as pl
 
     step = 30
@@ -327,6 +328,14 @@ def test_v1_file_route_checks_fingerprint_and_refuses_a_swapped_pair(cluster, v1
     table.with_columns(pl.Series("rollout_id", ids)).write_parquet(swapped)
     monkeypatch.setenv(draco_verl.ENV_FILES, str(swapped))
     with pytest.raises(AlignmentError, match="response_fingerprint"):
+        _v1_advantages(trainer, KVBatchMeta(partition_id="train", keys=list(batch.keys),
+                                            tags=list(batch.tags)), {})
+    # the right rows of another train step (a stale file): refused by the rows' global_steps
+    stale = path.with_name("stale.parquet")
+    table.with_columns(pl.lit(step + 1, dtype=table.schema["train_step"]).alias("train_step")) \
+        .write_parquet(stale)
+    monkeypatch.setenv(draco_verl.ENV_FILES, str(stale))
+    with pytest.raises(AlignmentError, match="train step"):
         _v1_advantages(trainer, KVBatchMeta(partition_id="train", keys=list(batch.keys),
                                             tags=list(batch.tags)), {})
     tq.kv_clear(keys=batch.keys, partition_id="train")

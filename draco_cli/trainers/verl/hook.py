@@ -18,7 +18,7 @@ sessions are not scored. The legacy manager also gives each session the ``sessio
 
 from __future__ import annotations
 
-import asyncio
+import contextlib
 from collections.abc import Sequence
 from typing import Any
 
@@ -35,7 +35,7 @@ from draco_cli.trainers.verl.estimator import (
     STEP_FIELD,
     rollout_id,
 )
-from draco_cli.trainers.verl.scorer import scorer_handle, settings
+from draco_cli.trainers.verl.scorer import scorer_handle
 
 __all__ = ["DracoAgentLoopManager", "DracoAgentLoopManagerTQ", "DracoAgentLoopWorker",
            "DracoWorkerMixin", "add_sessions", "attach_advantages"]
@@ -56,9 +56,10 @@ def add_sessions(non_tensor: dict[str, Any], global_steps: int | None) -> None:
 
 
 async def attach_advantages(scorer: Any, outputs: Sequence[Any], kwargs: dict[str, Any],
-                            decode: Any, wait_timeout: float | None = None) -> None:
+                            decode: Any, group_size: int | None = None) -> None:
     """Send the session's final output to the shared scorer; put the advantages it returns
-    (and the row's id, group, step, source) in each output's ``extra_fields``."""
+    (and the row's id, group, step, source) in each output's ``extra_fields``.
+    ``group_size``: the session's group's own size where the trainer set one."""
     uid, session = str(kwargs["uid"]), int(kwargs["session_id"])
     step = int(kwargs["global_steps"])
     final = outputs[-1]
@@ -67,8 +68,11 @@ async def attach_advantages(scorer: Any, outputs: Sequence[Any], kwargs: dict[st
         "rollout_id": rid, "group_id": uid, "instruction": decode(list(final.prompt_ids)),
         "response_ids": list(final.response_ids), "response_mask": list(final.response_mask),
         "outcome": None if final.reward_score is None else float(final.reward_score),
-        "train_step": step})
-    got = await asyncio.wait_for(ref, wait_timeout)
+        "train_step": step}, group_size)
+    try:
+        got = await ref
+    except ray.exceptions.RayTaskError as e:   # the scorer's own error, not Ray's wrapping
+        raise e.as_instanceof_cause() from None
     for i, out in enumerate(outputs):
         last = i == len(outputs) - 1
         out.extra_fields.update({
@@ -82,6 +86,7 @@ class DracoWorkerMixin:
     job's shared scorer before verl pads (legacy) or stores (V1) them."""
 
     _draco_scorer: Any = None
+    _draco_sizes: dict[str, int] | None = None
     config: Any
     tokenizer: Any
 
@@ -90,6 +95,34 @@ class DracoWorkerMixin:
             n = int(self.config.actor_rollout_ref.rollout.n)
             self._draco_scorer = scorer_handle(n, self.tokenizer)
         return self._draco_scorer
+
+    async def _run_prompt(self, prompt: dict[str, Any], *args: Any, **kwargs: Any) -> Any:
+        """V1: a prompt may set its own number of sessions (``__rollout_n__``, popped by
+        verl before the sessions see it); the scorer waits for that many."""
+        if "__rollout_n__" in prompt:
+            if self._draco_sizes is None:
+                self._draco_sizes = {}
+            self._draco_sizes[str(prompt["uid"])] = int(prompt["__rollout_n__"])
+        try:
+            return await super()._run_prompt(prompt, *args, **kwargs)  # type: ignore[misc]
+        finally:
+            if self._draco_sizes is not None:
+                self._draco_sizes.pop(str(prompt["uid"]), None)
+
+    async def _run_agent_loop(self, sampling_params: Any, trajectory: dict[str, Any],
+                              **kwargs: Any) -> Any:
+        try:
+            return await super()._run_agent_loop(  # type: ignore[misc]
+                sampling_params, trajectory, **kwargs)
+        except Exception as e:
+            # its group's other sessions wait for this one in the shared scorer: release them
+            if not trajectory.get("validate") and "uid" in kwargs and "session_id" in kwargs:
+                step = kwargs.get("global_steps")
+                with contextlib.suppress(Exception):
+                    await self._draco().member_failed.remote(
+                        None if step is None else int(step), str(kwargs["uid"]),
+                        int(kwargs["session_id"]), f"{type(e).__name__}: {e}"[:300])
+            raise
 
     async def _agent_loop_postprocess(self, output: Any, validate: bool, **kwargs: Any) -> Any:
         outputs = output if isinstance(output, list) else [output]
@@ -100,7 +133,7 @@ class DracoWorkerMixin:
             await attach_advantages(
                 self._draco(), outputs, kwargs,
                 lambda ids: self.tokenizer.decode(ids, skip_special_tokens=True),
-                settings().get("wait_timeout"))
+                (self._draco_sizes or {}).get(str(kwargs["uid"])))
         return await super()._agent_loop_postprocess(  # type: ignore[misc]
             output, validate, **kwargs)
 

@@ -25,6 +25,7 @@ import numpy as np
 from draco_cli.errors import UsageError
 
 ENV_SETTINGS = "DRACO_INLOOP"
+DEFAULT_WAIT = 1800.0   # s a finished session waits for the rest of its group
 ACTOR_NAME = "draco_step_scorer"
 _OWN = ("model", "call_log", "deadline", "fallback", "request_deadline", "min_signal",
         "audit_dir", "keep", "wait_timeout")
@@ -60,9 +61,12 @@ class DracoScorerActor:
         self.config, self.group_size, self.tokenizer = dict(config), group_size, tokenizer
         self._scorer: Any = None
         self._lock: asyncio.Lock | None = None
-        # (train step, group) -> members arrived, and the event set when all have
-        self._arrived: dict[tuple[int | None, str], int] = {}
+        # (train step, group) -> its size, the rollouts arrived, the event set when all have
+        # (or a member failed), and why it will never be whole
+        self._size: dict[tuple[int | None, str], int] = {}
+        self._arrived: dict[tuple[int | None, str], list[str]] = {}
         self._complete: dict[tuple[int | None, str], asyncio.Event] = {}
+        self._failed: dict[tuple[int | None, str], str] = {}
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -84,23 +88,51 @@ class DracoScorerActor:
                 self._scorer = await scorer.__aenter__()
         return self._scorer
 
-    async def score(self, rollout: dict[str, Any]) -> dict[str, Any]:
+    async def score(self, rollout: dict[str, Any], group_size: int | None = None
+                    ) -> dict[str, Any]:
         """Add one finished rollout (TrainerRollout fields); its advantages once its group is
-        scored or has fallen back."""
+        scored or has fallen back. ``group_size``: this group's own size (verl V1's
+        ``__rollout_n__``), else ``rollout.n``. A session waits for its group's others at
+        most ``wait_timeout`` seconds (DRACO_INLOOP, default 1800), and not at all once one of
+        them failed: either way an error naming the group, what arrived and what did not."""
+        from draco_cli.errors import InputError
         from draco_cli.inloop import TrainerRollout
 
         scorer = await self._get()
         r = TrainerRollout(**rollout)
-        await scorer.add(r)
         key = (r.train_step, r.group_id)
+        size = self._size.setdefault(key, int(group_size or self.group_size))
+        await scorer.add(r, group_size=size)
         done = self._complete.setdefault(key, asyncio.Event())
-        self._arrived[key] = self._arrived.get(key, 0) + 1
-        if self._arrived[key] == self.group_size:
+        arrived = self._arrived.setdefault(key, [])
+        arrived.append(r.rollout_id)
+        if len(arrived) == size:
             done.set()
-        await done.wait()       # the group's other sessions may still be generating
+        wait = self.config.get("wait_timeout", DEFAULT_WAIT)
+        try:
+            await asyncio.wait_for(done.wait(), wait)  # others may still be generating
+        except (asyncio.TimeoutError, TimeoutError):
+            raise InputError(
+                f"{r.where()}: group {r.group_id!r} of train step {r.train_step} has "
+                f"{len(arrived)} of {size} sessions after waiting {wait:g} s "
+                f"({', '.join(arrived)}); a session that never finishes leaves its group "
+                f"short (raise wait_timeout in {ENV_SETTINGS} if sessions take longer)",
+                field="group_id") from None
+        if key in self._failed:
+            raise InputError(f"{r.where()}: group {r.group_id!r} of train step "
+                             f"{r.train_step} will not be scored: {self._failed[key]} "
+                             f"(arrived: {', '.join(arrived)})", field="group_id")
         got = await scorer.advantages(r.rollout_id, r.train_step)
         return {"values": np.asarray(got.values, dtype=np.float32), "source": got.source,
                 "credit_mode": got.credit_mode}
+
+    async def member_failed(self, train_step: int | None, group: str, session: int,
+                            reason: str) -> None:
+        """A session of ``group`` raised before reaching the scorer: its siblings stop
+        waiting for it (verl drops a group with a failed session)."""
+        key = (train_step, group)
+        self._failed.setdefault(key, f"its session {session} failed ({reason})")
+        self._complete.setdefault(key, asyncio.Event()).set()
 
     async def finish(self, train_step: int, groups: list[str]) -> dict[str, float]:
         """The batch's groups of one train step finished: metrics, audit folder written."""
@@ -109,8 +141,11 @@ class DracoScorerActor:
         scorer = await self._get()
         result = await scorer.finish(train_step, groups=groups)
         for g in groups:
-            self._arrived.pop((train_step, g), None)
-            self._complete.pop((train_step, g), None)
+            key = (train_step, g)
+            self._size.pop(key, None)
+            self._arrived.pop(key, None)
+            self._complete.pop(key, None)
+            self._failed.pop(key, None)
         if self.config.get("audit_dir"):
             write_step(result, self.config["audit_dir"], keep=self.config.get("keep"))
         return dict(result.metrics)
