@@ -146,7 +146,12 @@ def test_openrlhf_step_block(tmp_path):
     pytest.importorskip("openrlhf", reason="needs the trainers extra (OpenRLHF 0.11.2)")
     ns: dict = {}
     _run(_openrlhf_block("put_step(samples"), ns, tmp_path)
-    assert ns["result"].metrics["draco/judge_calls"] > 0 and len(ns["result"].rows) == 2
+    m = ns["result"].metrics
+    assert m["draco/judge_calls"] > 0 and len(ns["result"].rows) == 2
+    # the page's printed figures: a signal, with opposite signs on the two samples
+    assert (m["draco/signal_ok"], m["draco/nonzero_share"]) == (1.0, 1.0)
+    first, second = (s.advantages.sum().item() for s in ns["samples"])
+    assert first > 0 > second
 
 
 def _policy_values(run: Path, rollouts: pl.DataFrame) -> np.ndarray:
