@@ -145,13 +145,16 @@ def test_every_value_on_its_token_after_dp_reordering(run, cp_size):
                 np.testing.assert_array_equal(
                     adv.numpy(), zigzag(want, len(s["tokens"]), rank, cp_size))
                 got.setdefault(str(s["index"]), []).append(adv.numpy())
-    nonzero = 0
+    nonzero = []
     for s in samples:
         want = table.get(str(s["index"]))
         assert not want[np.asarray(s["loss_mask"]) == 0].any()
         assert sum(len(p) for p in got[str(s["index"])]) == s["response_length"]
-        nonzero += bool(want.any())
-    assert nonzero > N
+        if want.any():
+            nonzero.append(want[want != 0][0])
+    # values to misplace: several rollouts carry some, not all alike (mock/'s verdicts follow
+    # the prompt's text, so how many moves with the prompt version)
+    assert len(nonzero) >= 2 and len(set(nonzero)) >= 2
 
 
 def test_mismatches_refused(run):
