@@ -5,6 +5,7 @@ own scoring, the deadline's fallback counted, a restarted trainer paying nothing
 from __future__ import annotations
 
 import asyncio
+import json
 import sqlite3
 import time
 
@@ -280,3 +281,22 @@ def test_a_session_waits_for_the_rest_of_its_group(server, tmp_path):
     rows, res = asyncio.run(main())
     assert [r.rollout_id for r in rows] == [r.rollout_id for r in rollouts]
     assert all(r.source == "draco" for r in rows) and len(res.rows) == GROUP
+
+
+def test_step_folders_are_what_draco_report_and_validate_read(tmp_path):
+    """A training run's step folders (``write_step``, every hook's audit_dir) hold whole
+    contract tables and a manifest: `draco report` over several shows the trend over steps,
+    `draco validate` passes each."""
+    with BlockingStepScorer("mock/judge", group_size=GROUP, decode=decode,
+                            call_log=tmp_path / "log.sqlite") as s:
+        folders = [write_step(s.score_step(batch(seed=k, step=k), k), tmp_path / "steps",
+                              keep=5) for k in (1, 2)]
+    got = run_draco("report", str(tmp_path / "steps"), "-o", str(tmp_path / "r.html"))
+    assert got.returncode == 0, got.stderr.decode()
+    html = (tmp_path / "r.html").read_text()
+    assert "step 1" in html and "step 2" in html and "pass^k over training steps" in html
+    for folder in folders:
+        got = run_draco("validate", str(folder))
+        assert got.returncode == 0, got.stderr.decode()
+        manifest = json.loads((folder / "manifest.json").read_text())
+        assert manifest["kind"] == "draco in-loop step" and "health" in manifest

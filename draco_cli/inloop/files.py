@@ -16,6 +16,8 @@ import polars as pl
 from draco_cli.errors import UsageError
 from draco_cli.inloop.metrics import signal_problem
 from draco_cli.inloop.step import StepResult
+from draco_cli.io import conform
+from draco_cli.schemas import Rollout, Step, Table
 
 __all__ = ["step_folder", "write_step"]
 
@@ -53,10 +55,12 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
         # the rollouts and steps as judged (decoded from the trainer's tokens), so that
         # `draco report` and `draco sql` show the steps beside their credit
         judged = [g.inputs for g in result.groups if g.inputs is not None]
-        for i, name in enumerate(("rollouts", "steps")):
-            if judged:
-                pl.concat([t[i] for t in judged], how="diagonal_relaxed").write_parquet(
-                    tmp / f"{name}.parquet", compression="zstd")
+        contracts: tuple[tuple[str, type[Table]], ...] = (("rollouts", Rollout),
+                                                          ("steps", Step))
+        for i, (name, model) in enumerate(contracts):
+            if judged:   # the whole contract: optional columns the trainer has not, as nulls
+                conform(pl.concat([t[i] for t in judged], how="diagonal_relaxed"), model,
+                        name).write_parquet(tmp / f"{name}.parquet", compression="zstd")
         summary = {"train_step": result.train_step, "metrics": result.metrics,
                    "fallbacks": result.fallbacks}
         (tmp / "metrics.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
