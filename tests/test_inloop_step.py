@@ -300,3 +300,4 @@ def test_step_folders_are_what_draco_report_and_validate_read(tmp_path):
         assert got.returncode == 0, got.stderr.decode()
         manifest = json.loads((folder / "manifest.json").read_text())
         assert manifest["kind"] == "draco in-loop step" and "health" in manifest
+        assert manifest["settings"] == {"setting": "draco", "model": "mock/judge"}

@@ -13,6 +13,7 @@ from pathlib import Path
 
 import polars as pl
 
+from draco_cli import __version__
 from draco_cli.errors import UsageError
 from draco_cli.inloop.metrics import signal_problem
 from draco_cli.inloop.step import StepResult
@@ -69,7 +70,8 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
         problem = (signal_problem(result.metrics) or "under the scorer's min_signal") \
             if not ok else None
         (tmp / "manifest.json").write_text(json.dumps({
-            "kind": "draco in-loop step", **summary,
+            "kind": "draco in-loop step", "draco_version": __version__,
+            "settings": result.settings, **summary,
             "health": {"ok": problem is None,
                        "messages": [problem] if problem else [],
                        "signal": {"problem": problem}}}, indent=1), encoding="utf-8")

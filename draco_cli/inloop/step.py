@@ -70,6 +70,8 @@ class StepResult:
     fallbacks: dict[str, str] = field(default_factory=dict)
     # spot_check=N: the step's N sampled verdicts beside the gold judge's (never the reward)
     spot_checks: pl.DataFrame | None = None
+    # what scored it (the judge model, the setting), for the step folder's manifest
+    settings: dict[str, str] = field(default_factory=dict)
 
     def tables(self) -> dict[str, pl.DataFrame]:
         """The step's tables as ``draco run`` names them (scored groups only)."""
@@ -283,7 +285,9 @@ class StepScorer:
         # the step's answers on disk before the trainer uses them: a kill after this step pays
         # for none of them again on restart
         await asyncio.to_thread(self.scorer.flush_log)
-        return StepResult(train_step, st.rows, metrics, scored, fallbacks, spot)
+        return StepResult(train_step, st.rows, metrics, scored, fallbacks, spot,
+                          {"setting": self.scorer.options.setting,
+                           "model": self.scorer.llm.model})
 
     def _split(self, train_step: int | None, groups: Collection[str]) -> _Step:
         whole = self._steps.get(train_step, _Step())
