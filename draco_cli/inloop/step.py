@@ -374,6 +374,15 @@ class BlockingStepScorer:
                    train_step: int | None = None) -> StepResult:
         return self._call(self.inner.score_step(rollouts, train_step))
 
+    def add(self, rollout: TrainerRollout, group_size: int | None = None) -> None:
+        """``StepScorer.add``: returns once recorded; a complete group is judged on the
+        scorer's own thread meanwhile."""
+        self._call(self.inner.add(rollout, group_size))
+
+    def finish(self, train_step: int | None = None,
+               groups: Sequence[str] | None = None) -> StepResult:
+        return self._call(self.inner.finish(train_step, groups=groups))
+
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)
         self._thread.join()

@@ -12,18 +12,17 @@ Two routes:
   ``TrainerRollout`` rows (``experience_rollouts``: response = the sequence from the first
   action token to the row's end, mask = its action columns; group = the
   ``n_samples_per_prompt`` consecutive samples of one prompt, in the order OpenRLHF collected
-  them) and hands them to one ``BlockingStepScorer`` per maker, which judges while OpenRLHF's
-  model forwards run; ``compute_advantages_and_returns`` then lays each row's values on its
+  them) and hands them to one ``BlockingStepScorer`` per maker, which has judged each group
+  since the generator built it (``DracoSamplesGenerator``, set by ``install``) or judges it
+  while OpenRLHF's model forwards run; ``compute_advantages_and_returns`` lays each row on its
   action columns (``place``, every row checked by fingerprint and count) and adds the step's
   ``draco/…`` metrics to ``experience.info``, which OpenRLHF's actor averages into the status it
   logs (wandb, tensorboard). A rollout cut at ``max_len`` is scored on the tokens it has.
 - **from files** (``token_advantages=``): rows matched by an id sent by the agent through
   ``extra_logs`` (a number, stored in ``experience.info[id_key]``; the rollout id is its decimal
   string) or ``experience.index`` mapped by ``ids_from_index``.
-
 ``DracoAgentExecutor`` (``draco_cli.trainers.openrlhf_agent``) puts the id on the final step's
-``extra_logs`` (the only ones OpenRLHF keeps) and lets the agent read its own token ids.
-"""
+``extra_logs`` (the only ones OpenRLHF keeps) and lets the agent read its own token ids."""
 
 from __future__ import annotations
 
@@ -36,11 +35,17 @@ from typing import Any
 import numpy as np
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.trainers.loader import AlignmentError, TokenAdvantageTable, load_token_advantages
+from draco_cli.trainers.loader import (
+    AlignmentError,
+    TokenAdvantageTable,
+    fingerprint,
+    load_token_advantages,
+)
 from draco_cli.trainers.openrlhf_agent import ID_KEY, AgentTokens, agent_tokens
 
 __all__ = ["ID_KEY", "STEP_KEY", "AgentTokens", "DracoAgentExecutor",  # noqa: F822
-           "DracoExperienceMaker", "agent_tokens", "experience_rollout_ids",
+           "DracoExperienceMaker", "DracoSamplesGenerator", "agent_tokens",
+           "experience_rollout_ids",
            "StepJudge", "advantages_from_files", "experience_rollouts", "install",
            "place", "put_step", "step_table", "truncated_rows"]
 
@@ -88,7 +93,7 @@ def place(table: TokenAdvantageTable, ids: Sequence[str], action_mask: np.ndarra
 
 def experience_rollouts(experiences: Sequence[Any], *, n_samples_per_prompt: int,
                         decode: Callable[[list[int]], str], train_step: int,
-                        id_key: str = ID_KEY) -> list[Any]:
+                        id_key: str = ID_KEY, start: int = 0) -> list[Any]:
     """One ``TrainerRollout`` per row of OpenRLHF's samples or experiences, in sample order.
 
     A row's place i is ``experience.index`` (set by ``split_rollout_samples``) or, before it,
@@ -106,7 +111,7 @@ def experience_rollouts(experiences: Sequence[Any], *, n_samples_per_prompt: int
         raise UsageError(f"n_samples_per_prompt {n!r}: must be >= 1")
     by_place: dict[int, Any] = {}
     prompts: dict[int, str] = {}
-    pos = 0
+    pos = start   # rows without an index: their place in the step's samples from ``start``
     for e in experiences:
         seqs, amask = e.sequences.cpu().numpy(), e.action_mask.cpu().numpy().astype(np.int8)
         lengths = e.attention_mask.cpu().numpy().sum(axis=1).astype(int)
@@ -216,6 +221,10 @@ class StepJudge:
         self.pool: ThreadPoolExecutor | None = None
         self.pending: tuple[list[Any], Future[Any]] | None = None
         self.last: Any = None
+        # the next step's rollouts judged as the generator built them, and the samples of the
+        # group being built (None: the generator is not handing samples over)
+        self.early: dict[str, Any] | None = None
+        self.building: list[Any] | None = None
 
     def open(self) -> Any:
         if self.scorer is None:
@@ -233,15 +242,64 @@ class StepJudge:
             self.pool = ThreadPoolExecutor(1, thread_name_prefix="draco-step")
         return self.scorer
 
+    def generation_started(self) -> None:
+        """The generator starts a batch that will be the next step's samples, in the order
+        it builds them (``DracoSamplesGenerator``): each group is judged as it is built."""
+        self.open()
+        self.early = {}
+        self.building = []
+
+    def sample_built(self, experience: Any) -> None:
+        """One sample as OpenRLHF's generator built it: a prompt's samples come together, each
+        ``group_size`` a group, judged now while other prompts generate."""
+        if self.building is None:
+            return
+        self.building.append(experience)
+        if len(self.building) < self.group_size:
+            return
+        group, self.building = self.building, []
+        assert self.early is not None
+        rollouts = experience_rollouts(group, n_samples_per_prompt=self.group_size,
+                                       decode=self.decode, train_step=self.step + 1,
+                                       id_key=self.id_key, start=len(self.early))
+        for r in rollouts:
+            self.scorer.add(r)
+            self.early[r.rollout_id] = r
+
+    def generation_ended(self) -> None:
+        self.building = None
+
     def submit(self, rollout_samples: Sequence[Any]) -> None:
-        """The step's samples (before OpenRLHF regroups them) go to the judge."""
-        scorer = self.open()
+        """The step's samples (before OpenRLHF regroups them) go to the judge; those whose
+        groups the generator already handed over (``sample_built``) are being judged."""
+        self.open()
         self.step += 1
         rollouts = experience_rollouts(rollout_samples, n_samples_per_prompt=self.group_size,
                                        decode=self.decode, train_step=self.step,
                                        id_key=self.id_key)
+        early = self.early or {}
+        self.early = self.building = None
+        for r in rollouts:
+            got = early.get(r.rollout_id)
+            if got is not None and (got.group_id, got.row, fingerprint(got.response_ids)) != (
+                    r.group_id, r.row, fingerprint(r.response_ids)):
+                raise InputError(f"{r.where()}: the step's samples are not the ones generated, "
+                                 "in the order generated (judged as it was built as "
+                                 f"{got.where()})", field="rollout_id")
+        missing = set(early) - {r.rollout_id for r in rollouts}
+        if missing:
+            raise InputError(f"{len(missing)} generated samples are not in the step's batch "
+                             f"(e.g. rollout {min(missing)!r}): draco judges a batch as it is "
+                             "generated only when the batch is what was generated",
+                             field="rollout_id")
         assert self.pool is not None  # made with the scorer
-        self.pending = (rollouts, self.pool.submit(scorer.score_step, rollouts, self.step))
+        rest = [r for r in rollouts if r.rollout_id not in early]
+        self.pending = (rollouts, self.pool.submit(self._score, rest, self.step))
+
+    def _score(self, rest: Sequence[Any], step: int) -> Any:
+        for r in rest:
+            self.scorer.add(r)
+        return self.scorer.finish(step)
 
     def deliver(self, experiences: Sequence[Any]) -> Any:
         """Wait for the step's result and put it into the (regrouped) experiences."""
@@ -287,6 +345,50 @@ def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
         e.kl = None
 
 
+# The process's in-step judges, newest last (``DracoExperienceMaker(judge=...)`` adds its own):
+# OpenRLHF's synchronous trainer builds its samples generator and its maker in one process, the
+# generator first, so the generator finds the judge here when it generates.
+_JUDGES: list[StepJudge] = []
+
+
+def _generator_class() -> type[Any]:
+    from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
+
+    class DracoSamplesGenerator(SamplesGenerator):  # type: ignore[misc]
+        """OpenRLHF's ``SamplesGenerator`` handing each prompt's samples, as it builds them, to
+        the process's in-step judge, which judges the group while other prompts generate.
+        Only where the batch generated is the step's batch in the order built (no dynamic
+        filtering, ``vllm_generate_batch_size`` = the batch size, nothing left over);
+        otherwise the maker's step is judged as without this class."""
+
+        def generate_samples(self, **generate_kwargs: Any) -> Any:
+            judge = _JUDGES[-1] if _JUDGES else None
+            args = self.args
+            n = int(generate_kwargs.get("n_samples_per_prompt",
+                                        args.rollout.n_samples_per_prompt))
+            whole = judge if (judge is not None and n == judge.group_size
+                              and not args.algo.dynamic_filtering_enable
+                              and (getattr(args.rollout, "vllm_generate_batch_size", None)
+                                   or args.rollout.batch_size) == args.rollout.batch_size
+                              and not getattr(self, "_sample_buffer", None)) else None
+            if whole is not None:
+                whole.generation_started()
+            try:
+                return super().generate_samples(**generate_kwargs)
+            finally:
+                if whole is not None:
+                    whole.generation_ended()
+
+        def _process_response_into_experience(self, response: Any,
+                                              **generate_kwargs: Any) -> Any:
+            experience = super()._process_response_into_experience(response, **generate_kwargs)
+            if _JUDGES:
+                _JUDGES[-1].sample_built(experience)
+            return experience
+
+    return DracoSamplesGenerator
+
+
 def _maker_class() -> type[Any]:
     from openrlhf.trainer.ppo_utils.experience_maker import RemoteExperienceMaker
 
@@ -322,11 +424,15 @@ def _maker_class() -> type[Any]:
                 judge, group_size=int(self.args.rollout.n_samples_per_prompt),
                 decode=decode or (lambda ids: str(tokenizer.decode(ids))), id_key=id_key,
                 audit_dir=audit_dir, keep=keep, start_step=start_step)
+            if self.draco_judge is not None:
+                _JUDGES.append(self.draco_judge)
 
         def draco_close(self) -> None:
             """Close the judge's scorer (made from ``judge=`` settings) and its thread."""
             if self.draco_judge is not None:
                 self.draco_judge.close()
+                if self.draco_judge in _JUDGES:
+                    _JUDGES.remove(self.draco_judge)
 
         def make_experience_batch(self, rollout_samples: list[Any]) -> list[Any]:
             judge = getattr(self, "draco_judge", None)
@@ -369,6 +475,8 @@ def install(**settings: Any) -> type[Any]:
             super().__init__(*args, **{**settings, **kwargs})
 
     ppo_trainer.RemoteExperienceMaker = Configured
+    if settings.get("judge"):   # each group judged as the generator builds it
+        ppo_trainer.SamplesGenerator = __getattr__("DracoSamplesGenerator")
     return Configured
 
 
@@ -376,6 +484,10 @@ def __getattr__(name: str) -> type[Any]:
     # Built on first use: importing this module never imports OpenRLHF, Ray or torch.
     if name == "DracoExperienceMaker":
         cls = _maker_class()
+        globals()[name] = cls
+        return cls
+    if name == "DracoSamplesGenerator":
+        cls = _generator_class()
         globals()[name] = cls
         return cls
     if name == "DracoAgentExecutor":

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import sqlite3
+import time
 from types import SimpleNamespace
 
 import numpy as np
@@ -41,6 +42,7 @@ with stubs.installed():
 
     _ = draco_orl.DracoExperienceMaker  # built now, while OpenRLHF's imports resolve
     _ = draco_orl.DracoAgentExecutor
+from draco_cli.errors import InputError
 from draco_cli.inloop import BlockingStepScorer, TrainerRollout
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 from tests.llm_server import FakeLLMServer
@@ -258,9 +260,8 @@ def _args():
         ds=SimpleNamespace(ring_attn_size=1, tensor_parallel_size=1))
 
 
-@pytest.fixture(scope="module")
-def generated():
-    """One step's samples from OpenRLHF's generator, and what each agent saw."""
+def _generate(generator_class=SamplesGenerator):
+    """One step's samples from OpenRLHF's generator (or a subclass), and what each agent saw."""
     from tests.trainers.chatml import chatml_tokenizer
 
     tok = chatml_tokenizer()
@@ -270,8 +271,8 @@ def generated():
                                        tokenize=False, add_generation_prompt=True)
                for p in range(PROMPTS)]
     loader = [(None, prompts, [f"task{p}" for p in range(PROMPTS)], [None] * PROMPTS)]
-    gen = SamplesGenerator(SimpleNamespace(args=_args()), loader, None, tok,
-                           [_Remote(_Vllm(tok, 1)), _Remote(_Vllm(tok, 2))])
+    gen = generator_class(SimpleNamespace(args=_args()), loader, None, tok,
+                          [_Remote(_Vllm(tok, 1)), _Remote(_Vllm(tok, 2))])
     mp = pytest.MonkeyPatch()
     mp.setattr(orl_samples, "SamplingParams", lambda **kw: SimpleNamespace(**kw))
     mp.setattr(orl_samples, "ray", SimpleNamespace(
@@ -282,6 +283,11 @@ def generated():
     finally:
         mp.undo()
     return tok, samples, dict(_Agent.seen)
+
+
+@pytest.fixture(scope="module")
+def generated():
+    return _generate()
 
 
 def _maker(tok, **draco):
@@ -431,16 +437,73 @@ def test_agent_tokens_outside_a_rollout_is_a_usage_error():
 def test_install_makes_openrlhfs_trainer_build_the_draco_maker(generated, monkeypatch):
     tok = generated[0]
     monkeypatch.setattr(ppo_trainer, "RemoteExperienceMaker", RemoteExperienceMaker)
+    monkeypatch.setattr(ppo_trainer, "SamplesGenerator", SamplesGenerator)
     settings = {"model": "openai/m", "call_log": "calls.sqlite", "deadline": 60}
     cls = draco_orl.install(judge=settings, keep=3)
     assert ppo_trainer.RemoteExperienceMaker is cls
+    assert ppo_trainer.SamplesGenerator is draco_orl.DracoSamplesGenerator   # groups early
     # as BasePPOTrainer.__init__ calls it
     maker = ppo_trainer.RemoteExperienceMaker(None, None, None, None, None,
                                               SimpleNamespace(args=_args()), tok)
     assert isinstance(maker, draco_orl.DracoExperienceMaker)
     assert maker.draco_judge.judge == settings and maker.draco_judge.keep == 3
     assert maker.draco_judge.group_size == N and maker.draco_judge.scorer is None  # lazy
+    maker.draco_close()
     from draco_cli.errors import UsageError
 
     with pytest.raises(UsageError, match="judge=... or token_advantages="):
         draco_orl.install()
+
+
+def test_groups_are_judged_as_the_generator_builds_them(judge, tmp_path):
+    """``DracoSamplesGenerator`` (what ``install(judge=...)`` makes OpenRLHF's trainer build)
+    hands each prompt's samples to the maker's judge as ``_generate_vllm`` builds them: the
+    judge is asked before the maker has the step, nothing is asked twice, and every row gets
+    the values the maker would give the same samples without it."""
+    from draco_cli.trainers.openrlhf import DracoSamplesGenerator
+    from tests.trainers.chatml import chatml_tokenizer
+
+    url = judge.url + "/v1"
+    early = _maker(chatml_tokenizer(), judge={"model": "openai/m", "base_url": url,
+                                              "call_log": tmp_path / "a.sqlite"})
+    try:
+        tok, samples, _ = _generate(DracoSamplesGenerator)
+        assert len(early.draco_judge.early) == N * PROMPTS   # every group handed over
+        deadline = time.monotonic() + 10
+        while judge.hits["chat"] == 0 and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert judge.hits["chat"] > 0        # judging began before the maker had the step
+        got = _values_by_row(early.make_experience_batch(samples))
+    finally:
+        early.draco_close()
+    plain = _maker(tok, judge={"model": "openai/m", "base_url": url,
+                               "call_log": tmp_path / "b.sqlite"})
+    try:
+        want = _values_by_row(plain.make_experience_batch(samples))
+    finally:
+        plain.draco_close()
+    assert set(got) == set(want) and len(got) == N * PROMPTS
+    for rid in want:
+        np.testing.assert_array_equal(got[rid], want[rid])
+    assert any(v.any() for v in want.values())
+    logged = []
+    for log in ("a", "b"):
+        con = sqlite3.connect(tmp_path / f"{log}.sqlite")
+        logged.append(sorted(con.execute("select request_hash, sample from calls").fetchall()))
+        con.close()
+    assert logged[0] == logged[1]            # the same requests, each asked once
+    assert early.draco_judge.last.metrics["draco/rollouts"] == N * PROMPTS
+
+
+def test_samples_that_are_not_the_generated_batch_are_refused(judge, tmp_path):
+    from draco_cli.trainers.openrlhf import DracoSamplesGenerator
+    from tests.trainers.chatml import chatml_tokenizer
+
+    maker = _maker(chatml_tokenizer(), judge={"model": "openai/m", "base_url": judge.url + "/v1",
+                                              "call_log": tmp_path / "a.sqlite"})
+    try:
+        _, samples, _ = _generate(DracoSamplesGenerator)
+        with pytest.raises(InputError, match="not the ones generated, in the order generated"):
+            maker.make_experience_batch(samples[N:] + samples[:N])   # groups moved
+    finally:
+        maker.draco_close()
