@@ -258,8 +258,10 @@ def test_zero_fallback_and_a_group_short_of_members(monkeypatch, tmp_path):
                        for r in res.rows.values())
             assert res.metrics["draco/signal_ok"] == 0.0
             with pytest.raises(InputError, match=r"group 's1-g0': 3 of 4 rollouts finished "
-                                                 r"by the end of step 1"):
+                                                 r"by the end of step 1") as e:
                 s.score_step(batch(n_groups=1)[:3], 1)
+            # each rollout it has, by its trainer row
+            assert "s1-g0-0 (trainer row 0), s1-g0-1 (trainer row 1)" in str(e.value)
     finally:
         slow.stop()
 

@@ -88,6 +88,7 @@ class StepResult:
 @dataclass
 class _Group:
     members: list[TrainerRollout] = field(default_factory=list)
+    size: int | None = None    # its own size where the trainer gave one (``add``)
     complete_at: float | None = None
     task: asyncio.Task[None] | None = None
     done: asyncio.Event = field(default_factory=asyncio.Event)
@@ -180,6 +181,7 @@ class StepScorer:
             raise InputError(f"{rollout.where()}: group already has its {len(g.members)} "
                              "rollouts (group_size)", field="group_id")
         g.members.append(rollout)
+        g.size = size
         if len(g.members) == size:
             g.complete_at = now
             g.task = asyncio.create_task(self._score(st, rollout.group_id, g))
@@ -254,10 +256,12 @@ class StepScorer:
             self._split(train_step, groups)
         short = [(gid, g) for gid, g in st.groups.items() if g.complete_at is None]
         for gid, g in short:
+            have = ", ".join(m.rollout_id + ("" if m.row is None else f" (trainer row {m.row})")
+                             for m in g.members)
             g.error = InputError(
-                f"group {gid!r}: {len(g.members)} of {self.group_size} rollouts finished by the "
-                f"end of step {train_step} ({len(short)} groups short; rollouts: "
-                f"{', '.join(m.rollout_id for m in g.members)})", field="group_id")
+                f"group {gid!r}: {len(g.members)} of {g.size or self.group_size} rollouts "
+                f"finished by the end of step {train_step} ({len(short)} groups short; "
+                f"rollouts: {have})", field="group_id")
             g.done.set()    # a session waiting on it hears the error
         if short:
             for g in st.groups.values():
