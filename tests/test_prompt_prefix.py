@@ -309,3 +309,28 @@ def test_a_recursive_schema_is_stated_whole():
         "kids": {"type": "array", "items": {"$ref": "#/$defs/Node"}}}}},
         "$ref": "#/$defs/Node"}
     assert prompt_schema(tree) == tree
+
+
+def test_maps_and_described_references_keep_their_meaning():
+    """A ``dict[str, X]`` field is an open object: no "no other is allowed" claim; a field's
+    description beside its ``$ref`` stays with the inlined model."""
+    import json
+
+    from pydantic import BaseModel, Field
+
+    from draco_cli.llm.providers.base import schema_instruction
+    from draco_cli.llm.types import strict_schema
+
+    class Sub(BaseModel):
+        a: int
+
+    class Answer(BaseModel):
+        s: Sub = Field(description="the part")
+        d: dict[str, int]
+
+    text = schema_instruction(strict_schema(Answer.model_json_schema()))
+    assert "no other is allowed" not in text
+    sent = json.loads(text.split("schema:\n", 1)[1])
+    assert sent["properties"]["s"]["description"] == "the part"
+    assert sent["properties"]["s"]["properties"]["a"]["type"] == "integer"
+    assert sent["properties"]["d"]["additionalProperties"] == {"type": "integer"}

@@ -45,7 +45,7 @@ def test_a_group_short_of_a_session_fails_naming_what_arrived(tmp_path):
 
 def test_a_failed_session_releases_its_group_at_once(tmp_path):
     async def main():
-        a = actor(tmp_path)   # the default wait (30 min) is never reached
+        a = actor(tmp_path)   # no wait_timeout: only the failure ends the wait
         try:
             waiting = [asyncio.ensure_future(session(a, "u2", k)) for k in range(3)]
             await asyncio.sleep(0.2)

@@ -243,15 +243,12 @@ class StepJudge:
         return self.scorer
 
     def generation_started(self) -> None:
-        """The generator starts a batch that will be the next step's samples, in the order
-        it builds them (``DracoSamplesGenerator``): each group is judged as it is built."""
+        """The next step's samples are being built (``DracoSamplesGenerator``)."""
         self.open()
-        self.early = {}
-        self.building = []
+        self.early, self.building = {}, []
 
     def sample_built(self, experience: Any) -> None:
-        """One sample as OpenRLHF's generator built it: a prompt's samples come together, each
-        ``group_size`` a group, judged now while other prompts generate."""
+        """A built sample: each ``group_size`` of them a prompt's group, judged now."""
         if self.building is None:
             return
         self.building.append(experience)
@@ -345,24 +342,27 @@ def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
         e.kl = None
 
 
-# The process's in-step judges, newest last (``DracoExperienceMaker(judge=...)`` adds its own):
-# OpenRLHF's synchronous trainer builds its samples generator and its maker in one process, the
-# generator first, so the generator finds the judge here when it generates.
+# The process's in-step judges (``DracoExperienceMaker(judge=...)`` adds its own): OpenRLHF's
+# synchronous trainer builds its generator, then its maker, in one process.
 _JUDGES: list[StepJudge] = []
+
+
+def _lone_judge() -> StepJudge | None:
+    """The one judge; with several makers open none (each then judges its step itself)."""
+    return _JUDGES[0] if len(_JUDGES) == 1 else None
 
 
 def _generator_class() -> type[Any]:
     from openrlhf.trainer.ppo_utils.samples_generator import SamplesGenerator
 
     class DracoSamplesGenerator(SamplesGenerator):  # type: ignore[misc]
-        """OpenRLHF's ``SamplesGenerator`` handing each prompt's samples, as it builds them, to
-        the process's in-step judge, which judges the group while other prompts generate.
-        Only where the batch generated is the step's batch in the order built (no dynamic
-        filtering, ``vllm_generate_batch_size`` = the batch size, nothing left over);
-        otherwise the maker's step is judged as without this class."""
+        """OpenRLHF's ``SamplesGenerator`` handing each prompt's samples to the process's
+        in-step judge as it builds them, judged while other prompts generate; only where the
+        batch generated is the step's batch in the order built (no dynamic filtering,
+        ``vllm_generate_batch_size`` = the batch size, nothing left over)."""
 
         def generate_samples(self, **generate_kwargs: Any) -> Any:
-            judge = _JUDGES[-1] if _JUDGES else None
+            judge = _lone_judge()
             args = self.args
             n = int(generate_kwargs.get("n_samples_per_prompt",
                                         args.rollout.n_samples_per_prompt))
@@ -382,8 +382,9 @@ def _generator_class() -> type[Any]:
         def _process_response_into_experience(self, response: Any,
                                               **generate_kwargs: Any) -> Any:
             experience = super()._process_response_into_experience(response, **generate_kwargs)
-            if _JUDGES:
-                _JUDGES[-1].sample_built(experience)
+            judge = _lone_judge()
+            if judge is not None:
+                judge.sample_built(experience)
             return experience
 
     return DracoSamplesGenerator

@@ -507,3 +507,25 @@ def test_samples_that_are_not_the_generated_batch_are_refused(judge, tmp_path):
             maker.make_experience_batch(samples[N:] + samples[:N])   # groups moved
     finally:
         maker.draco_close()
+
+
+def test_with_two_makers_open_the_generator_hands_nothing_over(judge, tmp_path):
+    """Which trainer's samples a generator builds cannot be told with two makers in one
+    process: each maker then judges its own step from make_experience_batch."""
+    from draco_cli.trainers.openrlhf import DracoSamplesGenerator
+    from tests.trainers.chatml import chatml_tokenizer
+
+    url = judge.url + "/v1"
+    a, b = (_maker(chatml_tokenizer(), judge={"model": "openai/m", "base_url": url,
+                                              "call_log": tmp_path / f"{k}.sqlite"})
+            for k in "ab")
+    try:
+        _, samples, _ = _generate(DracoSamplesGenerator)
+        assert a.draco_judge.early is None and b.draco_judge.early is None
+        assert judge.hits["chat"] == 0
+        values = _values_by_row(a.make_experience_batch(samples))
+        assert len(values) == N * PROMPTS and a.draco_judge.last.metrics["draco/rollouts"] \
+            == N * PROMPTS
+    finally:
+        a.draco_close()
+        b.draco_close()

@@ -75,6 +75,8 @@ def _all_closed(node: Any) -> bool:
     if isinstance(props, dict) and (node.get("additionalProperties") is not False
                                     or list(node.get("required") or []) != list(props)):
         return False
+    if node.get("type") == "object" and not isinstance(props, dict):
+        return False   # a map (``dict[str, X]``): its keys are open
     return all(_all_closed(v) for v in node.values())
 
 
@@ -98,8 +100,9 @@ def prompt_schema(schema: dict[str, Any], closed: bool = False) -> dict[str, Any
             if ref in expanding:
                 raise RecursionError(ref)   # a recursive model: no finite inlined form
             expanding.append(ref)
-            try:
-                return visit(defs[ref[8:]])
+            try:   # keys beside the reference (a field's description) stay with it
+                return {**visit(defs[ref[8:]]),
+                        **visit({k: v for k, v in node.items() if k != "$ref"})}
             finally:
                 expanding.pop()
         out: dict[str, Any] = {}

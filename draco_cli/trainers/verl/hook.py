@@ -18,6 +18,7 @@ sessions are not scored. The legacy manager also gives each session the ``sessio
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 from collections.abc import Sequence
 from typing import Any
@@ -114,7 +115,7 @@ class DracoWorkerMixin:
         try:
             return await super()._run_agent_loop(  # type: ignore[misc]
                 sampling_params, trajectory, **kwargs)
-        except Exception as e:
+        except (Exception, asyncio.CancelledError) as e:
             # its group's other sessions wait for this one in the shared scorer: release them
             if not trajectory.get("validate") and "uid" in kwargs and "session_id" in kwargs:
                 step = kwargs.get("global_steps")

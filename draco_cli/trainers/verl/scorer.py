@@ -25,7 +25,10 @@ import numpy as np
 from draco_cli.errors import UsageError
 
 ENV_SETTINGS = "DRACO_INLOOP"
-DEFAULT_WAIT = 1800.0   # s a finished session waits for the rest of its group
+# s a finished session waits for the rest of its group: none by default (verl V1's colocated
+# async mode holds finished sessions through a whole training step); a session that fails or
+# is cancelled releases its group at once (``member_failed``)
+DEFAULT_WAIT: float | None = None
 ACTOR_NAME = "draco_step_scorer"
 _OWN = ("model", "call_log", "deadline", "fallback", "request_deadline", "min_signal",
         "audit_dir", "keep", "wait_timeout")
@@ -93,8 +96,9 @@ class DracoScorerActor:
         """Add one finished rollout (TrainerRollout fields); its advantages once its group is
         scored or has fallen back. ``group_size``: this group's own size (verl V1's
         ``__rollout_n__``), else ``rollout.n``. A session waits for its group's others at
-        most ``wait_timeout`` seconds (DRACO_INLOOP, default 1800), and not at all once one of
-        them failed: either way an error naming the group, what arrived and what did not."""
+        most ``wait_timeout`` seconds (DRACO_INLOOP; unbounded by default), and not at all
+        once one of them failed: either way an error naming the group, what arrived and what
+        did not."""
         from draco_cli.errors import InputError
         from draco_cli.inloop import TrainerRollout
 
