@@ -162,6 +162,13 @@ class StepScorer:
     def _step(self, train_step: int | None) -> _Step:
         return self._steps.setdefault(train_step, _Step())
 
+    def discard(self, train_step: int | None) -> None:
+        """Forget a step's rollouts and stop judging its groups (a trainer whose generation
+        failed part way and will generate the step again). Answers already logged stay."""
+        for g in self._steps.pop(train_step, _Step()).groups.values():
+            if g.task is not None:
+                g.task.cancel()
+
     async def add(self, rollout: TrainerRollout, group_size: int | None = None) -> None:
         """A rollout finished: record it; its group starts scoring once it has ``group_size``
         (``group_size`` here: this group's own size, for a trainer that drops failed members)."""
@@ -386,6 +393,9 @@ class BlockingStepScorer:
     def finish(self, train_step: int | None = None,
                groups: Sequence[str] | None = None) -> StepResult:
         return self._call(self.inner.finish(train_step, groups=groups))
+
+    def discard(self, train_step: int | None) -> None:
+        self._loop.call_soon_threadsafe(self.inner.discard, train_step)
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

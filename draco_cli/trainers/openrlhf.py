@@ -263,8 +263,10 @@ class StepJudge:
             self.scorer.add(r)
             self.early[r.rollout_id] = r
 
-    def generation_ended(self) -> None:
-        self.building = None
+    def generation_ended(self, failed: bool = False) -> None:
+        if failed and self.early:   # generated again from scratch: nothing of it is kept
+            self.scorer.discard(self.step + 1)
+        self.building, self.early = None, None if failed else self.early
 
     def submit(self, rollout_samples: Sequence[Any]) -> None:
         """The step's samples (before OpenRLHF regroups them) go to the judge; those whose
@@ -342,8 +344,7 @@ def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
         e.kl = None
 
 
-# The process's in-step judges (``DracoExperienceMaker(judge=...)`` adds its own): OpenRLHF's
-# synchronous trainer builds its generator, then its maker, in one process.
+# In-step judges of this process (a maker adds its own; OpenRLHF builds generator, then maker).
 _JUDGES: list[StepJudge] = []
 
 
@@ -373,11 +374,14 @@ def _generator_class() -> type[Any]:
                               and not getattr(self, "_sample_buffer", None)) else None
             if whole is not None:
                 whole.generation_started()
+            failed = True
             try:
-                return super().generate_samples(**generate_kwargs)
+                out = super().generate_samples(**generate_kwargs)
+                failed = False
+                return out
             finally:
                 if whole is not None:
-                    whole.generation_ended()
+                    whole.generation_ended(failed)
 
         def _process_response_into_experience(self, response: Any,
                                               **generate_kwargs: Any) -> Any:
@@ -483,18 +487,13 @@ def install(**settings: Any) -> type[Any]:
 
 def __getattr__(name: str) -> type[Any]:
     # Built on first use: importing this module never imports OpenRLHF, Ray or torch.
-    if name == "DracoExperienceMaker":
-        cls = _maker_class()
-        globals()[name] = cls
-        return cls
-    if name == "DracoSamplesGenerator":
-        cls = _generator_class()
-        globals()[name] = cls
-        return cls
-    if name == "DracoAgentExecutor":
+    def executor() -> type[Any]:
         from draco_cli.trainers import openrlhf_agent
+        return openrlhf_agent.DracoAgentExecutor
 
-        cls = openrlhf_agent.DracoAgentExecutor
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+    build = {"DracoExperienceMaker": _maker_class, "DracoSamplesGenerator": _generator_class,
+             "DracoAgentExecutor": executor}.get(name)
+    if build is None:
+        raise AttributeError(name)
+    cls = globals()[name] = build()
+    return cls

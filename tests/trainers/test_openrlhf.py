@@ -529,3 +529,34 @@ def test_with_two_makers_open_the_generator_hands_nothing_over(judge, tmp_path):
     finally:
         a.draco_close()
         b.draco_close()
+
+
+def test_a_generation_that_fails_part_way_leaves_nothing_behind(judge, tmp_path, monkeypatch):
+    """Groups handed over before generation raised are forgotten: the step, generated again,
+    is judged whole and right."""
+    from draco_cli.trainers.openrlhf import DracoSamplesGenerator
+    from tests.trainers.chatml import chatml_tokenizer
+
+    built = {"n": 0}
+    real = DracoSamplesGenerator._process_response_into_experience
+
+    def flaky(self, response, **kw):
+        built["n"] += 1
+        if built["n"] == N + 1:          # the second prompt's first sample: an engine error
+            raise RuntimeError("engine died")
+        return real(self, response, **kw)
+
+    maker = _maker(chatml_tokenizer(), judge={"model": "openai/m", "base_url": judge.url + "/v1",
+                                              "call_log": tmp_path / "a.sqlite"})
+    try:
+        monkeypatch.setattr(DracoSamplesGenerator, "_process_response_into_experience", flaky)
+        with pytest.raises(RuntimeError, match="engine died"):
+            _generate(DracoSamplesGenerator)
+        assert maker.draco_judge.early is None
+        monkeypatch.setattr(DracoSamplesGenerator, "_process_response_into_experience", real)
+        _, samples, _ = _generate(DracoSamplesGenerator)
+        got = _values_by_row(maker.make_experience_batch(samples))
+        assert len(got) == N * PROMPTS and maker.draco_judge.last.metrics["draco/rollouts"] \
+            == N * PROMPTS
+    finally:
+        maker.draco_close()
