@@ -390,10 +390,6 @@ class BlockingStepScorer:
         scorer's own thread meanwhile."""
         self._call(self.inner.add(rollout, group_size))
 
-    def finish(self, train_step: int | None = None,
-               groups: Sequence[str] | None = None) -> StepResult:
-        return self._call(self.inner.finish(train_step, groups=groups))
-
     def discard(self, train_step: int | None) -> None:
         self._loop.call_soon_threadsafe(self.inner.discard, train_step)
 

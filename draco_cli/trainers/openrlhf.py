@@ -292,13 +292,8 @@ class StepJudge:
                              "generated only when the batch is what was generated",
                              field="rollout_id")
         assert self.pool is not None  # made with the scorer
-        rest = [r for r in rollouts if r.rollout_id not in early]
-        self.pending = (rollouts, self.pool.submit(self._score, rest, self.step))
-
-    def _score(self, rest: Sequence[Any], step: int) -> Any:
-        for r in rest:
-            self.scorer.add(r)
-        return self.scorer.finish(step)
+        rest = [r for r in rollouts if r.rollout_id not in early]   # the others are judging
+        self.pending = (rollouts, self.pool.submit(self.scorer.score_step, rest, self.step))
 
     def deliver(self, experiences: Sequence[Any]) -> Any:
         """Wait for the step's result and put it into the (regrouped) experiences."""
