@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
@@ -56,6 +57,17 @@ def settings(raw: str | None = None) -> dict[str, Any]:
     return got
 
 
+@dataclass
+class _Wait:
+    """One group's sessions in the actor: its size, the rollouts arrived, the event set when
+    all have (or a member failed), and why it will never be whole."""
+
+    size: int = 0
+    arrived: list[str] = field(default_factory=list)
+    done: asyncio.Event = field(default_factory=asyncio.Event)
+    failed: str | None = None
+
+
 class DracoScorerActor:
     """The StepScorer behind the named actor (``ray.remote`` applied in ``scorer_handle``);
     async methods, so every session's ``score`` waits concurrently on the actor's loop."""
@@ -64,12 +76,7 @@ class DracoScorerActor:
         self.config, self.group_size, self.tokenizer = dict(config), group_size, tokenizer
         self._scorer: Any = None
         self._lock: asyncio.Lock | None = None
-        # (train step, group) -> its size, the rollouts arrived, the event set when all have
-        # (or a member failed), and why it will never be whole
-        self._size: dict[tuple[int | None, str], int] = {}
-        self._arrived: dict[tuple[int | None, str], list[str]] = {}
-        self._complete: dict[tuple[int | None, str], asyncio.Event] = {}
-        self._failed: dict[tuple[int | None, str], str] = {}
+        self._groups: dict[tuple[int | None, str], _Wait] = {}   # by (train step, group)
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -104,27 +111,26 @@ class DracoScorerActor:
 
         scorer = await self._get()
         r = TrainerRollout(**rollout)
-        key = (r.train_step, r.group_id)
-        size = self._size.setdefault(key, int(group_size or self.group_size))
-        await scorer.add(r, group_size=size)
-        done = self._complete.setdefault(key, asyncio.Event())
-        arrived = self._arrived.setdefault(key, [])
+        g = self._groups.setdefault((r.train_step, r.group_id), _Wait())
+        g.size = g.size or int(group_size or self.group_size)
+        await scorer.add(r, group_size=g.size)
+        arrived = g.arrived
         arrived.append(r.rollout_id)
-        if len(arrived) == size:
-            done.set()
+        if len(arrived) == g.size:
+            g.done.set()
         wait = self.config.get("wait_timeout", DEFAULT_WAIT)
         try:
-            await asyncio.wait_for(done.wait(), wait)  # others may still be generating
+            await asyncio.wait_for(g.done.wait(), wait)  # others may still be generating
         except (asyncio.TimeoutError, TimeoutError):
             raise InputError(
                 f"{r.where()}: group {r.group_id!r} of train step {r.train_step} has "
-                f"{len(arrived)} of {size} sessions after waiting {wait:g} s "
+                f"{len(arrived)} of {g.size} sessions after waiting {wait:g} s "
                 f"({', '.join(arrived)}); a session that never finishes leaves its group "
                 f"short (raise wait_timeout in {ENV_SETTINGS} if sessions take longer)",
                 field="group_id") from None
-        if key in self._failed:
+        if g.failed is not None:
             raise InputError(f"{r.where()}: group {r.group_id!r} of train step "
-                             f"{r.train_step} will not be scored: {self._failed[key]} "
+                             f"{r.train_step} will not be scored: {g.failed} "
                              f"(arrived: {', '.join(arrived)})", field="group_id")
         got = await scorer.advantages(r.rollout_id, r.train_step)
         return {"values": np.asarray(got.values, dtype=np.float32), "source": got.source,
@@ -134,9 +140,9 @@ class DracoScorerActor:
                             reason: str) -> None:
         """A session of ``group`` raised before reaching the scorer: its siblings stop
         waiting for it (verl drops a group with a failed session)."""
-        key = (train_step, group)
-        self._failed.setdefault(key, f"its session {session} failed ({reason})")
-        self._complete.setdefault(key, asyncio.Event()).set()
+        g = self._groups.setdefault((train_step, group), _Wait())
+        g.failed = g.failed or f"its session {session} failed ({reason})"
+        g.done.set()
 
     async def finish(self, train_step: int, groups: list[str]) -> dict[str, float]:
         """The batch's groups of one train step finished: metrics, audit folder written."""
@@ -145,11 +151,7 @@ class DracoScorerActor:
         scorer = await self._get()
         result = await scorer.finish(train_step, groups=groups)
         for g in groups:
-            key = (train_step, g)
-            self._size.pop(key, None)
-            self._arrived.pop(key, None)
-            self._complete.pop(key, None)
-            self._failed.pop(key, None)
+            self._groups.pop((train_step, g), None)
         if self.config.get("audit_dir"):
             write_step(result, self.config["audit_dir"], keep=self.config.get("keep"))
         return dict(result.metrics)
