@@ -17,7 +17,6 @@ import os
 import sys
 import threading
 from collections.abc import Iterator
-from typing import Any
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -71,20 +70,6 @@ def release_freed_memory() -> None:
     pa.default_memory_pool().release_unused()
     trim_heap()
 
-
-@contextlib.contextmanager
-def arrow_pool(pool: Any) -> Iterator[None]:
-    """Arrow's default memory pool set to ``pool`` for the body, the previous one restored
-    after, also on error. Buffers remember their pool, so tables made inside are freed
-    correctly later."""
-    import pyarrow as pa
-
-    previous = pa.default_memory_pool()
-    pa.set_memory_pool(pool)
-    try:
-        yield
-    finally:
-        pa.set_memory_pool(previous)
 
 _calm = [0]   # runs in progress under ``calm_collector`` (threads and nested sessions count)
 _calm_lock = threading.Lock()

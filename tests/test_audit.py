@@ -58,7 +58,7 @@ def test_self_judge_figures_by_hand():
 
 
 def test_logistic_trend_against_a_direct_mle():
-    from draco_cli.audit.stats import logistic_trend
+    from tests.pooled_trend import logistic_trend
 
     rng = np.random.default_rng(1)
     x = rng.integers(0, 50, size=400).astype(float)

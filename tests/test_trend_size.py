@@ -11,7 +11,8 @@ from scipy import stats
 
 from draco_cli.audit.overlap import overlap_tests
 from draco_cli.audit.self_judge import self_judge_audit
-from draco_cli.audit.stats import logistic_trend, step_trend, welch_t
+from draco_cli.audit.stats import step_trend, welch_t
+from tests.pooled_trend import logistic_trend
 
 
 def null_datasets(n_sets, steps=11, seed=0):

@@ -418,16 +418,6 @@ def _prefix(h: str | None) -> int:
         return int.from_bytes(hashlib.sha256(str(h).encode()).digest()[:8], "big")
 
 
-def load_answered(conn: sqlite3.Connection, by: str,
-                  path: Path | None = None) -> dict[tuple[str, int], Recorded]:
-    def read() -> dict[tuple[str, int], Recorded]:
-        rows = conn.execute(
-            f"SELECT {by}, sample, answer_text, parsed, phase FROM calls WHERE status = 'ok'")
-        return {(h, s): Recorded(t, p, ph) for h, s, t, p, ph in rows}
-
-    return retry_read(path or Path("call log"), read)
-
-
 def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
     out = {}
     for row in conn.execute(
