@@ -76,3 +76,26 @@ def test_a_prompts_own_number_of_sessions_is_its_group(tmp_path, size):
         assert {g["source"] for g in got} <= {"draco", "fallback_outcome", "fallback_zero"}
     else:      # rollout.n (4) expected: the two wait, then fail naming the group
         assert all(isinstance(e, InputError) and "2 of 4 sessions" in str(e) for e in got)
+
+
+def test_a_failed_group_is_forgotten_when_its_step_finishes(tmp_path):
+    # verl drops a group with a failed session from the batch, so no finish names it: the actor
+    # and its scorer forget it when the step's batch finishes, holding nothing of it after
+    async def main():
+        a = actor(tmp_path, wait_timeout=30)
+        try:
+            failing = [asyncio.ensure_future(session(a, "bad", k)) for k in range(3)]
+            await asyncio.sleep(0.1)
+            await a.member_failed(3, "bad", 3, "RuntimeError: env crashed")
+            await asyncio.gather(*failing, return_exceptions=True)
+            good = await asyncio.gather(*(session(a, "ok", k) for k in range(4)))
+            metrics = await a.finish(3, ["ok"])
+            scorer = await a._get()
+            return good, metrics, dict(a._groups), dict(scorer._steps)
+        finally:
+            await a.close()
+
+    good, metrics, groups, steps = asyncio.run(main())
+    assert all(g["values"].shape == (4,) for g in good)
+    assert metrics["draco/groups"] == 1.0
+    assert groups == {} and steps == {}

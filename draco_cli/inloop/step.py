@@ -162,10 +162,16 @@ class StepScorer:
     def _step(self, train_step: int | None) -> _Step:
         return self._steps.setdefault(train_step, _Step())
 
-    def discard(self, train_step: int | None) -> None:
+    def discard(self, train_step: int | None, groups: Collection[str] | None = None) -> None:
         """Forget a step's rollouts and stop judging its groups (a trainer whose generation
-        failed part way and will generate the step again). Answers already logged stay."""
-        for g in self._steps.pop(train_step, _Step()).groups.values():
+        failed part way and will generate the step again), or only ``groups`` of it (groups the
+        trainer dropped). Answers already logged stay."""
+        if groups is None:
+            st = self._steps.pop(train_step, _Step())
+        else:
+            st = self._split(train_step, [g for g in groups
+                                          if g in self._steps.get(train_step, _Step()).groups])
+        for g in st.groups.values():
             if g.task is not None:
                 g.task.cancel()
 
@@ -390,8 +396,8 @@ class BlockingStepScorer:
         scorer's own thread meanwhile."""
         self._call(self.inner.add(rollout, group_size))
 
-    def discard(self, train_step: int | None) -> None:
-        self._loop.call_soon_threadsafe(self.inner.discard, train_step)
+    def discard(self, train_step: int | None, groups: Collection[str] | None = None) -> None:
+        self._loop.call_soon_threadsafe(self.inner.discard, train_step, groups)
 
     def _stop(self) -> None:
         self._loop.call_soon_threadsafe(self._loop.stop)

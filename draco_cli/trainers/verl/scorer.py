@@ -152,6 +152,12 @@ class DracoScorerActor:
         result = await scorer.finish(train_step, groups=groups)
         for g in groups:
             self._groups.pop((train_step, g), None)
+        # verl drops a group with a failed session from its batch: no finish will name it
+        failed = [g for (step, g), w in self._groups.items()
+                  if step == train_step and w.failed is not None]
+        scorer.discard(train_step, failed)
+        for g in failed:
+            del self._groups[(train_step, g)]
         if self.config.get("audit_dir"):
             write_step(result, self.config["audit_dir"], keep=self.config.get("keep"))
         return dict(result.metrics)
