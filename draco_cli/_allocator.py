@@ -5,7 +5,8 @@ every temporary pays its page faults again (whole-column arithmetic 5-8x slower 
 measured): ``tune_allocator`` raises glibc's mmap and trim thresholds once at start-up.
 polars' jemalloc keeps freed pages ~10 s; ``release_polars_pages`` (``draco run`` only) hands
 them back at once. Between ``draco run``'s stages the command calls ``release_freed_memory``,
-so a stage does not stack its peak on the heap the previous one freed.
+so a stage does not stack its peak on the heap the previous one freed. ``rss_probe`` is the
+command's debugging aid for those figures.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import gc
 import os
 import sys
 import threading
+from pathlib import Path
 from collections.abc import Iterator
 
 _M_TRIM_THRESHOLD = -1
@@ -107,3 +109,20 @@ def calm_collector() -> Iterator[None]:
                 if _calm[0] == 0:
                     gc.set_threshold(*_saved_threshold.pop())
                     gc.unfreeze()
+
+
+def rss_probe(where: str) -> None:
+    """With ``DRACO_RSS_PROBE=1`` (a debugging aid, off by default): print the process's RSS
+    and its peak since the last probe to stderr, then reset the peak (Linux ``clear_refs``),
+    so each stage's own peak shows in one run."""
+    if os.environ.get("DRACO_RSS_PROBE") != "1":
+        return
+    try:
+        status = Path("/proc/self/status").read_text()
+        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines())
+              if k in ("VmRSS", "VmHWM")}
+        print(f"draco rss-probe {where}: rss {kb['VmRSS'] / 1024:.1f} MiB, peak since last "
+              f"{kb['VmHWM'] / 1024:.1f} MiB", file=sys.stderr, flush=True)
+        Path("/proc/self/clear_refs").write_text("5")
+    except (OSError, KeyError, ValueError):
+        pass

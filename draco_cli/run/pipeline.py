@@ -29,7 +29,6 @@ from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
 from draco_cli.llm.answered import Answered
 from draco_cli.run import spot
 from draco_cli.run.health import run_health, stage_figure
-from draco_cli.run.probe import rss_probe as _rss_probe
 from draco_cli.run.folder import (Health, Manifest, RunFolder, StageRecord,
                                  file_sha256, input_record)
 
@@ -273,9 +272,7 @@ class _Run:
         from draco_cli.llm.stage import log_position
 
         self._log_start = log_position(self.log)
-        _rss_probe(f"{name} start")
         rec = body()
-        _rss_probe(f"{name} end")
         rec.key = key
         rec.seconds = round(time.perf_counter() - t, 3)
         self.stages[name] = rec
