@@ -15,17 +15,8 @@ from pydantic import (BaseModel, ConfigDict, Field, ValidationError, field_valid
 
 from draco_cli.errors import UsageError
 
-CreditKind = Literal["step", "uniform"]
-Estimator = Literal["grpo", "rloo"]
-StdMode = Literal["sample", "population", "none"]
-Drop = Literal["all-pass", "constant"]
-TokenForm = Literal["spans", "dense", "both"]
-RewardSource = Literal["rubric", "outcome"]
-Aggregate = Literal["all", "majority"]
-RubricKind = Literal["dynamic", "static", "none"]
-Setting = Literal["draco", "no-credit", "static", "static-no-credit", "outcome"]
-Stage = Literal["rubric", "judge", "credit"]
-STAGES: tuple[str, ...] = ("rubric", "judge", "credit")
+from draco_cli.choices import (Aggregate, CreditKind, Drop, Estimator, RewardSource,
+                               RubricKind, Setting, Stage, StdMode, TokenForm)
 
 # setting -> (rubric, credit, reward): the DRACO paper's four ablations (SPEC §3.7) and its
 # principal control, vanilla GRPO on the environment outcome (no rubric, no judge, no LLM).

@@ -1,6 +1,5 @@
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -9,44 +8,13 @@ import typer
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.options import IN, OUT, CREDIT_PANEL, Force, OutDir
+from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode, TokenForm
 
 if TYPE_CHECKING:
     from draco_cli.credit import CreditStats
 
 app = typer.Typer(help="Rewards, group advantages, step credit and token advantages.",
                   no_args_is_help=True)
-
-
-class Credit(str, Enum):
-    step = "step"
-    uniform = "uniform"
-
-
-class Estimator(str, Enum):
-    grpo = "grpo"
-    rloo = "rloo"
-
-
-class Std(str, Enum):
-    sample = "sample"
-    population = "population"
-    none = "none"
-
-
-class Drop(str, Enum):
-    all_pass = "all-pass"
-    constant = "constant"
-
-
-class Tokens(str, Enum):
-    dense = "dense"
-    spans = "spans"
-    both = "both"
-
-
-class RewardSource(str, Enum):
-    rubric = "rubric"
-    outcome = "outcome"
 
 
 RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN,
@@ -75,23 +43,23 @@ def compute(
     steps: StepsOpt,
     out: OutDir,
     verdicts: VerdictsOpt = None,
-    credit: Annotated[Credit | None, typer.Option(
+    credit: Annotated[CreditKind | None, typer.Option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
         "ablation). Default: step, or uniform with --reward outcome.",
             rich_help_panel=CREDIT_PANEL)] = None,
     estimator: Annotated[Estimator, typer.Option(help="grpo: standardised within the group; "
                                                  "rloo: r_i minus the mean of the others.",
                                                      rich_help_panel=CREDIT_PANEL)]
-    = Estimator.grpo,
-    std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, or none "
-                                     "(Dr. GRPO).", rich_help_panel=CREDIT_PANEL)] = Std.sample,
-    drop: DropOpt = Drop.all_pass,
-    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
-        rich_help_panel=CREDIT_PANEL)] = Tokens.spans,
+    = "grpo",
+    std: Annotated[StdMode, typer.Option(help="GRPO's std: sample (verl), population, or none "
+                                     "(Dr. GRPO).", rich_help_panel=CREDIT_PANEL)] = "sample",
+    drop: DropOpt = "all-pass",
+    tokens: Annotated[TokenForm, typer.Option(help="Token-advantage form to write.",
+        rich_help_panel=CREDIT_PANEL)] = "spans",
     reward: Annotated[RewardSource, typer.Option(
         help="rubric: pass fraction of retained criteria; outcome: the environment's outcome "
         "(vanilla GRPO: implies --credit uniform, needs no verdicts).",
-            rich_help_panel=CREDIT_PANEL)] = RewardSource.rubric,
+            rich_help_panel=CREDIT_PANEL)] = "rubric",
     judge: JudgeOpt = None,
     rubric_dropout: RubricDropoutOpt = 0.0,
     dropout_seed: DropoutSeedOpt = 0,
@@ -109,11 +77,10 @@ def compute(
     from draco_cli.credit import credit_compute
 
     shape = pick_format(fmt, as_json)
-    outcome = reward is RewardSource.outcome
+    outcome = reward == "outcome"
     options = CreditOptions.build(
-        credit=credit.value if credit else ("uniform" if outcome else "step"),
-        estimator=estimator.value, std=std.value, drop=drop.value, tokens=tokens.value,
-        reward=reward.value, judge=judge, rubric_dropout=rubric_dropout,
+        credit=credit or ("uniform" if outcome else "step"),
+        estimator=estimator, std=std, drop=drop, tokens=tokens, reward=reward, judge=judge, rubric_dropout=rubric_dropout,
         dropout_seed=dropout_seed)
     if verdicts is None and not outcome:
         raise typer.BadParameter("--verdicts is required unless --reward outcome",
@@ -175,7 +142,7 @@ def expand(
                                       help="Output file (- for stdout).")],
     rollouts: Annotated[Path | None, typer.Option(parser=IN,
         help="rollouts.parquet, to check every rollout is present.")] = None,
-    to: Annotated[Tokens | None, typer.Option(
+    to: Annotated[TokenForm | None, typer.Option(
         help="Target form; default: the other one.")] = None,
     force: Force = False,
 ) -> None:
@@ -186,5 +153,5 @@ def expand(
     from draco_cli.credit import credit_expand
 
     form = credit_expand(token_advantages, out, rollouts=rollouts,
-                         to=None if to is None else to.value, force=force)
+                         to=to, force=force)
     err_console.print(f"[green]wrote[/] {out} ({form} form)", highlight=False)

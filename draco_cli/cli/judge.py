@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.credit import Drop, DropOpt, JudgeOpt, RolloutsOpt
+from draco_cli.cli.credit import DropOpt, JudgeOpt, RolloutsOpt
 from draco_cli.cli.options import (IN, OUT, CallLogPath, Force, ShowPrompt, OutDir,
                                    judge_options, llm_options, prompt_options)
 
@@ -25,7 +25,7 @@ def filter_(
                                            help="Aggregated verdicts.parquet.")],
     out: Annotated[Path, typer.Option("-o", "--out", parser=OUT,
                                       help="Output file (- for stdout).")],
-    drop: DropOpt = Drop.all_pass,
+    drop: DropOpt = "all-pass",
     judge: JudgeOpt = None,
     force: Force = False,
 ) -> None:
@@ -36,7 +36,7 @@ def filter_(
     """
     from draco_cli.judge.stage import judge_filter
 
-    kept, total = judge_filter(rollouts, verdicts, out, drop=drop.value, judge=judge, force=force)
+    kept, total = judge_filter(rollouts, verdicts, out, drop=drop, judge=judge, force=force)
     err_console.print(f"kept {kept} of {total} (group, criterion) pairs → {out}", highlight=False)
 
 

@@ -9,8 +9,9 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console, remote_named
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.credit import (Credit, Drop, DropoutSeedOpt, Estimator, RewardSource,
-                                  RubricDropoutOpt, Std, Tokens)
+from draco_cli.cli.credit import DropoutSeedOpt, RubricDropoutOpt
+from draco_cli.choices import (STAGES, CreditKind, Drop, Estimator, RewardSource, Setting,
+                               StdMode, TokenForm)
 from draco_cli.cli.options import (IN, OUT, CREDIT_PANEL, LLM_PANEL, SPOT_PANEL, CallLogPath,
                                    folder_path,
                                    judge_options, llm_options, prompt_options, rubric_options)
@@ -21,19 +22,8 @@ if TYPE_CHECKING:
     from draco_cli.options import JudgeOptions, PromptOptions, RubricOptions
 
 
-class Setting(str, Enum):
-    draco = "draco"
-    no_credit = "no-credit"
-    static = "static"
-    static_no_credit = "static-no-credit"
-    outcome = "outcome"
-
-
-class Stage(str, Enum):
-    rubric = "rubric"
-    judge = "judge"
-    credit = "credit"
-
+# typer takes a list of Literal values only as an Enum
+Stage = Enum("Stage", {name: name for name in STAGES}, type=str)  # type: ignore[misc]
 
 RunModel = Annotated[str | None, typer.Option(
     "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with --base-url, "
@@ -53,26 +43,26 @@ def run(
     setting: Annotated[Setting, typer.Option(
         help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
         "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "
-        "the environment outcome, uniform, no LLM call).")] = Setting.draco,
+        "the environment outcome, uniform, no LLM call).")] = "draco",
     train_step: Annotated[int | None, typer.Option(help="Write into OUT/step-N (N ≥ 0).")]
     = None,
-    credit: Annotated[Credit | None, typer.Option(
+    credit: Annotated[CreditKind | None, typer.Option(
         help="Override the setting's credit: step or uniform.",
             rich_help_panel=CREDIT_PANEL)] = None,
     reward: Annotated[RewardSource | None, typer.Option(
         help="Override the setting's reward: rubric (pass fraction of retained criteria) or "
         "outcome (the environment's).", rich_help_panel=CREDIT_PANEL)] = None,
     estimator: Annotated[Estimator, typer.Option(help="Group baseline.",
-        rich_help_panel=CREDIT_PANEL)] = Estimator.grpo,
-    std: Annotated[Std, typer.Option(help="GRPO's std: sample (verl), population, none.",
+        rich_help_panel=CREDIT_PANEL)] = "grpo",
+    std: Annotated[StdMode, typer.Option(help="GRPO's std: sample (verl), population, none.",
         rich_help_panel=CREDIT_PANEL)]
-    = Std.sample,
+    = "sample",
     drop: Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops.",
         rich_help_panel=CREDIT_PANEL)]
-    = Drop.all_pass,
-    tokens: Annotated[Tokens, typer.Option(help="Token-advantage form to write.",
+    = "all-pass",
+    tokens: Annotated[TokenForm, typer.Option(help="Token-advantage form to write.",
         rich_help_panel=CREDIT_PANEL)]
-    = Tokens.spans,
+    = "spans",
     rubric_dropout: RubricDropoutOpt = 0.0,
     dropout_seed: DropoutSeedOpt = 0,
     redo: Annotated[list[Stage] | None, typer.Option(
@@ -135,11 +125,9 @@ def run(
 
     # every option is checked here, before any table is read or any call is made
     opts = RunOptions.for_setting(
-        setting.value, credit=credit.value if credit else None,
-        reward=reward.value if reward else None, rubric=rubric, prompt=prompt, judge=judge,
-        credit_options={"estimator": estimator.value, "std": std.value, "drop": drop.value,
-                        "tokens": tokens.value, "rubric_dropout": rubric_dropout,
-                        "dropout_seed": dropout_seed},
+        setting, credit=credit, reward=reward, rubric=rubric, prompt=prompt, judge=judge,
+        credit_options={"estimator": estimator, "std": std, "drop": drop, "tokens": tokens,
+                        "rubric_dropout": rubric_dropout, "dropout_seed": dropout_seed},
         train_step=train_step, min_answered=min_answered, min_signal=min_signal,
         allow_no_signal=allow_no_signal, restart=restart,
         redo=tuple(s.value for s in redo or ()), call_log=call_log, engine=engine,

@@ -24,7 +24,7 @@ if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.stage import StageReport
     from draco_cli.llm.types import Sampling
-    from draco_cli.options import Drop
+    from draco_cli.choices import Drop
     from draco_cli.prompts.render import RenderOptions
 
 GOLD_LABEL = "gold"

@@ -19,7 +19,7 @@ from draco_cli.publish import publish_file, source_name
 from draco_cli.llm.stage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
                                     chunk_frames, finish, publish_chunks, read_inputs,
                                     render_messages)
-from draco_cli.options import Aggregate, Drop
+from draco_cli.choices import Aggregate, Drop
 from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
 

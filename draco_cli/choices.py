@@ -1,0 +1,21 @@
+"""The values each choice option takes, declared once: the option objects validate them
+(``draco_cli.options``) and the command line offers them, without importing pydantic."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+__all__ = ["STAGES", "Aggregate", "CreditKind", "Drop", "Estimator", "RewardSource",
+           "RubricKind", "Setting", "Stage", "StdMode", "TokenForm"]
+
+CreditKind = Literal["step", "uniform"]
+Estimator = Literal["grpo", "rloo"]
+StdMode = Literal["sample", "population", "none"]
+Drop = Literal["all-pass", "constant"]
+TokenForm = Literal["dense", "spans", "both"]
+RewardSource = Literal["rubric", "outcome"]
+Aggregate = Literal["all", "majority"]
+RubricKind = Literal["dynamic", "static", "none"]
+Setting = Literal["draco", "no-credit", "static", "static-no-credit", "outcome"]
+Stage = Literal["rubric", "judge", "credit"]
+STAGES: tuple[str, ...] = ("rubric", "judge", "credit")
