@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import IN, OUT, CREDIT_PANEL, Force, OutDir
+from draco_cli.cli.options import IN, OUT, CREDIT_PANEL, Force, OutDir, Steps
 from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode, TokenForm
 
 if TYPE_CHECKING:
@@ -19,7 +19,6 @@ app = typer.Typer(help="Rewards, group advantages, step credit and token advanta
 
 RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN,
                                            help="rollouts.parquet (or - for stdin).")]
-StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
 VerdictsOpt = Annotated[Path | None, typer.Option(
     "--verdicts", parser=IN, help="Aggregated verdicts.parquet (not needed with --reward "
     "outcome).")]
@@ -40,7 +39,7 @@ DropoutSeedOpt = Annotated[int, typer.Option(help="Seed of --rubric-dropout.",
 @app.command("compute")
 def compute(
     rollouts: RolloutsOpt,
-    steps: StepsOpt,
+    steps: Steps,
     out: OutDir,
     verdicts: VerdictsOpt = None,
     credit: Annotated[CreditKind | None, typer.Option(

@@ -8,8 +8,8 @@ import typer
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
 from draco_cli.cli.credit import DropOpt, JudgeOpt, RolloutsOpt
-from draco_cli.cli.options import (IN, OUT, CallLogPath, Force, ShowPrompt, OutDir,
-                                   judge_options, llm_options, prompt_options)
+from draco_cli.cli.options import (IN, OUT, CallLogPath, Force, ShowPrompt, OutDir, Rollouts,
+                                   Steps, judge_options, llm_options, prompt_options)
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
@@ -45,8 +45,8 @@ def filter_(
 @prompt_options()
 @judge_options("samples", "aggregate", "judge_label")
 def score(
-    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")],
-    steps: Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")],
+    rollouts: Rollouts,
+    steps: Steps,
     rubrics: Annotated[Path, typer.Option("--rubrics", parser=IN, help="rubrics.parquet.")],
     out: OutDir,
     llm: LLMSettings, prompt: PromptOptions, judge: JudgeOptions,

@@ -44,6 +44,8 @@ def folder_path(value: Path | None) -> Path | None:
 
 
 Force = Annotated[bool, typer.Option("--force", metavar="", help="Overwrite existing outputs.")]
+Rollouts = Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")]
+Steps = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
 OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show_default=False,
                                       callback=folder_path, parser=OUT)]
 

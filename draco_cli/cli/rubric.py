@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console
-from draco_cli.cli.options import (IN, CallLogPath, Force, ShowPrompt, OutDir,
+from draco_cli.cli.options import (IN, CallLogPath, Force, ShowPrompt, OutDir, Rollouts, Steps,
                                    llm_options, prompt_options, rubric_options)
 
 if TYPE_CHECKING:
@@ -17,8 +17,6 @@ if TYPE_CHECKING:
 app = typer.Typer(help="Rubrics: dynamic (written by an LLM per group) or static.",
                   no_args_is_help=True)
 
-RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")]
-StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")]
 
 
 @app.command("generate")
@@ -26,7 +24,7 @@ StepsOpt = Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parque
 @prompt_options()
 @rubric_options("max_criteria", "stages", "candidates")
 def generate(
-    rollouts: RolloutsOpt, steps: StepsOpt, out: OutDir,
+    rollouts: Rollouts, steps: Steps, out: OutDir,
     llm: LLMSettings, prompt: PromptOptions, rubric: RubricOptions,
     call_log: CallLogPath = None, show_prompt: ShowPrompt = False, force: Force = False,
 ) -> None:
@@ -60,7 +58,7 @@ def generate(
 
 @app.command("static")
 def static(
-    rollouts: RolloutsOpt, out: OutDir,
+    rollouts: Rollouts, out: OutDir,
     rubric: Annotated[Path | None, typer.Option(
         "--rubric", parser=IN, help="YAML, JSON or Parquet criteria (title, requirement); default: "
         "draco's own rubric (secrets, pagination, stopping, errors, dates, confirmation).")]

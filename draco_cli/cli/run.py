@@ -12,9 +12,9 @@ from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import DropoutSeedOpt, RubricDropoutOpt
 from draco_cli.choices import (STAGES, CreditKind, Drop, Estimator, RewardSource, Setting,
                                StdMode, TokenForm)
-from draco_cli.cli.options import (IN, OUT, CREDIT_PANEL, LLM_PANEL, SPOT_PANEL, CallLogPath,
-                                   folder_path,
-                                   judge_options, llm_options, prompt_options, rubric_options)
+from draco_cli.cli.options import (OUT, CREDIT_PANEL, LLM_PANEL, SPOT_PANEL, CallLogPath,
+                                   Rollouts, Steps, folder_path, judge_options, llm_options,
+                                   prompt_options, rubric_options)
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
@@ -35,8 +35,8 @@ RunModel = Annotated[str | None, typer.Option(
 @judge_options("judge_model", "samples", "aggregate", "judge_label")
 @rubric_options("max_criteria", "static_rubric")
 def run(
-    rollouts: Annotated[Path, typer.Option("--rollouts", parser=IN, help="rollouts.parquet.")],
-    steps: Annotated[Path, typer.Option("--steps", parser=IN, help="steps.parquet.")],
+    rollouts: Rollouts,
+    steps: Steps,
     out: Annotated[Path, typer.Option("-o", "--out", help="Run folder (or RUN_ROOT with "
                                       "--train-step: RUN_ROOT/step-N).",
                                       callback=folder_path, parser=OUT)],
