@@ -3,10 +3,11 @@
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Literal, get_args
 
 __all__ = ["STAGES", "Aggregate", "CreditKind", "Drop", "Estimator", "RewardSource",
-           "RubricKind", "Setting", "Stage", "StdMode", "TokenForm"]
+           "RubricKind", "Setting", "Stage", "StdMode", "TokenForm", "StepUnit",
+           "STEP_UNITS", "CodeBlocks", "CODE_BLOCKS"]
 
 CreditKind = Literal["step", "uniform"]
 Estimator = Literal["grpo", "rloo"]
@@ -19,3 +20,7 @@ RubricKind = Literal["dynamic", "static", "none"]
 Setting = Literal["draco", "no-credit", "static", "static-no-credit", "outcome"]
 Stage = Literal["rubric", "judge", "credit"]
 STAGES: tuple[str, ...] = ("rubric", "judge", "credit")
+StepUnit = Literal["message", "code-block", "tool-call"]   # draco ingest --step-unit
+STEP_UNITS: tuple[str, ...] = get_args(StepUnit)
+CodeBlocks = Literal["one", "all"]                          # draco ingest --code-blocks
+CODE_BLOCKS: tuple[str, ...] = get_args(CodeBlocks)

@@ -7,6 +7,7 @@ from typing import Annotated
 import typer
 
 from draco_cli.cli.console import err_console
+from draco_cli.choices import CodeBlocks, StepUnit
 from draco_cli.cli.options import IN, Force, OutDir
 
 
@@ -21,17 +22,6 @@ class Format(str, Enum):
     slime = "slime"
 
 
-class CodeBlocks(str, Enum):
-    one = "one"
-    all = "all"
-
-
-class StepUnit(str, Enum):
-    message = "message"
-    code_block = "code-block"
-    tool_call = "tool-call"
-
-
 def ingest(
     fmt: Annotated[Format, typer.Argument(metavar="FORMAT", help="Log format of the inputs.")],
     inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", parser=IN, help="Log files.")],
@@ -39,7 +29,7 @@ def ingest(
     step_unit: Annotated[
         StepUnit, typer.Option(help="What one step is: an assistant message, a fenced code "
                                "block the environment ran, or one tool call.")
-    ] = StepUnit.message,
+    ] = "message",
     code_language: Annotated[
         str, typer.Option(help="code-block unit: the language of the blocks the harness "
                           "runs (comma-separated, or 'any'); mini-swe-agent runs bash, "
@@ -49,7 +39,7 @@ def ingest(
         CodeBlocks, typer.Option(help="code-block unit: 'one' = a message runs its block "
                                  "only when it holds exactly one (mini-swe-agent); 'all' = "
                                  "every block runs.")
-    ] = CodeBlocks.one,
+    ] = "one",
     tokenizer: Annotated[
         str | None,
         typer.Option(help="tokenizer.json of the trainer's model, for logs without token "
@@ -76,10 +66,10 @@ def ingest(
     from draco_cli.ingest.stage import ingest_logs
 
     with err_console.status("ingesting…"):
-        result = ingest_logs(fmt.value, list(inputs), out, step_unit=step_unit.value,
+        result = ingest_logs(fmt.value, list(inputs), out, step_unit=step_unit,
                              tokenizer=tokenizer, group_by=group_by, train_step=train_step,
                              skip_invalid=skip_invalid, force=force,
-                             code_language=code_language, code_blocks=code_blocks.value)
+                             code_language=code_language, code_blocks=code_blocks)
     m = result.manifest
     err_console.print(
         f"[green]ingested[/] {m['rollouts']} rollouts in {m['groups']} groups, {m['steps']} "

@@ -20,7 +20,8 @@ from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.ingest import agentprocessbench, openai_jsonl, tau2_bench, tau_bench
 from draco_cli.ingest.codeblocks import DEFAULT_LANGUAGE, CodeRule
-from draco_cli.ingest.episode import STEP_UNITS, BuildOptions, Built, Episode, StepUnit, build
+from draco_cli.choices import STEP_UNITS, StepUnit
+from draco_cli.ingest.episode import BuildOptions, Built, Episode, build
 from draco_cli.ingest.tokens import TokenCounter, make_counter
 from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step, StepLabel

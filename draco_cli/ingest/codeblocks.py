@@ -16,10 +16,10 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass
-from typing import Literal, cast
+from typing import cast
 
-CodeBlocks = Literal["one", "all"]
-CODE_BLOCKS: tuple[str, ...] = ("one", "all")
+from draco_cli.choices import CODE_BLOCKS, CodeBlocks
+
 DEFAULT_LANGUAGE = "bash"  # mini-swe-agent's
 
 _OPEN = re.compile(r"[ \t]*(`{3,})([^`\n]*)")

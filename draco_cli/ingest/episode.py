@@ -16,15 +16,14 @@ import json
 import math
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
+from draco_cli.choices import StepUnit
 from draco_cli.errors import InputError
 from draco_cli.ingest.codeblocks import CodeRule, executed_blocks
 from draco_cli.ingest.tokens import TokenCounter, apportion
 from draco_cli.trainers.loader import fingerprint
 
-StepUnit = Literal["message", "code-block", "tool-call"]
-STEP_UNITS: tuple[str, ...] = ("message", "code-block", "tool-call")
 ROLES = ("system", "developer", "user", "assistant", "tool")
 
 
