@@ -11,19 +11,18 @@ from typing import TYPE_CHECKING, Any
 import polars as pl
 
 from draco_cli.errors import InputError
-from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
-from draco_cli.llm.calllog import CallLog
+from draco_cli.io import check_writable, read_table
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.publish import publish_file, source_name
-from draco_cli.llm.stage import (CHUNK_ROLLOUTS, StageReport, batching, call_log_path,
-                                    chunk_frames, finish, publish_chunks, read_inputs,
+from draco_cli.llm.stage import (CHUNK_ROLLOUTS, run_llm_stage, StageReport, chunk_frames, read_inputs,
                                     render_messages)
 from draco_cli.choices import Aggregate, Drop
 from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
 
 if TYPE_CHECKING:
+    from draco_cli.llm.client import LLMClient
     from draco_cli.judge.core import ScoreResult
     from draco_cli.llm.drive import Stage
 
@@ -46,47 +45,36 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
         check_writable(t, force)
     r, s = read_inputs(rollouts, steps)
     rb = read_table(rubrics, Rubric)
-    report = StageReport(outputs=targets)
-    log_path = call_log_path(out, call_log)
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
     summary = _Summary()
-    # The folder stays locked through the calls: a second writer would pay for them again.
-    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
-        client = settings.client(log)
-        if batching(settings):   # one batch for the whole stage, as the batch API wants
-            res = score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
-                                 judge=judge_label, render=render, batch=settings.batch,
-                                 progress=progress, sampling=sampling)
-            finish(client, log_path, out, report)
-            if not report.budget_reached:
-                with OutputSet(out, [t.name for t in targets], force=force) as output:
-                    output.write_table(res.raw, targets[0].name, VerdictRaw)
-                    output.write_table(res.verdicts, targets[1].name, VerdictAggregated)
-                summary.add(res)
-        else:
-            size = max(1, chunk_rollouts)
-            chunk = pl.int_range(0, r.height, dtype=pl.Int64, eager=True) // size
-            judged = r["group_id"].is_in(rb["group_id"].unique().implode()).sum() * samples
-            frames = chunk_frames(r, s, chunk)
-            del chunk, r, s
 
-            def tables(res: ScoreResult) -> dict[str, pl.DataFrame]:
-                summary.add(res)
-                return {targets[0].name: res.raw, targets[1].name: res.verdicts}
+    def whole(client: LLMClient) -> ScoreResult:
+        return score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
+                              judge=judge_label, render=render, batch=settings.batch,
+                              progress=progress, sampling=sampling)
 
-            def stages() -> Iterator[Stage[ScoreResult]]:
-                for cr, cs in frames:
-                    mine = cr["group_id"].unique().implode()
-                    yield score_stage(cr, cs, rb.filter(pl.col("group_id").is_in(mine)),
-                                      samples=samples, aggregate=aggregate, judge=judge_label,
-                                      sampling=sampling, render=render)
+    def chunks() -> tuple[Iterator[Stage[ScoreResult]], int]:
+        size = max(1, chunk_rollouts)
+        chunk = pl.int_range(0, r.height, dtype=pl.Int64, eager=True) // size
+        judged = r["group_id"].is_in(rb["group_id"].unique().implode()).sum() * samples
 
-            publish_chunks(out, {targets[0].name: VerdictRaw,
-                                 targets[1].name: VerdictAggregated},
-                           client, log_path, stages(), tables, report, force=force,
-                           progress=progress, total=int(judged))
+        def stages() -> Iterator[Stage[ScoreResult]]:
+            for cr, cs in chunk_frames(r, s, chunk):
+                mine = cr["group_id"].unique().implode()
+                yield score_stage(cr, cs, rb.filter(pl.col("group_id").is_in(mine)),
+                                  samples=samples, aggregate=aggregate, judge=judge_label,
+                                  sampling=sampling, render=render)
+
+        return stages(), int(judged)
+
+    def tables(res: ScoreResult) -> dict[str, pl.DataFrame]:
+        summary.add(res)
+        return {targets[0].name: res.raw, targets[1].name: res.verdicts}
+
+    report = run_llm_stage(out, {targets[0].name: VerdictRaw, targets[1].name: VerdictAggregated},
+                           settings, call_log, whole=whole, chunks=chunks, tables_of=tables,
+                           force=force, progress=progress)
     if report.budget_reached:
-        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
     n = summary.verdicts
     null = summary.unanswered

@@ -271,6 +271,39 @@ async def _drive_chunk(stage: Stage[R], client: LLMClient, progress: _ChunkProgr
         return result
 
 
+def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettings,
+                  call_log: Path | None, *, whole: Callable[[LLMClient], R],
+                  chunks: Callable[[], tuple[Iterable[Stage[R]], int]],
+                  tables_of: Callable[[R], dict[str, pl.DataFrame]], force: bool,
+                  progress: Callable[[Any], None] | None) -> StageReport:
+    """An LLM operation's calls and outputs: either one batch for the whole stage (``whole``,
+    as a batch API wants) or its chunks (``chunks``: their stages and the requests they make
+    in all), the output set ``models`` names in ``out`` published from ``tables_of`` (a
+    result's file name → rows), unless the budget was reached: then nothing is."""
+    from draco_cli.io import folder_lock, prepare_out_dir
+    from draco_cli.llm.calllog import CallLog
+
+    report = StageReport(outputs=[out / name for name in models])
+    log_path = call_log_path(out, call_log)
+    # The folder stays locked through the calls: a second writer would pay for them again.
+    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
+        client = settings.client(log)
+        if batching(settings):
+            res = whole(client)
+            finish(client, log_path, out, report)
+            if not report.budget_reached:
+                with OutputSet(out, list(models), force=force) as output:
+                    for name, df in tables_of(res).items():
+                        output.write_table(df, name, models[name])
+        else:
+            stages, total = chunks()
+            publish_chunks(out, models, client, log_path, stages, tables_of, report,
+                           force=force, progress=progress, total=total)
+    if report.budget_reached:
+        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
+    return report
+
+
 class _Unpublished(Exception):
     """Leaves an output set unpublished (the budget was reached)."""
 

@@ -3,24 +3,23 @@ criteria with an LLM (or apply a fixed rubric), publish the rubric tables as one
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import polars as pl
 
 from draco_cli.errors import InputError
-from draco_cli.io import OutputSet, check_writable, folder_lock, prepare_out_dir, read_table
-from draco_cli.llm.calllog import CallLog
+from draco_cli.io import OutputSet, check_writable, read_table
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
-from draco_cli.llm.stage import (CHUNK_ROLLOUTS, ROLLOUT_COLUMNS, StageReport, batching,
-                                    call_log_path, chunk_frames, finish, publish_chunks,
-                                    read_inputs, render_messages)
+from draco_cli.llm.stage import (CHUNK_ROLLOUTS, run_llm_stage, ROLLOUT_COLUMNS, StageReport, chunk_frames, read_inputs, render_messages)
 from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, RubricCandidate
 
 if TYPE_CHECKING:
+    from draco_cli.llm.client import LLMClient
+    from draco_cli.llm.drive import Stage
     from draco_cli.rubric.core import RubricResult
 
 
@@ -42,46 +41,34 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
         check_writable(t, force)
     r, s = read_inputs(rollouts, steps)
     pool = None if candidates is None else _candidate_pool(Path(candidates), r)
-    report = StageReport(outputs=targets)
-    log_path = call_log_path(out, call_log)
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
     summary = _Summary()
-    # The folder stays locked through the calls: a second writer would pay for them again.
-    with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
-        client = settings.client(log)
-        if batching(settings):   # one batch for the whole stage, as the batch API wants
-            res = generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
-                                   render=render, progress=progress, batch=settings.batch,
-                                   sampling=sampling, pool=pool)
-            finish(client, log_path, out, report)
-            if not report.budget_reached:
-                with OutputSet(out, [t.name for t in targets], force=force) as output:
-                    output.write_table(res.candidates, targets[0].name, RubricCandidate)
-                    output.write_table(res.rubrics, targets[1].name, Rubric)
-                summary.add(res)
-        else:
-            groups = r.group_by("group_id", maintain_order=True).agg(pl.len().alias("n"))
-            start = pl.col("n").cum_sum() - pl.col("n")
-            groups = groups.with_columns(
-                ((start // max(1, chunk_rollouts)).rank("dense") - 1).alias("__c"))
-            chunk = r.select("group_id").join(groups.select("group_id", "__c"), on="group_id",
-                                               how="left", maintain_order="left")["__c"]
-            total = r.height + 2 * groups.height   # generate + union, merge
-            frames = chunk_frames(r, s, chunk)
-            del groups, chunk, r, s
 
-            def tables(res: RubricResult) -> dict[str, pl.DataFrame]:
-                summary.add(res)
-                return {targets[0].name: res.candidates, targets[1].name: res.rubrics}
+    def whole(client: LLMClient) -> RubricResult:
+        return generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
+                                render=render, progress=progress, batch=settings.batch,
+                                sampling=sampling, pool=pool)
 
-            publish_chunks(out, {targets[0].name: RubricCandidate, targets[1].name: Rubric},
-                           client, log_path,
-                           (rubric_stage(cr, cs, stages=stages, max_criteria=max_criteria,
-                                         render=render, sampling=sampling, pool=pool)
-                            for cr, cs in frames),
-                           tables, report, force=force, progress=progress, total=total)
+    def chunks() -> tuple[Iterator[Stage[RubricResult]], int]:
+        groups = r.group_by("group_id", maintain_order=True).agg(pl.len().alias("n"))
+        start = pl.col("n").cum_sum() - pl.col("n")
+        groups = groups.with_columns(
+            ((start // max(1, chunk_rollouts)).rank("dense") - 1).alias("__c"))
+        chunk = r.select("group_id").join(groups.select("group_id", "__c"), on="group_id",
+                                           how="left", maintain_order="left")["__c"]
+        total = r.height + 2 * groups.height   # generate + union, merge
+        return (rubric_stage(cr, cs, stages=stages, max_criteria=max_criteria, render=render,
+                             sampling=sampling, pool=pool)
+                for cr, cs in chunk_frames(r, s, chunk)), total
+
+    def tables(res: RubricResult) -> dict[str, pl.DataFrame]:
+        summary.add(res)
+        return {targets[0].name: res.candidates, targets[1].name: res.rubrics}
+
+    report = run_llm_stage(out, {targets[0].name: RubricCandidate, targets[1].name: Rubric},
+                           settings, call_log, whole=whole, chunks=chunks, tables_of=tables,
+                           force=force, progress=progress)
     if report.budget_reached:
-        report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
     if summary.missing:
         report.notes.append(f"{summary.missing} group(s) got no criteria "
