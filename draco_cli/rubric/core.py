@@ -158,25 +158,26 @@ def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[st
             template, version = load_prompt("generate")
             for rid in members:
                 task, traj = whole[rid]
-                messages, shared = stage_messages(
+                messages = stage_messages(
                     rollout_prefix(context, task, traj, by_rollout.get(rid, empty).height),
                     template.format(max_candidates=max_criteria))
-                out.append(("generate", group_id, rid, LLMRequest(
-                    phase="generate", key=rid, answer_model=CriteriaAnswer,
-                    json_schema=criteria_schema(max_criteria), schema_name="criteria",
-                    check=criteria_check(max_criteria),
-                    template_version=version, sampling=sampling, messages=messages,
-                    cache_marks=shared)))
+                out.append(("generate", group_id, rid, _criteria_request(
+                    "generate", rid, version, messages, max_criteria, sampling)))
         if union is not None:
-            version = load_prompt("union")[1]
-            messages, shared = union
-            out.append(("union", group_id, None, LLMRequest(
-                phase="union", key=group_id, answer_model=CriteriaAnswer,
-                json_schema=criteria_schema(max_criteria), schema_name="criteria",
-                check=criteria_check(max_criteria),
-                template_version=version, sampling=sampling, messages=messages,
-                cache_marks=shared)))
+            out.append(("union", group_id, None, _criteria_request(
+                "union", group_id, load_prompt("union")[1], union, max_criteria, sampling)))
     return out
+
+
+def _criteria_request(phase: str, key: str, version: str,
+                      messages: tuple[list[dict[str, str]], tuple[int, ...]],
+                      max_criteria: int, sampling: Sampling) -> LLMRequest:
+    """A call answered with criteria (generate, union, merge): ``messages`` with the positions
+    of their cacheable head (``stage_messages``)."""
+    return LLMRequest(
+        phase=phase, key=key, answer_model=CriteriaAnswer, template_version=version,
+        sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
+        check=criteria_check(max_criteria), messages=messages[0], cache_marks=messages[1])
 
 
 def merge_request(group_id: str, instruction: str, candidates: list[dict[str, Any]],
@@ -187,14 +188,11 @@ def merge_request(group_id: str, instruction: str, candidates: list[dict[str, An
     red = render.redactor or (lambda s: s)
     listing = "\n".join(json.dumps({"title": c["title"], "requirement": c["requirement"]},
                                    ensure_ascii=False) for c in candidates)
-    messages, shared = stage_messages(
+    messages = stage_messages(
         group_prefix(context, red(instruction)),
         template.format(max_criteria=max_criteria)
         + f"\n\nCandidate criteria:\n{fenced('candidates', listing)}")
-    return LLMRequest(
-        phase="merge", key=group_id, answer_model=CriteriaAnswer, template_version=version,
-        sampling=sampling, json_schema=criteria_schema(max_criteria), schema_name="criteria",
-        check=criteria_check(max_criteria), messages=messages, cache_marks=shared)
+    return _criteria_request("merge", group_id, version, messages, max_criteria, sampling)
 
 
 def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
