@@ -4,7 +4,8 @@ whole-column operations, the first offending row named with file, row and field.
 from __future__ import annotations
 
 import math
-from typing import cast
+from collections.abc import Callable
+from typing import Any, cast
 
 import polars as pl
 import pyarrow as pa
@@ -75,48 +76,31 @@ def _first_row(df: pl.DataFrame, mask: pl.Expr) -> int | None:
 
 def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
     c = pl.col(col.name)
+    values = df[col.name]
+
+    def refuse(mask: pl.Expr, message: Callable[[Any], str]) -> None:
+        row = _first_row(df, mask)
+        if row is not None:
+            raise InputError(message(values[row]), file=source, row=row, field=col.name)
+
     # Cheap whole-column tests first; the offending row is looked for only on failure.
-    if not col.nullable and df[col.name].null_count():
-        row = _first_row(df, c.is_null())
-        raise InputError("must not be null", file=source, row=row, field=col.name)
-    if col.choices is not None:
-        row = _first_row(df, c.is_not_null() & ~c.is_in(list(col.choices)))
-        if row is not None:
-            raise InputError(
-                f"{df[col.name][row]!r} is not one of {', '.join(col.choices)}",
-                file=source,
-                row=row,
-                field=col.name,
-            )
-    if col.ge is not None and _number(df[col.name].min()) < col.ge:
-        row = _first_row(df, c.is_not_null() & (c < col.ge))
-        if row is not None:
-            raise InputError(
-                f"must be >= {col.ge:g}, got {df[col.name][row]}",
-                file=source,
-                row=row,
-                field=col.name,
-            )
-    if col.le is not None and _number(df[col.name].max()) > col.le:
-        row = _first_row(df, c.is_not_null() & (c > col.le))
-        if row is not None:
-            raise InputError(
-                f"implausible value {df[col.name][row]} (more than {col.le:.0f}); "
-                "refusing it before allocating anything for it",
-                file=source,
-                row=row,
-                field=col.name,
-            )
+    if not col.nullable and values.null_count():
+        refuse(c.is_null(), lambda _: "must not be null")
+    if (choices := col.choices) is not None:
+        refuse(c.is_not_null() & ~c.is_in(list(choices)),
+               lambda v: f"{v!r} is not one of {', '.join(choices)}")
+    if (ge := col.ge) is not None and _number(values.min()) < ge:
+        refuse(c.is_not_null() & (c < ge), lambda v: f"must be >= {ge:g}, got {v}")
+    if (le := col.le) is not None and _number(values.max()) > le:
+        refuse(c.is_not_null() & (c > le),
+               lambda v: f"implausible value {v} (more than {le:.0f}); refusing it before "
+               "allocating anything for it")
     is_list = isinstance(df.schema[col.name], pl.List)
-    if col.item_ge is not None and is_list and df.height:
-        low = df[col.name].list.min().min()
-        if isinstance(low, (int, float)) and low < col.item_ge:
-            row = _first_row(df, c.list.min() < col.item_ge)
-            assert row is not None
-            raise InputError(
-                f"every element must be >= {col.item_ge:g}, got {df[col.name][row].to_list()}",
-                file=source, row=row, field=col.name,
-            )
+    if (item_ge := col.item_ge) is not None and is_list and df.height:
+        low = values.list.min().min()
+        if isinstance(low, (int, float)) and low < item_ge:
+            refuse(c.list.min() < item_ge,
+                   lambda v: f"every element must be >= {item_ge:g}, got {v.to_list()}")
     if col.finite:
         row = first_non_finite(df, col.name)
         if row is not None:
