@@ -218,14 +218,6 @@ class RunFolder:
     def has(self, name: str) -> bool:
         return self.table(name).is_file()
 
-    def table_files(self) -> list[Path]:
-        """Every table of the run, its inputs first: what ``draco validate RUN_DIR`` checks
-        together (the call log's Parquet export is a record, not a contract table)."""
-        inputs = [self.input(name) for name in ("rollouts", "steps")
-                  if self.manifest is not None and name in self.manifest.inputs]
-        return [p for p in inputs if p is not None] + \
-            [self.table(t) for t in TABLES if self.has(t)]
-
     @property
     def call_log(self) -> Path:
         own = self.path / "llm_calls.sqlite"

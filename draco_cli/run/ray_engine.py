@@ -260,7 +260,7 @@ def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
     return out
 
 
-def union_tables(parts: list[tuple[int, StageReport]], stage_dir: str, names: list[str]
+def union_tables(parts: list[tuple[int, StageReport]], names: list[str]
                  ) -> dict[str, pl.DataFrame | None]:
     """The partitions' tables of one stage, concatenated in partition order (None: no
     partition wrote it)."""
@@ -370,7 +370,7 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
-    tables = union_tables(parts, stage, list(names))
+    tables = union_tables(parts, list(names))
     with OutputSet(out, list(names), force=True) as output:
         for name, model in names.items():
             table = tables[name]
