@@ -215,12 +215,7 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
         pl.coalesce(pl.col("call_key"), -pl.col("_row").cast(pl.Int64) - 1).alias("_call"))
     c = c.with_columns((pl.col("input_tokens") + pl.col("cached_tokens")
                         + pl.col("cache_write_tokens")).sum().over("_call").alias("_prompt"))
-    models = c["model"].unique().drop_nulls().to_list()
-    table = pl.DataFrame(
-        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
-         for m in models for p in [prices.price(m)]],
-        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
-    c = c.join(table, on="model", how="left").with_columns(
+    c = c.join(_price_columns(c, prices), on="model", how="left").with_columns(
         ((pl.col("_prompt") * pl.col("_p_in") + pl.col("output_tokens") * pl.col("_p_out"))
          / 1e6).alias("_naive"),
         pl.col("_p_in").is_null().alias("_unpriced"))
@@ -248,6 +243,14 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
 
 
 ROUTES = ("online", "batch", "all")
+
+
+def _price_columns(frame: pl.DataFrame, prices: PriceTable) -> pl.DataFrame:
+    """Per-model input/output price per token (`_p_in`, `_p_out`; null when unknown)."""
+    return pl.DataFrame(
+        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
+         for m in frame["model"].unique().drop_nulls().to_list() for p in [prices.price(m)]],
+        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
 
 
 def _routes(frame: pl.DataFrame, batched: pl.Expr) -> list[tuple[str, pl.DataFrame]]:
@@ -313,12 +316,7 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
             "cache_write_tokens", "output_tokens", "naive_input_tokens", "cost_usd"]
     t = pl.DataFrame(sums, schema=dict.fromkeys(cols[:2], pl.String) | dict.fromkeys(
         cols[2:-1], pl.Int64) | {"cost_usd": pl.Float64}, orient="row")
-    models = t["model"].unique().drop_nulls().to_list()
-    table = pl.DataFrame(
-        [{"model": m, "_p_in": (p.input if p else None), "_p_out": (p.output if p else None)}
-         for m in models for p in [prices.price(m)]],
-        schema={"model": pl.String, "_p_in": pl.Float64, "_p_out": pl.Float64})
-    t = t.join(table, on="model", how="left").with_columns(
+    t = t.join(_price_columns(t, prices), on="model", how="left").with_columns(
         ((pl.col("naive_input_tokens") * pl.col("_p_in")
           + pl.col("output_tokens") * pl.col("_p_out")) / 1e6).alias("_naive"),
         pl.col("_p_in").is_null().alias("_unpriced"))
