@@ -15,12 +15,11 @@ index of the message in ``messages``, are mapped to those step numbers by the bu
 from __future__ import annotations
 
 import ast
-import json
 from collections.abc import Iterator
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, parse_messages
+from draco_cli.ingest.chat import EntryContext, json_lines, parse_messages
 from draco_cli.ingest.episode import Episode
 
 Item = tuple[str, "Episode | InputError"]
@@ -29,15 +28,9 @@ LABELS = (-1, 0, 1)
 
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
-    for lineno, line in enumerate(fp, start=1):
-        where = f"line {lineno}"
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            yield where, InputError(f"invalid JSON ({exc.msg} at column {exc.colno})",
-                                    file=source, row=where)
+    for where, _, raw in json_lines(fp, source):
+        if isinstance(raw, InputError):
+            yield where, raw
             continue
         try:
             yield where, to_episode(raw, EntryContext(source, where))

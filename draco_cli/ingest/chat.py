@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from typing import Any
+import json
+from collections.abc import Iterator
+from typing import Any, TextIO
 
 from draco_cli.errors import InputError
 from draco_cli.ingest.episode import Message, ToolCall
@@ -142,3 +144,28 @@ def trainer_tokens(raw: dict[str, Any], ctx: EntryContext
         if any(not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in ids):
             raise ctx.error("response_ids must hold non-negative integers", "response_ids")
     return mask, ids
+
+
+def json_lines(fp: TextIO, source: str) -> Iterator[tuple[str, int, Any]]:
+    """(where, line number, the line's JSON value or the InputError it makes) of each non-blank
+    line of a JSON Lines file."""
+    for lineno, line in enumerate(fp, start=1):
+        where = f"line {lineno}"
+        if not line.strip():
+            continue
+        try:
+            yield where, lineno, json.loads(line)
+        except json.JSONDecodeError as exc:
+            # A line cut short fails at its very end (or inside an unterminated string).
+            cut = exc.pos >= len(line.rstrip()) or exc.msg.startswith("Unterminated")
+            what = "truncated JSON" if cut else "invalid JSON"
+            yield where, lineno, InputError(f"{what} ({exc.msg} at column {exc.colno})",
+                                            file=source, row=where)
+        except RecursionError:
+            yield where, lineno, InputError("JSON nested too deeply to be a rollout",
+                                            file=source, row=where)
+
+
+def first_user_text(messages: list[Message]) -> str:
+    """The first user message's text (a log's instruction when it names none), or ""."""
+    return next((m.content for m in messages if m.role == "user"), "")

@@ -11,13 +11,13 @@ are taken from them, one run of 1s per policy message (docs/ingest.md).
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, parse_messages, trainer_tokens
+from draco_cli.ingest.chat import (EntryContext, first_user_text, json_lines, parse_messages,
+                                   trainer_tokens)
 from draco_cli.ingest.episode import Episode
 from draco_cli.schemas import Termination
 
@@ -27,22 +27,9 @@ Item = tuple[str, "Episode | InputError"]
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
     stem = Path(source).stem
-    for lineno, line in enumerate(fp, start=1):
-        where = f"line {lineno}"
-        if not line.strip():
-            continue
-        try:
-            raw = json.loads(line)
-        except json.JSONDecodeError as exc:
-            # A line cut short fails at its very end (or inside an unterminated string).
-            cut = exc.pos >= len(line.rstrip()) or exc.msg.startswith("Unterminated")
-            what = "truncated JSON" if cut else "invalid JSON"
-            yield where, InputError(f"{what} ({exc.msg} at column {exc.colno})",
-                                    file=source, row=where)
-            continue
-        except RecursionError:
-            yield where, InputError("JSON nested too deeply to be a rollout", file=source,
-                                    row=where)
+    for where, lineno, raw in json_lines(fp, source):
+        if isinstance(raw, InputError):
+            yield where, raw
             continue
         try:
             yield where, to_episode(raw, EntryContext(source, where), f"{stem}:{lineno}")
@@ -60,8 +47,7 @@ def to_episode(raw: Any, ctx: EntryContext, default_id: str) -> Episode:
         raise ctx.error(f"{termination!r} is not one of {', '.join(TERMINATIONS)}", "termination")
     instruction = ctx.optional(raw, "instruction", str)
     if instruction is None:
-        first_user = next((m for m in messages if m.role == "user"), None)
-        instruction = first_user.content if first_user else ""
+        instruction = first_user_text(messages)
     outcome = ctx.optional(raw, "outcome", (int, float))
     rid = ctx.optional(raw, "rollout_id", (str, int))
     gid = ctx.optional(raw, "group_id", (str, int))

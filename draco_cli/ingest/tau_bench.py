@@ -8,7 +8,7 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, as_object, parse_messages
+from draco_cli.ingest.chat import EntryContext, as_object, first_user_text, parse_messages
 from draco_cli.ingest.episode import Episode
 from draco_cli.ingest.jsonstream import iter_array
 
@@ -59,8 +59,7 @@ def to_episode(raw: Any, ctx: EntryContext) -> Episode:
     instruction = task.get("instruction") if isinstance(task.get("instruction"), str) else None
     messages = parse_messages(raw.get("traj"), ctx, "traj")
     if instruction is None:
-        first_user = next((m for m in messages if m.role == "user"), None)
-        instruction = first_user.content if first_user else ""
+        instruction = first_user_text(messages)
     termination, term_raw = termination_of(info)
     # tau-bench's agent is prompted with the domain wiki (its policy) as the system message.
     system = next((m.content for m in messages if m.role == "system" and m.content), None)
