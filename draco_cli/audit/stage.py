@@ -195,7 +195,15 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
     _refuse_existing(out, ["overlap", "overlap_units", "overlap_tests"], force)
     r = _rollouts(rollouts, AUDIT_ROLLOUT_COLUMNS)
     a, b = rubric_table(own, level), rubric_table(reference, level)
-    threshold = matcher.threshold
+
+    def publish(sim: Any, threshold: float) -> tuple[pl.DataFrame, pl.DataFrame]:
+        per_unit, summary = overlap_audit(a, b, level, r, sim, threshold)
+        t = publish_tables(out, {"overlap": (summary, Overlap),
+                                 "overlap_units": (per_unit, OverlapUnit),
+                                 "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
+                           force=force)
+        return t["overlap"], t["overlap_units"]
+
     if matcher.kind == "llm":
         from draco_cli.audit.matchers import LLMMatcher
         from draco_cli.io import folder_lock, prepare_out_dir
@@ -204,26 +212,14 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
 
         # the folder stays locked through the calls: a second writer would pay them again
         with folder_lock(prepare_out_dir(out)), CallLog(Path(out) / "llm_calls.sqlite") as log:
-            sim: Any = LLMMatcher(LLMClient(matcher.model or "", call_log=log,
-                                            base_url=matcher.base_url))
-            per_unit, summary = overlap_audit(a, b, level, r, sim, 0.5)
-            t = publish_tables(out, {"overlap": (summary, Overlap),
-                                     "overlap_units": (per_unit, OverlapUnit),
-                                     "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
-                               force=force)
-        return t["overlap"], t["overlap_units"]
+            return publish(LLMMatcher(LLMClient(matcher.model or "", call_log=log,
+                                                base_url=matcher.base_url)), 0.5)
     if matcher.kind == "embedding":
         from draco_cli.audit.matchers import EmbeddingMatcher
 
-        sim = EmbeddingMatcher(matcher.model or "", matcher.base_url)
-    else:
-        sim = lexical_similarity
-    per_unit, summary = overlap_audit(a, b, level, r, sim, threshold)
-    t = publish_tables(out, {"overlap": (summary, Overlap),
-                             "overlap_units": (per_unit, OverlapUnit),
-                             "overlap_tests": (overlap_tests(per_unit), OverlapTest)},
-                       force=force)
-    return t["overlap"], t["overlap_units"]
+        return publish(EmbeddingMatcher(matcher.model or "", matcher.base_url),
+                       matcher.threshold)
+    return publish(lexical_similarity, matcher.threshold)
 
 
 # --- rubric statistics ------------------------------------------------------------------
