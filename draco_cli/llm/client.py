@@ -482,9 +482,5 @@ class LLMClient:
 
         reply = await self.retry.run(attempt, self.where)
         self._sem.completed()
-        stats.calls += 1
-        stats.usage = stats.usage + reply.usage
-        cost = self._cost_of(reply)
-        stats.cost_usd += cost
-        self.spent += cost
+        self.account(req, reply)
         return reply
