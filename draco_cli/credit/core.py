@@ -9,7 +9,7 @@ token-level output in ``credit.tokens``.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any, Literal, cast
+from typing import Any, cast
 
 import numpy as np
 import polars as pl
@@ -20,15 +20,11 @@ from draco_cli.credit.inputs import (StepArrays, _arrow_verdict_index, _check_ve
                                      _codes, _with_verdict_ids, criterion_keys, index_steps,
                                      narrow_judge, rollout_chunks, sum_by_offsets, verdict_flags,
                                      verdict_rows)
+from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode
 from draco_cli.credit.dropout import apply_dropout, check_dropout
 from draco_cli.errors import DracoError, InputError, UsageError
 
 EPS = 1e-6
-Drop = Literal["all-pass", "constant"]
-Estimator = Literal["grpo", "rloo"]
-StdMode = Literal["sample", "population", "none"]
-CreditKind = Literal["step", "uniform"]
-RewardSource = Literal["rubric", "outcome"]
 
 
 @dataclass

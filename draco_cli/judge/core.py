@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Any, Literal, cast
 import polars as pl
 from pydantic import BaseModel
 
+from draco_cli.choices import Aggregate
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_steps,
@@ -27,8 +28,6 @@ from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, rend
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client, Stage
     from draco_cli.llm.types import Progress
-
-Aggregate = Literal["all", "majority"]
 
 
 class VerdictItem(BaseModel):

@@ -31,7 +31,7 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from draco_cli.errors import DracoError, UsageError
 
 if TYPE_CHECKING:
-    from draco_cli.judge.core import Aggregate
+    from draco_cli.choices import Aggregate
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.stage import StageReport
     from draco_cli.prompts.render import RenderOptions
