@@ -282,7 +282,9 @@ class FakeLLMServer:
             self._loop.run_until_complete(site.start())
             self.port = int(runner.addresses[0][1])   # (host, port, ...) of the bound socket
             ready.set()
-            self._loop.run_forever()
+            loop = self._loop
+            loop.run_forever()
+            loop.close()
 
         self._thread = threading.Thread(target=run, daemon=True)
         self._thread.start()

@@ -14,6 +14,7 @@ from draco_cli.llm import CallLog, LLMClient, LLMError
 from draco_cli.llm.providers import make_provider
 from tests.conftest import REPO, run_draco
 from tests.llm_server import FakeLLMServer
+from tests.source_tree import parse
 from tests.test_llm import PLANTED, PRICES, req
 
 MODELS = ["openai/test-model", "anthropic/test-claude"]
@@ -115,7 +116,7 @@ def test_fewer_choices_in_a_batch_are_reasked_one_per_call(server, tmp_path):
 
 
 def test_batch_py_uses_only_public_interfaces():
-    tree = ast.parse((REPO / "draco_cli" / "llm" / "batch.py").read_text())
+    tree = parse(REPO / "draco_cli" / "llm" / "batch.py")
     private = [n.attr for n in ast.walk(tree) if isinstance(n, ast.Attribute)
                and n.attr.startswith("_") and not n.attr.startswith("__")
                and isinstance(n.value, ast.Name) and n.value.id in ("client", "provider")]

@@ -74,6 +74,7 @@ class SlowServer:
             self.port = int(self._runner.addresses[0][1])
             ready.set()
             self._loop.run_forever()
+            self._loop.close()
 
         threading.Thread(target=run, daemon=True).start()
         assert ready.wait(10)

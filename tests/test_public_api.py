@@ -10,6 +10,8 @@ from pathlib import Path
 
 import draco_cli
 
+from tests.source_tree import parse
+
 PKG = Path(draco_cli.__file__).parent
 
 
@@ -45,7 +47,7 @@ def _imports() -> dict[str, set[str]]:
     graph: dict[str, set[str]] = {}
     for name, p in mods.items():
         out: set[str] = set()
-        for node in ast.walk(ast.parse(p.read_text())):
+        for node in ast.walk(parse(p)):
             if isinstance(node, ast.ImportFrom) and node.module and node.module.startswith("draco_cli"):
                 out |= {m for m in (f"{node.module}.{a.name}" for a in node.names) if m in mods}
                 if node.module in mods:
