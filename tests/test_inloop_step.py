@@ -303,3 +303,33 @@ def test_step_folders_are_what_draco_report_and_validate_read(tmp_path):
         manifest = json.loads((folder / "manifest.json").read_text())
         assert manifest["kind"] == "draco in-loop step" and "health" in manifest
         assert manifest["settings"] == {"setting": "draco", "model": "mock/judge"}
+
+
+@pytest.mark.parametrize("how", ["exit", "deadline", "discard"])
+def test_no_judge_call_outlives_the_scorer(monkeypatch, tmp_path, how):
+    # a call still in flight when the scorer closes (a group judged when the trainer stops, one
+    # past its deadline, one discarded) is cancelled and unwound by __aexit__, not left for the
+    # trainer's loop to find half-finished, or to die with it when the loop closes
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-api-0000000000000")
+    slow = FakeLLMServer(answer=scripted, latency=2.0).start()
+
+    async def main():
+        async with StepScorer("openai/m", base_url=slow.url + "/v1", group_size=GROUP,
+                              decode=decode, call_log=tmp_path / "o.sqlite",
+                              deadline=0.3 if how == "deadline" else None) as s:
+            for r in batch(n_groups=1):
+                await s.add(r)
+            await asyncio.sleep(0.2)    # the group's first call is on the wire
+            if how == "deadline":
+                await s.finish(1)
+            elif how == "discard":
+                s.discard(1)
+        return asyncio.all_tasks() - {asyncio.current_task()}
+
+    try:
+        t0 = time.monotonic()
+        left = asyncio.run(main())
+        assert time.monotonic() - t0 < 1.5
+    finally:
+        slow.stop()
+    assert left == set()

@@ -43,6 +43,7 @@ __all__ = ["BlockingStepScorer", "Fallback", "RowAdvantages", "StepResult", "Ste
 
 Fallback = Literal["outcome", "zero"]
 T = TypeVar("T")
+F = TypeVar("F", bound="asyncio.Future[Any]")
 
 
 @dataclass(frozen=True)
@@ -147,16 +148,24 @@ class StepScorer:
                              deadline=request_deadline or deadline, gold=gold,
                              gold_call_log=spot_check_call_log, **llm)
         self._steps: dict[int | None, _Step] = {}
+        # every group's task and judging job still running, wherever its step went: closing
+        # unwinds them before the client session they call through goes away
+        self._running: set[asyncio.Future[Any]] = set()
+
+    def _track(self, fut: F) -> F:
+        self._running.add(fut)
+        fut.add_done_callback(self._running.discard)
+        return fut
 
     async def __aenter__(self) -> StepScorer:
         await self.scorer.__aenter__()
         return self
 
     async def __aexit__(self, *exc: Any) -> None:
-        for st in self._steps.values():
-            for g in st.groups.values():
-                if g.task is not None and not g.task.done():
-                    g.task.cancel()
+        running = list(self._running)
+        for fut in running:
+            fut.cancel()
+        await asyncio.gather(*running, return_exceptions=True)
         await self.scorer.__aexit__(*exc)
 
     def _step(self, train_step: int | None) -> _Step:
@@ -197,19 +206,22 @@ class StepScorer:
         g.size = size
         if len(g.members) == size:
             g.complete_at = now
-            g.task = asyncio.create_task(self._score(st, rollout.group_id, g))
+            g.task = self._track(asyncio.create_task(self._score(st, rollout.group_id, g)))
 
     async def _score(self, st: _Step, group_id: str, g: _Group) -> None:
         try:
             # rollout-id order, not arrival order: the union prompt lists the group's attempts,
             # and sessions finish in another order every run (a restart would pay again)
             r, s = trainer_rows(sorted(g.members, key=lambda m: m.rollout_id), self.decode)
-            job = asyncio.ensure_future(self.scorer.score_group(r, s))
+            job = self._track(asyncio.ensure_future(self.scorer.score_group(r, s)))
             try:
                 g.score = await asyncio.wait_for(asyncio.shield(job), self.deadline)
             except TimeoutError:
                 job.cancel()
                 g.fallback = f"no advantages within the deadline ({self.deadline:g} s)"
+            except asyncio.CancelledError:
+                job.cancel()    # the shield kept it from hearing
+                raise
             rows = self._rows(g.score.token_advantages, g.score.rewards, "draco") \
                 if g.score is not None else self._fallback_rows(r, s)
             st.rows.update({k: RowAdvantages(k, group_id, *v) for k, v in rows.items()})
