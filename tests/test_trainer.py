@@ -173,6 +173,7 @@ def test_trl_ids_count_the_group_index_across_processes():
                      process_index=i) for i in range(4)]
     assert sum(q, []) == [f"{t}:{k}" for t in "ab" for k in range(4)]
     with pytest.raises(AlignmentError, match="share a rollout id"):
-        rollout_ids([{"task_id": "a"}] * 4, id_column="task_id", num_generations=2)
+        rollout_ids([{"task_id": "a"}] * 4, id_column="task_id", num_generations=2,
+                    process_index=0)
     with pytest.raises(AlignmentError, match="no dataset column 'task'"):
-        rollout_ids(rows[:1], id_column="task", num_generations=2)
+        rollout_ids(rows[:1], id_column="task", num_generations=2, process_index=0)
