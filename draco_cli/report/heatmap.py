@@ -147,7 +147,7 @@ def _credit(run: Run, con: DuckDBPyConnection, counts: str | None,
             f"<div class='rollout' id='rollout-{i}'{'' if i == 0 else ' hidden'}>"
             f"<p>Rollout <b>{html.escape(rid)}</b> (group {html.escape(str(r['group_id']))}):"
             f" reward {reward}, A<sub>i</sub> = {_num(r['advantage'], '+.4f')}, credit "
-            f"{html.escape(str(r['credit_mode']))}; {r['n_pass']} criteria passed, "
+            f"{html.escape(str(r['credit_mode']))}; criteria: {r['n_pass']} passed, "
             f"{r['n_fail']} failed, {r['n_na']} not applicable.</p>"
             "<table class='steps'><tr><th>step</th><th>action (and what the environment "
             "answered)</th><th>step total n<sub>j</sub>·a<sub>j</sub></th><th>a<sub>j</sub> "
