@@ -11,6 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import polars as pl
 
 from draco_cli.errors import InputError
+from draco_cli.schemas import CostNaive, polars_schema
 
 if TYPE_CHECKING:
 
@@ -184,13 +185,7 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
     from draco_cli.llm.prices import PriceTable
 
     prices = prices or PriceTable.load()
-    schema = {"phase": pl.String, "route": pl.String, "calls": pl.Int64,
-              "naive_calls": pl.Int64,
-              "input_tokens": pl.Int64, "cached_tokens": pl.Int64,
-              "cache_write_tokens": pl.Int64, "output_tokens": pl.Int64,
-              "naive_input_tokens": pl.Int64, "batch_share": pl.Float64,
-              "billed_usd": pl.Float64, "naive_usd": pl.Float64,
-              "billed_over_naive": pl.Float64, "unpriced_rows": pl.Int64}
+    schema = polars_schema(CostNaive)
     if calls.height == 0 or "status" not in calls.columns:
         return pl.DataFrame(schema=schema)
     tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]

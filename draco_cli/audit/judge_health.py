@@ -13,36 +13,22 @@ from __future__ import annotations
 import math
 import re
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import numpy as np
 import polars as pl
 
 from draco_cli.audit.spot_agreement import SPOT_STEP_SCHEMA, spot_per_step, spot_scope_row
 from draco_cli.audit.stats import Trend, trend
-
-if TYPE_CHECKING:
-    from polars._typing import PolarsDataType
+from draco_cli.schemas import (JudgeHealthCriterion, JudgeHealthStep, JudgeHealthTrend,
+                               polars_schema)
 
 ALPHA = 0.05
 MIN_STEPS = 3
 
-STEP_SCHEMA: dict[str, PolarsDataType] = {
-    "train_step": pl.Int64, "rollouts": pl.Int64, "outcome_n": pl.Int64,
-    "outcome_rate": pl.Float64, "verdicts": pl.Int64, "pass_rate": pl.Float64,
-    "criteria": pl.Int64, "mean_reward": pl.Float64, "pairs": pl.Int64,
-    "agreement": pl.Float64, "correlation": pl.Float64, **SPOT_STEP_SCHEMA}
-CRITERION_SCHEMA: dict[str, PolarsDataType] = {
-    "criterion": pl.String, "title": pl.String, "train_step": pl.Int64, "groups": pl.Int64,
-    "n": pl.Int64, "passes": pl.Int64, "na": pl.Int64, "unanswered": pl.Int64,
-    "pass_rate": pl.Float64, "outcome_rate": pl.Float64, "pass_rate_success": pl.Float64,
-    "pass_rate_failure": pl.Float64}
-TREND_SCHEMA: dict[str, PolarsDataType] = {
-    "scope": pl.String, "criterion": pl.String, "title": pl.String, "n_steps": pl.Int64,
-    "pass_rate_first": pl.Float64, "pass_rate_last": pl.Float64, "pass_slope": pl.Float64,
-    "pass_t": pl.Float64, "pass_p": pl.Float64, "pass_p_holm": pl.Float64,
-    "outcome_slope": pl.Float64, "outcome_p": pl.Float64, "agreement_slope": pl.Float64,
-    "agreement_p": pl.Float64, "flagged": pl.Boolean, "reason": pl.String}
+STEP_SCHEMA = polars_schema(JudgeHealthStep)
+CRITERION_SCHEMA = polars_schema(JudgeHealthCriterion)
+TREND_SCHEMA = polars_schema(JudgeHealthTrend)
 
 
 @dataclass

@@ -9,6 +9,7 @@ import polars as pl
 
 from draco_cli.audit.stats import step_tests
 from draco_cli.errors import UsageError
+from draco_cli.schemas import Agreement, AgreementTest, polars_schema
 
 if TYPE_CHECKING:
     from polars._typing import PythonLiteral
@@ -91,8 +92,7 @@ TESTED = {
 }
 
 
-TEST_SCHEMA = {"metric": pl.String, "test": pl.String, "statistic": pl.Float64,
-               "p_value": pl.Float64, "n_steps": pl.Int64}
+TEST_SCHEMA = polars_schema(AgreementTest)
 
 
 def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
@@ -122,11 +122,6 @@ def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
             for test, stat, p, n in step_tests(per_step, first, last):
                 tests.append({"metric": metric, "test": test, "statistic": stat,
                               "p_value": p, "n_steps": n})
-    agreement = pl.DataFrame(out, schema={
-        "scope": pl.String, "n_rows": pl.Int64, "agreement": pl.Float64,
-        "pass_all_baseline": pl.Float64, "false_pass_rate": pl.Float64,
-        "false_fail_rate": pl.Float64, "leniency_ratio": pl.Float64,
-        "unanswered_rate": pl.Float64, "criteria_per_rollout": pl.Float64,
-        "reference_fail_share": pl.Float64})
+    agreement = pl.DataFrame(out, schema=polars_schema(Agreement))
     tests_df = pl.DataFrame(tests, schema=TEST_SCHEMA)
     return agreement, tests_df

@@ -16,6 +16,8 @@ from typing import Any
 import numpy as np
 import polars as pl
 
+from draco_cli.schemas import StepLabelFigure, polars_schema
+
 FIGURES = ("auroc_quality", "bad_mass", "good_mass", "worst_step_hit")
 TIE = 1e-12  # qualities this close count as tied (Q̄ is a mean of fractions)
 
@@ -274,10 +276,7 @@ def _nan_none(x: float) -> float | None:
     return None if not np.isfinite(x) else float(x)
 
 
-SCHEMA = {"source": pl.String, "figure": pl.String, "value": pl.Float64,
-          "ci_low": pl.Float64, "ci_high": pl.Float64, "uniform": pl.Float64,
-          "lift": pl.Float64, "n": pl.Int64, "n_groups": pl.Int64,
-          "zero_advantage_rollouts": pl.Int64}
+SCHEMA = polars_schema(StepLabelFigure)
 
 
 def step_label_audit(steps: pl.DataFrame, rollouts: pl.DataFrame, labels: pl.DataFrame, *,

@@ -18,9 +18,9 @@ import numpy as np
 import polars as pl
 
 from draco_cli.errors import UsageError
+from draco_cli.schemas import RubricDropout, polars_schema
 
-DROPOUT_SCHEMA = {"group_id": pl.String, "criterion_id": pl.String,
-                  "rubric_dropout": pl.Float64, "seed": pl.Int64}
+DROPOUT_SCHEMA = polars_schema(RubricDropout)
 
 
 def _uniform(*parts: object) -> float:

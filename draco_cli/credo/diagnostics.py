@@ -25,6 +25,7 @@ if TYPE_CHECKING:
 
 from draco_cli.credo.correction import deltas
 from draco_cli.errors import InputError
+from draco_cli.schemas import AllocatorCalibration, CostCategory, polars_schema
 
 
 def _labelled(plan_df: pl.DataFrame, labels: pl.DataFrame) -> pl.DataFrame:
@@ -80,8 +81,7 @@ def allocator_calibration(plan_df: pl.DataFrame, labels: pl.DataFrame, bins: int
                           ) -> pl.DataFrame:
     """Predicted e_t (what the allocator used) vs realized (Δ_t − c_t)² per e-bin."""
     rows = _labelled(plan_df, labels)
-    schema = pl.Schema({"bin": pl.Int64, "n": pl.Int64, "mean_predicted_error": pl.Float64,
-                        "mean_squared_residual": pl.Float64})
+    schema = polars_schema(AllocatorCalibration)
     if rows.height == 0:
         return pl.DataFrame(schema=schema)
     df = rows.select(pl.col("error").alias("e"),
@@ -172,6 +172,4 @@ def cost_by_category(calls: pl.DataFrame | None = None, rollouts: pl.DataFrame |
                          "cost_usd": None if r["cost_usd"] is None else float(r["cost_usd"])})
     order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
     rows.sort(key=lambda r: (order.get(r["category"], len(order)), r["category"]))
-    return pl.DataFrame(rows, schema={"category": pl.String, "tokens": pl.Int64,
-                                      "env_actions": pl.Int64, "llm_calls": pl.Int64,
-                                      "cost_usd": pl.Float64})
+    return pl.DataFrame(rows, schema=polars_schema(CostCategory))

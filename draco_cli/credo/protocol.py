@@ -44,6 +44,7 @@ from collections.abc import Callable
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
+from draco_cli.schemas import ReplayLabel, polars_schema
 
 PROTOCOL = "draco-replay/1"
 LOG_NAME = "replay_log.jsonl"
@@ -256,8 +257,7 @@ def _tables(recs: list[Record], complete: bool) -> tuple[pl.DataFrame, pl.DataFr
           "return": float(v)}
          for rec in recs for side in ("realized", "resampled")
          for k, v in enumerate(rec[side])],
-        schema={"rollout_id": pl.String, "step": pl.Int64, "side": pl.String,
-                "sample": pl.Int64, "return": pl.Float64})
+        schema=polars_schema(ReplayLabel))
     return costs, labels
 
 

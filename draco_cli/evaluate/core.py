@@ -25,6 +25,7 @@ import numpy as np
 import polars as pl
 
 from draco_cli.errors import UsageError
+from draco_cli.schemas import Metric, polars_schema
 
 SUCCESS_TOL = 1e-6
 MISSING_MODES = ("fail", "drop")
@@ -220,8 +221,7 @@ def evaluate(rollouts: pl.DataFrame, ks: Sequence[int] = (1, 2, 3), by: Sequence
                              "k": None, "value": cnt / part.height, "n": part.height})
             rows.append({"scope": f"train_step={value}", "metric": "mean_turns", "k": None,
                          "value": part["n_turns"].mean(), "n": part.height})
-    metrics = pl.DataFrame(rows, schema={"scope": pl.String, "metric": pl.String,
-                                         "k": pl.Int64, "value": pl.Float64, "n": pl.Int64})
+    metrics = pl.DataFrame(rows, schema=polars_schema(Metric))
     return EvalResult(metrics, summary, warnings)
 
 

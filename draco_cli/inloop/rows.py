@@ -17,6 +17,7 @@ import numpy as np
 import polars as pl
 
 from draco_cli.errors import InputError
+from draco_cli.schemas import Step, polars_schema
 
 __all__ = ["TrainerRollout", "policy_runs", "trainer_rows"]
 
@@ -105,7 +106,6 @@ def trainer_rows(rollouts: Sequence[TrainerRollout], decode: Decode
               "train_step": pl.Int32, "instruction": pl.String, "outcome": pl.Float64,
               "n_turns": pl.Int32, "response_len": pl.Int32,
               "policy_spans": pl.List(pl.List(pl.Int32)), "response_fingerprint": pl.String}
-    step_schema: dict[str, pl.DataType | type[pl.DataType]] = {"rollout_id": pl.String, "step": pl.Int32, "action": pl.String,
-                   "observation": pl.String, "n_tokens": pl.Int32, "token_start": pl.Int32}
+    step_schema = polars_schema(Step)
     return (pl.DataFrame(rows, schema=schema) if rows else pl.DataFrame(schema=schema),
             pl.DataFrame(steps, schema=step_schema) if steps else pl.DataFrame(schema=step_schema))

@@ -23,7 +23,7 @@ import asyncio
 from contextlib import AbstractAsyncContextManager
 from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, cast
+from typing import TYPE_CHECKING, Any
 from collections.abc import Callable
 
 import polars as pl
@@ -35,11 +35,9 @@ from draco_cli.llm.drive import adrive
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.options import CreditOptions, RunOptions
-from draco_cli.schemas import Rollout, Step
+from draco_cli.schemas import Rollout, Rubric, Step, polars_schema
 
 if TYPE_CHECKING:
-    from polars._typing import SchemaDict
-
     from draco_cli.llm.client import LLMClient
     from draco_cli.llm.types import Answer, LLMRequest, Progress
 
@@ -264,11 +262,8 @@ class Scorer:
 
         o = self.options
         if o.rubric.kind == "none":
-            empty = pl.DataFrame(schema={"group_id": pl.String, "criterion_id": pl.String,
-                                         "title": pl.String, "requirement": pl.String,
-                                         "source": pl.String})
-            # RAW_SCHEMA holds polars dtypes (judge.py types it as a dict of objects)
-            raw = pl.DataFrame(schema=cast("SchemaDict", RAW_SCHEMA))
+            empty = pl.DataFrame(schema=polars_schema(Rubric))
+            raw = pl.DataFrame(schema=RAW_SCHEMA)
             return empty, raw, raw.drop("sample")
         if self.static_criteria is not None:   # rubric kind static
             rubrics = static_rubrics(r, self.static_criteria)

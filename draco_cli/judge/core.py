@@ -24,6 +24,7 @@ from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_steps,
                                      rollout_budget, rollout_prefix, stage_messages,
                                      task_contexts)
+from draco_cli.schemas import VerdictRaw, polars_schema
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Client, Stage
@@ -184,10 +185,7 @@ def verdict_rows(rollout_id: str, criteria_ids: list[str], n_steps: int, judge: 
     return rows
 
 
-RAW_SCHEMA: dict[str, pl.DataType | type[pl.DataType]] = {
-    "rollout_id": pl.String, "criterion_id": pl.String, "judge": pl.String,
-    "sample": pl.Int64, "verdict": pl.String, "cited_steps": pl.List(pl.Int32),
-    "reason": pl.String}
+RAW_SCHEMA = polars_schema(VerdictRaw)
 
 
 def raw_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:

@@ -16,10 +16,9 @@ import numpy as np
 import polars as pl
 
 from draco_cli.errors import InputError
+from draco_cli.schemas import SpotCheck, polars_schema
 
 if TYPE_CHECKING:
-    from polars._typing import PolarsDataType
-
     from draco_cli.judge.core import ScoreResult
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.stage import StageReport
@@ -28,12 +27,7 @@ if TYPE_CHECKING:
     from draco_cli.prompts.render import RenderOptions
 
 GOLD_LABEL = "gold"
-SPOT_SCHEMA: dict[str, PolarsDataType] = {
-    "rollout_id": pl.String, "group_id": pl.String, "criterion_id": pl.String,
-    "train_step": pl.Int64, "judge": pl.String, "judge_verdict": pl.String,
-    "gold_verdict": pl.String, "judge_pass": pl.Boolean, "gold_pass": pl.Boolean,
-    "agree": pl.Boolean, "retained": pl.Boolean, "gold_model": pl.String,
-    "gold_reason": pl.String, "seed": pl.Int64}
+SPOT_SCHEMA = polars_schema(SpotCheck)
 
 
 def sample_verdicts(verdicts: pl.DataFrame, rollouts: pl.DataFrame, n: int, seed: int,

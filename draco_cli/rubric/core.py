@@ -22,6 +22,7 @@ import polars as pl
 from pydantic import BaseModel, Field
 
 from draco_cli.errors import InputError
+from draco_cli.schemas import Rubric, RubricCandidate, polars_schema
 from draco_cli.llm.types import Answer, LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, group_prefix,
@@ -279,9 +280,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                     f"{origin}\n{c.title}\n{c.requirement}".encode()).hexdigest()[:12],
                 "stage": stage, "origin_rollout_id": origin,
                 "title": c.title.strip(), "requirement": c.requirement.strip()})
-    candidates = pl.DataFrame(cand_rows, schema={
-        "group_id": pl.String, "candidate_id": pl.String, "stage": pl.String,
-        "origin_rollout_id": pl.String, "title": pl.String, "requirement": pl.String})
+    candidates = pl.DataFrame(cand_rows, schema=polars_schema(RubricCandidate))
     if pool is not None:   # merge on another run's candidates, this chunk's groups only
         candidates = pl.concat([candidates, pool.filter(pl.col("group_id").is_in(
             rollouts["group_id"].unique().implode())).select(candidates.columns)])
@@ -330,9 +329,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
                          "criterion_id": criterion_id(group_id, kept["title"], kept["requirement"]),
                          "title": kept["title"].strip(), "requirement": kept["requirement"].strip(),
                          "source": kept.get("source", sources.get(group_id, "merge"))})
-    rubrics = pl.DataFrame(rows, schema={"group_id": pl.String, "criterion_id": pl.String,
-                                         "title": pl.String, "requirement": pl.String,
-                                         "source": pl.String})
+    rubrics = pl.DataFrame(rows, schema=polars_schema(Rubric))
     missing = [g for g, *_ in groups if not final.get(g)]
     return RubricResult(candidates, rubrics, missing, capped,
                         fallback if "merge" in stages else [])
@@ -420,6 +417,4 @@ def static_rubrics(rollouts: pl.DataFrame, criteria: list[dict[str, str]]) -> pl
     rows = [{"group_id": g, "criterion_id": criterion_id(g, c["title"], c["requirement"]),
              "title": c["title"], "requirement": c["requirement"], "source": "static"}
             for g in rollouts["group_id"].unique(maintain_order=True) for c in criteria]
-    return pl.DataFrame(rows, schema={"group_id": pl.String, "criterion_id": pl.String,
-                                      "title": pl.String, "requirement": pl.String,
-                                      "source": pl.String})
+    return pl.DataFrame(rows, schema=polars_schema(Rubric))

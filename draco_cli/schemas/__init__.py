@@ -17,6 +17,7 @@ from draco_cli.schemas.base import (
     arrow_type_of,
     columns,
     json_schema,
+    polars_schema,
 )
 from draco_cli.schemas.pipeline import (
     TABLES,
@@ -129,4 +130,5 @@ __all__ = [
     "arrow_type_of",
     "columns",
     "json_schema",
+    "polars_schema",
 ]

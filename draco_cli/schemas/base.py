@@ -6,11 +6,14 @@ import functools
 import types
 import typing
 from dataclasses import dataclass
-from typing import Annotated, Any, ClassVar, Literal, Union
+from typing import TYPE_CHECKING, Annotated, Any, ClassVar, Literal, Union
 
 import annotated_types
 import pyarrow as pa
 from pydantic import BaseModel, ConfigDict
+
+if TYPE_CHECKING:
+    import polars as pl
 
 SCHEMA_VERSION = "1.0"
 
@@ -174,6 +177,21 @@ def arrow_schema(model: type[Table]) -> pa.Schema:
         fields,
         metadata={"draco.table": model.table_name, "draco.schema_version": SCHEMA_VERSION},
     )
+
+
+def polars_schema(model: type[Table]) -> pl.Schema:
+    """The contract's columns as a polars schema (name → dtype, in contract order), for building
+    an empty or in-memory frame of that table; a fresh one, the caller may extend it."""
+    import polars as pl
+
+    return pl.Schema(_polars_schema(model))
+
+
+@functools.cache
+def _polars_schema(model: type[Table]) -> tuple[tuple[str, pl.DataType], ...]:
+    import polars as pl   # loaded lazily: the CLI's start-up imports the contracts
+
+    return tuple(pl.DataFrame(arrow_schema(model).empty_table()).schema.items())
 
 
 def json_schema(model: type[Table]) -> dict[str, Any]:
