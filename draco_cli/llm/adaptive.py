@@ -17,9 +17,8 @@ a call there times out only by queuing, not by running away.
 
 from __future__ import annotations
 
-import contextlib
-
 import asyncio
+import contextlib
 import time
 from collections import deque
 
@@ -44,7 +43,6 @@ class AdaptiveLimit:
         self._held = 0
         self._growing = True
         self.history: list[tuple[int, float]] = []    # (limit, calls/s) per round
-        self._slot = _Slot(self)
 
     def _free(self) -> bool:
         return self.in_flight < self.limit
@@ -57,11 +55,13 @@ class AdaptiveLimit:
                 self.in_flight += 1   # taken on the waiter's behalf
                 fut.set_result(None)
 
-    def slot(self) -> _Slot:
-        """``async with limit.slot():`` holds one of the limit's slots for the call inside."""
-        return self._slot
+    def slot(self) -> AdaptiveLimit:
+        """``async with limit.slot():`` holds one of the limit's slots for the call inside (the
+        limit is its own context manager: every call enters one, and a generator-based one
+        cost a generator and a wrapper per call)."""
+        return self
 
-    async def _acquire(self) -> None:
+    async def __aenter__(self) -> None:
         if not self._waiters and self._free():
             self.in_flight += 1
             return
@@ -78,7 +78,7 @@ class AdaptiveLimit:
                     self._waiters.remove(fut)
             raise
 
-    def _release(self) -> None:
+    async def __aexit__(self, *exc: object) -> None:
         self.in_flight -= 1
         self._wake()
 
@@ -119,18 +119,3 @@ class AdaptiveLimit:
             self._growing = False
             self._held = 0
 
-
-class _Slot:
-    """The context manager of ``AdaptiveLimit.slot`` (a class: every call enters one, and a
-    generator-based one cost a generator and a wrapper per call)."""
-
-    __slots__ = ("_limit",)
-
-    def __init__(self, limit: AdaptiveLimit) -> None:
-        self._limit = limit
-
-    async def __aenter__(self) -> None:
-        await self._limit._acquire()
-
-    async def __aexit__(self, *exc: object) -> None:
-        self._limit._release()

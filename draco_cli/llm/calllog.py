@@ -22,14 +22,10 @@ import time
 from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any, cast
 
 from draco_cli.llm.calllog_errors import (_bad, _check_file, _unreadable,
                                           _write_failed, retry_read)
-from typing import TYPE_CHECKING, Any, cast
-
-
-if TYPE_CHECKING:
-    pass
 
 FLUSH_SECONDS = 0.1
 FLUSH_ROWS = 500
@@ -92,19 +88,10 @@ class Recorded:
 
     answer_text: str
     parsed: str
-    phase: str
-
-
-_stamp: tuple[int, str] = (-1, "")   # (a second, its text): a burst of rows shares one strftime
 
 
 def _now() -> str:
-    global _stamp
-    second = int(time.time())
-    stamp = _stamp   # one read: another thread may swap in a newer pair meanwhile
-    if stamp[0] != second:
-        stamp = _stamp = (second, time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime(second)))
-    return stamp[1]
+    return time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime())
 
 
 @contextlib.contextmanager
@@ -143,36 +130,32 @@ def reader(path: Path) -> sqlite3.Connection:
         raise _unreadable(path, exc) from None
 
 
-def _check_schema(conn: sqlite3.Connection, path: Path) -> int:
+def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
+    """Refuses a file that is not a call log, or one from a newer draco; closes ``conn`` then."""
     def read() -> tuple[set[str], int]:
         return ({r[0] for r in conn.execute("SELECT name FROM sqlite_master WHERE type = 'table'")},
                 conn.execute("PRAGMA user_version").fetchone()[0])
 
     try:
         tables, version = retry_read(path, read)
+        if tables and "calls" not in tables:
+            raise _bad(path, "a SQLite file but not a draco call log (no calls table)")
+        if version > SCHEMA_VERSION:
+            from draco_cli.errors import InputError
+
+            raise InputError(f"call log schema v{version} was written by a newer draco (this one "
+                             f"reads up to v{SCHEMA_VERSION}): upgrade draco", file=str(path))
     except BaseException:
         conn.close()
         raise
-    if tables and "calls" not in tables:
-        conn.close()
-        raise _bad(path, "a SQLite file but not a draco call log (no calls table)")
-    if version > SCHEMA_VERSION:
-        conn.close()
-        from draco_cli.errors import InputError
-
-        raise InputError(f"call log schema v{version} was written by a newer draco (this one "
-                         f"reads up to v{SCHEMA_VERSION}): upgrade draco", file=str(path))
-    return version if tables else SCHEMA_VERSION
 
 
 def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     _check_file(path)
-    if readonly:
-        conn = reader(path)
-        _check_schema(conn, path)
-    else:
-        conn = sqlite3.connect(path, check_same_thread=False, timeout=30.0)
-        _check_schema(conn, path)  # refuses logs newer than this draco
+    conn = (reader(path) if readonly
+            else sqlite3.connect(path, check_same_thread=False, timeout=30.0))
+    _check_schema(conn, path)
+    if not readonly:
         try:
             conn.execute("PRAGMA journal_mode=WAL")
             conn.execute("PRAGMA synchronous=NORMAL")
@@ -350,7 +333,7 @@ class AnsweredCalls(Mapping[tuple[str, int], Recorded]):
             self.close()
             raise
         self._prefixes = np.unique(prefixes)
-        self._sql = (f"SELECT answer_text, parsed, phase FROM calls WHERE {by} = ? AND "
+        self._sql = (f"SELECT answer_text, parsed FROM calls WHERE {by} = ? AND "
                      "sample = ? AND status = 'ok' AND id <= ? ORDER BY id DESC LIMIT 1")
 
     def _maybe(self, h: str) -> bool:

@@ -31,7 +31,6 @@ import os
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 from pydantic import ValidationError
@@ -426,11 +425,10 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
                        findings, advice)
 
 
-def run_check(model: str, base_url: str | None, timeout: float, log_path: Path | None = None,
+def run_check(model: str, base_url: str | None, timeout: float,
               *, max_tokens: int = 1024, temperature: float | None = None,
               seed: int | None = None, form: str | None = None,
               parallelism: bool = True) -> CheckResult:
-    """Probe ``model`` (see the module doc). ``log_path`` is kept for compatibility: probes are
-    diagnostics and are not written to a call log."""
+    """Probe ``model`` (see the module doc). Probes are diagnostics: no call log is written."""
     return asyncio.run(_probe(model, base_url, timeout, max_tokens, temperature, seed, form,
                               parallelism))

@@ -74,7 +74,6 @@ class LLMClient:
         self.provider_name, _ = parse_model_id(model)
         self.log = call_log
         self.concurrency = concurrency
-        self.max_retries = max_retries
         # a server's Retry-After is waited at most the call's own timeout
         self.retry = RetryPolicy(max_retries, backoff_base, backoff_cap, wait_cap=timeout)
         self.max_reply_bytes = max_reply_bytes
@@ -99,7 +98,6 @@ class LLMClient:
         self.adaptive = adaptive if adaptive is not None else (
             (base_url or os.environ.get("DRACO_BASE_URL")) is not None
             and self.provider_name not in FREE)
-        self.rejections: list[str] = []
         # seconds a request (every attempt and re-ask of it) may take before it ends unanswered
         self.deadline = deadline
         self._shared: Provider | None = None   # the provider of an open ``session()``
@@ -145,8 +143,7 @@ class LLMClient:
             provider = pool
         else:
             provider = one(urls[0])
-        self._sem = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
-        self.limit = self._sem
+        self.limit = AdaptiveLimit(self.concurrency, adaptive=self.adaptive)
         self._limiter = RateLimiter(self.rpm, self.tpm)
         return provider
 
@@ -176,7 +173,7 @@ class LLMClient:
             requests = list(requests)
         # A list goes the same way as a stream: each request is hashed and looked up when
         # its turn comes, so the first calls go out before the last request is hashed.
-        return await self._answer_stream(provider, requests, self._ticker(requests, progress))
+        return await self._answer_stream(provider, requests, self.ticker(requests, progress))
 
     # -- the batch path's view of the client (llm/batch.py): the same cache, bookkeeping,
     # validation and re-asks as online calls, through public methods -----------------------
@@ -191,9 +188,7 @@ class LLMClient:
 
     def recorded(self, req: LLMRequest) -> list[Answer | None]:
         """Per sample of ``req``: its valid answer from the call log, or None (to be asked)."""
-        return self._recorded(self._with_defaults(req))
-
-    def _recorded(self, req: LLMRequest) -> list[Answer | None]:
+        req = self._with_defaults(req)
         out: list[Answer | None] = []
         for i in range(req.samples):
             hit = self._cache.get((req.hash(i, self.model), i))
@@ -213,11 +208,6 @@ class LLMClient:
             out.append(None)
         return out
 
-    def ticker(self, requests: list[LLMRequest],
-               progress: Callable[[Progress], None] | None,
-               ) -> Callable[[list[Answer]], None]:
-        return self._ticker(requests, progress)
-
     def account(self, req: LLMRequest, reply: Reply) -> None:
         """Count one paid HTTP reply (a batch line) in the phase's calls, tokens and dollars."""
         stats = self.stats[req.phase]
@@ -236,6 +226,8 @@ class LLMClient:
         share = 1.0 / max(len(reply.choices), 1)
         out = [await self._settle(provider, req, i, choice, reply, share)
                for i, choice in zip(samples, reply.choices)]
+        # A server that ignores n (llama.cpp) returns fewer choices than asked: the missing
+        # samples are asked again, one per call.
         for group in await asyncio.gather(*(self._ask(provider, req, [i])
                                             for i in samples[len(reply.choices):])):
             out += group
@@ -261,7 +253,7 @@ class LLMClient:
             raise
         return list(await asyncio.gather(*tasks))
 
-    def _ticker(self, requests: list[LLMRequest] | RequestStream,
+    def ticker(self, requests: list[LLMRequest] | RequestStream,
                 progress: Callable[[Progress], None] | None) -> Callable[[list[Answer]], None]:
         total = requests.samples if isinstance(requests, RequestStream) else \
             sum(r.samples for r in requests)
@@ -290,7 +282,7 @@ class LLMClient:
                       tick: Callable[[list[Answer]], None]) -> list[Answer]:
         stats = self.stats[req.phase]
         stats.priced = self.priced
-        answers = self._recorded(req)
+        answers = self.recorded(req)
         missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
@@ -331,20 +323,10 @@ class LLMClient:
             return [Answer(i, "skipped", reason="budget reached (--max-cost)") for i in samples]
         except ReplyRefused as exc:   # too large, or impossible token counts: nothing counted
             return [self._final_unanswered(req, i, str(exc), Usage(), 0.0, 0) for i in samples]
-        share = 1.0 / max(len(reply.choices), 1)
-        out: list[Answer] = []
-        for i, choice in zip(samples, reply.choices):
-            out.append(await self._settle(provider, req, i, choice, reply, share))
-        rest = samples[len(reply.choices):]
-        if rest:
-            # A server that ignores n (llama.cpp) returns fewer choices than asked: the missing
-            # samples are asked again, one per call.
-            if not reply.choices:
-                return out + [self._unanswered(req, i, "the server returned no choice", reply,
-                                               1.0 / len(rest), 0) for i in rest]
-            for group in await asyncio.gather(*(self._ask(provider, req, [i]) for i in rest)):
-                out += group
-        return out
+        if not reply.choices:
+            return [self._unanswered(req, i, "the server returned no choice", reply,
+                                     1.0 / len(samples), 0) for i in samples]
+        return await self.settle(provider, req, samples, reply)
 
     async def _settle(self, provider: Provider, req: LLMRequest, sample: int, choice: Choice,
                       reply: Reply, share: float) -> Answer:
@@ -440,7 +422,7 @@ class LLMClient:
         async def attempt(n: int) -> Reply:
             nonlocal usd, last_body, same
             await self._limiter.acquire(estimate)
-            async with self._sem.slot():
+            async with self.limit.slot():
                 # The call's estimated cost is reserved before it is sent, so the calls in
                 # flight cannot together overshoot the budget by more than one call.
                 # The first call goes out whatever its pessimistic estimate, to measure one.
@@ -457,8 +439,6 @@ class LLMClient:
                 except (RequestRejected, ReplyRefused) as exc:
                     stats.calls += 1
                     self.rows.failure(req, samples, n, str(exc), getattr(exc, "body", None))
-                    if isinstance(exc, RequestRejected):
-                        self.rejections.append(str(exc))
                     raise
                 except Retryable as exc:
                     if not exc.logged:  # the fleet logs its own failures
@@ -466,7 +446,7 @@ class LLMClient:
                         stats.calls += 1
                         self.rows.failure(req, samples, n, str(exc), exc.body)
                     if exc.kind == "timeout":
-                        self._sem.timed_out()
+                        self.limit.timed_out()
                     same = same + 1 if exc.body and exc.body == last_body else 0
                     if exc.status == 500 and same >= 2:
                         # Three 500s with one body: the server rejects this request (llama.cpp
@@ -481,6 +461,6 @@ class LLMClient:
                     self.reserved -= usd
 
         reply = await self.retry.run(attempt, self.where)
-        self._sem.completed()
+        self.limit.completed()
         self.account(req, reply)
         return reply

@@ -6,7 +6,7 @@ import functools
 import hashlib
 import json
 from collections.abc import Callable, Hashable, Iterator
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, astuple, dataclass, field
 from typing import Any, Literal
 
 from pydantic import BaseModel
@@ -114,7 +114,7 @@ class LLMRequest:
         h = head.copy()
         # an int's JSON is its str (the encoder's general path costs more than the hash)
         number = str(sample) if type(sample) is int else _dumps(sample)
-        h.update((',"model":' + _model_json(model) + ',"sample":' + number + tail).encode())
+        h.update((',"model":' + _dumps(model) + ',"sample":' + number + tail).encode())
         return h.hexdigest()
 
 
@@ -135,25 +135,15 @@ def _keyed_schema_json(key: Hashable, schema: dict[str, Any]) -> str:
     return text
 
 
-@functools.lru_cache(maxsize=64)
-def _model_json(model: str | None) -> str:
-    return _dumps(model)
-
-
-# The same text for every request of a phase (keyed so that 1 and 1.0, 0.0 and -0.0, which
-# compare equal but encode differently, stay apart).
-_SAMPLING_JSON: dict[tuple[str, ...], str] = {}
-
-
 def _sampling_json(s: Sampling) -> str:
-    key = (repr(s.temperature), repr(s.top_p), repr(s.max_tokens), repr(s.thinking),
-           repr(s.seed))
-    text = _SAMPLING_JSON.get(key)
-    if text is None:
-        if len(_SAMPLING_JSON) > 4096:
-            _SAMPLING_JSON.clear()
-        text = _SAMPLING_JSON[key] = _dumps(asdict(s))
-    return text
+    # keyed by repr so that 1 and 1.0, 0.0 and -0.0, which compare equal but encode
+    # differently, stay apart
+    return _sampling_text(repr(s), s)
+
+
+@functools.lru_cache(maxsize=4096)
+def _sampling_text(key: str, s: Sampling) -> str:
+    return _dumps(asdict(s))
 
 
 @functools.lru_cache(maxsize=256)
@@ -198,10 +188,10 @@ class Usage:
     reasoning_tokens: int = 0
 
     def __add__(self, other: Usage) -> Usage:
-        return Usage(*(a + b for a, b in zip(astuple_usage(self), astuple_usage(other))))
+        return Usage(*(a + b for a, b in zip(astuple(self), astuple(other))))
 
     def scaled(self, share: float) -> Usage:
-        return Usage(*(round(a * share) for a in astuple_usage(self)))
+        return Usage(*(round(a * share) for a in astuple(self)))
 
 
 # More tokens than this in one reply is a server fault, never a bill (no model's context holds
@@ -236,11 +226,6 @@ def counts(body: object, *path: str) -> dict[str, Any]:
 
             raise ReplyRefused(f"reply not used: its {'.'.join(path)} is not an object")
     return body if isinstance(body, dict) else {}
-
-
-def astuple_usage(u: Usage) -> tuple[int, ...]:
-    return (u.input_tokens, u.cached_tokens, u.cache_write_tokens, u.output_tokens,
-            u.reasoning_tokens)
 
 
 @dataclass

@@ -16,30 +16,28 @@ from draco_cli.llm.keys import scrub
 from draco_cli.llm.providers.base import DEFAULT_MAX_REPLY_BYTES
 
 
-def refused(exc: BaseException) -> bool:
-    """A connection refused somewhere in the exception's cause chain (no server listening)."""
-    seen = 0
+def _in_chain(exc: BaseException, kind: type[BaseException], *words: str) -> bool:
+    """An exception of ``kind``, or one whose text holds one of ``words``, among the first
+    eight of ``exc``'s cause chain."""
     cur: BaseException | None = exc
-    while cur is not None and seen < 8:
-        if isinstance(cur, ConnectionRefusedError) or "refused" in str(cur).lower() \
-                or "connect call failed" in str(cur).lower():
+    for _ in range(8):
+        if cur is None:
+            return False
+        if isinstance(cur, kind) or any(w in str(cur).lower() for w in words):
             return True
         cur = cur.__cause__ or cur.__context__
-        seen += 1
     return False
+
+
+def refused(exc: BaseException) -> bool:
+    """A connection refused somewhere in the exception's cause chain (no server listening)."""
+    return _in_chain(exc, ConnectionRefusedError, "refused", "connect call failed")
 
 
 def _dropped(exc: BaseException) -> bool:
     """The server closed the connection mid-request, which the SDKs' aiohttp transport reports
     as a connect "timeout": it is a dropped connection, not a call still running upstream."""
-    cur: BaseException | None = exc
-    for _ in range(8):
-        if cur is None:
-            return False
-        if isinstance(cur, ConnectionResetError) or "server disconnected" in str(cur).lower():
-            return True
-        cur = cur.__cause__ or cur.__context__
-    return False
+    return _in_chain(exc, ConnectionResetError, "server disconnected")
 
 
 def retry_after_of(headers: Any) -> float | None:
@@ -47,14 +45,11 @@ def retry_after_of(headers: Any) -> float | None:
     too), 0 for a negative one; a huge or infinite one is kept (``RetryPolicy`` caps it)."""
     if not headers:
         return None
-    value = headers.get("retry-after")
     try:
-        seconds = float(value) if value is not None else None
-    except ValueError:
+        seconds = float(headers.get("retry-after"))
+    except (TypeError, ValueError):
         return None
-    if seconds is None or math.isnan(seconds):
-        return None
-    return max(seconds, 0.0)
+    return None if math.isnan(seconds) else max(seconds, 0.0)
 
 
 _TLS: dict[tuple[str | None, str | None], Any] = {}

@@ -33,6 +33,3 @@ class ReplayProvider(Provider):
                     "its prompt, schema, sampling or template version differ from this one")
             choices.append(Choice(text=hit.answer_text, finish="stop"))
         return Reply(choices, Usage(), {"replay": True}, {"replay": True}, 0.0)
-
-    async def close(self) -> None:
-        return None
