@@ -24,7 +24,8 @@ from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.loader import AlignmentError
-from draco_cli.trainers.verifiers import (_get, iter_records, message_text, record_step,
+from draco_cli.trainers import field_of
+from draco_cli.trainers.verifiers import (iter_records, message_text, record_step,
                                           task_id, trace_rollout, trace_tokens)
 
 
@@ -98,7 +99,7 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
                 except (AlignmentError, InputError) as exc:
                     raise InputError(str(exc), field="nodes", file=str(p), row=n) from None
                 st = _texts(trace, st)
-                bad = not _get(trace, "ok", False)
+                bad = not field_of(trace, "ok", False)
                 errors += bad
                 ro = ro.with_columns(
                     pl.lit("env_error" if bad else None, pl.String).alias("termination"),

@@ -228,7 +228,8 @@ class Scorer:
                              "outcome, and none has one", file="rollouts", field="outcome")
         tally = CallTally()
         rubrics, raw, verdicts = await self._judge(r, s, tally)
-        tables = await asyncio.to_thread(self._credit, r, s, verdicts, spans)
+        tables = await asyncio.to_thread(group_credit, r, s, verdicts, spans,
+                                         self.options.credit)
         return GroupScore(groups[0], rubrics, raw, *tables, calls=tally, inputs=(r, s))
 
     async def spot_check(self, groups: list[GroupScore], n: int, seed: int,
@@ -284,11 +285,6 @@ class Scorer:
                               _Tallied(self._clients["judge"], tally))
         return rubrics, scored.raw, scored.verdicts
 
-    def _credit(self, r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
-                spans: pa.ChunkedArray[Any] | None
-                ) -> tuple[pl.DataFrame, pl.DataFrame, pl.DataFrame, pl.DataFrame]:
-        return group_credit(r, s, verdicts, spans, self.options.credit)
-
 
 def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
                  spans: pa.ChunkedArray[Any] | None, c: CreditOptions
@@ -296,7 +292,7 @@ def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
     """(filtered verdicts, rewards, step credit, token advantages) of one group."""
     from draco_cli.credit import attach_groups, compute_credit, discriminative_filter, \
         narrow_judge
-    from draco_cli.credit.tokens import spans_to_dense, token_spans
+    from draco_cli.credit.tokens import token_form, token_spans
     from draco_cli.validate import policy_span_issues, raise_first
 
     if spans is not None:
@@ -310,10 +306,7 @@ def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
     ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
                      result.rewards["advantage"].to_numpy(),
                      result.rewards["credit_mode"].to_numpy(), "steps", spans)
-    if c.tokens in ("dense", "both"):
-        dense = spans_to_dense(ta)
-        ta = dense if c.tokens == "dense" else dense.with_columns(ta.select(
-            "span_start", "span_end", "span_value"))
+    ta = token_form(ta, c.tokens)
     filtered = verdicts
     if verdicts.height:
         filtered = discriminative_filter(

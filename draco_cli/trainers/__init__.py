@@ -4,3 +4,16 @@ Each submodule imports its trainer (and torch) only when used, so ``import draco
 ``import draco_cli.trainers`` never import torch. Install the trainers with the
 ``trainers`` extra (see docs/trainers.md).
 """
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+
+def field_of(obj: Any, name: str, default: Any = None) -> Any:
+    """``obj[name]`` of a mapping (a record in its saved dict form), else ``obj.name`` (the
+    trainer's own object): the adapters read both."""
+    if isinstance(obj, Mapping):
+        return obj.get(name, default)
+    return getattr(obj, name, default)

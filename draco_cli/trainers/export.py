@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from draco_cli.errors import UsageError
+from draco_cli.errors import InputError, UsageError
 
 # stack name -> module providing export(); a stack whose module is absent is not offered.
 STACKS: dict[str, str] = {
@@ -32,6 +32,19 @@ class ExportResult:
     rollouts: int
     tokens: int
     notes: list[str] = field(default_factory=list)
+
+
+def advantages_file(advantages: Path) -> Path:
+    """The token_advantages.parquet ``advantages`` names: the file, or a run folder's."""
+    if advantages.is_dir():
+        path = advantages / "credit" / "token_advantages.parquet"
+        if not path.is_file():
+            raise InputError("no credit/token_advantages.parquet in this run folder",
+                             file=str(advantages))
+        return path
+    if not advantages.is_file():
+        raise InputError("no such file", file=str(advantages))
+    return advantages
 
 
 def available() -> list[str]:

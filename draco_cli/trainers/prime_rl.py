@@ -39,7 +39,8 @@ from typing import Any, Literal
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.files import write_step
 from draco_cli.inloop.step import StepResult, StepScorer
-from draco_cli.trainers.verifiers import _get, assign_compact, fill_trace, trace_rollout
+from draco_cli.trainers import field_of
+from draco_cli.trainers.verifiers import assign_compact, fill_trace, trace_rollout
 
 __all__ = ["DracoCredit", "algorithm_class", "register", "trainable_traces"]
 
@@ -50,22 +51,22 @@ Assign = Callable[[Any, list[float]], None]
 def trainable_traces(episodes: Iterable[Any]) -> list[Any]:
     """The traces prime-rl trains on, in its order (``iter_trainable_traces`` at the commit
     above): no error, a trainable agent, at least one sampled token."""
-    return [t for ep in episodes for t in _get(ep, "traces", [])
-            if _get(t, "ok", False) and _get(_get(t, "agent"), "trainable", True)
-            and any(any(_get(n, "mask") or []) for n in _get(t, "nodes", []))]
+    return [t for ep in episodes for t in field_of(ep, "traces", [])
+            if field_of(t, "ok", False) and field_of(field_of(t, "agent"), "trainable", True)
+            and any(any(field_of(n, "mask") or []) for n in field_of(t, "nodes", []))]
 
 
 def group_identity(episodes: Sequence[Any], traces: Sequence[Any]) -> tuple[str, int | None]:
     """(group id, train step) of a prime-rl group: the ``group.id`` the dispatcher stamps (a
     hash of the trace ids where there is none) and ``run.work.step``."""
-    ids = {str(_get(g, "id")) for ep in episodes if (g := _get(ep, "group")) is not None}
+    ids = {str(field_of(g, "id")) for ep in episodes if (g := field_of(ep, "group")) is not None}
     if len(ids) > 1:
         raise InputError(f"one group's episodes carry group ids {sorted(ids)}",
                          field="group.id")
     gid = ids.pop() if ids else "traces-" + hashlib.sha256(
-        "\n".join(sorted(str(_get(t, "id")) for t in traces)).encode()).hexdigest()[:16]
-    steps = {_get(w, "step") for ep in episodes
-             if (w := _get(_get(ep, "run"), "work")) is not None}
+        "\n".join(sorted(str(field_of(t, "id")) for t in traces)).encode()).hexdigest()[:16]
+    steps = {field_of(w, "step") for ep in episodes
+             if (w := field_of(field_of(ep, "run"), "work")) is not None}
     steps.discard(None)
     if len(steps) > 1:
         raise InputError(f"group {gid!r}: episodes from train steps {sorted(steps)}",
@@ -125,9 +126,9 @@ class _Staged:
     untouched."""
 
     def __init__(self, trace: Any) -> None:
-        self.id = _get(trace, "id")
-        self.nodes = [{"token_ids": _get(n, "token_ids"), "mask": _get(n, "mask")}
-                      for n in _get(trace, "nodes", [])]
+        self.id = field_of(trace, "id")
+        self.nodes = [{"token_ids": field_of(n, "token_ids"), "mask": field_of(n, "mask")}
+                      for n in field_of(trace, "nodes", [])]
 
 
 def algorithm_class(model: str, *, short_groups: ShortGroups = "score",

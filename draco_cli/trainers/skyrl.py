@@ -28,6 +28,7 @@ import numpy as np
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout
+from draco_cli.trainers import field_of
 from draco_cli.trainers.skyrl_rows import Deliveries, outcome_of, trajectory
 
 if TYPE_CHECKING:
@@ -134,15 +135,9 @@ class DracoGenerator:
 
 def _check_config(config: Any) -> None:
     for key, why in _REFUSED.items():
-        if config is not None and bool(_setting(config, key)):
+        if config is not None and bool(field_of(config, key)):
             raise UsageError(f"trainer.algorithm.{key}=true {why}: the trained advantages would "
                              "not be draco's; set it to false with the draco estimator")
-
-
-def _setting(config: Any, key: str) -> Any:
-    if isinstance(config, Mapping):
-        return config.get(key)
-    return getattr(config, key, None)
 
 
 def draco_estimator(deliveries: Deliveries) -> Callable[..., tuple[Any, Any]]:

@@ -19,18 +19,10 @@ from typing import Any
 import numpy as np
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.trainers.export import ExportResult
+from draco_cli.trainers.export import ExportResult, advantages_file
 from draco_cli.trainers.skyrl_rows import Deliveries, read_records, trajectory
 
 __all__ = ["dump_records", "export_records", "load_export"]
-
-
-def _table_path(advantages: Path) -> Path:
-    p = advantages / "credit" / "token_advantages.parquet" if advantages.is_dir() else advantages
-    if not p.is_file():
-        raise InputError("no token_advantages.parquet here (a run folder or the file)",
-                         file=str(p))
-    return p
 
 
 def _jsonable(output: Any) -> dict[str, Any]:
@@ -69,7 +61,7 @@ def export_records(advantages: Path, out: Path, *, records: Path | None,
         raise UsageError("--to skyrl needs --records FILE: the SkyRL generator output "
                          "(JSON) whose rows receive the advantages")
     rec = read_records(records)
-    table = load_token_advantages(_table_path(advantages))
+    table = load_token_advantages(advantages_file(advantages))
     ids = [trajectory(t)[0] for t in rec["trajectory_ids"]]
     lengths = [len(r) for r in rec["response_ids"]]
     T = max(lengths, default=0)
@@ -86,7 +78,7 @@ def export_records(advantages: Path, out: Path, *, records: Path | None,
         raise InputError(f"{exc} (--advantages {advantages})", file=str(records),
                          field="rewards") from None
     rec["rewards"] = [values[b, :n].tolist() for b, n in enumerate(lengths)]
-    rec["draco"] = {"source": str(_table_path(advantages)), "rollout_ids": ids,
+    rec["draco"] = {"source": str(advantages_file(advantages)), "rollout_ids": ids,
                     "train_step": step,
                     "n_policy_tokens": [int(m.sum()) for m in mask],
                     "response_fingerprints": [fingerprint(r) for r in rec["response_ids"]]}

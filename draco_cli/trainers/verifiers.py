@@ -29,19 +29,14 @@ import numpy as np
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout
-from draco_cli.trainers.export import ExportResult
+from draco_cli.trainers import field_of
+from draco_cli.trainers.export import ExportResult, advantages_file
 from draco_cli.trainers.loader import AlignmentError, fingerprint, load_token_advantages
 
 __all__ = ["CHECK_KEY", "TraceTokens", "assign_compact", "check_trace", "export", "fill_trace",
            "iter_records", "trace_outcome", "trace_rollout", "trace_tokens"]
 
 CHECK_KEY = "draco"   # trace.info[CHECK_KEY]: the self-check an export leaves on each trace
-
-
-def _get(obj: Any, name: str, default: Any = None) -> Any:
-    if isinstance(obj, Mapping):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 def _set(obj: Any, name: str, value: Any) -> None:
@@ -68,29 +63,20 @@ class TraceTokens:
     def n_sampled(self) -> int:
         return int(self.mask.sum())
 
-    def compact(self, dense: np.ndarray) -> list[list[float]]:
-        """Dense values over the response → one list per sampled node (compact layout)."""
-        values = np.asarray(dense, dtype=np.float64)[self.mask == 1]
-        out, offset = [], 0
-        for _, n in self.sampled:
-            out.append(values[offset:offset + n].tolist())
-            offset += n
-        return out
-
 
 def trace_tokens(trace: Any) -> TraceTokens:
     """The trace's response ids and mask (see the module doc); an error naming the trace and
     node when a node's mask does not describe its tokens, or no token was sampled."""
-    tid = str(_get(trace, "id"))
-    nodes = _get(trace, "nodes") or []
+    tid = str(field_of(trace, "id"))
+    nodes = field_of(trace, "nodes") or []
     ids: list[np.ndarray] = []
     mask: list[np.ndarray] = []
     node_of: list[np.ndarray] = []
     sampled: list[tuple[int, int]] = []
     first = -1
     for i, node in enumerate(nodes):
-        tok = np.asarray(_get(node, "token_ids") or [], dtype=np.int64)
-        m = np.asarray(_get(node, "mask") or [], dtype=bool)
+        tok = np.asarray(field_of(node, "token_ids") or [], dtype=np.int64)
+        m = np.asarray(field_of(node, "mask") or [], dtype=bool)
         if len(tok) != len(m):
             raise AlignmentError(f"trace {tid!r} node {i}: mask has {len(m)} entries but "
                                  f"token_ids {len(tok)}: they must describe the same tokens")
@@ -113,34 +99,34 @@ def trace_tokens(trace: Any) -> TraceTokens:
 
 def message_text(message: Any) -> str:
     """A verifiers message as plain text: its content (text parts joined) and tool calls."""
-    content = _get(message, "content")
+    content = field_of(message, "content")
     if isinstance(content, list):
-        text = "".join(str(_get(p, "text", "") or "") for p in content)
+        text = "".join(str(field_of(p, "text", "") or "") for p in content)
     else:
         text = "" if content is None else str(content)
-    calls = _get(message, "tool_calls") or []
+    calls = field_of(message, "tool_calls") or []
     for call in calls:
-        fn = _get(call, "function", call)
-        text += f"\n{_get(fn, 'name', '')}({_get(fn, 'arguments', '')})"
+        fn = field_of(call, "function", call)
+        text += f"\n{field_of(fn, 'name', '')}({field_of(fn, 'arguments', '')})"
     return text
 
 
 def trace_outcome(trace: Any) -> float | None:
     """The trace's reward as verifiers sums it (score × weight over the scored rewards);
     None when no reward was scored."""
-    rewards = [r for r in (_get(trace, "rewards") or {}).values() if r is not None]
+    rewards = [r for r in (field_of(trace, "rewards") or {}).values() if r is not None]
     if not rewards:
         return None
-    return float(sum(float(_get(r, "score")) * float(_get(r, "weight", 1.0) or 1.0)
+    return float(sum(float(field_of(r, "score")) * float(field_of(r, "weight", 1.0) or 1.0)
                      for r in rewards))
 
 
 def task_id(trace: Any) -> str:
-    task = _get(trace, "task") or {}
+    task = field_of(trace, "task") or {}
     for key in ("key", "hash"):
-        if _get(task, key):
-            return str(_get(task, key))
-    idx = _get(_get(task, "data") or {}, "idx")
+        if field_of(task, key):
+            return str(field_of(task, key))
+    idx = field_of(field_of(task, "data") or {}, "idx")
     return f"idx-{idx}" if idx is not None else "task"
 
 
@@ -149,8 +135,8 @@ def trace_rollout(trace: Any, group_id: str, *, train_step: int | None = None,
     """The trace as a ``TrainerRollout``: id ``trace.id``, the instruction the messages before
     its first sampled node, the outcome its reward."""
     tt = trace_tokens(trace)
-    nodes = _get(trace, "nodes") or []
-    instruction = "\n\n".join(t for t in (message_text(_get(n, "message"))
+    nodes = field_of(trace, "nodes") or []
+    instruction = "\n\n".join(t for t in (message_text(field_of(n, "message"))
                                           for n in nodes[:tt.first]) if t)
     return TrainerRollout(tt.trace_id, group_id, instruction, tt.ids, tt.mask,
                           outcome=trace_outcome(trace), task_id=task_id(trace),
@@ -169,7 +155,7 @@ def _assign(trace: Any, tt: TraceTokens, values: Sequence[float] | np.ndarray) -
         raise AlignmentError(f"trace {tt.trace_id!r}: {len(values)} advantages for "
                              f"{tt.n_sampled} sampled tokens")
     flat = np.asarray(values, dtype=np.float64).tolist()
-    nodes = _get(trace, "nodes")
+    nodes = field_of(trace, "nodes")
     offset = 0
     for i, n in tt.sampled:
         _set(nodes[i], "advantages", flat[offset:offset + n])
@@ -202,7 +188,7 @@ def check_trace(trace: Any) -> None:
     ids' fingerprint equal the self-check ``info["draco"]``, and each node's advantages have
     one value per sampled token."""
     tt = trace_tokens(trace)
-    check = (_get(trace, "info") or {}).get(CHECK_KEY)
+    check = (field_of(trace, "info") or {}).get(CHECK_KEY)
     if check is None:
         raise AlignmentError(f"trace {tt.trace_id!r}: no info[{CHECK_KEY!r}] self-check "
                              "(not written by draco export)")
@@ -211,9 +197,9 @@ def check_trace(trace: Any) -> None:
         raise AlignmentError(f"trace {tt.trace_id!r}: its tokens are not the ones draco "
                              f"scored ({tt.n_sampled} sampled tokens, expected "
                              f"{check['n_sampled']}; or another fingerprint)")
-    nodes = _get(trace, "nodes")
+    nodes = field_of(trace, "nodes")
     for i, n in tt.sampled:
-        adv = _get(nodes[i], "advantages")
+        adv = field_of(nodes[i], "advantages")
         if adv is not None and len(adv) != n:
             raise AlignmentError(f"trace {tt.trace_id!r} node {i}: {len(adv)} advantages "
                                  f"for {n} sampled tokens")
@@ -245,14 +231,6 @@ def record_step(episode: Mapping[str, Any]) -> int | None:
     return None if step is None else int(step)
 
 
-def _table_path(advantages: Path) -> Path:
-    p = advantages / "credit" / "token_advantages.parquet" if advantages.is_dir() else advantages
-    if not p.is_file():
-        raise InputError("no token_advantages.parquet here (a run folder or the file)",
-                         file=str(advantages))
-    return p
-
-
 def export(advantages: Path, out: Path, *, records: Path | None = None,
            force: bool = False) -> ExportResult:
     """``draco export --to verifiers``: ``records`` (a ``traces.jsonl``) written to ``out``
@@ -266,7 +244,7 @@ def export(advantages: Path, out: Path, *, records: Path | None = None,
     if records is None:
         raise UsageError("--to verifiers needs --records: the traces.jsonl whose nodes to fill "
                          "(the compact layout is per message node)")
-    table_path = _table_path(advantages)
+    table_path = advantages_file(advantages)
     check_writable(out, force)
     table = load_token_advantages(table_path)
     lines: list[str] = []
@@ -284,13 +262,11 @@ def export(advantages: Path, out: Path, *, records: Path | None = None,
                 dense = table.batch([tid], tt.mask[None, :],
                                     train_step=None if step is None else [step],
                                     response_ids=tt.ids[None, :])[0]
-                compact = tt.compact(dense)
             except AlignmentError as exc:
                 # one trace at a time: the loader's "trainer row 0" names nothing here
                 raise InputError(str(exc).replace(" (trainer row 0)", ""), file=str(records),
                                  row=n, field="nodes") from None
-            for (i, _), values in zip(tt.sampled, compact):
-                trace["nodes"][i]["advantages"] = values
+            _assign(trace, tt, dense[tt.mask == 1])
             info = trace.setdefault("info", {})
             info[CHECK_KEY] = {"n_sampled": tt.n_sampled, "response_fingerprint":
                                fingerprint(tt.ids), "train_step": table.train_step(tid),

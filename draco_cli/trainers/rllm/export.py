@@ -19,24 +19,12 @@ import numpy as np
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.io.files import check_writable, write_text_atomic
-from draco_cli.trainers.export import ExportResult
+from draco_cli.trainers.export import ExportResult, advantages_file
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 from draco_cli.trainers.rllm.layout import layout_of, step_values
 from draco_cli.trainers.rllm.records import read_episodes
 
 __all__ = ["export"]
-
-
-def _advantages_file(advantages: Path) -> Path:
-    if advantages.is_dir():
-        path = advantages / "credit" / "token_advantages.parquet"
-        if not path.is_file():
-            raise InputError("no credit/token_advantages.parquet in this run folder",
-                             file=str(advantages))
-        return path
-    if not advantages.is_file():
-        raise InputError("no such file", file=str(advantages))
-    return advantages
 
 
 def _fill(ep: dict[str, Any], table: Any, file: str, where: str,
@@ -89,7 +77,7 @@ def export(advantages: Path, out: Path, *, records: Path | None = None,
         raise UsageError("--to rllm needs --records: the rLLM episodes (JSON, JSONL or a "
                          "folder of episode files) whose steps receive the advantages")
     check_writable(out, force)
-    table = load_token_advantages(_advantages_file(advantages))
+    table = load_token_advantages(advantages_file(advantages))
     used: set[str] = set()
     lines: list[str] = []
     scored = unscored = tokens = 0

@@ -22,16 +22,10 @@ import numpy as np
 
 from draco_cli.errors import InputError
 from draco_cli.inloop.rows import TrainerRollout
+from draco_cli.trainers import field_of
 from draco_cli.trainers.loader import fingerprint
 
 __all__ = ["TrajectoryLayout", "field_of", "group_id_of", "layout_of", "step_values"]
-
-
-def field_of(obj: Any, name: str, default: Any = None) -> Any:
-    """``obj.name`` for rLLM's pydantic objects, ``obj[name]`` for their saved dicts."""
-    if isinstance(obj, dict):
-        return obj.get(name, default)
-    return getattr(obj, name, default)
 
 
 @dataclass(frozen=True)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import numpy as np
 
-__all__ = ["cp_local", "cp_local_length", "cp_response_ranges"]
+__all__ = ["cp_local", "cp_response_ranges"]
 
 
 def cp_response_ranges(total_length: int, response_length: int, cp_rank: int, cp_size: int
@@ -39,11 +39,6 @@ def cp_response_ranges(total_length: int, response_length: int, cp_rank: int, cp
         a, b = max(lo, prompt - 1), min(hi, total_length - 1)
         out.append((a - (prompt - 1), b - (prompt - 1)) if a < b else (0, 0))
     return out[0], out[1]
-
-
-def cp_local_length(total_length: int, response_length: int, cp_rank: int, cp_size: int) -> int:
-    (a0, b0), (a1, b1) = cp_response_ranges(total_length, response_length, cp_rank, cp_size)
-    return (b0 - a0) + (b1 - a1)
 
 
 def cp_local(row: np.ndarray, total_length: int, cp_rank: int, cp_size: int) -> np.ndarray:

@@ -24,15 +24,9 @@ from typing import Any
 import numpy as np
 
 from draco_cli.errors import InputError
+from draco_cli.trainers import field_of
 
-__all__ = ["field", "load_dump", "sample_rollout"]
-
-
-def field(sample: Any, name: str, default: Any = None) -> Any:
-    """A field of a ``Sample`` or of its ``to_dict()`` form."""
-    if isinstance(sample, dict):
-        return sample.get(name, default)
-    return getattr(sample, name, default)
+__all__ = ["load_dump", "sample_rollout"]
 
 
 def load_dump(path: Path) -> tuple[int | None, list[dict[str, Any]]]:
@@ -67,7 +61,7 @@ def _ids(value: Any, name: str, where: str) -> np.ndarray:
 
 
 def reward_of(sample: Any, where: str, reward_key: str | None = None) -> float | None:
-    reward = field(sample, "reward")
+    reward = field_of(sample, "reward")
     if isinstance(reward, dict):
         if reward_key is None or reward_key not in reward:
             raise InputError(f"{where}: reward is a dict ({', '.join(map(str, reward))}); "
@@ -93,18 +87,18 @@ def sample_rollout(sample: Any, *, where: str, decode: Callable[[list[int]], str
     ``keep_removed``, which keeps its group whole for a group-relative score."""
     from draco_cli.inloop import TrainerRollout
 
-    if field(sample, "remove_sample", False) and not keep_removed:
+    if field_of(sample, "remove_sample", False) and not keep_removed:
         return None
-    index, group = field(sample, "index"), field(sample, "group_index")
+    index, group = field_of(sample, "index"), field_of(sample, "group_index")
     if not isinstance(index, int) or not isinstance(group, int):
         raise InputError(f"{where}: index {index!r} and group_index {group!r} must be "
                          "integers (slime's data source numbers every sample)", field="index")
-    tokens = _ids(field(sample, "tokens"), "tokens", where)
-    n = field(sample, "response_length")
+    tokens = _ids(field_of(sample, "tokens"), "tokens", where)
+    n = field_of(sample, "response_length")
     if not isinstance(n, int) or not 0 < n <= len(tokens):
         raise InputError(f"{where}: response_length {n!r} for {len(tokens)} tokens",
                          field="response_length")
-    mask_value = field(sample, "loss_mask")
+    mask_value = field_of(sample, "loss_mask")
     mask = np.ones(n, dtype=np.int64) if mask_value is None else _ids(mask_value, "loss_mask",
                                                                        where)
     if len(mask) != n:

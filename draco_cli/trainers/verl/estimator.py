@@ -23,6 +23,7 @@ matching file is read once and again only when its modification time or size cha
 
 from __future__ import annotations
 
+import functools
 import glob
 import os
 import re
@@ -101,13 +102,12 @@ def row_ids_from_keys(keys: Sequence[str]) -> Rows:
     return Rows(ids, pad)
 
 
-def _files(paths: str | Sequence[str] | None = None) -> list[str]:
-    spec = paths if paths is not None else os.environ.get(ENV_FILES)
+def _files() -> list[str]:
+    spec = os.environ.get(ENV_FILES)
     if not spec:
         raise AlignmentError(f"draco estimator: set {ENV_FILES} to this step's "
                              "token_advantages.parquet (a glob, or several joined by ':')")
-    patterns = spec.split(os.pathsep) if isinstance(spec, str) else list(spec)
-    found = sorted({f for p in patterns for f in (glob.glob(p) or [])})
+    found = sorted({f for p in spec.split(os.pathsep) for f in glob.glob(p)})
     if not found:
         raise AlignmentError(f"draco estimator: no file matches {ENV_FILES}={spec!r}")
     return found
@@ -219,6 +219,23 @@ def _inloop_rows(ids: list[str | None], padding: np.ndarray, extra: Sequence[Any
 
 
 _T = TypeVar("_T")
+_Fn = Callable[..., Any]
+
+
+def _once(wrap: Callable[[_Fn], _Fn]) -> Callable[[_Fn], _Fn]:
+    """``wrap`` installed once: given a function it already wrapped (``setup()`` called again),
+    it returns that function as it is."""
+    @functools.wraps(wrap)
+    def install(fn: _Fn) -> _Fn:
+        if getattr(fn, "_draco", False):
+            return fn
+        wrapped = wrap(fn)
+        # marks (read back with getattr) that a function object does not declare
+        wrapped._draco = True  # type: ignore[attr-defined]
+        wrapped.__wrapped__ = fn  # type: ignore[attr-defined]
+        return wrapped
+
+    return install
 
 
 def _with_rows(rows: Rows, call: Callable[[], _T]) -> _T:
@@ -230,10 +247,8 @@ def _with_rows(rows: Rows, call: Callable[[], _T]) -> _T:
         _current.rows = previous
 
 
+@_once
 def _wrap_v1(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(fn, "_draco", False):
-        return fn
-
     def compute_advantage_for_multi_trajectories(data: Any, batch_keys: Any, adv_estimator: Any,
                                                   *args: Any, **kw: Any) -> Any:
         if adv_estimator != ESTIMATOR:
@@ -252,9 +267,6 @@ def _wrap_v1(fn: Callable[..., Any]) -> Callable[..., Any]:
             rows.train_step = fetched.global_steps
         return _with_rows(rows, lambda: fn(data, batch_keys, adv_estimator, *args, **kw))
 
-    # marks (read back with getattr) that a function object does not declare
-    compute_advantage_for_multi_trajectories._draco = True  # type: ignore[attr-defined]
-    compute_advantage_for_multi_trajectories.__wrapped__ = fn  # type: ignore[attr-defined]
     return compute_advantage_for_multi_trajectories
 
 
@@ -298,10 +310,8 @@ def v1_fields(keys: Sequence[str], partition_id: str) -> _V1Fields:
                      None if steps is None else [int(x) for x in steps])
 
 
+@_once
 def _wrap_v1_trainer(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(fn, "_draco", False):
-        return fn
-
     def _compute_advantage(self: Any, batch: Any, metrics: dict[str, Any]) -> Any:
         if self.config.algorithm.adv_estimator != ESTIMATOR:
             return fn(self, batch, metrics=metrics)
@@ -316,18 +326,13 @@ def _wrap_v1_trainer(fn: Callable[..., Any]) -> Callable[..., Any]:
             metrics.update(fetched.metrics)   # verl's own per-step metrics, to its logger
         return out
 
-    # marks (read back with getattr) that a function object does not declare
-    _compute_advantage._draco = True  # type: ignore[attr-defined]
-    _compute_advantage.__wrapped__ = fn  # type: ignore[attr-defined]
     return _compute_advantage
 
 
+@_once
 def _wrap_data_metrics(fn: Callable[..., Any]) -> Callable[..., Any]:
     """Legacy trainer: ``compute_data_metrics(batch=...)`` feeds verl's logger each step; the
     draco metrics the estimator left in ``batch.meta_info`` join them."""
-    if getattr(fn, "_draco", False):
-        return fn
-
     def compute_data_metrics(batch: Any, *args: Any, **kw: Any) -> Any:
         out = fn(batch, *args, **kw)
         extra = batch.meta_info.get(METRICS_KEY)
@@ -335,16 +340,11 @@ def _wrap_data_metrics(fn: Callable[..., Any]) -> Callable[..., Any]:
             out.update(extra)
         return out
 
-    # marks (read back with getattr) that a function object does not declare
-    compute_data_metrics._draco = True  # type: ignore[attr-defined]
-    compute_data_metrics.__wrapped__ = fn  # type: ignore[attr-defined]
     return compute_data_metrics
 
 
+@_once
 def _wrap_legacy(fn: Callable[..., Any]) -> Callable[..., Any]:
-    if getattr(fn, "_draco", False):
-        return fn
-
     def compute_advantage(data: Any, adv_estimator: Any, *args: Any, **kw: Any) -> Any:
         if adv_estimator != ESTIMATOR or ROW_ID_FIELD not in data.non_tensor_batch:
             return fn(data, adv_estimator, *args, **kw)
@@ -365,9 +365,6 @@ def _wrap_legacy(fn: Callable[..., Any]) -> Callable[..., Any]:
                     None if steps is None else [int(x) for x in steps])
         return _with_rows(rows, lambda: fn(data, adv_estimator, *args, **kw))
 
-    # marks (read back with getattr) that a function object does not declare
-    compute_advantage._draco = True  # type: ignore[attr-defined]
-    compute_advantage.__wrapped__ = fn  # type: ignore[attr-defined]
     return compute_advantage
 
 
