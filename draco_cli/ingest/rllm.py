@@ -41,17 +41,12 @@ def _decoder(tokenizer: str | None) -> Callable[[list[int]], str] | None:
     if tokenizer is None:
         return None
     path = Path(tokenizer)
-    path = path / "tokenizer.json" if path.is_dir() else path
-    if not path.is_file():
+    if not (path / "tokenizer.json" if path.is_dir() else path).is_file():
         raise UsageError(f"--tokenizer {tokenizer}: rllm records need a tokenizer.json (the "
                          "policy's) to decode their token ids, or none to use their texts")
-    from tokenizers import Tokenizer
+    from draco_cli.ingest.tokens import tokenizer_file_decode
 
-    try:
-        tok = Tokenizer.from_file(str(path))
-    except Exception as exc:  # the Rust side raises a bare Exception
-        raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(path)) from None
-    return lambda ids: str(tok.decode(ids, skip_special_tokens=False))
+    return tokenizer_file_decode(tokenizer, skip_special_tokens=False)[0]
 
 
 def _content(msg: Any) -> str:

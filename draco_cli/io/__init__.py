@@ -10,7 +10,7 @@
   folder under a per-folder lock, then published by renames recorded in a journal, so a set
   appears whole or not at all, and carries one id in every table's metadata."""
 
-from draco_cli.io.checks import conform, first_non_finite, require_finite
+from draco_cli.io.checks import conform, require_finite
 from draco_cli.io.files import (
     STDIO,
     atomic_path,
@@ -19,14 +19,10 @@ from draco_cli.io.files import (
     write_text_atomic,
 )
 from draco_cli.io.outputs import (
-    DEFAULT_LOCK_WAIT,
     JOURNAL_FILE,
-    LOCK_FILE,
     SET_ID_KEY,
     SET_MEMBERS_KEY,
-    STAGING_PREFIX,
     BlockWriter,
-    FolderBusy,
     OutputSet,
     folder_lock,
     recover_folder,
@@ -40,20 +36,15 @@ from draco_cli.io.tables import (
     read_arrow,
     read_stdin_table,
     read_table,
-    refuse_binary_to_terminal,
     write_table,
 )
 
 __all__ = [
     "BlockWriter",
-    "DEFAULT_LOCK_WAIT",
-    "FolderBusy",
     "JOURNAL_FILE",
-    "LOCK_FILE",
     "OutputSet",
     "SET_ID_KEY",
     "SET_MEMBERS_KEY",
-    "STAGING_PREFIX",
     "STDIO",
     "StreamingTableWriter",
     "_to_arrow",
@@ -62,7 +53,6 @@ __all__ = [
     "check_writable",
     "conform",
     "contract_table",
-    "first_non_finite",
     "folder_lock",
     "name_stdin_table",
     "prepare_out_dir",
@@ -70,7 +60,6 @@ __all__ = [
     "read_stdin_table",
     "read_table",
     "recover_folder",
-    "refuse_binary_to_terminal",
     "require_finite",
     "write_table",
     "write_text_atomic",

@@ -7,24 +7,6 @@ is read as its totals per phase and status (SQLite sums it), never a row per cal
 report's memory does not grow with the run. Every text that came from a rollout or from an
 LLM is redacted (default patterns) and escaped before it reaches the page."""
 
-from draco_cli.report.data import CRITERIA, Redact, Run
-from draco_cli.report.heatmap import MAX_ROLLOUTS, OBSERVATION_CHARS
-from draco_cli.report.html import CSS, GREEN, RED, SCRIPT
 from draco_cli.report.page import build_report
-from draco_cli.report.sections import HISTOGRAM_BINS, MAX_CRITERIA_ROWS, MAX_GROUP_STRIPS
 
-__all__ = [
-    "CRITERIA",
-    "CSS",
-    "GREEN",
-    "HISTOGRAM_BINS",
-    "MAX_CRITERIA_ROWS",
-    "MAX_GROUP_STRIPS",
-    "MAX_ROLLOUTS",
-    "OBSERVATION_CHARS",
-    "RED",
-    "Redact",
-    "Run",
-    "SCRIPT",
-    "build_report",
-]
+__all__ = ["build_report"]

@@ -180,19 +180,11 @@ def _context_for(folder: Path, root: Path) -> list[Path]:
         if up != folder:
             ctx += sorted(p for p in up.glob("*.parquet") if not _skip(p))
         manifest = up / "manifest.json"
-        from draco_cli.errors import DracoError
         from draco_cli.run.folder import RunFolder
 
         if manifest.is_file() and RunFolder.is_run_folder(up):
             # a run folder finds its inputs where they are now (moved with it, or absolute)
-            try:
-                folder_ = RunFolder.open(up)
-                assert folder_.manifest is not None  # open() reads it or raises
-                ctx += [p for name in ("rollouts", "steps") if name in folder_.manifest.inputs
-                        for p in [folder_.input(name, verify=False, missing_ok=True)]
-                        if p is not None]
-            except DracoError:  # a corrupt manifest is reported by check_manifest
-                pass
+            ctx += _run_inputs(up)
         elif manifest.is_file():
             inputs = _read_json(manifest)
             inputs = inputs.get("inputs") if isinstance(inputs, dict) else None
@@ -353,13 +345,9 @@ def check_steps(source: str, df: pl.DataFrame) -> list[str]:
 
 def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame],
                          steps: tuple[str, pl.DataFrame]) -> list[str]:
-    problems: list[str] = []
-    (rsrc, r), (ssrc, s) = rollouts, steps
+    problems = check_known_rollouts(steps, rollouts)
+    (_, r), (ssrc, s) = rollouts, steps
     s = s.with_row_index("__row")
-    orphan = s.join(r.select("rollout_id"), on="rollout_id", how="anti")
-    if orphan.height:
-        rows = orphan["__row"].head(MAX_PER_RULE).to_list()
-        _report(problems, ssrc, "rollout_id", f"no such rollout in {rsrc}", rows, orphan.height)
     joined = s.join(r.select("rollout_id", "response_len", "policy_spans"), on="rollout_id")
     pos = joined.filter(pl.col("token_start").is_not_null()).with_columns(
         (pl.col("token_start") + pl.col("n_tokens")).alias("__end")
