@@ -10,7 +10,8 @@ import polars as pl
 import pytest
 
 from draco_cli.credo import Heads
-from draco_cli.credo.diagnostics import (allocator_calibration, cost_by_category,
+from draco_cli.audit.cost import cost_categories
+from draco_cli.credo.diagnostics import (allocator_calibration,
                                          predictor_drift, variance_split, weight_tails)
 from tests.conftest import REPO, run_draco
 
@@ -91,7 +92,7 @@ def test_cost_by_category_and_audit_cost(tmp_path):
     rc = pl.DataFrame({"rollout_id": ["a"], "step": [1], "env_actions": [6], "tokens": [300],
                        "reconstruction_actions": [1], "reconstruction_tokens": [40],
                        "seconds": [0.1]})
-    t = {r["category"]: r for r in cost_by_category(calls, rollouts, steps, rc).to_dicts()}
+    t = {r["category"]: r for r in cost_categories(calls, rollouts, steps, rc).to_dicts()}
     assert t["original"]["tokens"] == 150 and t["original"]["env_actions"] == 3
     assert t["replay"]["tokens"] == 300 and t["replay"]["env_actions"] == 6
     assert t["reconstruction"]["tokens"] == 40

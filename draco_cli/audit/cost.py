@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any, cast
 import polars as pl
 
 from draco_cli.errors import InputError
-from draco_cli.schemas import CostNaive, polars_schema
+from draco_cli.schemas import CostCategory, CostNaive, polars_schema
 
 if TYPE_CHECKING:
 
@@ -339,11 +339,65 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
     return pl.DataFrame(rows, schema=billed_vs_naive(pl.DataFrame(), prices).schema)
 
 
+# --- cost by category -----------------------------------------------------------------------
+
+# LLM phases → the paper's cost categories (other phases keep their own name)
+PHASE_CATEGORY = {"score": "judge", "generate": "rubric writing", "union": "rubric writing",
+                  "merge": "rubric writing", "propose": "candidate scoring",
+                  "evolve": "candidate scoring", "match": "audit"}
+CATEGORY_ORDER = ["original", "replay", "reconstruction", "judge", "rubric writing",
+                  "candidate scoring", "audit"]
+
+
 def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = None,
                     steps: pl.DataFrame | None = None,
                     replay_costs: pl.DataFrame | None = None) -> pl.DataFrame:
     """Cost by category (original, replay, reconstruction, judge, rubric writing, candidate
-    scoring, environment calls): the one function `audit cost` and the report share."""
-    from draco_cli.credo.diagnostics import cost_by_category
-
-    return cost_by_category(calls, rollouts, steps, replay_costs)
+    scoring, environment calls), the one function `audit cost` and the report share: one row
+    per category with tokens, environment actions, LLM calls and dollars. Original = the
+    rollouts' response tokens (Σ response_len, else Σ step tokens) and their steps; replay and
+    reconstruction from `replay run`'s replay_cost table; the rest from the call log by
+    phase."""
+    rows: list[dict[str, Any]] = []
+    if rollouts is not None or steps is not None:
+        tokens = None
+        if rollouts is not None and "response_len" in rollouts.columns and \
+                rollouts["response_len"].null_count() == 0:
+            tokens = int(rollouts["response_len"].sum())
+        elif steps is not None and "n_tokens" in steps.columns:
+            tokens = int(steps["n_tokens"].sum())
+        rows.append({"category": "original", "tokens": tokens,
+                     "env_actions": steps.height if steps is not None else None,
+                     "llm_calls": None, "cost_usd": None})
+    if replay_costs is not None:
+        rc = replay_costs
+        rows.append({"category": "replay", "tokens": int(rc["tokens"].sum()),
+                     "env_actions": int(rc["env_actions"].sum()), "llm_calls": None,
+                     "cost_usd": None})
+        if "reconstruction_tokens" in rc.columns:
+            rows.append({"category": "reconstruction",
+                         "tokens": int(rc["reconstruction_tokens"].sum()),
+                         "env_actions": int(rc["reconstruction_actions"].sum())
+                         if "reconstruction_actions" in rc.columns else None,
+                         "llm_calls": None, "cost_usd": None})
+    if calls is not None and calls.height:
+        tok = [c for c in ("input_tokens", "output_tokens", "reasoning_tokens")
+               if c in calls.columns]
+        http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
+        if "n_rows" in calls.columns:  # call-log totals (sql.read_call_totals): a line per
+            http = pl.when(http).then(pl.col("n_rows")).otherwise(0)  # phase and status
+        per = calls.with_columns(
+            pl.col("phase").replace_strict(PHASE_CATEGORY, default=pl.col("phase"))
+            .alias("category")).group_by("category").agg(
+            pl.sum_horizontal([pl.col(c).fill_null(0) for c in tok]).sum().alias("tokens"),
+            http.sum().alias("llm_calls"),
+            # null where every row is unpriced: the cost is unknown, not $0
+            pl.when(pl.col("cost_usd").is_not_null().any()).then(pl.col("cost_usd").sum())
+            .alias("cost_usd"))
+        for r in per.iter_rows(named=True):
+            rows.append({"category": r["category"], "tokens": int(r["tokens"]),
+                         "env_actions": None, "llm_calls": int(r["llm_calls"]),
+                         "cost_usd": None if r["cost_usd"] is None else float(r["cost_usd"])})
+    order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
+    rows.sort(key=lambda r: (order.get(r["category"], len(order)), r["category"]))
+    return pl.DataFrame(rows, schema=polars_schema(CostCategory))

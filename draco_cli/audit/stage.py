@@ -287,7 +287,7 @@ def audit_cost(calls: list[Path], out: Path, *, rollouts: Path | None = None,
     a naive client's → ``out/cost_phase.parquet``, ``out/cost_step.parquet``,
     ``out/cost_category.parquet``, ``out/cost_naive.parquet``."""
     from draco_cli.audit import billed_vs_naive, cost_audit
-    from draco_cli.credo.diagnostics import cost_by_category
+    from draco_cli.audit.cost import cost_categories
     from draco_cli.llm.prices import PriceTable
 
     _refuse_existing(out, ["cost_phase", "cost_step", "cost_category", "cost_naive"], force)
@@ -297,7 +297,7 @@ def audit_cost(calls: list[Path], out: Path, *, rollouts: Path | None = None,
     rc = [pl.read_parquet(p / "replay_cost.parquet" if Path(p).is_dir() else p)
           for p in (replay_cost or [])]
     r_full = _rollouts(rollouts, ["rollout_id", "response_len"])
-    by_cat = cost_by_category(log, r_full, pl.read_parquet(steps) if steps else None,
+    by_cat = cost_categories(log, r_full, pl.read_parquet(steps) if steps else None,
                               pl.concat(rc, how="diagonal_relaxed") if rc else None)
     naive = billed_vs_naive(log, PriceTable.load(prices))
     t = publish_tables(out, {"cost_phase": (per_phase, CostPhase),

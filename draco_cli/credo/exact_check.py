@@ -176,25 +176,27 @@ def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
     truth = analytic_gradient()
     full_cost = sum(pos.prob * pos.cost for traj in trajs for pos in traj)
     budget = budget_share * full_cost
-    predictors: dict[str, Predictor] = {
-        "zero": lambda pos: 0.0,                              # no rubric information
-        "good": lambda pos: 0.8 * pos.credit,                 # close but shrunk: biased
-        "bad": lambda pos: -0.5 * pos.credit + 0.2,           # wrong sign, offset
-    }
     rows = []
-    for name, pred in predictors.items():
+    for name, pred in PREDICTORS.items():
         oracle = oracle_allocation(trajs, pred, M, budget, p_min)
         m, v, c = estimator_moments(trajs, pred, oracle, M, correct=False)
         rows.append(_row(f"no correction, {name} predictor", m, v, c, truth))
-        _, _, oracle_cost = estimator_moments(trajs, pred, oracle, M, correct=True)
-        p_uni = oracle_cost / full_cost
+        oracle_row = _row(f"corrected, oracle square-root, {name} predictor",
+                          *estimator_moments(trajs, pred, oracle, M, correct=True), truth)
+        p_uni = oracle_row["expected_cost"] / full_cost
         m, v, c = estimator_moments(trajs, pred, lambda pos: p_uni, M,  # noqa: B023 - used in this iteration
                                     correct=True)
         rows.append(_row(f"corrected, uniform p={p_uni:.3f}, {name} predictor", m, v, c,
                          truth))
-        m, v, c = estimator_moments(trajs, pred, oracle, M, correct=True)
-        rows.append(_row(f"corrected, oracle square-root, {name} predictor", m, v, c, truth))
+        rows.append(oracle_row)
     return rows
+
+
+PREDICTORS: dict[str, Predictor] = {
+    "zero": lambda pos: 0.0,                              # no rubric information
+    "good": lambda pos: 0.8 * pos.credit,                 # close but shrunk: biased
+    "bad": lambda pos: -0.5 * pos.credit + 0.2,           # wrong sign, offset
+}
 
 
 def _row(name: str, mean: float, var: float, cost: float, truth: float) -> dict[str, Any]:
@@ -207,9 +209,7 @@ def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05,
     """Replays per side M under one fixed expected budget (environment actions per original
     trajectory; default half of full replay at M = 2): more replays per position buy less
     coverage. Exact variance of the corrected estimator with oracle allocation per M."""
-    preds: dict[str, Predictor] = {"zero": lambda pos: 0.0, "good": lambda pos: 0.8 * pos.credit,
-             "bad": lambda pos: -0.5 * pos.credit + 0.2}
-    pred = preds[predictor]
+    pred = PREDICTORS[predictor]
     truth = analytic_gradient()
     if budget is None:
         budget = 0.5 * sum(pos.prob * pos.cost for traj in trajectories(2) for pos in traj)
