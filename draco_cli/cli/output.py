@@ -17,8 +17,7 @@ import json
 import math
 import sys
 from dataclasses import dataclass, field
-from enum import Enum
-from typing import TYPE_CHECKING, Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 from rich.console import Console
@@ -29,27 +28,17 @@ if TYPE_CHECKING:
     import polars as pl
     from rich.table import Table as RichTable
 
-FORMATS = ("table", "json", "csv")
-
-
-class OutputFormat(str, Enum):
-    table = "table"
-    json = "json"
-    csv = "csv"
-
-
-Format = Annotated[OutputFormat | None, typer.Option(
+Format = Annotated[Literal["table", "json", "csv"] | None, typer.Option(
     "--format", show_default=False,
     help="How results are printed on stdout: table (aligned, for reading; the default), json "
     "(one JSON document) or csv (the main table). Messages go to stderr.")]
 Json = Annotated[bool, typer.Option("--json", metavar="", help="Same as --format json.")]
 
 
-def pick_format(fmt: OutputFormat | str | None, as_json: bool) -> str:
-    name = fmt.value if isinstance(fmt, OutputFormat) else fmt
-    if as_json and name not in (None, "json"):
-        raise typer.BadParameter(f"--json conflicts with --format {name}", param_hint="--json")
-    return "json" if as_json else (name or "table")
+def pick_format(fmt: str | None, as_json: bool) -> str:
+    if as_json and fmt not in (None, "json"):
+        raise typer.BadParameter(f"--json conflicts with --format {fmt}", param_hint="--json")
+    return "json" if as_json else (fmt or "table")
 
 
 @dataclass
