@@ -537,7 +537,8 @@ def test_manifest_versions(tmp_path):
     """A version-1 manifest (paths as typed, relative to where draco ran) still opens; a
     manifest from a newer draco is refused with what to do."""
     from draco_cli.errors import InputError
-    from draco_cli.run.folder import RunFolder, file_sha256
+    from draco_cli.io.files import file_sha256
+    from draco_cli.run.folder import RunFolder
 
     run = tmp_path / "old"
     run.mkdir()

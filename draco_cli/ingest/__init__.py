@@ -8,7 +8,6 @@ what to do with bad entries (stop, or ``skip_invalid``: record them in ``rejects
 from __future__ import annotations
 
 import datetime as _dt
-import hashlib
 import json
 from collections import Counter
 from collections.abc import Callable, Iterator
@@ -24,6 +23,7 @@ from draco_cli.choices import STEP_UNITS, StepUnit
 from draco_cli.ingest.episode import BuildOptions, Built, Episode, build
 from draco_cli.ingest.tokens import TokenCounter, make_counter
 from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
+from draco_cli.io.files import file_sha256
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step, StepLabel
 
 Reader = Callable[[TextIO, str], Iterator[tuple[str, "Episode | InputError"]]]
@@ -65,14 +65,6 @@ class IngestResult:
     skipped_blocks: Counter[str] = field(default_factory=Counter)  # code-block: did not run
     manifest: dict[str, Any] = field(default_factory=dict)
     warnings: list[str] = field(default_factory=list)
-
-
-def _sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with path.open("rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def group_key(row: dict[str, Any], group_by: tuple[str, ...]) -> str:
@@ -348,7 +340,7 @@ def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
         "draco_version": __version__,
         "schema_version": SCHEMA_VERSION,
         "format": fmt,
-        "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
                    for p in paths],
         "step_unit": step_unit,
         "token_counts": sorted(k for k in result.token_sources if k != "none"),

@@ -22,9 +22,10 @@ import polars as pl
 
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import IngestResult, _group_warnings, _sha256
+from draco_cli.ingest import IngestResult, _group_warnings
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.io import OutputSet
+from draco_cli.io.files import file_sha256
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, instruction_of, layout_of
 from draco_cli.trainers.rllm.records import episode_files, read_episodes
@@ -170,7 +171,7 @@ def _manifest(result: IngestResult, files: list[Path], tokenizer: str | None,
               train_step: int | None, output_set: str) -> dict[str, Any]:
     return {
         "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "rllm",
-        "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
                    for p in files],
         "step_unit": "message", "token_counts": ["rllm token ids"],
         "tokenizer": tokenizer, "tokenizer_exact": True, "token_positions": "known",

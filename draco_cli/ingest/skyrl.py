@@ -63,8 +63,9 @@ def _decoder(tokenizer: str | None) -> tuple[Callable[[list[int]], str], str]:
 
 def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,
            force: bool) -> Any:
-    from draco_cli.ingest import IngestResult, _sha256
+    from draco_cli.ingest import IngestResult
     from draco_cli.io import OutputSet
+    from draco_cli.io.files import file_sha256
 
     decode, tok_name = _decoder(tokenizer)
     rollouts: list[TrainerRollout] = []
@@ -94,7 +95,7 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
         output.write_table(steps, "steps.parquet", Step)
         result.manifest = {
             "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "skyrl",
-            "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+            "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
                        for p in paths],
             "step_unit": "policy-run", "token_counts": ["response_ids"], "tokenizer": tok_name, "tokenizer_exact": True,
             "token_positions": "known", "train_step": train_step, "rollouts": result.rollouts,

@@ -17,8 +17,9 @@ from typing import Any
 
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import IngestResult, _sha256
+from draco_cli.ingest import IngestResult
 from draco_cli.io import OutputSet
+from draco_cli.io.files import file_sha256
 from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 
 __all__ = ["ingest", "tokenizer_decode"]
@@ -83,7 +84,7 @@ def _manifest(result: IngestResult, paths: list[Path], tokenizer: str | None,
               train_step: int | None, removed: int) -> dict[str, Any]:
     return {
         "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "slime",
-        "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
                    for p in paths],
         "step_unit": "policy-run", "token_counts": ["tokenizer"], "tokenizer": tokenizer,
         "tokenizer_exact": True, "token_positions": "known", "group_by": ["group_index"],

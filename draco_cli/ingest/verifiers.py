@@ -60,8 +60,9 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
            train_step: int | None = None, force: bool = False) -> Any:
     """Read ``paths`` (verifiers ``traces.jsonl`` files) into ``out`` (rollouts.parquet,
     steps.parquet, manifest.json): whole, or nothing on the first bad record."""
-    from draco_cli.ingest import IngestResult, _sha256
+    from draco_cli.ingest import IngestResult
     from draco_cli.io import OutputSet
+    from draco_cli.io.files import file_sha256
     from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 
     if tokenizer is not None:
@@ -123,7 +124,7 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
         result.warnings.append(f"{skipped} traces without a sampled token were left out")
     result.manifest = {
         "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "verifiers",
-        "inputs": [{"path": str(p), "sha256": _sha256(p), "bytes": p.stat().st_size}
+        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
                    for p in paths],
         "step_unit": "policy-run", "token_positions": "known", "token_counts": ["token_ids"],
         "tokenizer": None, "tokenizer_exact": None, "group_by": None,

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -71,3 +72,11 @@ def prepare_out_dir(out: str | os.PathLike[str], option: str = "-o") -> Path:
 def write_text_atomic(path: str | os.PathLike[str], text: str, force: bool = False) -> None:
     with atomic_path(path, force) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+def file_sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for chunk in iter(lambda: f.read(1 << 20), b""):
+            h.update(chunk)
+    return h.hexdigest()

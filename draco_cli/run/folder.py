@@ -9,7 +9,6 @@ together with its inputs (they are then found relative to it).
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import json
 import os
 from collections.abc import Callable, Iterator
@@ -19,6 +18,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from draco_cli.errors import DracoError, InputError
+from draco_cli.io.files import file_sha256
 
 MANIFEST = "manifest.json"
 LOCK = ".draco.lock"
@@ -116,14 +116,6 @@ class Manifest(BaseModel):
     updated_at: str | None = None
     token_advantages: str | None = None
     health: Health | None = None
-
-
-def file_sha256(path: Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as f:
-        for chunk in iter(lambda: f.read(1 << 20), b""):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def input_record(path: Path, run_dir: Path) -> InputRecord:

@@ -29,8 +29,8 @@ from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
 from draco_cli.llm.answered import Answered
 from draco_cli.run import spot
 from draco_cli.run.health import run_health, stage_figure
-from draco_cli.run.folder import (Health, Manifest, RunFolder, StageRecord,
-                                 file_sha256, input_record)
+from draco_cli.io.files import file_sha256
+from draco_cli.run.folder import Health, Manifest, RunFolder, StageRecord, input_record
 
 if TYPE_CHECKING:
     from draco_cli.llm.stage import StageReport

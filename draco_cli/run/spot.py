@@ -9,7 +9,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draco_cli.llm.answered import Answered
-from draco_cli.run.folder import RunFolder, StageRecord, file_sha256
+from draco_cli.io.files import file_sha256
+from draco_cli.run.folder import RunFolder, StageRecord
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
