@@ -61,7 +61,8 @@ def export_records(advantages: Path, out: Path, *, records: Path | None,
         raise UsageError("--to skyrl needs --records FILE: the SkyRL generator output "
                          "(JSON) whose rows receive the advantages")
     rec = read_records(records)
-    table = load_token_advantages(advantages_file(advantages))
+    source = advantages_file(advantages)
+    table = load_token_advantages(source)
     ids = [trajectory(t)[0] for t in rec["trajectory_ids"]]
     lengths = [len(r) for r in rec["response_ids"]]
     T = max(lengths, default=0)
@@ -78,7 +79,7 @@ def export_records(advantages: Path, out: Path, *, records: Path | None,
         raise InputError(f"{exc} (--advantages {advantages})", file=str(records),
                          field="rewards") from None
     rec["rewards"] = [values[b, :n].tolist() for b, n in enumerate(lengths)]
-    rec["draco"] = {"source": str(advantages_file(advantages)), "rollout_ids": ids,
+    rec["draco"] = {"source": str(source), "rollout_ids": ids,
                     "train_step": step,
                     "n_policy_tokens": [int(m.sum()) for m in mask],
                     "response_fingerprints": [fingerprint(r) for r in rec["response_ids"]]}
