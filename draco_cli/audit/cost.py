@@ -237,8 +237,6 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
     return pl.DataFrame(rows, schema=schema)
 
 
-ROUTES = ("online", "batch", "all")
-
 
 def _price_columns(frame: pl.DataFrame, prices: PriceTable) -> pl.DataFrame:
     """Per-model input/output price per token (`_p_in`, `_p_out`; null when unknown)."""

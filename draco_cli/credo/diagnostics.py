@@ -84,17 +84,11 @@ def allocator_calibration(plan_df: pl.DataFrame, labels: pl.DataFrame, bins: int
     schema = polars_schema(AllocatorCalibration)
     if rows.height == 0:
         return pl.DataFrame(schema=schema)
-    df = rows.select(pl.col("error").alias("e"),
-                     ((pl.col("delta") - pl.col("prediction")) ** 2).alias("r2"),
-                     (1 / pl.col("p")).alias("w"))
-    nb = min(bins, df.height)
-    df = df.with_columns(pl.col("e").rank("ordinal").sub(1).mul(nb).floordiv(df.height)
-                         .cast(pl.Int64).alias("bin"))
-    return df.group_by("bin").agg(
-        pl.len().cast(pl.Int64).alias("n"),
-        ((pl.col("e") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_predicted_error"),
-        ((pl.col("r2") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_squared_residual")
-    ).sort("bin").cast(schema)
+    from draco_cli.credo.heads import weighted_bins
+
+    return weighted_bins(rows["error"], (rows["delta"] - rows["prediction"]) ** 2, 1 / rows["p"],
+                         bins).rename({"mean_prediction": "mean_predicted_error",
+                                       "mean_target": "mean_squared_residual"}).cast(schema)
 
 
 def predictor_drift(old: Heads, new: Heads, features: pl.DataFrame) -> dict[str, Any]:

@@ -7,6 +7,7 @@ from __future__ import annotations
 import hashlib
 import json
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import polars as pl
@@ -146,19 +147,24 @@ def calibration(heads: Heads, rows: pl.DataFrame, bins: int = 5) -> pl.DataFrame
     c, e = heads.predict(rows)
     delta = rows["delta"].to_numpy()
     w = 1 / rows["p"].to_numpy()
-    parts = []
-    for head, pred, target in (("credit", c, delta),
-                               ("error", e, (delta - rows["prediction"].to_numpy()) ** 2)):
-        df = pl.DataFrame({"pred": pred, "target": target, "w": w})
-        df = df.with_columns(pl.col("pred").rank("ordinal").sub(1).mul(min(bins, df.height))
-                             .floordiv(df.height).cast(pl.Int64).alias("bin"))
-        parts.append(df.group_by("bin").agg(
-            pl.len().cast(pl.Int64).alias("n"),
-            ((pl.col("pred") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_prediction"),
-            ((pl.col("target") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_target"))
-            .sort("bin").select(pl.lit(head).alias("head"), "bin", "n", "mean_prediction",
-                                "mean_target"))
-    return pl.concat(parts).cast(schema)
+    return pl.concat([
+        weighted_bins(pred, target, w, bins).select(pl.lit(head).alias("head"), pl.all())
+        for head, pred, target in (("credit", c, delta),
+                                   ("error", e, (delta - rows["prediction"].to_numpy()) ** 2))
+    ]).cast(schema)
+
+
+def weighted_bins(pred: Any, target: Any, w: Any, bins: int) -> pl.DataFrame:
+    """bin, n, mean_prediction, mean_target: ``bins`` equal-count bins of ``pred`` (at most
+    one per row), each mean weighted by ``w`` (inverse inclusion probabilities)."""
+    df = pl.DataFrame({"pred": pred, "target": target, "w": w})
+    df = df.with_columns(pl.col("pred").rank("ordinal").sub(1).mul(min(bins, df.height))
+                         .floordiv(df.height).cast(pl.Int64).alias("bin"))
+    return df.group_by("bin").agg(
+        pl.len().cast(pl.Int64).alias("n"),
+        ((pl.col("pred") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_prediction"),
+        ((pl.col("target") * pl.col("w")).sum() / pl.col("w").sum()).alias("mean_target"),
+    ).sort("bin")
 
 
 def fit_with_holdout(plan_df: pl.DataFrame, labels: pl.DataFrame, features: pl.DataFrame,

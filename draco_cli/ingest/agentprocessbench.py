@@ -23,7 +23,6 @@ from draco_cli.ingest.chat import EntryContext, json_lines, parse_messages
 from draco_cli.ingest.episode import Episode
 
 Item = tuple[str, "Episode | InputError"]
-HUMAN = "human"
 LABELS = (-1, 0, 1)
 
 

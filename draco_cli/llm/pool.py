@@ -10,7 +10,7 @@ does the client's own retry with backoff take over. A request the server rejects
 400) is not retried elsewhere: every replica would reject it too.
 
 Every call-log row says which endpoint served or failed it (column ``endpoint``);
-``calllog.endpoint_totals`` sums them per endpoint.
+``llm.export.endpoint_totals`` sums them per endpoint.
 """
 
 from __future__ import annotations
