@@ -141,3 +141,38 @@ def test_cli_reference_is_current_and_every_command_has_help_and_example():
     assert missing_help() == []
     on_disk = (REPO / "docs" / "cli.md").read_text()
     assert on_disk == render(), "docs/cli.md is stale: python -m draco_cli.cli.reference"
+
+
+def _doc_option_uses(text: str) -> list[tuple[list[str], str]]:
+    """(command words, option) for every `draco <command> … --option` the text shows, a
+    shell line continued with a backslash read as one line."""
+    import re
+
+    uses = []
+    for line in re.sub(r"\\\n\s*", " ", text).splitlines():
+        for m in re.finditer(r"(?:^|[`\s$(])draco ((?:[a-z][a-z-]*\s+){0,2})([^`\n|;&)]*)", line):
+            words = m.group(1).split()
+            uses += [(words, o) for o in re.findall(r"(?<![\w-])(--[a-z][a-z0-9-]*)",
+                                                    " ".join(words) + " " + m.group(2))]
+    return uses
+
+
+def test_every_option_the_docs_show_exists():
+    from draco_cli.cli import command
+
+    unknown, checked = [], 0
+    for doc in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        if doc.name == "decisions.md":   # records options as they were
+            continue
+        for words, option in _doc_option_uses(doc.read_text(encoding="utf-8")):
+            cmd = command()
+            for w in words:
+                if w not in getattr(cmd, "commands", {}):
+                    break
+                cmd = cmd.commands[w]
+            if hasattr(cmd, "commands") or option == "--help":
+                continue
+            checked += 1
+            if not any(option in p.opts + p.secondary_opts for p in cmd.params):
+                unknown.append(f"{doc.name}: draco {' '.join(words)} {option}")
+    assert checked > 200 and unknown == []
