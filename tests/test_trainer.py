@@ -63,6 +63,16 @@ def test_trl_and_openrlhf_shapes(table):
     np.testing.assert_array_equal(adv[0], [0, 0.5, 0.5, 0, -1.0])
 
 
+def test_several_files_filtered_by_a_generator_of_ids(table):
+    # the ids are read once, not once per file: a generator is used up by the first
+    spans = pl.read_parquet(table / "spans.parquet")
+    spans.filter(pl.col("rollout_id") == "u2:0").write_parquet(table / "step2.parquet")
+    spans.filter(pl.col("rollout_id") != "u2:0").write_parquet(table / "step1.parquet")
+    t = load_token_advantages([table / "step1.parquet", table / "step2.parquet"],
+                              rollout_ids=(r for r in ["u1:1", "u2:0"]))
+    assert len(t) == 2 and "u1:1" in t and "u2:0" in t
+
+
 def test_misalignment_is_caught(table):
     t = load_token_advantages(table / "spans.parquet")
     with pytest.raises(AlignmentError, match="past the trainer's 4 response tokens"):

@@ -160,10 +160,7 @@ def _check_options(fmt: str, step_unit: str, group_by: tuple[str, ...] | None) -
 def _ingest_records(fmt: str, inputs: list[str | Path], out_dir: str | Path, *,
                     tokenizer: str | None, train_step: int | None, force: bool) -> IngestResult:
     import importlib
-    from importlib.util import find_spec
 
-    if find_spec(RECORD_FORMATS[fmt]) is None:
-        raise UsageError(f"format {fmt!r} is not available in this draco")
     reader = importlib.import_module(RECORD_FORMATS[fmt])
     result: IngestResult = reader.ingest([Path(p) for p in inputs], Path(out_dir),
                                          tokenizer=tokenizer, train_step=train_step,

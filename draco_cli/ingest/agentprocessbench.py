@@ -107,5 +107,4 @@ def to_episode(raw: Any, ctx: EntryContext) -> Episode:
         trial=sample,
         outcome_field="final_label",
         message_labels=labels,
-        labels_field="step_labels",
     )

@@ -92,7 +92,6 @@ class Episode:
     # Step labels keyed by the 0-based index of the labelled message in ``messages``
     # (AgentProcessBench); the build maps them to step numbers.
     message_labels: dict[int, int] | None = None
-    labels_field: str = "step_labels"
 
 
 @dataclass
@@ -477,7 +476,7 @@ def _label_rows(ep: Episode, policy_idx: list[int], msg_parts: dict[int, list[Pa
                     if role != "assistant" else f"message {i} made {len(at)} steps")
             raise InputError(f"a label on message index {i}, but {what} (labels key the "
                              "assistant messages, one step each)", file=source, row=ep.where,
-                             field=f"{ep.labels_field}[{str(i)!r}]")
+                             field=f"step_labels[{str(i)!r}]")
         rows.append({"rollout_id": ep.rollout_id, "step": at[0], "label": label,
                      "labeler": "human", "reason": None, "message_index": i})
     return rows

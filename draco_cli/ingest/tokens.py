@@ -12,7 +12,7 @@ import math
 from pathlib import Path
 from typing import Protocol
 
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import InputError
 
 APPROX = "approx"
 APPROX_CHARS_PER_TOKEN = 4
@@ -68,10 +68,8 @@ class HFTokenizerCounter:
             p = p / "tokenizer.json"
         if not p.exists():
             raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
-        try:
-            from tokenizers import Tokenizer
-        except ImportError:  # pragma: no cover - tokenizers is a declared dependency
-            raise UsageError("--tokenizer PATH needs the 'tokenizers' package") from None
+        from tokenizers import Tokenizer
+
         try:
             self._tok = Tokenizer.from_file(str(p))
         except Exception as exc:  # the Rust side raises a bare Exception

@@ -13,11 +13,10 @@ from __future__ import annotations
 import importlib
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 from draco_cli.errors import InputError, UsageError
 
-# stack name -> module providing export(); a stack whose module is absent is not offered.
+# stack name -> module providing export()
 STACKS: dict[str, str] = {
     "verifiers": "draco_cli.trainers.verifiers",
     "rllm": "draco_cli.trainers.rllm",
@@ -47,21 +46,13 @@ def advantages_file(advantages: Path) -> Path:
     return advantages
 
 
-def available() -> list[str]:
-    """The stacks whose adapter module ships with this draco."""
-    from importlib.util import find_spec
-
-    return [name for name, mod in STACKS.items() if find_spec(mod) is not None]
-
-
 def export_advantages(advantages: str | Path, to: str, out: str | Path, *,
-                      records: str | Path | None = None, force: bool = False,
-                      **options: Any) -> ExportResult:
+                      records: str | Path | None = None, force: bool = False) -> ExportResult:
     """Write ``advantages`` (a run folder or token_advantages.parquet) for stack ``to``."""
-    if to not in available():
-        raise UsageError(f"--to {to!r}: choose one of {', '.join(available()) or '(none)'}")
+    if to not in STACKS:
+        raise UsageError(f"--to {to!r}: choose one of {', '.join(STACKS)}")
     module = importlib.import_module(STACKS[to])
     result: ExportResult = module.export(Path(advantages), Path(out),
                                          records=None if records is None else Path(records),
-                                         force=force, **options)
+                                         force=force)
     return result

@@ -433,15 +433,13 @@ def load_token_advantages(path: str | Path | Sequence[str | Path],
     ``path`` may be a list of files (several train steps, for async trainers whose batches mix
     rollouts generated at different steps); rollout ids must be unique across them."""
     paths = [path] if isinstance(path, (str, Path)) else list(path)
+    wanted = None if rollout_ids is None else pa.array(list(rollout_ids), type=pa.string())
     tables = []
     for p in paths:
         table = pq.read_table(p)
-        if rollout_ids is not None:
-            wanted = pa.array(list(rollout_ids), type=pa.string())
+        if wanted is not None:
             table = table.filter(pc.is_in(table.column("rollout_id"), value_set=wanted))
         tables.append(table)
-    if len(tables) == 1:
-        return TokenAdvantageTable(tables[0], str(paths[0]))
     return TokenAdvantageTable(pa.concat_tables(tables, promote_options="permissive"),
                                ", ".join(map(str, paths)))
 

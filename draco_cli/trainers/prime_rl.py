@@ -110,7 +110,7 @@ class DracoCredit:
             await self.scorer.add(r, group_size=len(rollouts))
         result = await self.scorer.finish(step, groups=[gid])
         # every trace checked before any is written: a misfit leaves the whole group unassigned
-        staged = [fill_trace(_Staged(t), result.rows[r.rollout_id].rollout_id,
+        staged = [fill_trace(_staged(t), result.rows[r.rollout_id].rollout_id,
                              result.rows[r.rollout_id].values)
                   for t, r in zip(traces, rollouts)]
         for trace, compact in zip(traces, staged):
@@ -121,14 +121,12 @@ class DracoCredit:
         return result
 
 
-class _Staged:
+def _staged(trace: Any) -> dict[str, Any]:
     """A copy of a trace's ids and masks for ``fill_trace`` to check and fill, the real trace
     untouched."""
-
-    def __init__(self, trace: Any) -> None:
-        self.id = field_of(trace, "id")
-        self.nodes = [{"token_ids": field_of(n, "token_ids"), "mask": field_of(n, "mask")}
-                      for n in field_of(trace, "nodes", [])]
+    return {"id": field_of(trace, "id"),
+            "nodes": [{"token_ids": field_of(n, "token_ids"), "mask": field_of(n, "mask")}
+                      for n in field_of(trace, "nodes", [])]}
 
 
 def algorithm_class(model: str, *, short_groups: ShortGroups = "score",

@@ -25,15 +25,12 @@ from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 __all__ = ["export"]
 
 
-def _records(paths: list[Path]) -> list[tuple[str, Any]]:
+def _records(path: Path) -> list[tuple[str, Any]]:
     from draco_cli.trainers.slime.records import dump_rollouts
 
-    out: list[tuple[str, Any]] = []
-    for path in paths:
-        for i, r in dump_rollouts(path, decode=lambda ids: "", train_step=None):
-            if r is not None:
-                out.append((f"{path}: sample {i}", r))
-    return out
+    return [(f"{path}: sample {i}", r)
+            for i, r in dump_rollouts(path, decode=lambda ids: "", train_step=None)
+            if r is not None]
 
 
 def export(advantages: Path, out: Path, *, records: Path | None = None,
@@ -41,11 +38,10 @@ def export(advantages: Path, out: Path, *, records: Path | None = None,
     from draco_cli.trainers.slime.hook import resolve_files
 
     files = [str(p) for p in resolve_files(advantages)]
-    rows = _records([records]) if records is not None else None
+    rows = _records(records) if records is not None else None
     ids = None if rows is None else [r.rollout_id for _, r in rows]
     table = load_token_advantages(files, rollout_ids=ids)
-    full = pq.read_table(files[0]) if len(files) == 1 else pa.concat_tables(
-        [pq.read_table(f) for f in files], promote_options="permissive")
+    full = pa.concat_tables([pq.read_table(f) for f in files], promote_options="permissive")
     checks = {c: full.column(c).to_pylist() for c in ("train_step", "n_policy_tokens",
                                                       "response_fingerprint")
               if c in full.column_names}

@@ -73,7 +73,6 @@ class Rows:
     train_step: list[int] | None = None
     values: list[Any] | None = None  # in-loop: each row's own advantages (None: padding)
     groups: list[str | None] | None = None  # in-loop: each row's group
-    metrics: dict[str, float] | None = None  # in-loop: filled by the estimator
 
 
 _current = threading.local()
