@@ -140,7 +140,6 @@ class Scorer:
             self.static_criteria = load_static_rubric(self.options.rubric.static_rubric)
 
     async def __aenter__(self) -> Scorer:
-        self.call_log_path.parent.mkdir(parents=True, exist_ok=True)
         self._log = CallLog(self.call_log_path).__enter__()
         judge_model = self.options.judge.judge_model or self.llm.model
         for role, model in (("rubric", self.llm.model), ("judge", judge_model)):

@@ -65,8 +65,6 @@ def check_samples(samples: int, temperature: float | None, use_n: bool = True) -
     """Refuse k > 1 samples asked with ``n`` at temperature 0 before any call: vLLM rejects
     ``n > 1`` under greedy sampling (HTTP 400 at the first call). With ``--no-use-n`` each
     sample is its own call, which any server takes."""
-    from draco_cli.errors import UsageError
-
     if samples > 1 and temperature == 0 and use_n:
         raise UsageError(f"--samples {samples} at --temperature 0 asks for n = {samples} under "
                          "greedy sampling, which vLLM refuses (and which gives one answer k "

@@ -76,10 +76,6 @@ def render_options(max_prompt_tokens: int, redact: list[str], no_default_redact:
                          redactor=Redactor(redact, defaults=not no_default_redact))
 
 
-def call_log_path(out: Path, call_log: Path | None) -> Path:
-    return call_log if call_log is not None else out / "llm_calls.sqlite"
-
-
 def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) -> None:
     """The client's phase statistics into ``report``, and the call log's Parquet export."""
     report.phases.update(client.stats)
@@ -284,7 +280,7 @@ def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettin
     from draco_cli.llm.calllog import CallLog
 
     report = StageReport(outputs=[out / name for name in models])
-    log_path = call_log_path(out, call_log)
+    log_path = call_log if call_log is not None else out / "llm_calls.sqlite"
     # The folder stays locked through the calls: a second writer would pay for them again.
     with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
@@ -324,7 +320,7 @@ def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient,
                     tables.write(name, df)
 
             try:
-                run_chunks(client, stages, write, progress=progress, total=total)
+                asyncio.run(run_chunks(client, stages, write, _ChunkProgress(progress, total)))
             finally:
                 tables.close()
             finish(client, log_path, out, report)
@@ -334,23 +330,16 @@ def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient,
         pass
 
 
-def run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None], *,
-               progress: Callable[[Any], None] | None = None, total: int = 0,
-               in_flight: int = CHUNKS_IN_FLIGHT) -> None:
-    """Drive each chunk's stage on one client session, ``in_flight`` at a time, and hand the
-    results to ``on_result`` in chunk order."""
-    asyncio.run(_run_chunks(client, stages, on_result, _ChunkProgress(progress, total),
-                            max(1, in_flight)))
-
-
-async def _run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
-                      progress: _ChunkProgress, in_flight: int) -> None:
+async def run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None],
+                     progress: _ChunkProgress) -> None:
+    """Drive each chunk's stage on one client session, CHUNKS_IN_FLIGHT at a time, and hand
+    the results to ``on_result`` in chunk order."""
     pending: deque[asyncio.Future[R]] = deque()
     async with client.session():
         try:
             for stage in stages:
                 pending.append(asyncio.ensure_future(_drive_chunk(stage, client, progress)))
-                if len(pending) >= in_flight:
+                if len(pending) >= CHUNKS_IN_FLIGHT:
                     on_result(await pending.popleft())
             while pending:
                 on_result(await pending.popleft())

@@ -30,7 +30,7 @@ from draco_cli.llm.answered import Answered
 from draco_cli.run import spot
 from draco_cli.run.health import run_health, stage_figure
 from draco_cli.io.files import file_sha256
-from draco_cli.run.folder import Health, Manifest, RunFolder, StageRecord, input_record
+from draco_cli.run.folder import Manifest, RunFolder, StageRecord, input_record
 
 if TYPE_CHECKING:
     from draco_cli.llm.stage import StageReport
@@ -428,9 +428,6 @@ class _Run:
 
     # -- the manifest ----------------------------------------------------------------------
 
-    def _health(self) -> Health:
-        return run_health(self.stages, self.opts)
-
     def _manifest(self, status: str) -> Manifest:
         from draco_cli.run.folder import TABLES
 
@@ -468,8 +465,9 @@ class _Run:
             llm_calls=calls, wall_seconds=round(time.perf_counter() - self.t0, 3),
             updated_at=_dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
             token_advantages=str(ta.absolute()) if ta.exists() else None,
-            health=self._health() if any(getattr(r, "health", None) or getattr(r, "stats", None)
-                                         for r in self.stages.values()) else None)
+            health=run_health(self.stages, self.opts) if any(
+                getattr(r, "health", None) or getattr(r, "stats", None)
+                for r in self.stages.values()) else None)
 
     def _write(self, status: str) -> Manifest:
         manifest = self._manifest(status)
@@ -477,7 +475,7 @@ class _Run:
         return manifest
 
     def _finish(self, stopped: str | None) -> RunResult:
-        health = self._health()
+        health = run_health(self.stages, self.opts)
         if stopped:
             status = stopped
         elif not health.ok:

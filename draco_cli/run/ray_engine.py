@@ -88,8 +88,8 @@ def partition_of(group_id: str, partitions: int) -> int:
 
 
 def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work: StageWork, *,
-                   partitions: int | None, address: str | None, rubrics: Path | None = None,
-                   main_log: Path | None = None) -> list[tuple[int, StageReport]]:
+                   partitions: int | None, address: str | None, main_log: Path,
+                   rubrics: Path | None = None) -> list[tuple[int, StageReport]]:
     """Run ``work(part_rollouts_path, part_steps_path, part_dir, part_log, rubrics)`` for
     each partition on the cluster; return the partitions' reports in partition order.
     ``partitions`` None: as many as the cluster has CPUs (each partition runs its phases one
@@ -107,8 +107,7 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work:
     root = Path(run_dir).absolute() / "ray"
     steps, rubrics = Path(steps).absolute(), rubrics and Path(rubrics).absolute()
     present = sorted(set(part_of))
-    if main_log is not None:
-        seed_partition_logs(main_log, run_dir, table)
+    seed_partition_logs(main_log, run_dir, table)
     work = share_limits(work, min(len(present), cluster_cpus()))
 
     def one(batch: pa.Table) -> pa.Table:
@@ -187,7 +186,7 @@ def share_limits(work: StageWork, slots: int) -> StageWork:
     return partial(work.func, shared, *work.args[1:], **work.keywords)
 
 
-def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
+def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> None:
     """Copy into each partition's call log the answered calls of the run's log that belong to
     the partition's rollouts and groups (the call log's ``key``), so that a stage first run
     with the local engine (or with another partition count) is answered from the cache on
@@ -196,7 +195,7 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
     from draco_cli.llm.calllog import COLUMNS, CallLog
 
     if not Path(main_log).exists():
-        return 0
+        return
     merge_call_logs(run_dir, main_log)   # first, whatever a partition answered and did not merge
     root = Path(run_dir) / "ray"
     parts = cast("list[int]", table.column(PART).to_pylist())
@@ -205,7 +204,6 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
         ids = cast("list[str]", table.column(col).to_pylist())
         for part, k in zip(parts, ids):
             keys.setdefault(part, set()).add(k)
-    seeded = 0
     main = sqlite3.connect(main_log)
     try:
         for part, ks in sorted(keys.items()):
@@ -220,12 +218,11 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
                 con.execute("CREATE TEMP TABLE wanted (k TEXT PRIMARY KEY)")
                 con.executemany("INSERT OR IGNORE INTO wanted VALUES (?)", [(k,) for k in ks])
                 cols = ", ".join(COLUMNS)
-                cur = con.execute(
+                con.execute(
                     f"INSERT INTO main.calls ({cols}) SELECT {cols} FROM m.calls AS r "
                     "WHERE r.status = 'ok' AND r.key IN (SELECT k FROM temp.wanted) AND NOT "
                     "EXISTS (SELECT 1 FROM main.calls AS c WHERE c.request_hash = "
                     "r.request_hash AND c.sample IS r.sample AND c.status = 'ok')")
-                seeded += cur.rowcount
                 con.commit()
                 top = con.execute("SELECT MAX(id) FROM main.calls").fetchone()[0] or 0
                 con.execute("DETACH DATABASE m")
@@ -237,7 +234,6 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> int:
         main.commit()
     finally:
         main.close()
-    return seeded
 
 
 def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
@@ -272,7 +268,7 @@ def union_tables(parts: list[tuple[int, StageReport]], names: list[str]
     return out
 
 
-def merge_call_logs(run_dir: Path, main_log: Path) -> int:
+def merge_call_logs(run_dir: Path, main_log: Path) -> None:
     """Copy the partitions' call-log rows the run's log does not hold yet into it (a
     partition's rows are copied once: the highest id copied is remembered per partition)."""
     from draco_cli.llm.calllog import COLUMNS, CallLog
@@ -280,7 +276,6 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> int:
     with CallLog(main_log):   # creates / migrates the main log
         pass
     root = Path(run_dir) / "ray"
-    copied = 0
     con = sqlite3.connect(main_log)
     try:
         con.execute("CREATE TABLE IF NOT EXISTS ray_merged (part TEXT PRIMARY KEY, "
@@ -302,11 +297,9 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> int:
                                 f"({', '.join('?' * len(cols))})", [r[1:] for r in rows])
                 con.execute("INSERT OR REPLACE INTO ray_merged VALUES (?, ?)",
                             (key, rows[-1][0]))
-                copied += len(rows)
         con.commit()
     finally:
         con.close()
-    return copied
 
 
 def rubric_work(llm: LLMSettings, max_criteria: int, render: RenderOptions, max_tokens: int,

@@ -13,8 +13,8 @@ import os
 from dataclasses import dataclass
 
 from draco_cli.llm.errors import ModelSpecError
-from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, OPENAI_FORMS, STRUCTURED_FORMS,
-                                          BatchState, Provider)
+from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, DEFAULT_MAX_REPLY_BYTES, OPENAI_FORMS,
+                                          STRUCTURED_FORMS, BatchState, Provider)
 
 __all__ = ["ANTHROPIC_FORMS", "OPENAI_FORMS", "PROVIDERS", "REGISTRY", "STRUCTURED_FORMS",
            "BatchState", "Provider", "make_provider", "parse_model_id", "provider_class"]
@@ -67,8 +67,8 @@ def make_provider(model: str, *, base_url: str | None = None, concurrency: int =
                   max_reply_bytes: int | None = None) -> Provider:
     """``max_reply_bytes``: the largest reply body a call takes (default 32 MiB)."""
     provider, name = parse_model_id(model)
-    extra = {} if max_reply_bytes is None else {"max_reply_bytes": max_reply_bytes}
     return provider_class(provider)(
         name, base_url=base_url or os.environ.get("DRACO_BASE_URL"), concurrency=concurrency,
         timeout=timeout, structured_output=structured_output, system_role=system_role,
-        use_n=use_n, **extra)
+        use_n=use_n,
+        max_reply_bytes=DEFAULT_MAX_REPLY_BYTES if max_reply_bytes is None else max_reply_bytes)

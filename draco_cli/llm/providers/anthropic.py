@@ -30,7 +30,7 @@ class AnthropicProvider(Provider):
 
     def __init__(self, model: str, *, base_url: str | None, concurrency: int, timeout: float,
                  structured_output: str | None = None, system_role: bool = True,
-                 use_n: bool = False, max_reply_bytes: int | None = None):
+                 use_n: bool = False, max_reply_bytes: int = DEFAULT_MAX_REPLY_BYTES):
         self._anthropic = anthropic
         self.model = model
         self.form = self._form(structured_output)
@@ -40,8 +40,7 @@ class AnthropicProvider(Provider):
             if base_url is None:
                 raise LLMError(f"anthropic/{model}: ANTHROPIC_API_KEY is not set")
             api_key = "none"  # a local or proxy endpoint; the SDK insists on some key
-        http = http_client(anthropic, concurrency, timeout,
-                           DEFAULT_MAX_REPLY_BYTES if max_reply_bytes is None else max_reply_bytes)
+        http = http_client(anthropic, concurrency, timeout, max_reply_bytes)
         self.client = anthropic.AsyncAnthropic(base_url=base_url, api_key=api_key, max_retries=0,
                                                timeout=timeout, http_client=http)
 
