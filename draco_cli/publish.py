@@ -12,10 +12,8 @@ from draco_cli.io import STDIO, OutputSet, write_table
 from draco_cli.schemas import Table
 
 
-def source_name(path: str | Path | None, default: str = "input") -> str:
+def source_name(path: str | Path) -> str:
     """How an input is named in errors: its path, or <stdin> for ``-``."""
-    if path is None:
-        return default
     return "<stdin>" if str(path) == STDIO else str(path)
 
 

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import json
 import sqlite3
-from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,9 +60,6 @@ class Catalog:
     # the folders and files given, the only places a read-only connection reads
     roots: list[Path] = field(default_factory=list)
 
-    def names(self) -> list[str]:
-        return sorted({s.name for s in self.sources})
-
 
 def _manifest(folder: Path) -> dict[str, Any] | None:
     m = folder / "manifest.json"
@@ -87,16 +83,12 @@ def _input_path(value: str, folder: Path) -> Path:
     return folder / p if (folder / p).exists() else p
 
 
-def read_call_log(path: Path, columns: Sequence[str] | None = None) -> pa.Table:
-    """The call log's ``calls`` table; only ``columns`` (those the log has) when given, so a
-    reader that needs no prompt or response text never loads it."""
+def read_call_log(path: Path) -> pa.Table:
+    """The call log's ``calls`` table."""
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:
-            if columns is not None:
-                have = {row[1] for row in conn.execute("PRAGMA table_info(calls)")}
-                columns = [c for c in columns if c in have]
-            cur = conn.execute(f"SELECT {', '.join(columns) if columns else '*'} FROM calls")
+            cur = conn.execute("SELECT * FROM calls")
             names = [d[0] for d in cur.description]
             import polars as pl
 
@@ -144,10 +136,9 @@ def read_call_totals(path: Path) -> pa.Table:
 
 
 def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = "stdin",
-            call_columns: Sequence[str] | None = None, call_totals: bool = False) -> Catalog:
+            call_totals: bool = False) -> Catalog:
     """What ``paths`` hold: run folders, folders of tables (``draco ingest`` output) or single
     Parquet files; ``stdin`` is a table read from a stream, named ``stdin_name``.
-    ``call_columns`` narrows the ``calls`` view to those columns of the call logs;
     ``call_totals`` offers the call logs as their totals per phase and status
     (``read_call_totals``, view ``call_totals``) instead of a row per call."""
     cat = Catalog()
@@ -158,27 +149,25 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
             raise InputError("no such file or folder", file=str(folder))
         cat.roots.append(folder)
         if folder.is_file():
-            cat.sources.append(_file_source(folder, call_columns, call_totals))
+            cat.sources.append(_file_source(folder, call_totals))
         else:
-            _add_folder(cat, folder, call_columns, call_totals)
+            _add_folder(cat, folder, call_totals)
     return cat
 
 
-def _call_source(log: Path, step: int | None, run: str, call_columns: Sequence[str] | None,
-                 call_totals: bool) -> Source:
+def _call_source(log: Path, step: int | None, run: str, call_totals: bool) -> Source:
     if call_totals:
         return Source("call_totals", None, step, run, read_call_totals(log))
-    return Source("calls", None, step, run, read_call_log(log, call_columns))
+    return Source("calls", None, step, run, read_call_log(log))
 
 
-def _file_source(path: Path, call_columns: Sequence[str] | None, call_totals: bool) -> Source:
+def _file_source(path: Path, call_totals: bool) -> Source:
     if path.suffix == ".sqlite":
-        return _call_source(path, None, str(path), call_columns, call_totals)
+        return _call_source(path, None, str(path), call_totals)
     return Source(path.stem, path, None, str(path))
 
 
-def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None,
-                call_totals: bool) -> None:
+def _add_folder(cat: Catalog, folder: Path, call_totals: bool) -> None:
     """The tables of one folder: those its manifest names, the known names, any other
     Parquet file below it, and its call log."""
     run = str(folder)
@@ -201,7 +190,7 @@ def _add_folder(cat: Catalog, folder: Path, call_columns: Sequence[str] | None,
         cat.sources.append(Source(name, p, step, run))
     log = run_folder.call_log if run_folder is not None else folder / CALL_LOG
     if log.exists():
-        cat.sources.append(_call_source(log, step, run, call_columns, call_totals))
+        cat.sources.append(_call_source(log, step, run, call_totals))
     if not found and not log.exists():
         raise InputError("no draco tables here (no manifest.json, no .parquet files, no "
                          "llm_calls.sqlite)", file=run)

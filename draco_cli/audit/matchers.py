@@ -9,7 +9,6 @@ llm       — a third model proposes the one-to-one matching (through the LLM la
 from __future__ import annotations
 
 import asyncio
-import json
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -41,7 +40,6 @@ MATCH_PROMPT = (
 class LLMMatcher:
     def __init__(self, client: LLMClient) -> None:
         self.client = client
-        self.pending: list[tuple[list[str], list[str]]] = []
 
     def requests(self, a: list[str], b: list[str]) -> LLMRequest:
         listing = "List A:\n" + "\n".join(f"{i}. {t}" for i, t in enumerate(a)) + \
@@ -103,9 +101,3 @@ class EmbeddingMatcher:
         A = np.stack([self.cache[t] for t in a]) if a else np.zeros((0, 1))
         B = np.stack([self.cache[t] for t in b]) if b else np.zeros((0, 1))
         return A @ B.T if a and b else np.zeros((len(a), len(b)))
-
-
-def describe(matcher: str) -> str:
-    return json.dumps({"lexical": "Jaccard of content words >= threshold",
-                       "embedding": "cosine of embeddings >= threshold",
-                       "llm": "pairs proposed by a model"}[matcher])

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 from collections.abc import Callable
 
 import numpy as np
@@ -10,9 +10,6 @@ import polars as pl
 
 from draco_cli.errors import UsageError
 
-if TYPE_CHECKING:
-
-    pass
 from draco_cli.audit.cost import _STOP, _WORD
 from draco_cli.audit.self_judge import _number
 

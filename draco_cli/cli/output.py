@@ -125,14 +125,10 @@ def emit(report: Report, fmt: str, digits: int = 4) -> None:
 
 
 def warn(message: str) -> None:
-    err_console.print(f"[yellow]warning:[/] {_escape(message)}", highlight=False)
+    from rich.markup import escape
+
+    err_console.print(f"[yellow]warning:[/] {escape(message)}", highlight=False)
 
 
 def note(message: str) -> None:
     err_console.print(message, highlight=False, markup=False)
-
-
-def _escape(text: str) -> str:
-    from rich.markup import escape
-
-    return escape(text)

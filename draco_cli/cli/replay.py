@@ -276,11 +276,13 @@ def propose_cmd(
 
     Example: draco replay propose --plan plan.parquet --labels r/labels.parquet --rollouts d/rollouts.parquet --steps d/steps.parquet --rubrics d/rubric/rubrics.parquet --verdicts d/judge/verdicts.parquet --model openai/gpt-4.1 -o evolve
     """
+    from draco_cli.cli.llmrun import progress_bar
     from draco_cli.credo.stage import propose_replay
 
-    res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, llm,
-                         max_edits=max_edits, evidence=evidence, ridge=ridge, holdout=holdout,
-                         force=force)
+    with progress_bar("proposing and judging edits") as bar:
+        res = propose_replay(plan_path, labels, rollouts, steps, rubrics, verdicts, out, llm,
+                             max_edits=max_edits, evidence=evidence, ridge=ridge,
+                             holdout=holdout, force=force, progress=bar)
     _print_table(res.scores.select("candidate", "held_out_objective", "held_out_mse",
                                    "outcome_auc", "accepted", "error"),
                  "rubric edits on held-out tasks (lower objective is better)")

@@ -166,12 +166,11 @@ def oracle_allocation(trajs: list[list[Position]], pred: Predictor, M: int, budg
     return lambda pos: table[id(pos)]
 
 
-def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5,
-                K: int | None = None) -> list[dict[str, Any]]:
+def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5
+                ) -> list[dict[str, Any]]:
     """Rows per predictor × estimator: expectation, |error| against ∂J/∂θ, exact variance and
     expected replay cost per original trajectory (uniform and oracle at the same cost; the
     no-correction control buys the oracle plan's labels and ignores them)."""
-    M = K or M
     trajs = trajectories(M)
     truth = analytic_gradient()
     full_cost = sum(pos.prob * pos.cost for traj in trajs for pos in traj)

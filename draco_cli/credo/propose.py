@@ -19,7 +19,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from importlib import resources
-from typing import TYPE_CHECKING, Literal, Protocol, cast
+from typing import TYPE_CHECKING, Literal, cast
 from collections.abc import Callable
 
 import numpy as np
@@ -31,6 +31,7 @@ from draco_cli.credo.heads import draco_features, fit_heads, task_split, trainin
 from draco_cli.errors import InputError, UsageError
 
 if TYPE_CHECKING:
+    from draco_cli.llm.drive import Client
     from draco_cli.llm.types import Answer, LLMRequest, Progress
 
 PROMPT_VERSION = "evolve.v1"
@@ -56,14 +57,6 @@ class EvolveResult:
     verdicts: pl.DataFrame        # verdicts under the accepted rubric
     accepted: str | None          # the accepted edit's label
     notes: list[str]
-
-
-class Client(Protocol):
-    """What evolve asks of an LLM client (``LLMClient`` is one)."""
-
-    def run(self, requests: list[LLMRequest],
-            progress: Callable[[Progress], None] | None = None, batch: bool | None = False
-            ) -> list[list[Answer]]: ...
 
 
 class _AsPhase:

@@ -177,7 +177,6 @@ class _Env(Protocol):
 
 class _Subprocess:
     def __init__(self, cmd: str):
-        self.cmd = cmd
         try:
             self.p = subprocess.Popen(shlex.split(cmd), stdin=subprocess.PIPE,
                                       stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,

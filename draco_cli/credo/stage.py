@@ -57,16 +57,6 @@ def features_table(path: PathLike, rewards: PathLike | None = None) -> pl.DataFr
     return F
 
 
-def checked(df: pl.DataFrame, model: type[Table], dest: PathLike) -> pl.DataFrame:
-    """The table checked against its contract before it is written: a broken one is an
-    error naming the output, never a file."""
-    return conform(df, model, str(dest))
-
-
-def write_checked(df: pl.DataFrame, path: PathLike, model: type[Table], force: bool) -> None:
-    write_table(checked(df, model, path), path, model, force=force)
-
-
 # --- plan ---------------------------------------------------------------------------------
 
 
@@ -95,7 +85,9 @@ def plan_replay(positions: PathLike, budget: float, out: PathLike, *, p_min: flo
         version = h.version
     result = plan(pos, budget, p_min=p_min, seed=seed, replays=replays, head_version=version,
                   n_steps=lengths, allocation=allocation)
-    result = checked(result, ReplayPlan, out)
+    # every table is checked against its contract before it is written: a broken one is an
+    # error naming the output, never a file
+    result = conform(result, ReplayPlan, str(out))
     write_table(result, out, ReplayPlan, force=force)
     return result
 
@@ -120,9 +112,9 @@ def run_replay(plan_path: PathLike, env: str, out: PathLike, *, workers: int = 2
                           progress=progress)
         if res.labels is not None:
             with OutputSet(folder, list(RUN_TABLES), force=True) as output:
-                output.write_table(checked(res.labels, ReplayLabel, folder / RUN_TABLES[0]),
+                output.write_table(conform(res.labels, ReplayLabel, str(folder / RUN_TABLES[0])),
                                    RUN_TABLES[0], ReplayLabel)
-                output.write_table(checked(res.costs, ReplayCost, folder / RUN_TABLES[1]),
+                output.write_table(conform(res.costs, ReplayCost, str(folder / RUN_TABLES[1])),
                                    RUN_TABLES[1], ReplayCost)
     return res
 
@@ -152,8 +144,8 @@ def correct_replay(plan_path: PathLike, labels: PathLike, out: PathLike, *, beta
             require_finite(df, cols, str(src))
     credit, info = correct(plan_df, labels_df, beta=beta, rollouts=r,
                            no_correction=no_correction, clip=clip)
-    credit = checked(credit.with_columns(pl.lit(json.dumps(info)).alias("settings")),
-                     ReplayCredit, folder / names[0])
+    credit = conform(credit.with_columns(pl.lit(json.dumps(info)).alias("settings")),
+                     ReplayCredit, str(folder / names[0]))
     ta = None
     if steps is not None:
         assert r is not None and rollouts is not None
@@ -205,7 +197,7 @@ def fit_replay(plan_path: PathLike, labels: PathLike, features: PathLike, out: P
     cf = None
     if folds is not None:
         assert R is not None and predictions is not None
-        cf = checked(cross_fit(P, L, F, R, folds, ridge), HeadPrediction, predictions)
+        cf = conform(cross_fit(P, L, F, R, folds, ridge), HeadPrediction, str(predictions))
         write_table(cf, predictions, HeadPrediction, force=force)
     write_text_atomic(out, h.to_json(), force=force)
     return FitResult(h, cal, note, cf)
@@ -224,7 +216,7 @@ def evolve_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike,
     for p in candidates:
         cands[Path(p).stem] = features_table(p)
     scores = evolve(read(plan_path), read(labels), read(rollouts), cands, ridge, holdout)
-    write_checked(scores, out, EvolveScore, force)
+    write_table(conform(scores, EvolveScore, str(out)), out, EvolveScore, force=force)
     return scores
 
 
@@ -262,7 +254,7 @@ def propose_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike, st
         with OutputSet(folder, list(PROPOSE_TABLES), force=True) as output:
             for df, name, model in zip((res.scores, res.rubrics, res.verdicts), PROPOSE_TABLES,
                                        models):
-                output.write_table(checked(df, model, folder / name), name, model)
+                output.write_table(conform(df, model, str(folder / name)), name, model)
     return ProposeResult(res.scores, res.accepted, res.notes, dict(client.stats))
 
 
@@ -303,7 +295,7 @@ def diagnose_replay(plan_path: PathLike, *, labels: PathLike | None = None,
         with OutputSet(out, names, force=force) as output:
             output.write_text(names[0], json.dumps(report, indent=2))
             if cal is not None:
-                output.write_table(checked(cal, AllocatorCalibration, Path(out) / names[1]),
+                output.write_table(conform(cal, AllocatorCalibration, str(Path(out) / names[1])),
                                    names[1], AllocatorCalibration)
     return Diagnostics(report, cal)
 

@@ -4,12 +4,10 @@ from __future__ import annotations
 
 import html
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
-if TYPE_CHECKING:
-    pass
 from draco_cli.report.data import Redact
 
 GREEN, RED = (34, 139, 34), (200, 40, 40)

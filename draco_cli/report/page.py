@@ -4,10 +4,7 @@ from __future__ import annotations
 
 import html
 from pathlib import Path
-from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:
-    pass
 from draco_cli.report.data import _connect, _frame, _q, _runs, _verdicts, _views
 from draco_cli.report.heatmap import _credit
 from draco_cli.report.html import CSS, SCRIPT

@@ -359,9 +359,7 @@ def _cost_breakdown(runs: list[Run], con: DuckDBPyConnection) -> str:
     from draco_cli.run.folder import RunFolder
     from draco_cli.sql import CALL_LOG
 
-    views = _views(con)
-    if "call_totals" not in views:
-        return ""
+    views = _views(con)   # call_totals among them: _cost, the one caller, checked
     logs = [log for r in runs for log in [RunFolder.open(r.dir).call_log
                                           if RunFolder.is_run_folder(r.dir)
                                           else r.dir / CALL_LOG] if Path(log).exists()]

@@ -23,7 +23,8 @@ from draco_cli.io import (
     read_arrow,
 )
 from draco_cli.schemas import Table
-from draco_cli.validate.issues import MAX_PER_RULE, _name, _report, _rows, detect_table
+from draco_cli.publish import source_name
+from draco_cli.validate.issues import MAX_PER_RULE, _report, _rows, detect_table
 from draco_cli.validate.tokens import check_token_advantages, policy_span_issues
 
 LLM_CALLS = "llm_calls.parquet"  # draco's export of a call log (draco_cli.llm.calllog)
@@ -62,15 +63,15 @@ class _Loader:
                 missing = [c for c in LLM_CALLS_COLUMNS if c not in df.columns]
                 if missing:
                     return f"{path}: field '{missing[0]}': missing column of a draco call log"
-                return Loaded(_name(path), None, df, meta)
+                return Loaded(source_name(path), None, df, meta)
             model = detect_table(path, meta)
             if model is None:
                 return (f"{path}: cannot tell which table this is (name it after the table, "
                         f"e.g. rollouts.parquet, or write it with draco)")
-            df = conform(as_frame(arrow), model, _name(path))
+            df = conform(as_frame(arrow), model, source_name(path))
         except InputError as exc:
             return str(exc)
-        return Loaded(_name(path), model, df, meta)
+        return Loaded(source_name(path), model, df, meta)
 
 
 def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = (),
@@ -211,7 +212,7 @@ def validate_targets(paths: Sequence[str | Path]) -> tuple[list[tuple[str, dict[
     if files:
         counts, found = validate_paths(files, loader=load)
         problems += found
-        sets.append((", ".join(_name(f) for f in files), counts))
+        sets.append((", ".join(source_name(f) for f in files), counts))
     for root in (Path(p) for p in paths if str(p) != STDIO and Path(p).is_dir()):
         found_sets = folder_sets(root)
         if not found_sets:

@@ -24,10 +24,6 @@ def detect_table(path: str | Path, metadata: dict[bytes, bytes] | None) -> type[
     return TABLES.get(stem)
 
 
-def _name(path: str | Path) -> str:
-    return "<stdin>" if str(path) == "-" else str(path)
-
-
 def _rows(df: pl.DataFrame, mask: pl.Expr) -> tuple[list[int], int]:
     idx = df.select(mask.arg_true()).to_series()
     return idx.head(MAX_PER_RULE).to_list(), idx.len()
