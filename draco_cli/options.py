@@ -28,9 +28,6 @@ SETTINGS: dict[str, tuple[str, str, str]] = {
     "outcome": ("none", "uniform", "outcome"),
 }
 
-# How pydantic field names read on the command line where they differ from --field-name.
-_FLAG = {"judge_model": "--judge-model", "min_answered": "--min-answered"}
-
 
 class _Options(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
@@ -54,7 +51,7 @@ def _one_line(exc: ValidationError) -> str:
         return str(err["msg"]).removeprefix("Value error, ")
     loc = [str(p) for p in err["loc"] if not isinstance(p, int)]
     name = loc[-1] if loc else ""
-    flag = _FLAG.get(name, "--" + name.replace("_", "-")) if name else "options"
+    flag = "--" + name.replace("_", "-") if name else "options"
     value = err.get("input")
     msg = err["msg"]
     if err["type"] == "literal_error":

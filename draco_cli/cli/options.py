@@ -15,6 +15,7 @@ from typing import TYPE_CHECKING, Annotated, Any, Literal
 
 import typer
 
+from draco_cli.choices import Aggregate
 from draco_cli.storage import stage
 
 if TYPE_CHECKING:
@@ -29,6 +30,11 @@ CREDIT_PANEL = "Credit options"
 SPOT_PANEL = "Spot-check options"
 
 Command = Callable[..., None]
+# an option in its group's help panel
+_llm = functools.partial(typer.Option, rich_help_panel=LLM_PANEL)
+_prompt = functools.partial(typer.Option, rich_help_panel=PROMPT_PANEL)
+_rubric = functools.partial(typer.Option, rich_help_panel=RUBRIC_PANEL)
+_judge = functools.partial(typer.Option, rich_help_panel=JUDGE_PANEL)
 
 
 # A path option's parser: a remote URI (s3://…) is fetched (IN), or pulled and published if the
@@ -50,96 +56,81 @@ OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show
                                       callback=folder_path, parser=OUT)]
 
 # --- LLM stages -------------------------------------------------------------------------
-Model = Annotated[str, typer.Option(
+Model = Annotated[str, _llm(
     "--model", help="provider/model: openai/gpt-4.1, anthropic/claude-sonnet-4-5, openai/NAME "
     "with --base-url for a vLLM/SGLang/Ollama server, or replay/PATH to answer from a recorded "
-    "call log. Keys come from OPENAI_API_KEY / ANTHROPIC_API_KEY.", rich_help_panel=LLM_PANEL)]
-BaseUrl = Annotated[str | None, typer.Option(
+    "call log. Keys come from OPENAI_API_KEY / ANTHROPIC_API_KEY.")]
+BaseUrl = Annotated[str | None, _llm(
     "--base-url", envvar="DRACO_BASE_URL",
-    help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.",
-        rich_help_panel=LLM_PANEL)]
-BaseUrls = Annotated[list[str] | None, typer.Option(
+    help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.")]
+BaseUrls = Annotated[list[str] | None, _llm(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1. Repeat it (or "
     "give a file listing one URL a line) for a fleet serving one model: calls go to the endpoint "
-    "with the fewest in flight, a failing one is backed off and the call retried on another.",
-        rich_help_panel=LLM_PANEL)]
-Concurrency = Annotated[int, typer.Option(
+    "with the fewest in flight, a failing one is backed off and the call retried on another.")]
+Concurrency = Annotated[int, _llm(
     min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
-    "does not serve more in parallel.", rich_help_panel=LLM_PANEL)]
-Adapt = Annotated[bool | None, typer.Option(
+    "does not serve more in parallel.")]
+Adapt = Annotated[bool | None, _llm(
     "--adapt/--no-adapt", metavar="",
     help="Measure the server's useful parallelism and keep in-flight "
-    "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.",
-        rich_help_panel=LLM_PANEL)]
-Rpm = Annotated[float | None, typer.Option(help="Requests per minute limit.",
-    rich_help_panel=LLM_PANEL)]
-Tpm = Annotated[float | None, typer.Option(help="Tokens per minute limit (estimated).",
-    rich_help_panel=LLM_PANEL)]
-Timeout = Annotated[float, typer.Option(help="Seconds per call before it is retried.",
-    rich_help_panel=LLM_PANEL)]
-ParseRetries = Annotated[int, typer.Option(
-    min=0, help="Re-asks after an answer that does not validate, then unanswered.",
-        rich_help_panel=LLM_PANEL)]
-MaxCost = Annotated[float | None, typer.Option(
-    help="Stop issuing calls once this many USD are spent; rerun to resume.",
-        rich_help_panel=LLM_PANEL)]
-MaxReplyMib = Annotated[float, typer.Option(
+    "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.")]
+Rpm = Annotated[float | None, _llm(help="Requests per minute limit.")]
+Tpm = Annotated[float | None, _llm(help="Tokens per minute limit (estimated).")]
+Timeout = Annotated[float, _llm(help="Seconds per call before it is retried.")]
+ParseRetries = Annotated[int, _llm(
+    min=0, help="Re-asks after an answer that does not validate, then unanswered.")]
+MaxCost = Annotated[float | None, _llm(
+    help="Stop issuing calls once this many USD are spent; rerun to resume.")]
+MaxReplyMib = Annotated[float, _llm(
     "--max-reply-mib", help="Largest reply body a call takes, in MiB after decompression: a "
-    "larger one (or a gzip bomb) is not read on, and that call ends unanswered with the reason.",
-        rich_help_panel=LLM_PANEL)]
-Prices = Annotated[Path | None, typer.Option(
-    parser=IN, help="Price table JSON overriding the shipped one (USD per million tokens).",
-        rich_help_panel=LLM_PANEL)]
-Batch = Annotated[bool | None, typer.Option(
+    "larger one (or a gzip bomb) is not read on, and that call ends unanswered with the reason.")]
+Prices = Annotated[Path | None, _llm(
+    parser=IN, help="Price table JSON overriding the shipped one (USD per million tokens).")]
+Batch = Annotated[bool | None, _llm(
     "--batch/--no-batch", metavar="",
     help="The provider's batch API (half price, answers within hours; "
     "resumable). Default: off for draco run (a training step); for rubric generate and judge "
     "score on for openai/ and anthropic/ hosted APIs, off with --base-url (self-hosted "
-    "servers rarely have one).", rich_help_panel=LLM_PANEL)]
-Thinking = Annotated[Literal["on", "off"], typer.Option(
+    "servers rarely have one).")]
+Thinking = Annotated[Literal["on", "off"], _llm(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
-    "enable_thinking on vLLM/SGLang).", rich_help_panel=LLM_PANEL)]
-MaxTokens = Annotated[int, typer.Option(help="Token limit per answer (at least 16).",
-    rich_help_panel=PROMPT_PANEL)]
-MaxPromptTokens = Annotated[int, typer.Option(
+    "enable_thinking on vLLM/SGLang).")]
+MaxTokens = Annotated[int, _prompt(help="Token limit per answer (at least 16).")]
+MaxPromptTokens = Annotated[int, _prompt(
     help="Prompt budget, tokens (at least 500; estimated at 4 characters a token): the whole "
     "prompt — task context, task, steps and an allowance of 1000 for the instructions, criteria "
-    "and schema; long observations are shortened in the middle to fit.",
-        rich_help_panel=PROMPT_PANEL)]
-Redact = Annotated[list[str] | None, typer.Option(
+    "and schema; long observations are shortened in the middle to fit.")]
+Redact = Annotated[list[str] | None, _prompt(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "
-    "tokens and passwords are masked by default.", rich_help_panel=PROMPT_PANEL)]
-NoDefaultRedact = Annotated[bool, typer.Option(
+    "tokens and passwords are masked by default.")]
+NoDefaultRedact = Annotated[bool, _prompt(
     "--no-default-redact", metavar="",
-    help="Mask only the --redact patterns.", rich_help_panel=PROMPT_PANEL)]
-CallLogPath = Annotated[Path | None, typer.Option(
-    "--call-log", help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.",
-        rich_help_panel=LLM_PANEL, parser=LOG)]
-ShowPrompt = Annotated[bool, typer.Option(
+    help="Mask only the --redact patterns.")]
+CallLogPath = Annotated[Path | None, _llm(
+    "--call-log", parser=LOG,
+    help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.")]
+ShowPrompt = Annotated[bool, _prompt(
     "--show-prompt", metavar="",
-    help="Print the rendered prompt for the first rollout and exit; no call.",
-        rich_help_panel=PROMPT_PANEL)]
-StructuredOutput = Annotated[str, typer.Option(
+    help="Print the rendered prompt for the first rollout and exit; no call.")]
+StructuredOutput = Annotated[str, _llm(
     help="How answers are constrained to JSON: auto (prompt on the hosted OpenAI and Anthropic "
     "APIs, whose caches put a server-side schema first; json-schema with --base-url), "
     "json-schema (OpenAI strict), "
     "json-schema-loose (strict false; SGLang, Ollama), json-object (llama.cpp), vllm "
     "(structured_outputs, vLLM >= 0.12), prompt (schema in the prompt, validated and re-asked), "
-    "output-format or tool (Anthropic). `draco llm check` says which one a server takes.",
-        rich_help_panel=LLM_PANEL)]
-SystemRole = Annotated[Literal["keep", "fold"], typer.Option(
+    "output-format or tool (Anthropic). `draco llm check` says which one a server takes.")]
+SystemRole = Annotated[Literal["keep", "fold"], _llm(
     help="keep: instructions in the system role; fold: into the first user message (chat "
-    "formats that drop system messages, e.g. Gemma).", rich_help_panel=LLM_PANEL)]
-UseN = Annotated[bool, typer.Option(
+    "formats that drop system messages, e.g. Gemma).")]
+UseN = Annotated[bool, _llm(
     "--use-n/--no-use-n", metavar="",
     help="Ask k samples in one request with n (servers that ignore n "
-    "get the missing samples re-asked one per call either way).", rich_help_panel=LLM_PANEL)]
-Temperature = Annotated[float | None, typer.Option(
-    min=0.0, help="Sampling temperature (default: the server's).", rich_help_panel=LLM_PANEL)]
-Seed = Annotated[int | None, typer.Option(
-    help="Sampling seed, where the server honours one (enters the cache key).",
-        rich_help_panel=LLM_PANEL)]
+    "get the missing samples re-asked one per call either way).")]
+Temperature = Annotated[float | None, _llm(
+    min=0.0, help="Sampling temperature (default: the server's).")]
+Seed = Annotated[int | None, _llm(
+    help="Sampling seed, where the server honours one (enters the cache key).")]
 
 
 def _group(param: str, options: dict[str, tuple[Any, Any]], build: Callable[..., Any]
@@ -219,26 +210,19 @@ def prompt_options() -> Callable[[Command], Command]:
 
 
 # --- rubric and judge stages (RubricOptions, JudgeOptions check the values) -------------
-MaxCriteria = Annotated[int, typer.Option(help="Criteria per group at most, after the merge.",
-                                          rich_help_panel=RUBRIC_PANEL)]
-StaticRubric = Annotated[Path | None, typer.Option(
-    parser=IN, help="Static rubric file for the static settings (default: draco's own).",
-    rich_help_panel=RUBRIC_PANEL)]
-RubricStages = Annotated[str, typer.Option(help="Comma-separated stages to run.",
-                                           rich_help_panel=RUBRIC_PANEL)]
-Candidates = Annotated[Path | None, typer.Option(
+MaxCriteria = Annotated[int, _rubric(help="Criteria per group at most, after the merge.")]
+StaticRubric = Annotated[Path | None, _rubric(
+    parser=IN, help="Static rubric file for the static settings (default: draco's own).")]
+RubricStages = Annotated[str, _rubric(help="Comma-separated stages to run.")]
+Candidates = Annotated[Path | None, _rubric(
     parser=IN, help="With --stages merge: merge another run's candidate pool (its "
-    "rubric_candidates.parquet, or the rubric or run folder holding it) instead of new ones.",
-    rich_help_panel=RUBRIC_PANEL)]
-JudgeModel = Annotated[str | None, typer.Option(help="Judge model, if not --model.",
-                                                   rich_help_panel=JUDGE_PANEL)]
-Samples = Annotated[int, typer.Option(help="Judge samples per rollout (k).",
-                                      rich_help_panel=JUDGE_PANEL)]
-AggregateOpt = Annotated[Literal["all", "majority"], typer.Option(
+    "rubric_candidates.parquet, or the rubric or run folder holding it) instead of new ones.")]
+JudgeModel = Annotated[str | None, _judge(help="Judge model, if not --model.")]
+Samples = Annotated[int, _judge(help="Judge samples per rollout (k).")]
+AggregateOpt = Annotated[Aggregate, _judge(
     help="How judge samples combine: all (fail if any sample fails, pass only if all pass) or "
-    "majority.", rich_help_panel=JUDGE_PANEL)]
-JudgeLabel = Annotated[str, typer.Option(help="Judge arm label stored with the verdicts.",
-                                         rich_help_panel=JUDGE_PANEL)]
+    "majority.")]
+JudgeLabel = Annotated[str, _judge(help="Judge arm label stored with the verdicts.")]
 
 _RUBRIC: dict[str, tuple[Any, Any]] = {
     "max_criteria": (MaxCriteria, 8), "stages": (RubricStages, "generate,union,merge"),
