@@ -160,14 +160,12 @@ class TokenAdvantageTable:
                 bad[over > 0] |= _PAST
         keep = start < T
         sb, start, end, value = sb[keep], start[keep], np.minimum(end[keep], T), value[keep]
-        seg_row, seg_len, seg_value, seg_is_span, span_seg = _tile(B, T, sb, start, end, value)
+        seg_row, first, seg_len, seg_value, span_seg = _tile(B, T, sb, start, end, value)
         if mask is not None and strict:
-            flat_mask = mask.reshape(-1)
             pos = np.flatnonzero(seg_len)
-            first = np.cumsum(seg_len) - seg_len
             sums = np.zeros(seg_len.size, dtype=np.int64)
             if pos.size:
-                sums[pos] = np.add.reduceat(flat_mask, first[pos], dtype=np.int64)
+                sums[pos] = np.add.reduceat(mask.reshape(-1), first[pos], dtype=np.int64)
             counts = np.bincount(seg_row, weights=sums, minlength=B).astype(np.int64)
             self._flag_counts(bad, row, live, counts)
             stray = span_seg[sums[span_seg] != seg_len[span_seg]]
@@ -187,7 +185,7 @@ class TokenAdvantageTable:
                 f"rollout {rollout_ids[b]!r} (trainer row {b}): advantages on "
                 f"{n_stray} tokens the response mask excludes (observation "
                 "or padding tokens): token positions do not match the trainer's")
-        out = np.repeat(seg_value, seg_len).reshape(B, T) if B else np.zeros((0, T), np.float32)
+        out = np.repeat(seg_value, seg_len).reshape(B, T)
         if mask is not None and not strict:
             out *= (mask != 0)
         return out
@@ -321,42 +319,20 @@ def _tile(B: int, T: int, row: np.ndarray, start: np.ndarray, end: np.ndarray,
           value: np.ndarray) -> tuple[np.ndarray, ...]:
     """Segments tiling each of B rows of T tokens: before every span a zero gap, the span,
     and a zero tail to T. Spans are sorted by (row, start), non-overlapping, within 0..T.
-    Returns (row, length, value, is_span, index of each span's segment) per segment."""
+    Returns (row, flat start, length, value, index of each span's segment) per segment."""
     k = row.size
-    n_seg = 2 * k + B
-    # Segment slots: row b's first span takes slots 2j, 2j+1 (gap, span) with j its span
-    # index; every row then has one tail slot after its spans.
-    spans_before = np.zeros(B + 1, dtype=np.int64)
-    np.cumsum(np.bincount(row, minlength=B), out=spans_before[1:])
-    j = np.arange(k, dtype=np.int64)
-    gap_slot = 2 * j + row                      # row b's tails precede: + b
-    tail_slot = 2 * spans_before[1:] + np.arange(B, dtype=np.int64)
-    seg_row = np.empty(n_seg, dtype=np.int64)
-    seg_start = np.empty(n_seg, dtype=np.int64)
-    seg_end = np.empty(n_seg, dtype=np.int64)
-    seg_value = np.zeros(n_seg, dtype=np.float32)
-    # A gap starts where the previous span of the row ended (or at 0).
-    prev_end = np.zeros(k, dtype=np.int64)
-    if k:
-        prev_end[1:] = end[:-1]
-        prev_end[spans_before[:-1][spans_before[:-1] < spans_before[1:]]] = 0
-    seg_row[gap_slot] = row
-    seg_start[gap_slot] = prev_end
-    seg_end[gap_slot] = start
-    span_slot = gap_slot + 1
-    seg_row[span_slot] = row
-    seg_start[span_slot] = start
-    seg_end[span_slot] = end
+    n = np.bincount(row, minlength=B)
+    # Segment slots: row b's spans before it take 2 slots each (gap, span), then its tail;
+    # span j (in order) is at slot 2j + 1 + its row. Each segment ends where the next begins.
+    span_slot = 2 * np.arange(k, dtype=np.int64) + row + 1
+    edges = np.empty(2 * k + B + 1, dtype=np.int64)
+    edges[2 * (np.cumsum(n) - n) + np.arange(B)] = np.arange(B, dtype=np.int64) * T
+    edges[span_slot] = row * T + start
+    edges[span_slot + 1] = row * T + end
+    edges[-1] = B * T
+    seg_value = np.zeros(2 * k + B, dtype=np.float32)
     seg_value[span_slot] = value
-    last_end = np.zeros(B, dtype=np.int64)
-    has = spans_before[1:] > spans_before[:-1]
-    last_end[has] = end[spans_before[1:][has] - 1]
-    seg_row[tail_slot] = np.arange(B, dtype=np.int64)
-    seg_start[tail_slot] = last_end
-    seg_end[tail_slot] = T
-    is_span = np.zeros(n_seg, dtype=bool)
-    is_span[span_slot] = True
-    return seg_row, seg_end - seg_start, seg_value, is_span, span_slot
+    return np.repeat(np.arange(B), 2 * n + 1), edges[:-1], np.diff(edges), seg_value, span_slot
 
 
 def _fingerprint_mismatches(fps: list[str | None], ids: np.ndarray, live: np.ndarray, i: np.ndarray,
