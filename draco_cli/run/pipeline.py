@@ -17,6 +17,7 @@ import json
 import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field, replace
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -206,8 +207,12 @@ class _Run:
                         self._credit)
             if self.gold is not None:   # after the credit: the reward never waits for it
                 gold = self.gold
-                key = spot.key(self.input_hashes, self.folder, self.opts, self.train_step,
-                               self._llm_key(gold))
+                # reruns when the inputs, the rubric, the training judge's verdicts, N, the
+                # seed, the train step or the gold judge change
+                key = _key("spot_check", self.input_hashes,
+                           _contents(self.folder.table("rubrics"), self.folder.table("verdicts")),
+                           self.opts.spot_check, self.opts.spot_check_seed, self.train_step,
+                           self.opts.credit.drop, self._llm_key(gold))
                 self._stage("spot_check", key, [self.folder.table("spot_checks")],
                             lambda: spot.stage(self.rollouts, self.steps, self.folder, gold,
                                                self.opts, self.train_step, self.render))
@@ -344,49 +349,34 @@ class _Run:
             return StageRecord(key="", status="done", kind="static", criteria=n * groups,
                                rows=n * groups)
         assert self.llm is not None
-        if self.opts.engine == "ray":
-            from functools import partial
+        from draco_cli.run import ray_engine   # imports ray itself only for --engine ray
 
-            from draco_cli.run import ray_engine as engine_ray
-
-            work = partial(engine_ray.rubric_work, self.llm, self.opts.rubric.max_criteria,
-                           self.render, self.opts.prompt.max_tokens)
-            report = engine_ray.run_stage("rubric", self.rollouts, self.steps,
-                                          self.folder.path, self.log, work,
-                                          partitions=self.opts.partitions,
-                                          address=self.opts.ray_address)
-            return self._llm_record("rubric", report, kind="dynamic")
-        report = st.rubric_generate(self.rollouts, self.steps, rubric_dir, self.llm,
-                                    stages=("generate", "union", "merge"),
-                                    max_criteria=self.opts.rubric.max_criteria,
-                                    render=self.render, max_tokens=self.opts.prompt.max_tokens,
-                                    call_log=self.log, force=True, progress=self.progress)
-        return self._llm_record("rubric", report, kind="dynamic")
+        work = partial(ray_engine.rubric_work, self.llm, self.opts.rubric.max_criteria,
+                       self.render, self.opts.prompt.max_tokens)
+        return self._llm_stage("rubric", work, None, kind="dynamic")
 
     def _judge(self) -> StageRecord:
-        from draco_cli.judge import stage as st
+        from draco_cli.run import ray_engine
 
+        j = self.opts.judge
+        work = partial(ray_engine.judge_work, self._judge_llm(), j.samples, j.aggregate,
+                       j.judge_label, self.render, self.opts.prompt.max_tokens)
+        return self._llm_stage("judge", work, self.folder.table("rubrics"))
+
+    def _llm_stage(self, name: str, work: partial[StageReport], rubrics: Path | None,
+                   **extra: Any) -> StageRecord:
+        """An LLM stage into ``run/<name>``: here, or on the Ray cluster by partitions of
+        whole groups (``--engine ray``)."""
         if self.opts.engine == "ray":
-            from functools import partial
+            from draco_cli.run import ray_engine
 
-            from draco_cli.run import ray_engine as engine_ray
-
-            j = self.opts.judge
-            work = partial(engine_ray.judge_work, self._judge_llm(), j.samples, j.aggregate,
-                           j.judge_label, self.render, self.opts.prompt.max_tokens)
-            report = engine_ray.run_stage("judge", self.rollouts, self.steps, self.folder.path,
+            report = ray_engine.run_stage(name, self.rollouts, self.steps, self.folder.path,
                                           self.log, work, partitions=self.opts.partitions,
-                                          address=self.opts.ray_address,
-                                          rubrics=self.folder.table("rubrics"))
-            return self._llm_record("judge", report)
-        report = st.judge_score(self.rollouts, self.steps, self.folder.table("rubrics"),
-                                self.folder.path / "judge", self._judge_llm(),
-                                samples=self.opts.judge.samples,
-                                aggregate=self.opts.judge.aggregate,
-                                judge_label=self.opts.judge.judge_label, render=self.render,
-                                max_tokens=self.opts.prompt.max_tokens, call_log=self.log,
-                                force=True, progress=self.progress)
-        return self._llm_record("judge", report)
+                                          address=self.opts.ray_address, rubrics=rubrics)
+        else:
+            report = work(self.rollouts, self.steps, self.folder.path / name, self.log, rubrics,
+                          progress=self.progress)
+        return self._llm_record(name, report, **extra)
 
     def _llm_record(self, name: str, report: StageReport, **extra: Any) -> StageRecord:
         from draco_cli.llm.stage import unanswered_reasons

@@ -303,24 +303,27 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> None:
 
 
 def rubric_work(llm: LLMSettings, max_criteria: int, render: RenderOptions, max_tokens: int,
-                rollouts: Path, steps: Path, out: Path, log: Path, rubrics: Path | None
-                ) -> StageReport:
+                rollouts: Path, steps: Path, out: Path, log: Path, rubrics: Path | None,
+                progress: Callable[..., None] | None = None) -> StageReport:
+    """The rubric stage of ``draco run`` over ``rollouts`` (a partition's, on the cluster)."""
     from draco_cli.rubric import stage as st
 
     return st.rubric_generate(rollouts, steps, out, llm, stages=("generate", "union", "merge"),
                               max_criteria=max_criteria, render=render, max_tokens=max_tokens,
-                              call_log=log, force=True)
+                              call_log=log, force=True, progress=progress)
 
 
 def judge_work(llm: LLMSettings, samples: int, aggregate: Aggregate, judge_label: str,
                render: RenderOptions, max_tokens: int, rollouts: Path, steps: Path, out: Path,
-               log: Path, rubrics: Path | None) -> StageReport:
+               log: Path, rubrics: Path | None, progress: Callable[..., None] | None = None
+               ) -> StageReport:
+    """The judge stage of ``draco run`` (likewise)."""
     from draco_cli.judge import stage as st
 
     assert rubrics is not None, "the judge stage reads the rubric stage's rubrics"
     return st.judge_score(rollouts, steps, rubrics, out, llm, samples=samples,
                           aggregate=aggregate, judge_label=judge_label, render=render,
-                          max_tokens=max_tokens, call_log=log, force=True)
+                          max_tokens=max_tokens, call_log=log, force=True, progress=progress)
 
 
 def in_input_order(df: pl.DataFrame, key: str, order: list[str]) -> pl.DataFrame:

@@ -3,13 +3,10 @@ the credit stage; its key, its manifest record and settings."""
 
 from __future__ import annotations
 
-import hashlib
-import json
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from draco_cli.llm.answered import Answered
-from draco_cli.io.files import file_sha256
 from draco_cli.run.folder import RunFolder, StageRecord
 
 if TYPE_CHECKING:
@@ -30,17 +27,6 @@ def checked_gold(opts: RunOptions, gold: LLMSettings | None) -> LLMSettings | No
         raise UsageError("--spot-check N needs --spot-check-model, and --spot-check-model "
                          "needs --spot-check N with N > 0")
     return replace(gold, batch=False) if gold is not None and gold.batch is None else gold
-
-
-def key(input_hashes: dict[str, str], folder: RunFolder, opts: RunOptions,
-        train_step: int | None, llm_key: dict[str, Any]) -> str:
-    """Reruns when the inputs, the rubric, the training judge's verdicts, N, the seed, the
-    train step or the gold judge change."""
-    tables = [file_sha256(p) if p.exists() else None
-              for p in (folder.table("rubrics"), folder.table("verdicts"))]
-    parts = ["spot_check", input_hashes, tables, opts.spot_check, opts.spot_check_seed,
-             train_step, opts.credit.drop, llm_key]
-    return hashlib.sha256(json.dumps(parts, sort_keys=True, default=str).encode()).hexdigest()
 
 
 def settings(opts: RunOptions, gold: LLMSettings, run_dir: Path) -> dict[str, Any]:
