@@ -97,13 +97,13 @@ class _Group:
     ready_at: float | None = None
     fallback: str | None = None
     error: InputError | None = None   # short of members when the step ended
+    rows: dict[str, RowAdvantages] = field(default_factory=dict)   # once scored
 
 
 @dataclass
 class _Step:
     groups: dict[str, _Group] = field(default_factory=dict)
-    rows: dict[str, RowAdvantages] = field(default_factory=dict)
-    seen: set[str] = field(default_factory=set)
+    seen: dict[str, str] = field(default_factory=dict)   # rollout id -> its group id
     last_finish: float = 0.0
 
 
@@ -195,7 +195,7 @@ class StepScorer:
             raise InputError(f"{rollout.where()}: rollout id given twice in step "
                              f"{rollout.train_step}", field="rollout_id")
         trainer_rows([rollout], self.decode)   # checked now, named by its trainer row
-        st.seen.add(rollout.rollout_id)
+        st.seen[rollout.rollout_id] = rollout.group_id
         now = time.monotonic()
         st.last_finish = max(st.last_finish, now)
         g = st.groups.setdefault(rollout.group_id, _Group())
@@ -224,7 +224,7 @@ class StepScorer:
                 raise
             rows = self._rows(g.score.token_advantages, g.score.rewards, "draco") \
                 if g.score is not None else self._fallback_rows(r, s)
-            st.rows.update({k: RowAdvantages(k, group_id, *v) for k, v in rows.items()})
+            g.rows = {k: RowAdvantages(k, group_id, *v) for k, v in rows.items()}
             g.ready_at = time.monotonic()
         finally:
             g.done.set()
@@ -261,14 +261,13 @@ class StepScorer:
         if st is None or rollout_id not in st.seen:
             raise InputError(f"rollout {rollout_id!r}: not added in step {train_step}",
                              field="rollout_id")
-        g = next(g for g in st.groups.values()
-                 if any(m.rollout_id == rollout_id for m in g.members))
+        g = st.groups[st.seen[rollout_id]]
         await g.done.wait()    # the group completes (or the step ends short of it)
         if g.error is not None:
             raise g.error
         if g.task is not None and g.task.done() and g.task.exception() is not None:
             raise g.task.exception()  # type: ignore[misc]
-        return st.rows[rollout_id]
+        return g.rows[rollout_id]
 
     async def finish(self, train_step: int | None = None,
                      groups: Collection[str] | None = None) -> StepResult:
@@ -276,7 +275,6 @@ class StepScorer:
         short of ``group_size`` rollouts is an error naming it. ``groups`` finishes only those
         groups of the step (an async trainer's batch holds part of a generation step), the
         others staying pending; a group id the step has not seen is an error."""
-        whole = None if groups is None else self._steps.get(train_step)
         st = self._steps.pop(train_step, _Step()) if groups is None else \
             self._split(train_step, groups)
         short = [(gid, g) for gid, g in st.groups.items() if g.complete_at is None]
@@ -296,13 +294,12 @@ class StepScorer:
         for g in st.groups.values():
             assert g.task is not None
             await g.task      # raises a group's input error
-        if whole is not None:    # a part of the step: its groups' rows, scored by now
-            st.rows = {k: whole.rows.pop(k) for k in st.seen if k in whole.rows}
+        rows = {k: v for g in st.groups.values() for k, v in g.rows.items()}
         ready = [g.ready_at for g in st.groups.values() if g.ready_at is not None]
         latency = max(0.0, max(ready) - st.last_finish) if ready else 0.0
         scored = [g.score for g in st.groups.values() if g.score is not None]
         fallbacks = {gid: g.fallback for gid, g in st.groups.items() if g.fallback}
-        metrics = step_metrics(scored, st.rows, fallbacks, latency, self.min_signal)
+        metrics = step_metrics(scored, rows, fallbacks, latency, self.min_signal)
         spot = None
         if self.spot_check and scored:
             spot = await self.scorer.spot_check(scored, self.spot_check, self.spot_check_seed,
@@ -314,7 +311,7 @@ class StepScorer:
         # the step's answers on disk before the trainer uses them: a kill after this step pays
         # for none of them again on restart
         await asyncio.to_thread(self.scorer.flush_log)
-        return StepResult(train_step, st.rows, metrics, scored, fallbacks, spot,
+        return StepResult(train_step, rows, metrics, scored, fallbacks, spot,
                           {"setting": self.scorer.options.setting,
                            "model": self.scorer.llm.model})
 
@@ -327,9 +324,8 @@ class StepScorer:
         part = _Step()
         for gid in dict.fromkeys(groups):
             g = part.groups[gid] = whole.groups.pop(gid)
-            ids = {m.rollout_id for m in g.members}
-            part.seen |= ids
-            whole.seen -= ids
+            for m in g.members:
+                part.seen[m.rollout_id] = whole.seen.pop(m.rollout_id)
             if g.complete_at is not None:
                 part.last_finish = max(part.last_finish, g.complete_at)
         if not whole.groups:
