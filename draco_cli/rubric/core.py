@@ -286,53 +286,40 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
             rollouts["group_id"].unique().implode())).select(candidates.columns)])
     candidates = candidates.unique(["group_id", "candidate_id"], keep="first", maintain_order=True)
 
-    final: dict[str, list[dict[str, Any]]] = {}
-    sources: dict[str, str] = {}
     groups = _groups(rollouts)
-    capped = 0
     # Each group's deduplicated candidates, partitioned once (not filtered per group).
     by_group = {k[0]: dedupe(v.to_dicts())
                 for k, v in candidates.partition_by("group_id", as_dict=True).items()}
+    merged: dict[str, list[dict[str, Any]]] = {}   # groups whose merge answered
+    fallback: list[str] = []                       # groups whose merge did not: candidates
     if "merge" in stages:
-        merge_jobs = []
         context_of = ContextBlocks(render.redactor)
-        for group_id, instruction, _, task_context in groups:
-            mine = by_group.get(group_id, [])
-            if mine:
-                merge_jobs.append((group_id, merge_request(
-                    group_id, instruction, mine, max_criteria, render, sampling,
-                    context_of(task_context))))
-        merged = (yield [r for _, r in merge_jobs]) if merge_jobs else []
-        fallback = []
-        for (group_id, _), [answer] in zip(merge_jobs, merged):
+        merge_jobs = [(group_id, merge_request(group_id, instruction, by_group[group_id],
+                                               max_criteria, render, sampling,
+                                               context_of(task_context)))
+                      for group_id, instruction, _, task_context in groups
+                      if by_group.get(group_id)]
+        answered = (yield [r for _, r in merge_jobs]) if merge_jobs else []
+        for (group_id, _), [answer] in zip(merge_jobs, answered):
             if answer.status == "ok":
-                crit = dedupe([c.model_dump() for c in _drafts(answer)])
-                capped += max(len(crit) - max_criteria, 0)
-                final[group_id] = crit[:max_criteria]
-                sources[group_id] = "merge"
+                merged[group_id] = dedupe([{**c.model_dump(), "source": "merge"}
+                                           for c in _drafts(answer)])
             else:
-                mine = by_group[group_id]
-                capped += max(len(mine) - max_criteria, 0)
-                final[group_id] = [{"title": c["title"], "requirement": c["requirement"],
-                                    "source": c["stage"]} for c in mine[:max_criteria]]
                 fallback.append(group_id)
-    else:
-        for group_id, _, _, _ in groups:
-            mine = by_group.get(group_id, [])
-            capped += max(len(mine) - max_criteria, 0)
-            final[group_id] = [{"title": c["title"], "requirement": c["requirement"],
-                                "source": c["stage"]} for c in mine[:max_criteria]]
-    rows = []
-    for group_id, crit in final.items():
-        for kept in crit:
-            rows.append({"group_id": group_id,
-                         "criterion_id": criterion_id(group_id, kept["title"], kept["requirement"]),
-                         "title": kept["title"].strip(), "requirement": kept["requirement"].strip(),
-                         "source": kept.get("source", sources.get(group_id, "merge"))})
+    rows, missing, capped = [], [], 0
+    for group_id, *_ in groups:
+        crit = merged[group_id] if group_id in merged else [
+            {"title": c["title"], "requirement": c["requirement"], "source": c["stage"]}
+            for c in by_group.get(group_id, [])]
+        capped += max(len(crit) - max_criteria, 0)
+        if not crit:
+            missing.append(group_id)
+        rows += [{"group_id": group_id,
+                  "criterion_id": criterion_id(group_id, kept["title"], kept["requirement"]),
+                  "title": kept["title"].strip(), "requirement": kept["requirement"].strip(),
+                  "source": kept["source"]} for kept in crit[:max_criteria]]
     rubrics = pl.DataFrame(rows, schema=polars_schema(Rubric))
-    missing = [g for g, *_ in groups if not final.get(g)]
-    return RubricResult(candidates, rubrics, missing, capped,
-                        fallback if "merge" in stages else [])
+    return RubricResult(candidates, rubrics, missing, capped, fallback)
 
 
 # --- static rubrics -----------------------------------------------------------------------
