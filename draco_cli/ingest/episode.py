@@ -12,6 +12,7 @@ Positions are known only when every part of that sequence has a count.
 
 from __future__ import annotations
 
+import itertools
 import json
 import math
 from collections import Counter
@@ -196,17 +197,11 @@ def _render_observation(msgs: list[Message]) -> str:
 
 def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
     """Half-open [start, end) runs of 1s in a response mask: the policy's generated turns."""
-    runs: list[tuple[int, int]] = []
-    start = None
-    for t, m in enumerate(mask):
-        if m and start is None:
-            start = t
-        elif not m and start is not None:
-            runs.append((start, t))
-            start = None
-    if start is not None:
-        runs.append((start, len(mask)))
-    return runs
+    import numpy as np
+
+    # where the mask flips: starts and ends of runs, alternating
+    edges = np.flatnonzero(np.diff(np.asarray(mask, dtype=bool), prepend=False, append=False))
+    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
 
 
 def _trainer_runs(ep: Episode, policy_idx: list[int], source: str) -> list[tuple[int, int]] | None:
@@ -432,8 +427,9 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
     # Observation blocks: the messages after each policy message, up to the next one.
     bounds = policy_idx + [len(msgs)]
     blocks = {i: msgs[i + 1 : bounds[k + 1]] for k, i in enumerate(policy_idx)}
-    layout = _lay_out(ep, policy_idx, part_tokens, blocks, counter)
-    if runs is not None:
+    if runs is None:
+        layout = _lay_out(ep, policy_idx, part_tokens, blocks, counter)
+    else:
         # The trainer's mask is the truth: steps sit on its runs of 1s, the rest is observation.
         assert ep.response_mask is not None
         layout = _Layout(starts={i: a for i, (a, _) in zip(policy_idx, runs)},
@@ -447,26 +443,14 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
     return Built(rollout, steps, source_kind, layout.known, skipped, labels)
 
 
-def step_of_message(policy_idx: list[int], msg_parts: dict[int, list[Part]]
-                    ) -> dict[int, list[int]]:
-    """Message index -> the step numbers its parts became, in order."""
-    out: dict[int, list[int]] = {}
-    n = 0
-    for i in policy_idx:
-        for p in msg_parts[i]:
-            if p.is_step:
-                n += 1
-                out.setdefault(i, []).append(n)
-    return out
-
-
 def _label_rows(ep: Episode, policy_idx: list[int], msg_parts: dict[int, list[Part]],
                 source: str) -> list[dict[str, Any]]:
     """The episode's message-keyed labels as step_labels rows (labeler human): a label on a
     message that is not one step is an error naming it."""
     if not ep.message_labels:
         return []
-    steps = step_of_message(policy_idx, msg_parts)
+    n = itertools.count(1)   # message index -> the step numbers its parts became
+    steps = {i: [next(n) for p in msg_parts[i] if p.is_step] for i in policy_idx}
     rows = []
     for i, label in sorted(ep.message_labels.items()):
         at = steps.get(i, [])

@@ -323,9 +323,11 @@ class LLMClient:
             return [Answer(i, "skipped", reason="budget reached (--max-cost)") for i in samples]
         except ReplyRefused as exc:   # too large, or impossible token counts: nothing counted
             return [self._final_unanswered(req, i, str(exc), Usage(), 0.0, 0) for i in samples]
-        if not reply.choices:
-            return [self._unanswered(req, i, "the server returned no choice", reply,
-                                     1.0 / len(samples), 0) for i in samples]
+        if not reply.choices:   # each sample bears its share of what the call cost
+            share = 1.0 / len(samples)
+            return [self._final_unanswered(req, i, "the server returned no choice",
+                                           reply.usage.scaled(share),
+                                           self._cost_of(reply) * share, 0) for i in samples]
         return await self.settle(provider, req, samples, reply)
 
     async def _settle(self, provider: Provider, req: LLMRequest, sample: int, choice: Choice,
@@ -363,11 +365,6 @@ class LLMClient:
         self.rows.unanswered(req, sample, attempt, reason)
         return Answer(sample, "unanswered", reason=reason, usage=usage, cost_usd=cost,
                       attempts=attempt + 1)
-
-    def _unanswered(self, req: LLMRequest, sample: int, reason: str, reply: Reply, share: float,
-                    attempt: int) -> Answer:
-        return self._final_unanswered(req, sample, reason, reply.usage.scaled(share),
-                                      self._cost_of(reply) * share, attempt)
 
     # -- one HTTP call, with retries ---------------------------------------------------------
 

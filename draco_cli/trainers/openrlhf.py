@@ -165,8 +165,6 @@ def step_table(result: Any, rollouts: Sequence[Any]) -> TokenAdvantageTable:
     train step, count of policy tokens and fingerprint, so ``place`` checks every row."""
     import pyarrow as pa
 
-    from draco_cli.trainers.loader import fingerprint
-
     vals = [np.asarray(result.rows[r.rollout_id].values, dtype=np.float32) for r in rollouts]
     table = pa.table({
         "rollout_id": pa.array([r.rollout_id for r in rollouts], pa.string()),
