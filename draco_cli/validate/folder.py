@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -41,49 +42,38 @@ class Loaded:
     metadata: dict[bytes, bytes]
 
 
-class _Loader:
-    """Reads each file once, however many sets it is context for."""
-
-    def __init__(self) -> None:
-        self.cache: dict[str, Loaded | str] = {}
-
-    def __call__(self, path: str | Path) -> Loaded | str:
-        """The checked table, or the problem that stopped reading it."""
-        key = str(path)
-        if key not in self.cache:
-            self.cache[key] = self._load(path)
-        return self.cache[key]
-
-    def _load(self, path: str | Path) -> Loaded | str:
-        try:
-            arrow = read_arrow(path)
-            meta = dict(arrow.schema.metadata or {})
-            if Path(path).name == LLM_CALLS and b"draco.table" not in meta:
-                df = as_frame(arrow)
-                missing = [c for c in LLM_CALLS_COLUMNS if c not in df.columns]
-                if missing:
-                    return f"{path}: field '{missing[0]}': missing column of a draco call log"
-                return Loaded(source_name(path), None, df, meta)
-            model = detect_table(path, meta)
-            if model is None:
-                return (f"{path}: cannot tell which table this is (name it after the table, "
-                        f"e.g. rollouts.parquet, or write it with draco)")
-            df = conform(as_frame(arrow), model, source_name(path))
-        except InputError as exc:
-            return str(exc)
-        return Loaded(source_name(path), model, df, meta)
+def _load(path: str) -> Loaded | str:
+    """The checked table, or the problem that stopped reading it (cached per set of sets
+    with ``functools.cache``: a file is read once, however many sets it is context for)."""
+    try:
+        arrow = read_arrow(path)
+        meta = dict(arrow.schema.metadata or {})
+        if Path(path).name == LLM_CALLS and b"draco.table" not in meta:
+            df = as_frame(arrow)
+            missing = [c for c in LLM_CALLS_COLUMNS if c not in df.columns]
+            if missing:
+                return f"{path}: field '{missing[0]}': missing column of a draco call log"
+            return Loaded(source_name(path), None, df, meta)
+        model = detect_table(path, meta)
+        if model is None:
+            return (f"{path}: cannot tell which table this is (name it after the table, "
+                    f"e.g. rollouts.parquet, or write it with draco)")
+        df = conform(as_frame(arrow), model, source_name(path))
+    except InputError as exc:
+        return str(exc)
+    return Loaded(source_name(path), model, df, meta)
 
 
 def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = (),
-                   loader: _Loader | None = None) -> tuple[dict[str, int], list[str]]:
+                   loader: Callable[[str], Loaded | str] | None = None
+                   ) -> tuple[dict[str, int], list[str]]:
     """Validate files as one set; return (rows per table, problems). Tables are matched to
     their contract by metadata or file name (rollouts.parquet, steps.parquet, ...).
 
     ``context`` tables (e.g. a run's rollouts and steps, for its verdicts) take part in the
     checks across tables but are not themselves checked or counted here."""
-    load = loader or _Loader()
+    load = loader or functools.cache(_load)
     frames: dict[str, tuple[str, pl.DataFrame]] = {}
-    own: set[str] = set()
     problems: list[str] = []
     counts: dict[str, int] = {}
     loaded: list[tuple[Path, Loaded]] = []
@@ -92,7 +82,7 @@ def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = 
         if Path(path).name == "manifest.json":
             manifests.append(Path(path))
             continue
-        item = load(path)
+        item = load(str(path))
         if isinstance(item, str):
             problems.append(item)
             continue
@@ -102,22 +92,22 @@ def validate_paths(paths: Sequence[str | Path], context: Sequence[str | Path] = 
                             f"{frames[name][0]}); validate one set at a time")
             continue
         frames[name] = (item.source, item.df)
-        own.add(name)
         counts[name] = item.df.height
         loaded.append((Path(path), item))
     for path in context:
-        item = load(path)
+        item = load(str(path))
         if not isinstance(item, str) and item.model is not None \
                 and item.model.table_name not in frames:
             frames[item.model.table_name] = (item.source, item.df)
-    problems += _table_checks(frames, own)
+    problems += _table_checks(frames, counts.keys())
     problems += check_output_sets(loaded)
     for m in manifests:
         problems += check_manifest(m, counts, loaded)
     return counts, problems
 
 
-def _table_checks(frames: dict[str, tuple[str, pl.DataFrame]], own: set[str]) -> list[str]:
+def _table_checks(frames: dict[str, tuple[str, pl.DataFrame]], own: AbstractSet[str]
+                  ) -> list[str]:
     """The checks of each table of the set (``own``) alone and against the others."""
     problems: list[str] = []
     if "llm_calls" in own:
@@ -205,7 +195,7 @@ def validate_targets(paths: Sequence[str | Path]) -> tuple[list[tuple[str, dict[
     """``draco validate``: files given together form one set; a folder is walked, and each
     folder in it (a run folder's rubric/, judge/, credit/, ...) is checked as its own set,
     against the tables above it. Returns ((label, rows per table) per set, problems)."""
-    load = _Loader()
+    load = functools.cache(_load)
     sets: list[tuple[str, dict[str, int]]] = []
     problems: list[str] = []
     files = [p for p in paths if str(p) == STDIO or not Path(p).is_dir()]
