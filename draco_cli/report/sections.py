@@ -59,9 +59,8 @@ def _per_step(con: DuckDBPyConnection, runs: list[Run]) -> tuple[pl.DataFrame, s
     environment outcome, unanswered verdicts, calls and dollars."""
     views = _views(con)
     rows = {str(r.dir): {"run": r.label} for r in runs}
-    key = {str(r.dir): str(r.dir) for r in runs}
+    frames = []   # each a figure or two per run, merged into its row
     if {"rewards", "rollouts"} <= views:
-        frames = []
         for r in runs:
             # one run at a time, joined on the rollout id alone: the join's rows carry no run
             one = _q(str(r.dir))
@@ -84,28 +83,20 @@ def _per_step(con: DuckDBPyConnection, runs: list[Run]) -> tuple[pl.DataFrame, s
                 FROM j a JOIN j b ON a.group_id = b.group_id
                      AND a.rollout_id < b.rollout_id AND a.outcome <> b.outcome
                 HAVING count(*) > 0"""))
-        for frame in frames:
-            for row in frame.iter_rows(named=True):
-                rows[key.get(row["run"], row["run"])].update(
-                    {k: v for k, v in row.items() if k != "run"})
     if "verdicts" in views:
-        for row in _frame(con, "SELECT run, avg((verdict IS NULL)::INT) AS unanswered_verdicts "
-                               "FROM verdicts GROUP BY 1").iter_rows(named=True):
-            rows[key.get(row["run"], row["run"])].update(
-                {k: v for k, v in row.items() if k != "run"})
+        frames.append(_frame(con, "SELECT run, avg((verdict IS NULL)::INT) AS "
+                                  "unanswered_verdicts FROM verdicts GROUP BY 1"))
     if "call_totals" in views and "cost_usd" in _frame(con, "DESCRIBE call_totals")["column_name"]:
-        for row in _frame(con, "SELECT run, sum(n_rows)::BIGINT AS calls, sum(cost_usd) "
-                               "AS cost_usd FROM call_totals GROUP BY 1").iter_rows(named=True):
-            rows[key.get(row["run"], row["run"])].update(
-                {k: v for k, v in row.items() if k != "run"})
-    cols = ["run", "rollouts", "mean_reward", "mean_outcome", "agreement", "pairs",
-            "correlation", "unanswered_verdicts", "calls", "cost_usd"]
-    df = pl.DataFrame([{c: r.get(c) for c in cols} for r in rows.values()],
-                      schema={"run": pl.String, "rollouts": pl.Int64, "mean_reward": pl.Float64,
-                              "mean_outcome": pl.Float64, "agreement": pl.Float64,
-                              "pairs": pl.Int64, "correlation": pl.Float64,
-                              "unanswered_verdicts": pl.Float64, "calls": pl.Int64,
-                              "cost_usd": pl.Float64})
+        frames.append(_frame(con, "SELECT run, sum(n_rows)::BIGINT AS calls, sum(cost_usd) "
+                                  "AS cost_usd FROM call_totals GROUP BY 1"))
+    for frame in frames:
+        for row in frame.iter_rows(named=True):
+            rows[row["run"]].update({k: v for k, v in row.items() if k != "run"})
+    schema = {"run": pl.String, "rollouts": pl.Int64, "mean_reward": pl.Float64,
+              "mean_outcome": pl.Float64, "agreement": pl.Float64, "pairs": pl.Int64,
+              "correlation": pl.Float64, "unanswered_verdicts": pl.Float64, "calls": pl.Int64,
+              "cost_usd": pl.Float64}
+    df = pl.DataFrame([{c: r.get(c) for c in schema} for r in rows.values()], schema=schema)
     note = ("<p class='note'><b>agreement</b>: of the pairs of episodes in one group where one "
             "succeeded and one did not (<b>pairs</b>), the share the rubric reward orders the "
             "same way as the environment's outcome (ties count half; 0.5 is chance). It falling "
