@@ -196,14 +196,10 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
         c = c.with_columns((pl.col("response").map_elements(_call_key, return_dtype=pl.Int64)
                             if "response" in c.columns else pl.lit(None, pl.Int64))
                            .alias("call_key"))
-    for t in tok:
-        if t not in c.columns:
-            c = c.with_columns(pl.lit(0, pl.Int64).alias(t))
-    for col in ("batch_id", "model"):  # a slimmed log: no batches, no known prices
-        if col not in c.columns:
-            c = c.with_columns(pl.lit(None, pl.String).alias(col))
-    if "cost_usd" not in c.columns:
-        c = c.with_columns(pl.lit(None, pl.Float64).alias("cost_usd"))
+    # a slimmed log: no token counts, no batches, no known prices
+    absent = {**{t: pl.lit(0, pl.Int64) for t in tok}, "batch_id": pl.lit(None, pl.String),
+              "model": pl.lit(None, pl.String), "cost_usd": pl.lit(None, pl.Float64)}
+    c = c.with_columns(e.alias(n) for n, e in absent.items() if n not in c.columns)
     c = c.with_row_index("_row").with_columns(
         pl.col(tok).fill_null(0).cast(pl.Int64),
         # a row without a response (older logs) counts as a call of its own
