@@ -222,8 +222,9 @@ class StepScorer:
             except asyncio.CancelledError:
                 job.cancel()    # the shield kept it from hearing
                 raise
+            # the fallback's credit computed off the event loop the trainer's sessions share
             rows = self._rows(g.score.token_advantages, g.score.rewards, "draco") \
-                if g.score is not None else self._fallback_rows(r, s)
+                if g.score is not None else await asyncio.to_thread(self._fallback_rows, r, s)
             g.rows = {k: RowAdvantages(k, group_id, *v) for k, v in rows.items()}
             g.ready_at = time.monotonic()
         finally:
@@ -317,7 +318,7 @@ class StepScorer:
 
     def _split(self, train_step: int | None, groups: Collection[str]) -> _Step:
         whole = self._steps.get(train_step, _Step())
-        unknown = sorted(set(groups) - set(whole.groups))
+        unknown = sorted(g for g in set(groups) if g not in whole.groups)
         if unknown:
             raise InputError(f"group {unknown[0]!r}: no rollout of it was added in step "
                              f"{train_step} ({len(unknown)} unknown groups)", field="group_id")

@@ -31,6 +31,7 @@ survivors; ``"skip"`` leaves its traces unassigned, ``"error"`` raises.
 from __future__ import annotations
 
 import hashlib
+from collections import deque
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +47,7 @@ __all__ = ["DracoCredit", "algorithm_class", "register", "trainable_traces"]
 
 ShortGroups = Literal["score", "skip", "error"]
 Assign = Callable[[Any, list[float]], None]
+RECENT_RESULTS = 256   # DracoCredit.results keeps this many
 
 
 def trainable_traces(episodes: Iterable[Any]) -> list[Any]:
@@ -85,7 +87,9 @@ class DracoCredit:
     short_groups: ShortGroups = "score"
     steps_dir: Path | None = None
     short: int = 0
-    results: list[StepResult] = field(default_factory=list)
+    # the latest groups' results (bounded: a run scores thousands of groups, each result
+    # holding its decoded rollouts)
+    results: deque[StepResult] = field(default_factory=lambda: deque(maxlen=RECENT_RESULTS))
 
     async def score_group(self, episodes: Sequence[Any], traces: Sequence[Any] | None = None,
                           assign: Assign | None = None) -> StepResult | None:
