@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import math
 import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -118,12 +119,18 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
     judged = v.filter(pl.col("verdict").is_in(["pass", "fail"]))
     steps_all = sorted(set(ro["train_step"].drop_nulls().to_list()))
 
+    def by_step(df: pl.DataFrame) -> Callable[[int], pl.DataFrame]:
+        """A step's rows, the table split once (filtering it per step is quadratic)."""
+        parts = {k[0]: part for k, part in df.partition_by("train_step", as_dict=True).items()}
+        return lambda s: parts.get(s, df.clear())
+
+    ro_of, judged_of, v_of = by_step(ro), by_step(judged), by_step(v)
+    rewards_of = by_step(rewards) if rewards is not None else None
     step_rows = []
     for s in steps_all:
-        r_s = ro.filter(pl.col("train_step") == s)
-        j_s = judged.filter(pl.col("train_step") == s)
-        rw = (rewards.filter(pl.col("train_step") == s).select("rollout_id", "reward")
-              .join(r_s, on="rollout_id") if rewards is not None else None)
+        r_s, j_s = ro_of(s), judged_of(s)
+        rw = (rewards_of(s).select("rollout_id", "reward").join(r_s, on="rollout_id")
+              if rewards_of is not None else None)
         pairs, agree = _agreement(rw) if rw is not None else (0, None)
         n_out = int(r_s["outcome"].is_not_null().sum())
         step_rows.append({
@@ -131,7 +138,7 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
             "outcome_rate": float(r_s["outcome"].mean()) if n_out else None,  # type: ignore[arg-type]
             "verdicts": j_s.height,
             "pass_rate": _rate(int((j_s["verdict"] == "pass").sum()), j_s.height),
-            "criteria": v.filter(pl.col("train_step") == s)["criterion"].n_unique(),
+            "criteria": v_of(s)["criterion"].n_unique(),
             "mean_reward": float(rw["reward"].mean())  # type: ignore[arg-type]
             if rw is not None and rw["reward"].is_not_null().any() else None,
             "pairs": pairs, "agreement": agree,
