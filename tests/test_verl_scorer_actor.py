@@ -6,12 +6,15 @@ error naming the group and what arrived — and a prompt's own number of session
 from __future__ import annotations
 
 import asyncio
+import json
 from types import SimpleNamespace
 
+import polars as pl
 import pytest
 
 from draco_cli.errors import InputError
 from draco_cli.trainers.verl.scorer import DracoScorerActor
+from tests.conftest import run_draco
 
 TOKENIZER = SimpleNamespace(decode=lambda ids, skip_special_tokens=True: " ".join(map(str, ids)))
 
@@ -99,3 +102,25 @@ def test_a_failed_group_is_forgotten_when_its_step_finishes(tmp_path):
     assert all(g["values"].shape == (4,) for g in good)
     assert metrics["draco/groups"] == 1.0
     assert groups == {} and steps == {}
+
+
+def test_a_step_finished_in_two_batches_keeps_both_in_its_audit_folder(tmp_path):
+    # verl's async V1 trains one generation step's groups in several batches: each finish
+    # writes the step's audit folder, and a later one joins the earlier (it replaced it)
+    async def main():
+        a = actor(tmp_path, audit_dir=str(tmp_path / "audit"))
+        try:
+            await asyncio.gather(*(session(a, g, k) for g in ("ga", "gb") for k in range(4)))
+            await a.finish(3, ["ga"])
+            await a.finish(3, ["gb"])
+        finally:
+            await a.close()
+
+    asyncio.run(main())
+    folder = tmp_path / "audit" / "step-000003"
+    rewards = pl.read_parquet(folder / "credit" / "rewards.parquet")
+    assert sorted(rewards["group_id"].unique()) == ["ga", "gb"] and rewards.height == 8
+    assert pl.read_parquet(folder / "rollouts.parquet").height == 8
+    assert json.loads((folder / "metrics.json").read_text())["parts"] == 2
+    got = run_draco("validate", str(folder))
+    assert got.returncode == 0, got.stderr.decode()

@@ -10,6 +10,7 @@ import re
 import shutil
 import tempfile
 from pathlib import Path
+from typing import Any
 
 import polars as pl
 
@@ -31,12 +32,14 @@ def step_folder(root: str | os.PathLike[str], train_step: int | None) -> Path:
     return Path(root) / f"step-{(train_step or 0):06d}"
 
 
-def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | None = None
-               ) -> Path:
+def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | None = None,
+               add: bool = False) -> Path:
     """Write the step's tables under ``root/step-NNNNNN/`` (``draco run``'s layout: rubric/,
     judge/, credit/, the judged ``rollouts``/``steps``, ``metrics.json`` and a
     ``manifest.json`` that `draco report` and `draco sql` read); keep the newest ``keep``
-    step folders."""
+    step folders. ``add``: ``result`` is another part of a step already written (a trainer
+    that finishes one step's groups in several batches): its rows join the folder's, and the
+    folder is healthy only while every part was."""
     if keep is not None and keep < 1:
         raise UsageError(f"keep {keep!r}: at least 1 step folder (None keeps all)")
     root = Path(root)
@@ -64,11 +67,13 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
                         name).write_parquet(tmp / f"{name}.parquet", compression="zstd")
         summary = {"train_step": result.train_step, "metrics": result.metrics,
                    "fallbacks": result.fallbacks}
-        (tmp / "metrics.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
         # what `draco report` reads of a run folder: the step, and the signal check's verdict
         ok = result.metrics.get("draco/signal_ok", 1.0) == 1.0
         problem = (signal_problem(result.metrics) or "under the scorer's min_signal") \
             if not ok else None
+        if add and (dest / "manifest.json").exists():
+            problem = _join_parts(dest, tmp, summary) or problem
+        (tmp / "metrics.json").write_text(json.dumps(summary, indent=1), encoding="utf-8")
         (tmp / "manifest.json").write_text(json.dumps({
             "kind": "draco in-loop step", "draco_version": __version__,
             "settings": result.settings, **summary,
@@ -87,3 +92,18 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
         for _, old in steps[:-keep]:
             shutil.rmtree(old, ignore_errors=True)
     return dest
+
+
+def _join_parts(dest: Path, tmp: Path, summary: dict[str, Any]) -> str | None:
+    """The earlier parts of the step (in ``dest``) joined to this one (in ``tmp``): each table's
+    rows, the fallbacks, the part count; returns the earlier parts' health problem, if any."""
+    for old in dest.rglob("*.parquet"):
+        new = tmp / old.relative_to(dest)
+        new.parent.mkdir(parents=True, exist_ok=True)
+        frames = [pl.read_parquet(old), *([pl.read_parquet(new)] if new.exists() else [])]
+        pl.concat(frames, how="diagonal_relaxed").write_parquet(new, compression="zstd")
+    before = json.loads((dest / "metrics.json").read_text(encoding="utf-8"))
+    summary["fallbacks"] = {**before.get("fallbacks", {}), **summary["fallbacks"]}
+    summary["parts"] = before.get("parts", 1) + 1
+    health = json.loads((dest / "manifest.json").read_text(encoding="utf-8")).get("health", {})
+    return None if health.get("ok", True) else (health.get("messages") or [None])[0]

@@ -77,6 +77,7 @@ class DracoScorerActor:
         self._scorer: Any = None
         self._lock: asyncio.Lock | None = None
         self._groups: dict[tuple[int | None, str], _Wait] = {}   # by (train step, group)
+        self._written: set[int] = set()   # steps with an audit folder from this actor
 
     def _decode(self, ids: list[int]) -> str:
         return str(self.tokenizer.decode(ids, skip_special_tokens=True))
@@ -159,7 +160,10 @@ class DracoScorerActor:
         for g in failed:
             del self._groups[(train_step, g)]
         if self.config.get("audit_dir"):
-            write_step(result, self.config["audit_dir"], keep=self.config.get("keep"))
+            # an async batch holds part of a step: a later part joins the step's folder
+            write_step(result, self.config["audit_dir"], keep=self.config.get("keep"),
+                       add=train_step in self._written)
+            self._written.add(train_step)
         return dict(result.metrics)
 
     async def close(self) -> None:
