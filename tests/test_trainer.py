@@ -187,3 +187,34 @@ def test_trl_ids_count_the_group_index_across_processes():
                     process_index=0)
     with pytest.raises(AlignmentError, match="no dataset column 'task'"):
         rollout_ids(rows[:1], id_column="task", num_generations=2, process_index=0)
+
+
+def test_advantage_files_read_each_file_once_and_hold_only_what_batches_need(table, monkeypatch):
+    from draco_cli.trainers import loader
+
+    spans = pl.read_parquet(table / "spans.parquet")
+    files = []
+    for k, rid in enumerate(["u1:0", "u1:1", "u2:0"]):
+        f = table / f"step{k}.parquet"
+        spans.filter(pl.col("rollout_id") == rid).write_parquet(f)
+        files.append(str(f))
+    reads = []
+    real_read = loader.pq.read_table
+    monkeypatch.setattr(loader.pq, "read_table", lambda f, *a, **k: reads.append(f) or
+                        real_read(f, *a, **k))
+    af = loader.AdvantageFiles()
+    mask = np.ones((2, 6), dtype=np.int64)
+    got = af.load(files, ["u2:0", "u1:0"])
+    want = load_token_advantages(files, rollout_ids=["u2:0", "u1:0"])
+    np.testing.assert_array_equal(got.batch(["u2:0", "u1:0"], mask, strict=False),
+                                  want.batch(["u2:0", "u1:0"], mask, strict=False))
+    assert len(got) == 2 and sorted(af._tables) == [files[0], files[2]]   # step1 not held
+    reads.clear()
+    assert "u1:1" in af.load(files, ["u1:1"]) and reads == [files[1]]   # only the file needed
+    assert len(af.load(files, ["nobody"])) == 0 and af._tables == {}
+    # a rollout id in two files is refused, as load_token_advantages refuses it
+    spans.filter(pl.col("rollout_id") == "u1:1").write_parquet(table / "again.parquet")
+    with pytest.raises(AlignmentError, match="duplicate rollout_id"):
+        af.load([*files, str(table / "again.parquet")], ["u1:1"])
+    # a file dropped from the glob: its twin alone holds the id again
+    assert "u1:1" in af.load([files[0], str(table / "again.parquet")], ["u1:1"])

@@ -27,7 +27,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-__all__ = ["AlignmentError", "TokenAdvantageTable", "load_token_advantages", "fingerprint",
+__all__ = ["AdvantageFiles", "AlignmentError", "TokenAdvantageTable", "load_token_advantages", "fingerprint",
            "group_rollout_ids"]
 
 # Spans of many rollouts: (offsets per rollout, start, end, value), each a flat array.
@@ -418,6 +418,63 @@ def load_token_advantages(path: str | Path | Sequence[str | Path],
         tables.append(table)
     return TokenAdvantageTable(pa.concat_tables(tables, promote_options="permissive"),
                                ", ".join(map(str, paths)))
+
+
+class AdvantageFiles:
+    """The token_advantages files a trainer reads step after step (a glob over a run's steps):
+    each file is read once, and again only when its mtime or size changes, and indexed by
+    rollout id, so a batch reads and holds only the files with its rollouts; a file no batch
+    needs is not kept in memory. Rows are those ``load_token_advantages`` would give: a rollout
+    id in two files is still refused."""
+
+    def __init__(self) -> None:
+        self._stamp: dict[str, tuple[int, int]] = {}
+        self._tables: dict[str, pa.Table] = {}     # the files the last batch needed
+        self._holder: dict[str, str] = {}          # rollout id -> the file holding it
+        self._shared: dict[str, set[str]] = {}     # rollout id -> files, where several hold it
+
+    def load(self, files: Sequence[str], rollout_ids: Iterable[str]) -> TokenAdvantageTable:
+        wanted = list(rollout_ids)
+        if gone := set(self._stamp) - set(files):
+            self._forget(gone)
+        for f in files:
+            st = os.stat(f)
+            if self._stamp.get(f) != (stamp := (st.st_mtime_ns, st.st_size)):
+                self._tables[f] = read = pq.read_table(f)
+                # ids are non-null strings (the contract draco wrote); the stubs say Any | None
+                for rid in cast("list[str]", read.column("rollout_id").to_pylist()):
+                    if self._holder.setdefault(rid, f) != f:
+                        self._shared.setdefault(rid, {self._holder[rid]}).add(f)
+                self._stamp[f] = stamp
+        need = {self._holder[r] for r in wanted if r in self._holder}
+        need.update(f for r in wanted for f in self._shared.get(r, ()))
+        ids = pa.array(wanted, type=pa.string())
+        parts = []
+        for f in files:
+            if f not in need:
+                self._tables.pop(f, None)
+                continue
+            if f not in self._tables:
+                self._tables[f] = pq.read_table(f)
+            table = self._tables[f]
+            parts.append(table.filter(pc.is_in(table.column("rollout_id"), value_set=ids)))
+        if not parts:   # none of the batch's rollouts: an empty table says which are missing
+            parts = [pq.read_schema(files[0]).empty_table()]
+        return TokenAdvantageTable(pa.concat_tables(parts, promote_options="permissive"),
+                                   ", ".join(files))
+
+    def _forget(self, gone: set[str]) -> None:
+        for f in gone:
+            self._stamp.pop(f, None)
+            self._tables.pop(f, None)
+        self._holder = {r: f for r, f in self._holder.items() if f not in gone}
+        for r, fs in list(self._shared.items()):
+            if len(left := fs - gone) > 1:
+                self._shared[r] = left
+            else:   # held by one file again, or by none
+                del self._shared[r]
+                if left:
+                    self._holder[r] = left.pop()
 
 
 def group_rollout_ids(index: Sequence[Any], sep: str = ":") -> list[str]:

@@ -28,12 +28,14 @@ from typing import Any
 import numpy as np
 
 from draco_cli.errors import UsageError
-from draco_cli.trainers.loader import AlignmentError, TokenAdvantageTable, load_token_advantages
+from draco_cli.trainers.loader import AdvantageFiles, AlignmentError, TokenAdvantageTable
 from draco_cli.trainers.slime.layout import cp_local
 
 __all__ = ["advantages", "dense_advantages", "resolve_files", "sample_ids"]
 
 SOURCE_KEY = "draco_token_advantages"
+# the step folders' files, read once each, held while batches need them
+_files_read = AdvantageFiles()
 
 
 def _np(x: Any, dtype: Any) -> np.ndarray:
@@ -167,7 +169,7 @@ def advantages(args: Any, rollout_data: dict[str, Any]) -> None:
         # as slime's own estimators: earlier pipeline stages hold no per-token outputs
         return
     ids = sample_ids(rollout_data)
-    table = load_token_advantages([str(p) for p in resolve_files(source)], rollout_ids=ids)
+    table = _files_read.load([str(p) for p in resolve_files(source)], ids)
     rows = dense_advantages(rollout_data, table, cp_rank=cp_rank, cp_size=cp_size)
     kl = rollout_data.get("kl")
     masks = rollout_data["loss_masks"]

@@ -34,7 +34,7 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from draco_cli.trainers.loader import AlignmentError, TokenAdvantageTable
+from draco_cli.trainers.loader import AdvantageFiles, AlignmentError
 
 ESTIMATOR = "draco"
 ENV_FILES = "DRACO_TOKEN_ADVANTAGES"
@@ -112,29 +112,8 @@ def _files() -> list[str]:
     return found
 
 
-_cache: dict[str, tuple[tuple[int, int], Any]] = {}
-
-
-def _read_cached(files: Sequence[str], wanted: Sequence[str]) -> TokenAdvantageTable:
-    """The files' rows for ``wanted``; each file read again only when it changed (mtime, size),
-    so a glob over many step files costs one ``stat`` per file per step."""
-    import pyarrow as pa
-    import pyarrow.compute as pc
-    import pyarrow.parquet as pq
-
-    ids = pa.array(list(wanted), type=pa.string())
-    parts = []
-    for f in files:
-        st = os.stat(f)
-        stamp = (st.st_mtime_ns, st.st_size)
-        hit = _cache.get(f)
-        if hit is None or hit[0] != stamp:
-            hit = _cache[f] = (stamp, pq.read_table(f))
-        parts.append(hit[1].filter(pc.is_in(hit[1].column("rollout_id"), value_set=ids)))
-    for gone in set(_cache) - set(files):
-        del _cache[gone]
-    table = parts[0] if len(parts) == 1 else pa.concat_tables(parts, promote_options="permissive")
-    return TokenAdvantageTable(table, ", ".join(files))
+# the files of DRACO_TOKEN_ADVANTAGES, read once each, held while batches need them
+_files_read = AdvantageFiles()
 
 
 def _row_values(rows: Rows, mask: np.ndarray) -> np.ndarray:
@@ -180,7 +159,7 @@ def draco_advantages(token_level_rewards: Any, response_mask: Any, config: Any =
         adv = _row_values(rows, mask)
     else:
         wanted = [i for i in rows.ids if i is not None]
-        table = _read_cached(_files(), wanted)
+        table = _files_read.load(_files(), wanted)
         steps = rows.train_step
         if steps is not None:   # checked where the file records a step
             steps = [s if i is None or i not in table or table.train_step(i) is not None else -1
