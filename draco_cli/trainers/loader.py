@@ -27,8 +27,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-__all__ = ["AdvantageFiles", "AlignmentError", "TokenAdvantageTable", "load_token_advantages", "fingerprint",
-           "group_rollout_ids"]
+__all__ = ["AdvantageFiles", "AlignmentError", "TokenAdvantageTable", "load_token_advantages",
+           "fingerprint", "group_rollout_ids"]
 
 # Spans of many rollouts: (offsets per rollout, start, end, value), each a flat array.
 _Spans = tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]
