@@ -70,9 +70,13 @@ def _agreement(rw: pl.DataFrame) -> tuple[int, float | None]:
     """Within-group pairs of rollouts with different outcomes, and the share the reward orders
     as the outcome does (ties half): the same figure as the report's per-step table."""
     pairs, score = 0, 0.0
-    ok = rw.filter(pl.col("reward").is_not_null() & pl.col("outcome").is_not_null())
-    for _, g in ok.group_by("group_id"):
-        r, o = g["reward"].to_numpy(), g["outcome"].to_numpy()
+    ok = rw.filter(pl.col("reward").is_not_null() & pl.col("outcome").is_not_null()) \
+        .sort("group_id", maintain_order=True)
+    # each group a slice of the sorted arrays (a polars frame per group cost ~0.2 ms each)
+    gid, rs, os_ = (ok[c].to_numpy() for c in ("group_id", "reward", "outcome"))
+    cuts = np.flatnonzero(np.r_[True, gid[1:] != gid[:-1], True])
+    for a, b in zip(cuts[:-1], cuts[1:]):
+        r, o = rs[a:b], os_[a:b]
         i, j = np.triu_indices(len(r), k=1)
         keep = o[i] != o[j]
         i, j = i[keep], j[keep]
@@ -113,8 +117,10 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
         v = v.join(rb, on=["train_step", "group_id", "criterion_id"], how="left")
         title = pl.coalesce("title", "criterion_id")
     v = v.with_columns(title.alias("title"))
-    key = (pl.col("title").map_elements(normalise_title, return_dtype=pl.String)
-           if match == "title" else pl.col("criterion_id"))
+    # each distinct title normalised once (not once per verdict)
+    key = (pl.col("title").replace_strict(
+        {t: normalise_title(t) for t in v["title"].drop_nulls().unique().to_list()},
+        default=None, return_dtype=pl.String) if match == "title" else pl.col("criterion_id"))
     v = v.with_columns(key.alias("criterion"))
     judged = v.filter(pl.col("verdict").is_in(["pass", "fail"]))
     steps_all = sorted(set(ro["train_step"].drop_nulls().to_list()))
