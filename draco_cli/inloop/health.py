@@ -30,7 +30,7 @@ def judge_health_history(results: Sequence[StepResult],
         if step in seen:
             raise UsageError(f"judge_health_history: train step {step} given twice")
         seen.add(step)
-        t = res.tables()
+        t = res.tables(("verdicts", "rewards", "rubrics"))   # not the token tables: large
         tag = pl.lit(step, pl.Int64).alias("train_step")
         if not t["verdicts"].height or not t["rewards"].height:
             continue

@@ -74,10 +74,11 @@ class StepResult:
     # what scored it (the judge model, the setting), for the step folder's manifest
     settings: dict[str, str] = field(default_factory=dict)
 
-    def tables(self) -> dict[str, pl.DataFrame]:
-        """The step's tables as ``draco run`` names them (scored groups only)."""
-        names = ("rubrics", "verdicts_raw", "verdicts", "rewards", "step_credit",
-                 "token_advantages")
+    def tables(self, names: Sequence[str] = ("rubrics", "verdicts_raw", "verdicts", "rewards",
+                                              "step_credit", "token_advantages")
+               ) -> dict[str, pl.DataFrame]:
+        """The step's tables as ``draco run`` names them (scored groups only); ``names``: only
+        those."""
         out: dict[str, pl.DataFrame] = {}
         for name in names:
             parts = [getattr(g, name) for g in self.groups if getattr(g, name).height]
