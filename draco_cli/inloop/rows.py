@@ -82,26 +82,37 @@ def trainer_rows(rollouts: Sequence[TrainerRollout], decode: Decode
                  ) -> tuple[pl.DataFrame, pl.DataFrame]:
     """(rollouts, steps) tables of SPEC §2 for the trainer's rollouts (checked, see
     ``checked_arrays``); ``decode`` turns token ids into text (the tokenizer's ``decode``)."""
+    return row_frames([rollout_records(r, decode) for r in rollouts])
+
+
+Records = tuple[dict[str, Any], list[dict[str, Any]]]
+
+
+def rollout_records(r: TrainerRollout, decode: Decode) -> Records:
+    """One rollout's row and step rows (checked, decoded): ``trainer_rows`` of one rollout,
+    before the tables are made."""
     from draco_cli.trainers.loader import fingerprint
 
-    rows: list[dict[str, Any]] = []
-    steps: list[dict[str, Any]] = []
-    for r in rollouts:
-        ids, mask = checked_arrays(r)
-        start, end = policy_runs(mask)
-        obs_end = np.append(start[1:], len(ids))
-        for j, (s, e, oe) in enumerate(zip(start.tolist(), end.tolist(), obs_end.tolist())):
-            steps.append({"rollout_id": r.rollout_id, "step": j + 1,
-                          "action": decode(ids[s:e].tolist()),
-                          "observation": decode(ids[e:oe].tolist()) if oe > e else "",
-                          "n_tokens": e - s, "token_start": s})
-        rows.append({"rollout_id": r.rollout_id, "group_id": r.group_id,
-                     "task_id": r.task_id if r.task_id is not None else r.group_id,
-                     "train_step": r.train_step, "instruction": r.instruction,
-                     "outcome": None if r.outcome is None else float(r.outcome),
-                     "n_turns": len(start), "response_len": len(ids),
-                     "policy_spans": [[s, e] for s, e in zip(start.tolist(), end.tolist())],
-                     "response_fingerprint": fingerprint(ids)})
+    ids, mask = checked_arrays(r)
+    start, end = policy_runs(mask)
+    obs_end = np.append(start[1:], len(ids))
+    steps = [{"rollout_id": r.rollout_id, "step": j + 1, "action": decode(ids[s:e].tolist()),
+              "observation": decode(ids[e:oe].tolist()) if oe > e else "",
+              "n_tokens": e - s, "token_start": s}
+             for j, (s, e, oe) in enumerate(zip(start.tolist(), end.tolist(), obs_end.tolist()))]
+    return {"rollout_id": r.rollout_id, "group_id": r.group_id,
+            "task_id": r.task_id if r.task_id is not None else r.group_id,
+            "train_step": r.train_step, "instruction": r.instruction,
+            "outcome": None if r.outcome is None else float(r.outcome),
+            "n_turns": len(start), "response_len": len(ids),
+            "policy_spans": [[s, e] for s, e in zip(start.tolist(), end.tolist())],
+            "response_fingerprint": fingerprint(ids)}, steps
+
+
+def row_frames(records: Sequence[Records]) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The (rollouts, steps) tables of rollouts' records."""
+    rows = [row for row, _ in records]
+    steps = [s for _, rollout_steps in records for s in rollout_steps]
     schema: dict[str, pl.DataType | type[pl.DataType]] = {"rollout_id": pl.String, "group_id": pl.String, "task_id": pl.String,
               "train_step": pl.Int32, "instruction": pl.String, "outcome": pl.Float64,
               "n_turns": pl.Int32, "response_len": pl.Int32,

@@ -32,7 +32,7 @@ import polars as pl
 
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.metrics import step_metrics
-from draco_cli.inloop.rows import Decode, TrainerRollout, trainer_rows
+from draco_cli.inloop.rows import Decode, Records, TrainerRollout, rollout_records, row_frames
 from draco_cli.inloop.scorer import GroupScore, Scorer, group_credit
 from draco_cli.options import CreditOptions, RunOptions
 
@@ -99,6 +99,7 @@ class _Group:
     fallback: str | None = None
     error: InputError | None = None   # short of members when the step ended
     rows: dict[str, RowAdvantages] = field(default_factory=dict)   # once scored
+    records: dict[str, Records] = field(default_factory=dict)      # each member's, decoded
 
 
 @dataclass
@@ -195,7 +196,8 @@ class StepScorer:
         if rollout.rollout_id in st.seen:
             raise InputError(f"{rollout.where()}: rollout id given twice in step "
                              f"{rollout.train_step}", field="rollout_id")
-        trainer_rows([rollout], self.decode)   # checked now, named by its trainer row
+        # checked now, named by its trainer row, and decoded once (the group's tables reuse it)
+        records = rollout_records(rollout, self.decode)
         st.seen[rollout.rollout_id] = rollout.group_id
         now = time.monotonic()
         st.last_finish = max(st.last_finish, now)
@@ -204,6 +206,7 @@ class StepScorer:
             raise InputError(f"{rollout.where()}: group already has its {len(g.members)} "
                              "rollouts (group_size)", field="group_id")
         g.members.append(rollout)
+        g.records[rollout.rollout_id] = records
         g.size = size
         if len(g.members) == size:
             g.complete_at = now
@@ -213,7 +216,8 @@ class StepScorer:
         try:
             # rollout-id order, not arrival order: the union prompt lists the group's attempts,
             # and sessions finish in another order every run (a restart would pay again)
-            r, s = trainer_rows(sorted(g.members, key=lambda m: m.rollout_id), self.decode)
+            r, s = row_frames([g.records[m.rollout_id]
+                               for m in sorted(g.members, key=lambda m: m.rollout_id)])
             job = self._track(asyncio.ensure_future(self.scorer.score_group(r, s)))
             try:
                 g.score = await asyncio.wait_for(asyncio.shield(job), self.deadline)
