@@ -197,11 +197,10 @@ def _render_observation(msgs: list[Message]) -> str:
 
 def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
     """Half-open [start, end) runs of 1s in a response mask: the policy's generated turns."""
-    import numpy as np
+    from draco_cli.inloop.rows import policy_runs
 
-    # where the mask flips: starts and ends of runs, alternating
-    edges = np.flatnonzero(np.diff(np.asarray(mask, dtype=bool), prepend=False, append=False))
-    return list(zip(edges[::2].tolist(), edges[1::2].tolist()))
+    start, end = policy_runs(mask)
+    return list(zip(start.tolist(), end.tolist()))
 
 
 def _trainer_runs(ep: Episode, policy_idx: list[int], source: str) -> list[tuple[int, int]] | None:

@@ -48,7 +48,7 @@ class TrainerRollout:
         return f"{row}(rollout {self.rollout_id!r}, group {self.group_id!r})"
 
 
-def policy_runs(mask: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+def policy_runs(mask: np.ndarray | Sequence[int]) -> tuple[np.ndarray, np.ndarray]:
     """Half-open [start, end) runs of 1s in a 0/1 mask."""
     m = np.concatenate(([0], (np.asarray(mask) != 0).astype(np.int8), [0]))
     edges = np.flatnonzero(np.diff(m))
