@@ -216,7 +216,7 @@ class StepScorer:
         try:
             # rollout-id order, not arrival order: the union prompt lists the group's attempts,
             # and sessions finish in another order every run (a restart would pay again)
-            r, s = row_frames([g.records[m.rollout_id]
+            r, s = row_frames([g.records.pop(m.rollout_id)   # the frames hold them now
                                for m in sorted(g.members, key=lambda m: m.rollout_id)])
             job = self._track(asyncio.ensure_future(self.scorer.score_group(r, s)))
             try:
