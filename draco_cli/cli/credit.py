@@ -7,7 +7,7 @@ import typer
 
 from draco_cli.cli.console import err_console
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
-from draco_cli.cli.options import IN, OUT, CREDIT_PANEL, Force, OutDir, Steps
+from draco_cli.cli.options import IN, OUT, Force, OutDir, Steps, credit_option
 from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode, TokenForm
 
 if TYPE_CHECKING:
@@ -22,18 +22,15 @@ RolloutsOpt = Annotated[Path, typer.Option("--rollouts", parser=IN,
 VerdictsOpt = Annotated[Path | None, typer.Option(
     "--verdicts", parser=IN, help="Aggregated verdicts.parquet (not needed with --reward "
     "outcome).")]
-DropOpt = Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops: "
-                                       "all-pass (no member failed) or also constant (every "
-                                       "answered member failed).", rich_help_panel=CREDIT_PANEL)]
-JudgeOpt = Annotated[str | None, typer.Option(help="Judge label to use when the verdicts "
-                                                 "hold several judges.",
-                                                     rich_help_panel=CREDIT_PANEL)]
-RubricDropoutOpt = Annotated[float, typer.Option(
+DropOpt = Annotated[Drop, credit_option(
+    help="Which criteria the discriminative filter drops: all-pass (no member failed) or also "
+    "constant (every answered member failed).")]
+JudgeOpt = Annotated[str | None, credit_option(
+    help="Judge label to use when the verdicts hold several judges.")]
+RubricDropoutOpt = Annotated[float, credit_option(
     help="Leave this seeded share (0 ≤ P < 1) of each group's retained criteria out of the "
-    "reward and credit, a group keeping at least one; written to rubric_dropout.parquet.",
-    rich_help_panel=CREDIT_PANEL)]
-DropoutSeedOpt = Annotated[int, typer.Option(help="Seed of --rubric-dropout.",
-                                             rich_help_panel=CREDIT_PANEL)]
+    "reward and credit, a group keeping at least one; written to rubric_dropout.parquet.")]
+DropoutSeedOpt = Annotated[int, credit_option(help="Seed of --rubric-dropout.")]
 
 
 @app.command("compute")
@@ -42,23 +39,19 @@ def compute(
     steps: Steps,
     out: OutDir,
     verdicts: VerdictsOpt = None,
-    credit: Annotated[CreditKind | None, typer.Option(
+    credit: Annotated[CreditKind | None, credit_option(
         help="step: DRACO step credit; uniform: every policy token gets A_i (the w/o-credit "
-        "ablation). Default: step, or uniform with --reward outcome.",
-            rich_help_panel=CREDIT_PANEL)] = None,
-    estimator: Annotated[Estimator, typer.Option(help="grpo: standardised within the group; "
-                                                 "rloo: r_i minus the mean of the others.",
-                                                     rich_help_panel=CREDIT_PANEL)]
+        "ablation). Default: step, or uniform with --reward outcome.")] = None,
+    estimator: Annotated[Estimator, credit_option(
+        help="grpo: standardised within the group; rloo: r_i minus the mean of the others.")]
     = "grpo",
-    std: Annotated[StdMode, typer.Option(help="GRPO's std: sample (verl), population, or none "
-                                     "(Dr. GRPO).", rich_help_panel=CREDIT_PANEL)] = "sample",
+    std: Annotated[StdMode, credit_option(
+        help="GRPO's std: sample (verl), population, or none (Dr. GRPO).")] = "sample",
     drop: DropOpt = "all-pass",
-    tokens: Annotated[TokenForm, typer.Option(help="Token-advantage form to write.",
-        rich_help_panel=CREDIT_PANEL)] = "spans",
-    reward: Annotated[RewardSource, typer.Option(
+    tokens: Annotated[TokenForm, credit_option(help="Token-advantage form to write.")] = "spans",
+    reward: Annotated[RewardSource, credit_option(
         help="rubric: pass fraction of retained criteria; outcome: the environment's outcome "
-        "(vanilla GRPO: implies --credit uniform, needs no verdicts).",
-            rich_help_panel=CREDIT_PANEL)] = "rubric",
+        "(vanilla GRPO: implies --credit uniform, needs no verdicts).")] = "rubric",
     judge: JudgeOpt = None,
     rubric_dropout: RubricDropoutOpt = 0.0,
     dropout_seed: DropoutSeedOpt = 0,

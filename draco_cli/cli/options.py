@@ -31,10 +31,12 @@ SPOT_PANEL = "Spot-check options"
 
 Command = Callable[..., None]
 # an option in its group's help panel
-_llm = functools.partial(typer.Option, rich_help_panel=LLM_PANEL)
-_prompt = functools.partial(typer.Option, rich_help_panel=PROMPT_PANEL)
-_rubric = functools.partial(typer.Option, rich_help_panel=RUBRIC_PANEL)
-_judge = functools.partial(typer.Option, rich_help_panel=JUDGE_PANEL)
+llm_option = functools.partial(typer.Option, rich_help_panel=LLM_PANEL)
+prompt_option = functools.partial(typer.Option, rich_help_panel=PROMPT_PANEL)
+rubric_option = functools.partial(typer.Option, rich_help_panel=RUBRIC_PANEL)
+judge_option = functools.partial(typer.Option, rich_help_panel=JUDGE_PANEL)
+credit_option = functools.partial(typer.Option, rich_help_panel=CREDIT_PANEL)
+spot_option = functools.partial(typer.Option, rich_help_panel=SPOT_PANEL)
 
 
 # A path option's parser: a remote URI (s3://…) is fetched (IN), or pulled and published if the
@@ -56,80 +58,80 @@ OutDir = Annotated[Path, typer.Option("-o", "--out", help="Output folder.", show
                                       callback=folder_path, parser=OUT)]
 
 # --- LLM stages -------------------------------------------------------------------------
-Model = Annotated[str, _llm(
+Model = Annotated[str, llm_option(
     "--model", help="provider/model: openai/gpt-4.1, anthropic/claude-sonnet-4-5, openai/NAME "
     "with --base-url for a vLLM/SGLang/Ollama server, or replay/PATH to answer from a recorded "
     "call log. Keys come from OPENAI_API_KEY / ANTHROPIC_API_KEY.")]
-BaseUrl = Annotated[str | None, _llm(
+BaseUrl = Annotated[str | None, llm_option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1.")]
-BaseUrls = Annotated[list[str] | None, _llm(
+BaseUrls = Annotated[list[str] | None, llm_option(
     "--base-url", envvar="DRACO_BASE_URL",
     help="Base URL of an OpenAI-compatible server, e.g. http://localhost:8000/v1. Repeat it (or "
     "give a file listing one URL a line) for a fleet serving one model: calls go to the endpoint "
     "with the fewest in flight, a failing one is backed off and the call retried on another.")]
-Concurrency = Annotated[int, _llm(
+Concurrency = Annotated[int, llm_option(
     min=1, help="Most calls in flight at once; with --adapt draco keeps fewer when the server "
     "does not serve more in parallel.")]
-Adapt = Annotated[bool | None, _llm(
+Adapt = Annotated[bool | None, llm_option(
     "--adapt/--no-adapt", metavar="",
     help="Measure the server's useful parallelism and keep in-flight "
     "calls near it (--no-adapt: always --concurrency). Default: on with --base-url.")]
-Rpm = Annotated[float | None, _llm(help="Requests per minute limit.")]
-Tpm = Annotated[float | None, _llm(help="Tokens per minute limit (estimated).")]
-Timeout = Annotated[float, _llm(help="Seconds per call before it is retried.")]
-ParseRetries = Annotated[int, _llm(
+Rpm = Annotated[float | None, llm_option(help="Requests per minute limit.")]
+Tpm = Annotated[float | None, llm_option(help="Tokens per minute limit (estimated).")]
+Timeout = Annotated[float, llm_option(help="Seconds per call before it is retried.")]
+ParseRetries = Annotated[int, llm_option(
     min=0, help="Re-asks after an answer that does not validate, then unanswered.")]
-MaxCost = Annotated[float | None, _llm(
+MaxCost = Annotated[float | None, llm_option(
     help="Stop issuing calls once this many USD are spent; rerun to resume.")]
-MaxReplyMib = Annotated[float, _llm(
+MaxReplyMib = Annotated[float, llm_option(
     "--max-reply-mib", help="Largest reply body a call takes, in MiB after decompression: a "
     "larger one (or a gzip bomb) is not read on, and that call ends unanswered with the reason.")]
-Prices = Annotated[Path | None, _llm(
+Prices = Annotated[Path | None, llm_option(
     parser=IN, help="Price table JSON overriding the shipped one (USD per million tokens).")]
-Batch = Annotated[bool | None, _llm(
+Batch = Annotated[bool | None, llm_option(
     "--batch/--no-batch", metavar="",
     help="The provider's batch API (half price, answers within hours; "
     "resumable). Default: off for draco run (a training step); for rubric generate and judge "
     "score on for openai/ and anthropic/ hosted APIs, off with --base-url (self-hosted "
     "servers rarely have one).")]
-Thinking = Annotated[Literal["on", "off"], _llm(
+Thinking = Annotated[Literal["on", "off"], llm_option(
     help="on|off: thinking for the judge model (reasoning effort, extended thinking, or Qwen3's "
     "enable_thinking on vLLM/SGLang).")]
-MaxTokens = Annotated[int, _prompt(help="Token limit per answer (at least 16).")]
-MaxPromptTokens = Annotated[int, _prompt(
+MaxTokens = Annotated[int, prompt_option(help="Token limit per answer (at least 16).")]
+MaxPromptTokens = Annotated[int, prompt_option(
     help="Prompt budget, tokens (at least 500; estimated at 4 characters a token): the whole "
     "prompt — task context, task, steps and an allowance of 1000 for the instructions, criteria "
     "and schema; long observations are shortened in the middle to fit.")]
-Redact = Annotated[list[str] | None, _prompt(
+Redact = Annotated[list[str] | None, prompt_option(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "
     "tokens and passwords are masked by default.")]
-NoDefaultRedact = Annotated[bool, _prompt(
+NoDefaultRedact = Annotated[bool, prompt_option(
     "--no-default-redact", metavar="",
     help="Mask only the --redact patterns.")]
-CallLogPath = Annotated[Path | None, _llm(
+CallLogPath = Annotated[Path | None, llm_option(
     "--call-log", parser=LOG,
     help="Call log to use (default OUT/llm_calls.sqlite); reruns resume from it.")]
-ShowPrompt = Annotated[bool, _prompt(
+ShowPrompt = Annotated[bool, prompt_option(
     "--show-prompt", metavar="",
     help="Print the rendered prompt for the first rollout and exit; no call.")]
-StructuredOutput = Annotated[str, _llm(
+StructuredOutput = Annotated[str, llm_option(
     help="How answers are constrained to JSON: auto (prompt on the hosted OpenAI and Anthropic "
     "APIs, whose caches put a server-side schema first; json-schema with --base-url), "
     "json-schema (OpenAI strict), "
     "json-schema-loose (strict false; SGLang, Ollama), json-object (llama.cpp), vllm "
     "(structured_outputs, vLLM >= 0.12), prompt (schema in the prompt, validated and re-asked), "
     "output-format or tool (Anthropic). `draco llm check` says which one a server takes.")]
-SystemRole = Annotated[Literal["keep", "fold"], _llm(
+SystemRole = Annotated[Literal["keep", "fold"], llm_option(
     help="keep: instructions in the system role; fold: into the first user message (chat "
     "formats that drop system messages, e.g. Gemma).")]
-UseN = Annotated[bool, _llm(
+UseN = Annotated[bool, llm_option(
     "--use-n/--no-use-n", metavar="",
     help="Ask k samples in one request with n (servers that ignore n "
     "get the missing samples re-asked one per call either way).")]
-Temperature = Annotated[float | None, _llm(
+Temperature = Annotated[float | None, llm_option(
     min=0.0, help="Sampling temperature (default: the server's).")]
-Seed = Annotated[int | None, _llm(
+Seed = Annotated[int | None, llm_option(
     help="Sampling seed, where the server honours one (enters the cache key).")]
 
 
@@ -210,19 +212,19 @@ def prompt_options() -> Callable[[Command], Command]:
 
 
 # --- rubric and judge stages (RubricOptions, JudgeOptions check the values) -------------
-MaxCriteria = Annotated[int, _rubric(help="Criteria per group at most, after the merge.")]
-StaticRubric = Annotated[Path | None, _rubric(
+MaxCriteria = Annotated[int, rubric_option(help="Criteria per group at most, after the merge.")]
+StaticRubric = Annotated[Path | None, rubric_option(
     parser=IN, help="Static rubric file for the static settings (default: draco's own).")]
-RubricStages = Annotated[str, _rubric(help="Comma-separated stages to run.")]
-Candidates = Annotated[Path | None, _rubric(
+RubricStages = Annotated[str, rubric_option(help="Comma-separated stages to run.")]
+Candidates = Annotated[Path | None, rubric_option(
     parser=IN, help="With --stages merge: merge another run's candidate pool (its "
     "rubric_candidates.parquet, or the rubric or run folder holding it) instead of new ones.")]
-JudgeModel = Annotated[str | None, _judge(help="Judge model, if not --model.")]
-Samples = Annotated[int, _judge(help="Judge samples per rollout (k).")]
-AggregateOpt = Annotated[Aggregate, _judge(
+JudgeModel = Annotated[str | None, judge_option(help="Judge model, if not --model.")]
+Samples = Annotated[int, judge_option(help="Judge samples per rollout (k).")]
+AggregateOpt = Annotated[Aggregate, judge_option(
     help="How judge samples combine: all (fail if any sample fails, pass only if all pass) or "
     "majority.")]
-JudgeLabel = Annotated[str, _judge(help="Judge arm label stored with the verdicts.")]
+JudgeLabel = Annotated[str, judge_option(help="Judge arm label stored with the verdicts.")]
 
 _RUBRIC: dict[str, tuple[Any, Any]] = {
     "max_criteria": (MaxCriteria, 8), "stages": (RubricStages, "generate,union,merge"),

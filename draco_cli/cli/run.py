@@ -12,7 +12,7 @@ from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import DropoutSeedOpt, RubricDropoutOpt
 from draco_cli.choices import (STAGES, CreditKind, Drop, Estimator, RewardSource, Setting,
                                StdMode, TokenForm)
-from draco_cli.cli.options import (OUT, CREDIT_PANEL, LLM_PANEL, SPOT_PANEL, CallLogPath,
+from draco_cli.cli.options import (OUT, CallLogPath, credit_option, llm_option, spot_option,
                                    Rollouts, Steps, folder_path, judge_options, llm_options,
                                    prompt_options, rubric_options)
 
@@ -25,9 +25,9 @@ if TYPE_CHECKING:
 # typer takes a list of Literal values only as an Enum
 Stage = Enum("Stage", {name: name for name in STAGES}, type=str)  # type: ignore[misc]
 
-RunModel = Annotated[str | None, typer.Option(
+RunModel = Annotated[str | None, llm_option(
     "--model", help="provider/model (openai/gpt-4.1, anthropic/…, openai/NAME with --base-url, "
-    "replay/PATH); not needed for --setting outcome.", rich_help_panel=LLM_PANEL)]
+    "replay/PATH); not needed for --setting outcome.")]
 
 
 @llm_options(model=(RunModel, None))
@@ -46,22 +46,17 @@ def run(
         "the environment outcome, uniform, no LLM call).")] = "draco",
     train_step: Annotated[int | None, typer.Option(help="Write into OUT/step-N (N ≥ 0).")]
     = None,
-    credit: Annotated[CreditKind | None, typer.Option(
-        help="Override the setting's credit: step or uniform.",
-            rich_help_panel=CREDIT_PANEL)] = None,
-    reward: Annotated[RewardSource | None, typer.Option(
+    credit: Annotated[CreditKind | None, credit_option(
+        help="Override the setting's credit: step or uniform.")] = None,
+    reward: Annotated[RewardSource | None, credit_option(
         help="Override the setting's reward: rubric (pass fraction of retained criteria) or "
-        "outcome (the environment's).", rich_help_panel=CREDIT_PANEL)] = None,
-    estimator: Annotated[Estimator, typer.Option(help="Group baseline.",
-        rich_help_panel=CREDIT_PANEL)] = "grpo",
-    std: Annotated[StdMode, typer.Option(help="GRPO's std: sample (verl), population, none.",
-        rich_help_panel=CREDIT_PANEL)]
+        "outcome (the environment's).")] = None,
+    estimator: Annotated[Estimator, credit_option(help="Group baseline.")] = "grpo",
+    std: Annotated[StdMode, credit_option(help="GRPO's std: sample (verl), population, none.")]
     = "sample",
-    drop: Annotated[Drop, typer.Option(help="Which criteria the discriminative filter drops.",
-        rich_help_panel=CREDIT_PANEL)]
+    drop: Annotated[Drop, credit_option(help="Which criteria the discriminative filter drops.")]
     = "all-pass",
-    tokens: Annotated[TokenForm, typer.Option(help="Token-advantage form to write.",
-        rich_help_panel=CREDIT_PANEL)]
+    tokens: Annotated[TokenForm, credit_option(help="Token-advantage form to write.")]
     = "spans",
     rubric_dropout: RubricDropoutOpt = 0.0,
     dropout_seed: DropoutSeedOpt = 0,
@@ -96,22 +91,19 @@ def run(
     partitions: Annotated[int | None, typer.Option(
         help="Partitions of the groups for --engine ray, each one task with its own "
         "call log (default: the cluster's CPUs).")] = None,
-    spot_check: Annotated[int, typer.Option(
+    spot_check: Annotated[int, spot_option(
         min=0, help="Each step, ask N of the training judge's verdicts (sampled with "
         "--spot-check-seed) again of a gold judge (--spot-check-model), same prompt and "
-        "rubric → judge/spot_checks.parquet; never changes the reward.",
-        rich_help_panel=SPOT_PANEL)] = 0,
-    spot_check_model: Annotated[str | None, typer.Option(
-        help="The gold judge's provider/model (other LLM options as --model's).",
-        rich_help_panel=SPOT_PANEL)] = None,
-    spot_check_base_url: Annotated[str | None, typer.Option(
+        "rubric → judge/spot_checks.parquet; never changes the reward.")] = 0,
+    spot_check_model: Annotated[str | None, spot_option(
+        help="The gold judge's provider/model (other LLM options as --model's).")] = None,
+    spot_check_base_url: Annotated[str | None, spot_option(
         help="Base URL of the gold judge's OpenAI-compatible server (default: none, the "
-        "provider's own API).", rich_help_panel=SPOT_PANEL)] = None,
-    spot_check_thinking: Annotated[Literal["on", "off"], typer.Option(
-        help="on|off: thinking for the gold judge.", rich_help_panel=SPOT_PANEL)] = "off",
-    spot_check_seed: Annotated[int, typer.Option(
-        min=0, help="Seed of the spot-check sample (with the train step).",
-        rich_help_panel=SPOT_PANEL)] = 0,
+        "provider's own API).")] = None,
+    spot_check_thinking: Annotated[Literal["on", "off"], spot_option(
+        help="on|off: thinking for the gold judge.")] = "off",
+    spot_check_seed: Annotated[int, spot_option(
+        min=0, help="Seed of the spot-check sample (with the train step).")] = 0,
     *, llm: LLMSettings | None, prompt: PromptOptions, judge: JudgeOptions,
     rubric: RubricOptions,
 ) -> None:
