@@ -14,6 +14,7 @@ import polars as pl
 import pytest
 from scipy import stats
 
+from draco_cli.errors import UsageError
 from tests.conftest import run_draco
 from tests.llm_server import schema_of, FakeLLMServer
 
@@ -235,9 +236,9 @@ def test_bad_input_is_one_line(rising, tmp_path):
     assert b"Traceback" not in res.stderr
 
 
-def test_in_loop_history_gives_the_audit_figures(rising, tmp_path):
-    """StepResults holding each run folder's tables give the audit's trends."""
-    from draco_cli.inloop import CallTally, GroupScore, StepResult, judge_health_history
+def _step_results(rising):
+    """Each run folder's tables as the StepResult an in-loop scorer would have returned."""
+    from draco_cli.inloop import CallTally, GroupScore, StepResult
 
     results, outcomes = [], []
     ro = pl.read_parquet("sample_data/appworld_mini/rollouts.parquet")
@@ -256,6 +257,14 @@ def test_in_loop_history_gives_the_audit_figures(rising, tmp_path):
                 CallTally()))
         results.append(StepResult(n, {}, {}, groups))
         outcomes.append(dict(zip(ro["rollout_id"], ro["outcome"])))
+    return results, outcomes
+
+
+def test_in_loop_history_gives_the_audit_figures(rising, tmp_path):
+    """StepResults holding each run folder's tables give the audit's trends."""
+    from draco_cli.inloop import judge_health_history
+
+    results, outcomes = _step_results(rising)
     h = judge_health_history(results, outcomes)
     doc = audit(rising, tmp_path / "h")
     def same(a: list[dict], b: list[dict]) -> None:  # summation order may differ: 1e-12
@@ -269,3 +278,28 @@ def test_in_loop_history_gives_the_audit_figures(rising, tmp_path):
     same(h.steps.to_dicts(), doc["steps"])
     same(h.trends.drop("reason").to_dicts(),
          [{k: v for k, v in t.items() if k != "reason"} for t in doc["trends"]])
+
+
+def test_history_asked_every_step_equals_the_whole_history(rising):
+    """A JudgeHealthHistory asked after each step (its steps' figures computed once, at the
+    health() after their add) gives, at every step, exactly the tables of judge_health_history
+    over the steps so far; a step given twice is refused and leaves the history as it was."""
+    from polars.testing import assert_frame_equal
+
+    from draco_cli.inloop import JudgeHealthHistory, judge_health_history
+
+    results, outcomes = _step_results(rising)
+    history = JudgeHealthHistory()
+    for k, (res, out) in enumerate(zip(results, outcomes)):
+        history.add(res, out)
+        if k % 2 == 0 and k + 1 < len(results):   # also two steps added between two calls
+            continue
+        got = history.health(min_steps=2)
+        want = judge_health_history(results[:k + 1], outcomes[:k + 1], min_steps=2)
+        for name in ("steps", "criteria", "trends"):
+            assert_frame_equal(getattr(got, name), getattr(want, name), check_exact=True)
+    assert history.health(min_steps=2).steps.height == len(results)
+    with pytest.raises(UsageError, match="train step 0 given twice"):
+        history.add(results[0], outcomes[0])
+    assert_frame_equal(history.health().trends, judge_health_history(results, outcomes).trends,
+                       check_exact=True)

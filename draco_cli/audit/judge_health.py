@@ -106,6 +106,18 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
     is not (slope ≤ 0 or p ≥ ``alpha``). ``spot_checks`` (the ``spot_checks`` tables of
     ``draco run --spot-check``, with ``train_step``) add the agreement with the gold judge per
     step and a ``spot_check`` trends row (``audit.spot_agreement``)."""
+    steps, crit = step_figures(verdicts, rollouts, rewards, rubrics, match=match,
+                               spot_checks=spot_checks)
+    return health_of(steps, crit, spot=spot_checks is not None and spot_checks.height > 0,
+                     alpha=alpha, min_steps=min_steps)
+
+
+def step_figures(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
+                 rewards: pl.DataFrame | None = None, rubrics: pl.DataFrame | None = None, *,
+                 match: str = "title", spot_checks: pl.DataFrame | None = None
+                 ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """The steps and criteria tables of ``judge_health``: each train step's rows depend on
+    that step's tables alone, so a history can compute them once per step."""
     ro = rollouts.select("train_step", "rollout_id", "group_id",
                          pl.col("outcome").cast(pl.Float64))
     v = verdicts.select("train_step", "rollout_id", "criterion_id", "verdict").join(
@@ -173,9 +185,14 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
     ).with_columns(pl.col(c).fill_nan(None) for c in
                    ("pass_rate", "pass_rate_success", "pass_rate_failure", "outcome_rate")
     ).select(list(CRITERION_SCHEMA)).cast(pl.Schema(CRITERION_SCHEMA)).sort("criterion", "train_step")
+    return steps, crit
 
+
+def health_of(steps: pl.DataFrame, crit: pl.DataFrame, *, spot: bool, alpha: float = ALPHA,
+              min_steps: int = MIN_STEPS) -> JudgeHealth:
+    """The trends and flags over ``step_figures``' tables (``spot``: spot checks were given)."""
     trends = [_run_trend(steps, alpha, min_steps)]
-    if spot_checks is not None and spot_checks.height:
+    if spot:
         p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
         trends.append(spot_scope_row(steps, p_t, alpha, min_steps))
     rows = []

@@ -7,8 +7,8 @@ from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.inloop.scorer import CallTally, GroupScore, Scorer
 from draco_cli.inloop.step import BlockingStepScorer, RowAdvantages, StepResult, StepScorer
 from draco_cli.inloop.files import write_step
-from draco_cli.inloop.health import judge_health_history
+from draco_cli.inloop.health import JudgeHealthHistory, judge_health_history
 
-__all__ = ["BlockingStepScorer", "CallTally", "GroupScore", "RowAdvantages", "Scorer",
-           "StepResult", "StepScorer", "TrainerRollout", "judge_health_history", "trainer_rows",
+__all__ = ["BlockingStepScorer", "CallTally", "GroupScore", "JudgeHealthHistory", "RowAdvantages",
+           "Scorer", "StepResult", "StepScorer", "TrainerRollout", "judge_health_history", "trainer_rows",
            "write_step"]

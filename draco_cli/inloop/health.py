@@ -7,9 +7,72 @@ from collections.abc import Mapping, Sequence
 
 import polars as pl
 
-from draco_cli.audit.judge_health import ALPHA, MIN_STEPS, JudgeHealth, judge_health
+from draco_cli.audit.judge_health import (ALPHA, MIN_STEPS, JudgeHealth, health_of,
+                                          step_figures)
 from draco_cli.errors import UsageError
 from draco_cli.inloop.step import StepResult
+
+
+class JudgeHealthHistory:
+    """``judge_health_history`` kept step by step: each step's figures are computed once (at
+    the first ``health()`` after its ``add``), and ``health()`` fits the trends over every
+    step so far, so asking after each step costs the new steps' figures and the trends, not
+    the whole history again."""
+
+    def __init__(self, *, match: str = "title") -> None:
+        self.match = match
+        self._added = 0
+        self._seen: set[int] = set()
+        # the tables of steps added since the last health(): verdicts, rollouts, rewards,
+        # rubrics, spot checks
+        self._new: tuple[list[pl.DataFrame], ...] = ([], [], [], [], [])
+        self._steps: list[pl.DataFrame] = []
+        self._criteria: list[pl.DataFrame] = []
+        self._spot = False
+
+    def add(self, result: StepResult, outcomes: Mapping[str, float | None]) -> None:
+        """A step's result and its rollouts' environment outcomes by rollout id (None: no
+        outcome). A result without a train step takes its place in the history as its step.
+        Rollouts of a group that fell back (not scored) are left out."""
+        step = result.train_step if result.train_step is not None else self._added
+        if step in self._seen:
+            raise UsageError(f"judge_health_history: train step {step} given twice")
+        self._added += 1
+        self._seen.add(step)
+        t = result.tables(("verdicts", "rewards", "rubrics"))   # not the token tables: large
+        if not t["verdicts"].height or not t["rewards"].height:
+            return
+        tag = pl.lit(step, pl.Int64).alias("train_step")
+        vs, rs, ws, bs, ss = self._new
+        vs.append(t["verdicts"].select("rollout_id", "criterion_id", "verdict")
+                  .with_columns(tag))
+        rs.append(t["rewards"].select("rollout_id", "group_id").with_columns(
+            pl.col("rollout_id").replace_strict(dict(outcomes), default=None,
+                                                return_dtype=pl.Float64).alias("outcome"), tag))
+        ws.append(t["rewards"].select("rollout_id", pl.col("reward").cast(pl.Float64))
+                  .with_columns(tag))
+        if t["rubrics"].height and "title" in t["rubrics"].columns:
+            bs.append(t["rubrics"].select("group_id", "criterion_id", "title").with_columns(tag))
+        if result.spot_checks is not None and result.spot_checks.height:   # spot_check=N
+            ss.append(result.spot_checks.with_columns(tag))
+
+    def health(self, *, alpha: float = ALPHA, min_steps: int = MIN_STEPS) -> JudgeHealth:
+        vs, rs, ws, bs, ss = self._new
+        if vs:   # the new steps' figures, in one pass over their tables
+            steps, criteria = step_figures(
+                pl.concat(vs), pl.concat(rs), pl.concat(ws), pl.concat(bs) if bs else None,
+                match=self.match, spot_checks=pl.concat(ss) if ss else None)
+            self._steps.append(steps)
+            self._criteria.append(criteria)
+            self._spot = self._spot or bool(ss)
+            self._new = ([], [], [], [], [])
+        if not self._steps:
+            raise UsageError("judge_health_history: no scored step (every group fell back)")
+        # one frame per table again, so the next call concatenates one more step, not all
+        self._steps = [pl.concat(self._steps).sort("train_step")]
+        self._criteria = [pl.concat(self._criteria).sort("criterion", "train_step")]
+        return health_of(self._steps[0], self._criteria[0], spot=self._spot, alpha=alpha,
+                         min_steps=min_steps)
 
 
 def judge_health_history(results: Sequence[StepResult],
@@ -19,35 +82,12 @@ def judge_health_history(results: Sequence[StepResult],
     """Judge health over training steps scored in-loop: ``results[i]`` a step's result and
     ``outcomes[i]`` its rollouts' environment outcomes by rollout id (None: no outcome). A
     result without a train step takes its place in the history as its step. Rollouts of a
-    group that fell back (not scored) are left out."""
+    group that fell back (not scored) are left out. A trainer asking every step keeps a
+    ``JudgeHealthHistory`` instead."""
     if len(results) != len(outcomes):
         raise UsageError(f"judge_health_history: {len(results)} step results but "
                          f"{len(outcomes)} outcome maps: give one per step")
-    vs, rs, ws, bs, ss = [], [], [], [], []
-    seen: set[int] = set()
-    for i, (res, out) in enumerate(zip(results, outcomes)):
-        step = res.train_step if res.train_step is not None else i
-        if step in seen:
-            raise UsageError(f"judge_health_history: train step {step} given twice")
-        seen.add(step)
-        t = res.tables(("verdicts", "rewards", "rubrics"))   # not the token tables: large
-        tag = pl.lit(step, pl.Int64).alias("train_step")
-        if not t["verdicts"].height or not t["rewards"].height:
-            continue
-        groups = t["rewards"].select("rollout_id", "group_id")
-        vs.append(t["verdicts"].select("rollout_id", "criterion_id", "verdict")
-                  .with_columns(tag))
-        ws.append(t["rewards"].select("rollout_id", pl.col("reward").cast(pl.Float64))
-                  .with_columns(tag))
-        rs.append(groups.with_columns(
-            pl.col("rollout_id").replace_strict(dict(out), default=None,
-                                                return_dtype=pl.Float64).alias("outcome"), tag))
-        if t["rubrics"].height and "title" in t["rubrics"].columns:
-            bs.append(t["rubrics"].select("group_id", "criterion_id", "title").with_columns(tag))
-        if res.spot_checks is not None and res.spot_checks.height:   # spot_check=N
-            ss.append(res.spot_checks.with_columns(tag))
-    if not vs:
-        raise UsageError("judge_health_history: no scored step (every group fell back)")
-    return judge_health(pl.concat(vs), pl.concat(rs), pl.concat(ws),
-                        pl.concat(bs) if bs else None, match=match, alpha=alpha,
-                        min_steps=min_steps, spot_checks=pl.concat(ss) if ss else None)
+    history = JudgeHealthHistory(match=match)
+    for res, out in zip(results, outcomes):
+        history.add(res, out)
+    return history.health(alpha=alpha, min_steps=min_steps)
