@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import sqlite3
 import subprocess
 import sys
 import time
@@ -15,6 +16,7 @@ import polars as pl
 import pytest
 from pydantic import BaseModel
 
+from draco_cli.llm.export import read_totals
 from draco_cli.llm import CallLog, LLMClient, LLMError, LLMRequest, PriceTable, ReplayMiss, \
     Sampling, export_parquet
 from tests.conftest import REPO
@@ -225,8 +227,8 @@ def test_resume_after_kill_pays_nothing_twice(server, tmp_path):
     os.kill(proc.pid, signal.SIGKILL)
     proc.wait()
     before = server.hits["chat"]
+    logged = _answered(tmp_path / "calls.sqlite")
     with CallLog(tmp_path / "calls.sqlite") as log:
-        logged = len(log.answered())
         c = client(server, log, concurrency=8)
         out = c.run([req(f"r{i}") for i in range(40)])
     assert all(a.status == "ok" for r in out for a in r)
@@ -339,8 +341,6 @@ def test_call_log_is_queryable_with_duckdb(server, tmp_path):
 
 
 def _sqlite(tmp_path):
-    import sqlite3
-
     return sqlite3.connect(tmp_path / "calls.sqlite")
 
 
@@ -420,13 +420,21 @@ def test_cli_check_and_export(server, tmp_path):
 
 
 def _rows(path) -> list[dict]:
-    import sqlite3
-
     conn = sqlite3.connect(path)
     conn.row_factory = sqlite3.Row
     rows = [dict(r) for r in conn.execute("SELECT * FROM calls ORDER BY id")]
     conn.close()
     return rows
+
+
+def _answered(path) -> int:
+    """Distinct (request, sample) pairs the log holds an answer for."""
+    conn = sqlite3.connect(path)
+    try:
+        return conn.execute("SELECT COUNT(*) FROM (SELECT DISTINCT request_hash, sample FROM "
+                            "calls WHERE status = 'ok')").fetchone()[0]
+    finally:
+        conn.close()
 
 
 def test_a_rejected_request_is_not_retried_and_its_reason_is_kept(server, tmp_path):
@@ -578,7 +586,7 @@ def test_unpriced_models_are_null_not_zero(server, tmp_path):
         c = LLMClient("openai/self-hosted", call_log=log, base_url=server.url + "/v1")
         c.run([req("a")])
         assert c.stats["score"].priced is False
-        assert log.totals()["score"]["cost_usd"] is None
+    assert read_totals(tmp_path / "calls.sqlite")["score"]["cost_usd"] is None
     assert _rows(tmp_path / "calls.sqlite")[0]["cost_usd"] is None
 
 
@@ -594,7 +602,6 @@ def test_temperature_and_seed_reach_the_request_and_the_cache_key(server, tmp_pa
 
 def test_damaged_call_logs_are_named_never_restarted(server, tmp_path):
     from draco_cli.errors import InputError
-    from draco_cli.llm.export import read_totals
 
     good = tmp_path / "good.sqlite"
     with CallLog(good) as log:
@@ -615,10 +622,16 @@ def test_damaged_call_logs_are_named_never_restarted(server, tmp_path):
 
 
 def test_old_logs_migrate_and_newer_ones_are_refused(server, tmp_path):
-    import sqlite3
 
     from draco_cli.errors import InputError
-    from draco_cli.llm.calllog import SCHEMA_VERSION, schema_version
+    from draco_cli.llm.calllog import SCHEMA_VERSION
+
+    def schema_version(path):
+        conn = sqlite3.connect(path)
+        try:
+            return conn.execute("PRAGMA user_version").fetchone()[0]
+        finally:
+            conn.close()
 
     p = tmp_path / "calls.sqlite"
     with CallLog(p) as log:
@@ -627,7 +640,7 @@ def test_old_logs_migrate_and_newer_ones_are_refused(server, tmp_path):
     conn.execute("PRAGMA user_version = 0")  # as written before versions were stamped
     conn.commit()
     conn.close()
-    assert schema_version(p) == 1
+    assert schema_version(p) == 0
     with CallLog(p) as log:
         client(server, log).run([req("a")])
     assert server.hits["chat"] == 1 and schema_version(p) == SCHEMA_VERSION
@@ -640,9 +653,11 @@ def test_old_logs_migrate_and_newer_ones_are_refused(server, tmp_path):
 
 
 def test_shipped_sample_log_still_replays():
-    from draco_cli.llm.calllog import ReplayLog
+    from draco_cli.llm.providers.replay import ReplayProvider
 
-    assert ReplayLog(REPO / "sample_data" / "llm_calls.sqlite").answers
+    assert _answered(REPO / "sample_data" / "llm_calls.sqlite") > 0
+    assert ReplayProvider(str(REPO / "sample_data" / "llm_calls.sqlite")).answers.get(
+        ("no such hash", 0)) is None
 
 
 def test_the_mock_provider_answers_offline_with_no_key_for_llm_check_and_a_run(tmp_path,

@@ -138,8 +138,6 @@ def test_the_answer_cache_reads_the_log_as_the_dict_did(tmp_path):
         assert cache.get((h1, 1)) is None                 # unanswered is no answer
         assert cache.get(("not-hex", 0)).answer_text == "plain"
         assert cache.get((h2, 0)) is None                 # logged after the cache was opened
-        assert (h1, 0) in cache and (h2, 0) not in cache
-        assert len(cache) == 2 and set(cache) == {(h1, 0), ("not-hex", 0)}
         assert log.answered().get((h2, 0)).answer_text == "later"
     n = export_parquet(tmp_path / "calls.sqlite", tmp_path / "calls.parquet")
     df = pl.read_parquet(tmp_path / "calls.parquet")

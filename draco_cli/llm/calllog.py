@@ -19,10 +19,10 @@ import os
 import sqlite3
 import threading
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any, cast
+from typing import Any
 
 from draco_cli.llm.calllog_errors import (_bad, _check_file, _unreadable,
                                           _write_failed, retry_read)
@@ -174,15 +174,6 @@ def _connect(path: Path, readonly: bool = False) -> sqlite3.Connection:
     return conn
 
 
-def schema_version(path: str | Path) -> int:
-    """The schema version of an existing call log (1 for logs from before versions)."""
-    conn = _connect(Path(path), readonly=True)
-    try:
-        return conn.execute("PRAGMA user_version").fetchone()[0] or 1
-    finally:
-        conn.close()
-
-
 class CallLog:
     """Append-only call log with a batching writer thread; use as a context manager."""
 
@@ -290,7 +281,7 @@ class CallLog:
 
     # -- reading ---------------------------------------------------------------------------
 
-    def answered(self, model: str | None = None) -> AnsweredCalls:
+    def answered(self) -> AnsweredCalls:
         """Every answered (request_hash, sample) in the log as it is now — the cache, looked up
         in the log on demand (memory does not grow with the log; rows written later are not
         in it, as they were not in the dict this once was)."""
@@ -299,12 +290,8 @@ class CallLog:
         self._views.append(view)
         return view
 
-    def totals(self) -> dict[str, dict[str, float]]:
-        self.flush()
-        return phase_totals(self._conn)
 
-
-class AnsweredCalls(Mapping[tuple[str, int], Recorded]):
+class AnsweredCalls:
     """The answered calls of a log up to the moment it was opened, keyed (hash, sample) where
     the hash is ``request_hash`` (the cache) or ``content_hash`` (replay/). Only the hashes'
     first 64 bits are held (8 bytes a call, sorted), so a miss costs no query and a hit one
@@ -355,30 +342,6 @@ class AnsweredCalls(Mapping[tuple[str, int], Recorded]):
             row = self._conn.execute(self._sql, (h, sample, self._last)).fetchone()
         return default if row is None else Recorded(*row)
 
-    def __getitem__(self, key: tuple[str, int]) -> Recorded:
-        hit = self.get(key)
-        if hit is None:
-            raise KeyError(key)
-        return cast(Recorded, hit)
-
-    def __contains__(self, key: object) -> bool:
-        return isinstance(key, tuple) and len(key) == 2 and self.get(key) is not None
-
-    def __iter__(self) -> Iterator[tuple[str, int]]:
-        with self._lock:
-            assert self._conn is not None
-            rows = self._conn.execute(
-                f"SELECT DISTINCT {self.by}, sample FROM calls WHERE status = 'ok' AND id <= ?",
-                (self._last,)).fetchall()
-        return iter([(h, s) for h, s in rows])
-
-    def __len__(self) -> int:
-        with self._lock:
-            assert self._conn is not None
-            return int(self._conn.execute(
-                f"SELECT COUNT(*) FROM (SELECT DISTINCT {self.by}, sample FROM calls "
-                "WHERE status = 'ok' AND id <= ?)", (self._last,)).fetchone()[0])
-
     def close(self) -> None:
         with self._lock:
             if self._conn is not None:
@@ -415,15 +378,3 @@ def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
         out[row[0]] = totals
     return out
 
-
-class ReplayLog:
-    """Read-only view of a recorded call log, looked up by content hash (model-free)."""
-
-    def __init__(self, path: str | Path) -> None:
-        self.path = Path(path)
-        if not self.path.exists():
-            from draco_cli.errors import InputError
-
-            raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
-                             file=str(path))
-        self.answers = AnsweredCalls(self.path, "content_hash")

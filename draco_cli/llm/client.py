@@ -286,12 +286,10 @@ class LLMClient:
         missing = [i for i, a in enumerate(answers) if a is None]
         if missing:
             groups = [missing] if provider.supports_n else [[i] for i in missing]
-            if len(groups) == 1:   # the common case: no task of its own to gather
-                results = [await self._ask_in_time(provider, req, groups[0])]
-            else:
-                # One sample ahead of the rest: a provider's prompt cache holds a prompt once
-                # its prefill is done, so samples sent together would each pay (or write) it.
-                results = [await self._ask_in_time(provider, req, groups[0])]
+            # One sample ahead of the rest: a provider's prompt cache holds a prompt once its
+            # prefill is done, so samples sent together would each pay (or write) it.
+            results = [await self._ask_in_time(provider, req, groups[0])]
+            if len(groups) > 1:
                 results += await asyncio.gather(*(self._ask_in_time(provider, req, g)
                                                   for g in groups[1:]))
             for group in results:

@@ -7,7 +7,7 @@ import asyncio
 import sqlite3
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -247,11 +247,8 @@ class _ChunkProgress:
             self.done += p.done - last[0]
             self.failed += p.failed - last[1]
             last[:] = [p.done, p.failed]
-            from draco_cli.llm.types import Progress
-
-            assert self.progress is not None
-            self.progress(Progress(self.done, self.total, self.failed, p.cost_usd,
-                                   getattr(p, "note", None), getattr(p, "priced", True)))
+            assert self.progress is not None   # p: the client's Progress of this chunk
+            self.progress(replace(p, done=self.done, total=self.total, failed=self.failed))
 
         return tick
 

@@ -3,9 +3,11 @@ demos, tests)."""
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
-from draco_cli.llm.calllog import ReplayLog
+from draco_cli.errors import InputError
+from draco_cli.llm.calllog import AnsweredCalls
 from draco_cli.llm.errors import ReplayMiss
 from draco_cli.llm.providers.base import Provider
 from draco_cli.llm.types import Choice, LLMRequest, Reply, Usage
@@ -19,13 +21,16 @@ class ReplayProvider(Provider):
 
     def __init__(self, path: str, **_: Any) -> None:
         self.model = path
-        self.log = ReplayLog(path)
+        if not Path(path).exists():
+            raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
+                             file=path)
+        self.answers = AnsweredCalls(Path(path), "content_hash")
 
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
                        samples: list[int]) -> Reply:
         choices = []
         for i in samples:
-            hit = self.log.answers.get((req.hash(i, None), i))
+            hit = self.answers.get((req.hash(i, None), i))
             if hit is None:
                 raise ReplayMiss(
                     f"replay/{self.model}: no recorded answer for this {req.phase} request "
