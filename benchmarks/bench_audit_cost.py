@@ -43,8 +43,8 @@ main()
 
 def write_log(n: int, dst: Path) -> tuple[Path, Path, Path]:
     sys.path.insert(0, str(REPO))
-    from draco_cli.audit import read_calls
     from draco_cli.llm.calllog import CallLog
+    from draco_cli.llm.export import export_parquet
 
     rng = random.Random(n)
     log = dst / f"calls-{n}.sqlite"
@@ -64,7 +64,7 @@ def write_log(n: int, dst: Path) -> tuple[Path, Path, Path]:
                     latency_s=0.1, cost_usd=rng.random() / 100,
                     batch_id=None if i % 3 else "b1")
     export = dst / f"calls-{n}.parquet"
-    read_calls(log).write_parquet(export, row_group_size=1000)  # ~16 MB row groups
+    export_parquet(log, export)   # as `draco llm export` writes it: ~16 MB row groups
     m = n // 3 + 1
     rollouts = dst / f"rollouts-{n}.parquet"
     pl.DataFrame({"rollout_id": [f"r{i}" for i in range(m)],

@@ -143,11 +143,12 @@ def test_cost_per_phase_step_and_projection(tmp_path):
                                  ("r1", "score", 0.0)]:
             log.record(phase=phase, key=key, status="ok" if cost else "http_error",
                        input_tokens=100, output_tokens=10, cost_usd=cost)
-    from draco_cli.audit import read_calls
+    from draco_cli.audit import AUDIT_COST_COLUMNS, read_cost_rows
 
     rollouts = pl.DataFrame({"rollout_id": ["r1", "r2"], "group_id": ["g1", "g2"],
                              "train_step": [1, 2]})
-    per_phase, per_step, projected = cost_audit(read_calls(tmp_path / "c.sqlite"), rollouts)
+    per_phase, per_step, projected = cost_audit(
+        read_cost_rows(tmp_path / "c.sqlite", AUDIT_COST_COLUMNS), rollouts)
     ph = {r["phase"]: r for r in per_phase.iter_rows(named=True)}
     assert ph["score"]["calls"] == 3 and ph["score"]["cost_usd"] == 0.75
     assert ph["merge"]["cost_usd"] == 1.0

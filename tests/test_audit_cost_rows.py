@@ -9,10 +9,17 @@ import polars as pl
 import pytest
 from polars.testing import assert_frame_equal
 
-from draco_cli.audit import (AUDIT_COST_COLUMNS, billed_vs_naive, cost_audit, read_calls,
-                             read_cost_rows)
+from draco_cli.audit import AUDIT_COST_COLUMNS, billed_vs_naive, cost_audit, read_cost_rows
 from draco_cli.llm.calllog import CallLog
 from tests.conftest import run_draco
+
+
+def read_calls(path) -> pl.DataFrame:
+    """Every column of a call log, read whole: the reference the column-reading is held to."""
+    with sqlite3.connect(path) as conn:
+        cur = conn.execute("SELECT * FROM calls")
+        names = [d[0] for d in cur.description]
+        return pl.DataFrame(cur.fetchall(), schema=names, orient="row", infer_schema_length=None)
 
 
 def _log(path, n: int) -> None:

@@ -10,13 +10,9 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draco_cli.credit import (
-    compute_credit,
-    discriminative_filter,
-    group_advantage,
-    step_credit_table,
-)
+from draco_cli.credit import compute_credit, discriminative_filter, group_advantage
 from draco_cli.errors import InputError, UsageError
+from tests.credit_tables import step_credit_table
 from tests.reference_credit import reference
 from tests.conftest import examples
 

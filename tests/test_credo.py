@@ -388,7 +388,8 @@ def test_cross_fit_predicts_each_fold_from_the_others():
 def test_policy_spans_past_the_last_step_without_response_len(mode):
     """Positions known, response_len null, a policy span after the last step (a final message):
     the length covers the span in every mode, no span lies past it, dense form works."""
-    from draco_cli.credit.tokens import build_token_advantages, spans_to_dense
+    from draco_cli.credit.tokens import spans_to_dense
+    from tests.credit_tables import build_token_advantages
 
     rollouts = pl.DataFrame({"rollout_id": ["a"], "group_id": ["g"], "response_len": [None],
                              "policy_spans": [[[0, 6], [10, 14], [20, 25]]]},

@@ -9,8 +9,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.credit import compute_credit
-from draco_cli.credit.tokens import build_token_advantages, dense_to_spans, spans_to_dense
+from draco_cli.credit.tokens import dense_to_spans, spans_to_dense
 from tests.conftest import examples
+from tests.credit_tables import build_token_advantages
 
 
 def setup(credit="step", token_start=True, spans=True, verdicts=None):

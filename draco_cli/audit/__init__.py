@@ -3,41 +3,23 @@ rubric writers overlap, what do rubrics look like, and what did the LLM calls co
 
 from draco_cli.audit.cost import (
     AUDIT_COST_COLUMNS,
-    BILLED_STATUS,
-    COST_COLUMNS,
     billed_vs_naive,
     billed_vs_naive_logs,
     cost_audit,
     cost_categories,
-    read_calls,
     read_cost_rows,
 )
-from draco_cli.audit.overlap import (
-    Similarity,
-    lexical_similarity,
-    match_one_to_one,
-    overlap_audit,
-    rubric_audit,
-)
-from draco_cli.audit.self_judge import KEYS, TESTED, agreement_rows, quarters, self_judge_audit
+from draco_cli.audit.overlap import lexical_similarity, overlap_audit, rubric_audit
+from draco_cli.audit.self_judge import self_judge_audit
 
 __all__ = [
     "AUDIT_COST_COLUMNS",
-    "BILLED_STATUS",
-    "COST_COLUMNS",
-    "KEYS",
-    "Similarity",
-    "TESTED",
-    "agreement_rows",
     "billed_vs_naive",
     "billed_vs_naive_logs",
     "cost_audit",
     "cost_categories",
     "lexical_similarity",
-    "match_one_to_one",
     "overlap_audit",
-    "quarters",
-    "read_calls",
     "read_cost_rows",
     "rubric_audit",
     "self_judge_audit",

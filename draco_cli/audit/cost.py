@@ -71,22 +71,6 @@ def _projected(per_step: pl.DataFrame) -> float | None:
     return _number(per_step["cost_usd"].fill_null(0.0).mean()) * 100
 
 
-def read_calls(path: str | os.PathLike[str]) -> pl.DataFrame:
-    """A call log: SQLite (llm_calls.sqlite) or its Parquet export."""
-    p = Path(path)
-    if not p.exists():
-        raise InputError("no such call log", file=str(p))
-    if p.suffix == ".parquet":
-        return pl.read_parquet(p)
-    from draco_cli.llm.calllog import read_only
-
-    with read_only(p) as (conn, _):
-        cur = conn.execute("SELECT * FROM calls")
-        names = [d[0] for d in cur.description]
-        return pl.DataFrame(cur.fetchall(), schema=names, orient="row",
-                            infer_schema_length=None)
-
-
 # Rows that carry a paid reply's usage (an http_error or unanswered row paid nothing).
 BILLED_STATUS = ["ok", "invalid", "truncated", "refused"]
 

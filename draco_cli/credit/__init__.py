@@ -11,15 +11,10 @@ step credit conserving each rollout's total, and per-token advantages for the tr
 """
 
 from draco_cli.credit.compute import credit_compute, credit_expand
-from draco_cli.credit.core import (CreditResult, CreditStats, compute_credit,
-                                   discriminative_filter, group_advantage, rewards_table,
-                                   step_credit_table)
-from draco_cli.credit.inputs import StepArrays, attach_groups, index_steps, narrow_judge
-from draco_cli.credit.tokens import (build_token_advantages, dense_to_spans, form_of,
-                                     spans_to_dense, token_spans)
+from draco_cli.credit.core import (CreditStats, compute_credit, discriminative_filter,
+                                   group_advantage, rewards_table)
+from draco_cli.credit.inputs import attach_groups, index_steps, narrow_judge
 
-__all__ = ["CreditResult", "CreditStats", "StepArrays", "attach_groups",
-           "build_token_advantages", "compute_credit", "credit_compute", "credit_expand",
-           "dense_to_spans", "discriminative_filter", "form_of", "group_advantage",
-           "index_steps", "narrow_judge", "rewards_table", "spans_to_dense",
-           "step_credit_table", "token_spans"]
+__all__ = ["CreditStats", "attach_groups", "compute_credit", "credit_compute", "credit_expand",
+           "discriminative_filter", "group_advantage", "index_steps", "narrow_judge",
+           "rewards_table"]

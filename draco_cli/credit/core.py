@@ -341,24 +341,6 @@ def step_credit_frame(sa: StepArrays, arrays: dict[str, np.ndarray]) -> pl.DataF
     )
 
 
-def step_credit_table(
-    steps: pl.DataFrame,
-    verdicts: pl.DataFrame,
-    advantages: pl.DataFrame,
-    credit: CreditKind = "step",
-) -> tuple[pl.DataFrame, pl.DataFrame, int]:
-    """Step credit of the rollouts in ``advantages`` (rollout_id, advantage) from retained
-    verdicts. Returns (step_credit, modes: rollout_id + credit_mode, citations dropped)."""
-    sa = index_steps(steps, advantages, "steps")
-    v = verdicts.join(advantages.select("rollout_id").with_row_index("__r"), on="rollout_id")
-    p, f, dropped = citation_arrays(sa, v)
-    arrays = step_credit_arrays(sa, p, f, advantages["advantage"].to_numpy().astype(np.float64),
-                                credit)
-    modes = advantages.select("rollout_id").with_columns(
-        arrays["mode_r"])
-    return step_credit_frame(sa, arrays), modes, dropped
-
-
 # --- the whole computation ----------------------------------------------------------------
 
 

@@ -17,7 +17,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.credit.inputs import StepArrays, index_steps, rollout_chunks, sum_by_offsets
+from draco_cli.credit.inputs import StepArrays, rollout_chunks, sum_by_offsets
 from draco_cli.errors import InputError
 
 if TYPE_CHECKING:
@@ -62,21 +62,6 @@ def _canonical(row: np.ndarray, start: np.ndarray, end: np.ndarray, value: np.nd
     offsets = np.zeros(n_rows + 1, dtype=np.int64)
     np.cumsum(np.bincount(row, minlength=n_rows), out=offsets[1:])
     return offsets, start, end, value
-
-
-def build_token_advantages(
-    rollouts: pl.DataFrame, step_credit: pl.DataFrame, rewards: pl.DataFrame,
-    source: str = "step_credit",
-) -> pl.DataFrame:
-    """Spans-form token advantages from tables (step_credit carrying ``token_start``)."""
-    sa = index_steps(step_credit, rollouts, source)
-    adv = step_credit.select("rollout_id", "step", "advantage").join(
-        sa.order().with_row_index("__i"), on=["rollout_id", "step"]).sort("__i")["advantage"]
-    per = rollouts.select("rollout_id").join(
-        rewards.select("rollout_id", "advantage", "credit_mode"), on="rollout_id", how="left",
-        maintain_order="left")
-    return token_spans(rollouts, sa, adv.to_numpy(), per["advantage"].fill_null(0.0).to_numpy(),
-                       per["credit_mode"].fill_null("grpo_fallback").to_numpy(), source)
 
 
 def token_spans(rollouts: pl.DataFrame, sa: StepArrays, step_adv: np.ndarray, adv_r: np.ndarray,
