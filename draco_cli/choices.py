@@ -7,7 +7,7 @@ from typing import Literal, get_args
 
 __all__ = ["STAGES", "Aggregate", "CreditKind", "Drop", "Estimator", "RewardSource",
            "RubricKind", "Setting", "Stage", "StdMode", "TokenForm", "StepUnit",
-           "STEP_UNITS", "CodeBlocks", "CODE_BLOCKS"]
+           "STEP_UNITS", "CodeBlocks", "CODE_BLOCKS", "IngestFormat"]
 
 CreditKind = Literal["step", "uniform"]
 Estimator = Literal["grpo", "rloo"]
@@ -24,3 +24,5 @@ StepUnit = Literal["message", "code-block", "tool-call"]   # draco ingest --step
 STEP_UNITS: tuple[str, ...] = get_args(StepUnit)
 CodeBlocks = Literal["one", "all"]                          # draco ingest --code-blocks
 CODE_BLOCKS: tuple[str, ...] = get_args(CodeBlocks)
+IngestFormat = Literal["openai-jsonl", "tau-bench", "tau2-bench", "agentprocessbench",
+                       "verifiers", "rllm", "skyrl", "slime"]   # draco ingest FORMAT

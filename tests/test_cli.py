@@ -76,6 +76,15 @@ def test_ingest_sample_and_validate(tmp_path):
     assert res.returncode == 0 and "12 rollouts, 48 steps" in res.stderr.decode()
 
 
+def test_ingest_offers_every_format_the_library_reads():
+    from typing import get_args
+
+    from draco_cli.choices import IngestFormat
+    from draco_cli.ingest import FORMATS, RECORD_FORMATS
+
+    assert set(get_args(IngestFormat)) == set(FORMATS) | set(RECORD_FORMATS)
+
+
 def test_refuses_to_overwrite_without_force(tmp_path):
     args = ["ingest", "tau-bench", str(TAU), "--tokenizer", "approx", "-o", str(tmp_path)]
     assert run_draco(*args).returncode == 0
@@ -136,9 +145,15 @@ def test_debug_env_shows_traceback(tmp_path):
 
 
 def test_cli_reference_is_current_and_every_command_has_help_and_example():
-    from draco_cli.cli.reference import missing_help, render
+    import typer
 
-    assert missing_help() == []
+    from draco_cli.cli import app
+    from draco_cli.cli.reference import _commands, render
+
+    missing = [f"{name}: no help" if not (cmd.help or "").strip() else f"{name}: no example"
+               for name, cmd in _commands(typer.main.get_command(app))
+               if "Example: draco " not in (cmd.help or "")]
+    assert missing == []
     on_disk = (REPO / "docs" / "cli.md").read_text()
     assert on_disk == render(), "docs/cli.md is stale: python -m draco_cli.cli.reference"
 

@@ -1,29 +1,17 @@
 from __future__ import annotations
 
-from enum import Enum
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from draco_cli.cli.console import err_console
-from draco_cli.choices import CodeBlocks, StepUnit
+from draco_cli.choices import CodeBlocks, IngestFormat, StepUnit
 from draco_cli.cli.options import IN, Force, OutDir
 
 
-class Format(str, Enum):
-    openai_jsonl = "openai-jsonl"
-    tau_bench = "tau-bench"
-    tau2_bench = "tau2-bench"
-    agentprocessbench = "agentprocessbench"
-    verifiers = "verifiers"
-    rllm = "rllm"
-    skyrl = "skyrl"
-    slime = "slime"
-
-
 def ingest(
-    fmt: Annotated[Format, typer.Argument(metavar="FORMAT", help="Log format of the inputs.")],
+    fmt: Annotated[IngestFormat, typer.Argument(metavar="FORMAT", help="Log format of the inputs.")],
     inputs: Annotated[list[Path], typer.Argument(metavar="INPUT...", parser=IN, help="Log files.")],
     out: OutDir,
     step_unit: Annotated[
@@ -66,7 +54,7 @@ def ingest(
     from draco_cli.ingest.stage import ingest_logs
 
     with err_console.status("ingesting…"):
-        result = ingest_logs(fmt.value, list(inputs), out, step_unit=step_unit,
+        result = ingest_logs(fmt, list(inputs), out, step_unit=step_unit,
                              tokenizer=tokenizer, group_by=group_by, train_step=train_step,
                              skip_invalid=skip_invalid, force=force,
                              code_language=code_language, code_blocks=code_blocks)

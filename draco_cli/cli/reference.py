@@ -49,19 +49,6 @@ def render() -> str:
     return "\n".join(out).rstrip() + "\n"
 
 
-def missing_help() -> list[str]:
-    from draco_cli.cli import app
-
-    bad = []
-    for name, cmd in _commands(typer.main.get_command(app)):
-        help_text = cmd.help or ""
-        if not help_text.strip():
-            bad.append(f"{name}: no help")
-        elif "Example: draco " not in help_text:
-            bad.append(f"{name}: no example")
-    return bad
-
-
 if __name__ == "__main__":
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/cli.md")
     target.write_text(render())

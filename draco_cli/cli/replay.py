@@ -1,7 +1,6 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated
 
@@ -92,17 +91,11 @@ def run_cmd(
     """
     from draco_cli.cli.llmrun import progress_bar
     from draco_cli.credo.stage import run_replay
+    from draco_cli.llm.types import Progress
 
     with progress_bar("replaying") as bar:
-        @dataclass
-        class _P:  # the progress bar's shape
-            done: int
-            total: int
-            failed: int = 0
-            cost_usd: float = 0.0
-
         def tick(done: int, total: int) -> None:
-            bar(_P(done, total))
+            bar(Progress(done, total, failed=0, cost_usd=0.0))
 
         res = run_replay(plan_path, env, out, workers=workers, replays=replays,
                          timeout=timeout, force=force, progress=tick)
