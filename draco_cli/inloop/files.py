@@ -21,15 +21,11 @@ from draco_cli.inloop.step import StepResult
 from draco_cli.io import conform
 from draco_cli.schemas import Rollout, Step, Table
 
-__all__ = ["step_folder", "write_step"]
+__all__ = ["write_step"]
 
 _STEP = re.compile(r"step-(\d+)$")
 _LAYOUT = {"rubrics": "rubric", "verdicts_raw": "judge", "verdicts": "judge",
            "rewards": "credit", "step_credit": "credit", "token_advantages": "credit"}
-
-
-def step_folder(root: str | os.PathLike[str], train_step: int | None) -> Path:
-    return Path(root) / f"step-{(train_step or 0):06d}"
 
 
 def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | None = None,
@@ -44,7 +40,7 @@ def write_step(result: StepResult, root: str | os.PathLike[str], keep: int | Non
         raise UsageError(f"keep {keep!r}: at least 1 step folder (None keeps all)")
     root = Path(root)
     root.mkdir(parents=True, exist_ok=True)
-    dest = step_folder(root, result.train_step)
+    dest = root / f"step-{(result.train_step or 0):06d}"
     tmp = Path(tempfile.mkdtemp(prefix=f".{dest.name}.", dir=root))
     try:
         for name, df in result.tables().items():

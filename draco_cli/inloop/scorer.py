@@ -141,26 +141,24 @@ class Scorer:
 
     async def __aenter__(self) -> Scorer:
         self._log = CallLog(self.call_log_path).__enter__()
+        self._clients["rubric"] = await self._open(self.llm, self._log)
         judge_model = self.options.judge.judge_model or self.llm.model
-        for role, model in (("rubric", self.llm.model), ("judge", judge_model)):
-            if role == "judge" and model == self.llm.model:
-                self._clients["judge"] = self._clients["rubric"]
-                continue
-            client = replace(self.llm, model=model).client(self._log)
-            client.deadline = self.deadline
-            session = client.session()
-            await session.__aenter__()
-            self._sessions.append(session)
-            self._clients[role] = client
+        self._clients["judge"] = (
+            self._clients["rubric"] if judge_model == self.llm.model
+            else await self._open(replace(self.llm, model=judge_model), self._log))
         if self.gold is not None:
             self._gold_log = CallLog(self.gold_call_log_path).__enter__()
-            client = self.gold.client(self._gold_log)
-            client.deadline = self.deadline
-            session = client.session()
-            await session.__aenter__()
-            self._sessions.append(session)
-            self._clients["gold"] = client
+            self._clients["gold"] = await self._open(self.gold, self._gold_log)
         return self
+
+    async def _open(self, settings: LLMSettings, log: CallLog) -> Any:
+        """A client of ``settings`` writing to ``log``, its session open until ``__aexit__``."""
+        client = settings.client(log)
+        client.deadline = self.deadline
+        session = client.session()
+        await session.__aenter__()
+        self._sessions.append(session)
+        return client
 
     async def __aexit__(self, *exc: Any) -> None:
         for session in reversed(self._sessions):
@@ -182,10 +180,6 @@ class Scorer:
         for log in (self._log, self._gold_log):
             if log is not None:
                 log.flush()
-
-    @property
-    def budget_reached(self) -> bool:
-        return any(c.budget_reached for c in self._clients.values())
 
     async def score_group(self, rollouts: pl.DataFrame | pa.Table,
                           steps: pl.DataFrame | pa.Table) -> GroupScore:

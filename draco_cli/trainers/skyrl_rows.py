@@ -5,13 +5,13 @@ and outcomes, and the rows the generator delivered to the estimator. Shared by t
 from __future__ import annotations
 
 import json
-from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from draco_cli.errors import InputError
+from draco_cli.trainers import field_of
 
 __all__ = ["REQUIRED", "Deliveries", "outcome_of", "read_records", "trajectory"]
 
@@ -34,10 +34,7 @@ class Deliveries:
 
 def trajectory(t: Any) -> tuple[str, str]:
     """(row id, group uid) of a SkyRL ``TrajectoryID`` (or its dict form in a dumped file)."""
-    if isinstance(t, Mapping):
-        inst, rep = t.get("instance_id"), t.get("repetition_id")
-    else:
-        inst, rep = getattr(t, "instance_id", None), getattr(t, "repetition_id", None)
+    inst, rep = field_of(t, "instance_id"), field_of(t, "repetition_id")
     if inst is None or rep is None:
         raise InputError(f"trajectory id {t!r}: needs instance_id and repetition_id",
                          field="trajectory_ids")

@@ -31,8 +31,8 @@ ENV_SETTINGS = "DRACO_INLOOP"
 # is cancelled releases its group at once (``member_failed``)
 DEFAULT_WAIT: float | None = None
 ACTOR_NAME = "draco_step_scorer"
-_OWN = ("model", "call_log", "deadline", "fallback", "request_deadline", "min_signal",
-        "audit_dir", "keep", "wait_timeout")
+# the keys the actor reads itself; every other key is a StepScorer keyword
+_OWN = ("model", "audit_dir", "keep", "wait_timeout")
 
 __all__ = ["ACTOR_NAME", "ENV_SETTINGS", "DracoScorerActor", "finish_groups", "scorer_handle",
            "settings"]
@@ -90,12 +90,8 @@ class DracoScorerActor:
         async with self._lock:
             if self._scorer is None:
                 c = self.config
-                llm = {k: v for k, v in c.items() if k not in _OWN}
-                scorer = StepScorer(c["model"], call_log=c["call_log"], group_size=self.group_size,
-                                    decode=self._decode, deadline=c.get("deadline"),
-                                    fallback=c.get("fallback", "outcome"),
-                                    request_deadline=c.get("request_deadline"),
-                                    min_signal=c.get("min_signal", 0.0), **llm)
+                scorer = StepScorer(c["model"], group_size=self.group_size, decode=self._decode,
+                                    **{k: v for k, v in c.items() if k not in _OWN})
                 self._scorer = await scorer.__aenter__()
         return self._scorer
 
