@@ -330,15 +330,36 @@ def _group_warnings(groups: int, singles: int) -> list[str]:
     return []
 
 
+def manifest_head(fmt: str, paths: list[Path]) -> dict[str, Any]:
+    """The keys every ingest manifest opens with: versions, format, and each input's hash."""
+    return {"draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": fmt,
+            "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
+                       for p in paths]}
+
+
+def created_at() -> str:
+    return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def publish_records(out: Path, rollouts: Any, steps: Any,
+                    manifest: Callable[[str], dict[str, Any]], *, force: bool,
+                    indent: int = 2) -> dict[str, Any]:
+    """A record format's tables and its manifest (``manifest(output set id)``), published as
+    one output set; returns the manifest written."""
+    with OutputSet(out, ["rollouts.parquet", "steps.parquet", "manifest.json"],
+                   force=force) as output:
+        output.write_table(rollouts, "rollouts.parquet", Rollout)
+        output.write_table(steps, "steps.parquet", Step)
+        written = manifest(output.id)
+        output.write_text("manifest.json", json.dumps(written, indent=indent) + "\n")
+    return written
+
+
 def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
               counter: TokenCounter | None, group_by: tuple[str, ...] | None,
               train_step: int | None, output_set: str) -> dict[str, Any]:
     return {
-        "draco_version": __version__,
-        "schema_version": SCHEMA_VERSION,
-        "format": fmt,
-        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-                   for p in paths],
+        **manifest_head(fmt, paths),
         "step_unit": step_unit,
         "token_counts": sorted(k for k in result.token_sources if k != "none"),
         "tokenizer": None if counter is None else counter.name,
@@ -356,5 +377,5 @@ def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
         "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
                                                       key=lambda kv: str(kv[0]))},
         "output_set": output_set,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": created_at(),
     }

@@ -11,7 +11,6 @@ observation).
 
 from __future__ import annotations
 
-import datetime as _dt
 import json
 from collections import Counter
 from collections.abc import Callable
@@ -20,13 +19,10 @@ from typing import Any
 
 import polars as pl
 
-from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import IngestResult, _group_warnings
+from draco_cli.ingest import (IngestResult, _group_warnings, created_at, manifest_head,
+                              publish_records)
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
-from draco_cli.io import OutputSet
-from draco_cli.io.files import file_sha256
-from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, instruction_of, layout_of
 from draco_cli.trainers.rllm.records import episode_files, read_episodes
 
@@ -153,12 +149,8 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
                           token_sources=Counter({"rllm token ids": r_df.height}),
                           terminations=terminations)
     result.warnings += _group_warnings(result.groups, result.single_rollout_groups)
-    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
-    with OutputSet(out, names, force=force) as output:
-        output.write_table(r_df, "rollouts.parquet", Rollout)
-        output.write_table(s_df, "steps.parquet", Step)
-        result.manifest = _manifest(result, files, tokenizer, train_step, output.id)
-        output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
+    result.manifest = publish_records(out, r_df, s_df, lambda set_id: _manifest(
+        result, files, tokenizer, train_step, set_id), force=force)
     return result
 
 
@@ -170,10 +162,7 @@ def _trial(episode_id: str) -> int | None:
 def _manifest(result: IngestResult, files: list[Path], tokenizer: str | None,
               train_step: int | None, output_set: str) -> dict[str, Any]:
     return {
-        "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "rllm",
-        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-                   for p in files],
-        "step_unit": "message", "token_counts": ["rllm token ids"],
+        **manifest_head("rllm", files), "step_unit": "message", "token_counts": ["rllm token ids"],
         "tokenizer": tokenizer, "tokenizer_exact": True, "token_positions": "known",
         "texts": "decoded with the tokenizer" if tokenizer else "the records' own texts",
         "group_by": ["task_id", "trajectory name"], "train_step": train_step,
@@ -182,5 +171,5 @@ def _manifest(result: IngestResult, files: list[Path], tokenizer: str | None,
         "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
                                                       key=lambda kv: str(kv[0]))},
         "output_set": output_set,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": created_at(),
     }

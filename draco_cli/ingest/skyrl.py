@@ -13,18 +13,14 @@ from these tables land on SkyRL's own tokens.
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
-from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
 from draco_cli.trainers.skyrl_rows import outcome_of, read_records, trajectory
 
 __all__ = ["ingest", "read_records", "record_rollouts"]
@@ -63,9 +59,7 @@ def _decoder(tokenizer: str | None) -> tuple[Callable[[list[int]], str], str]:
 
 def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,
            force: bool) -> Any:
-    from draco_cli.ingest import IngestResult
-    from draco_cli.io import OutputSet
-    from draco_cli.io.files import file_sha256
+    from draco_cli.ingest import IngestResult, created_at, manifest_head, publish_records
 
     decode, tok_name = _decoder(tokenizer)
     rollouts: list[TrainerRollout] = []
@@ -89,19 +83,11 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
                           groups=rows["group_id"].n_unique() if rows.height else 0)
     sizes = rows.group_by("group_id").len()
     result.single_rollout_groups = int((sizes["len"] == 1).sum())
-    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
-    with OutputSet(out, names, force=force) as output:
-        output.write_table(rows, "rollouts.parquet", Rollout)
-        output.write_table(steps, "steps.parquet", Step)
-        result.manifest = {
-            "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "skyrl",
-            "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-                       for p in paths],
-            "step_unit": "policy-run", "token_counts": ["response_ids"], "tokenizer": tok_name, "tokenizer_exact": True,
-            "token_positions": "known", "train_step": train_step, "rollouts": result.rollouts,
-            "steps": result.steps, "groups": result.groups,
-            "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
-            "output_set": output.id,
-            "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")}
-        output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
+    result.manifest = publish_records(out, rows, steps, lambda set_id: {
+        **manifest_head("skyrl", paths), "step_unit": "policy-run",
+        "token_counts": ["response_ids"], "tokenizer": tok_name, "tokenizer_exact": True,
+        "token_positions": "known", "train_step": train_step, "rollouts": result.rollouts,
+        "steps": result.steps, "groups": result.groups,
+        "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
+        "output_set": set_id, "created_at": created_at()}, force=force)
     return result

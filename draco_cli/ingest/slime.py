@@ -9,18 +9,12 @@ ids decoded by ``--tokenizer`` (the model's tokenizer.json), which is therefore 
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 from pathlib import Path
 from typing import Any
 
 
-from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import IngestResult
-from draco_cli.io import OutputSet
-from draco_cli.io.files import file_sha256
-from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
+from draco_cli.ingest import IngestResult, created_at, manifest_head, publish_records
 
 __all__ = ["ingest", "tokenizer_decode"]
 
@@ -70,26 +64,20 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
     if result.single_rollout_groups:
         result.warnings.append(f"{result.single_rollout_groups} group(s) of one sample: "
                                "group-relative credit needs n_samples_per_prompt >= 2")
-    result.manifest = _manifest(result, paths, tokenizer, train_step, removed)
-    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
-    with OutputSet(out, names, force=force) as output:
-        result.manifest["output_set"] = output.id
-        output.write_table(rows, "rollouts.parquet", Rollout)
-        output.write_table(steps, "steps.parquet", Step)
-        output.write_text("manifest.json", json.dumps(result.manifest, indent=1) + "\n")
+    manifest = _manifest(result, paths, tokenizer, train_step, removed)
+    result.manifest = publish_records(out, rows, steps, lambda set_id: {
+        **manifest, "output_set": set_id}, force=force, indent=1)
     return result
 
 
 def _manifest(result: IngestResult, paths: list[Path], tokenizer: str | None,
               train_step: int | None, removed: int) -> dict[str, Any]:
     return {
-        "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "slime",
-        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-                   for p in paths],
-        "step_unit": "policy-run", "token_counts": ["tokenizer"], "tokenizer": tokenizer,
+        **manifest_head("slime", paths), "step_unit": "policy-run",
+        "token_counts": ["tokenizer"], "tokenizer": tokenizer,
         "tokenizer_exact": True, "token_positions": "known", "group_by": ["group_index"],
         "train_step": train_step, "rollouts": result.rollouts, "steps": result.steps,
         "groups": result.groups, "single_rollout_groups": result.single_rollout_groups,
         "rejected": 0, "removed_samples": removed, "terminations": {},
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": created_at(),
     }

@@ -12,15 +12,12 @@ and its observation the messages after it.
 
 from __future__ import annotations
 
-import datetime as _dt
-import json
 from collections import Counter
 from pathlib import Path
 from typing import Any
 
 import polars as pl
 
-from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.loader import AlignmentError
@@ -60,10 +57,7 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
            train_step: int | None = None, force: bool = False) -> Any:
     """Read ``paths`` (verifiers ``traces.jsonl`` files) into ``out`` (rollouts.parquet,
     steps.parquet, manifest.json): whole, or nothing on the first bad record."""
-    from draco_cli.ingest import IngestResult
-    from draco_cli.io import OutputSet
-    from draco_cli.io.files import file_sha256
-    from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step
+    from draco_cli.ingest import IngestResult, created_at, manifest_head, publish_records
 
     if tokenizer is not None:
         raise UsageError(f"--tokenizer {tokenizer!r}: verifiers records carry their token ids "
@@ -112,7 +106,6 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
         raise InputError(f"no trace with a sampled token ({skipped} traces without one)",
                          file=", ".join(map(str, paths)))
     rollouts, steps = pl.concat(rows, how="diagonal_relaxed"), pl.concat(step_rows)
-    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
     result = IngestResult(out_dir=out, rollouts=rollouts.height, steps=steps.height,
                           groups=len(groups),
                           single_rollout_groups=sum(1 for v in groups.values() if v == 1))
@@ -122,23 +115,18 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
                                "a single rollout: their group advantage will be 0")
     if skipped:
         result.warnings.append(f"{skipped} traces without a sampled token were left out")
-    result.manifest = {
-        "draco_version": __version__, "schema_version": SCHEMA_VERSION, "format": "verifiers",
-        "inputs": [{"path": str(p), "sha256": file_sha256(p), "bytes": p.stat().st_size}
-                   for p in paths],
-        "step_unit": "policy-run", "token_positions": "known", "token_counts": ["token_ids"],
+    manifest = {
+        **manifest_head("verifiers", paths), "step_unit": "policy-run",
+        "token_positions": "known", "token_counts": ["token_ids"],
         "tokenizer": None, "tokenizer_exact": None, "group_by": None,
         "train_step": train_step, "rollouts": result.rollouts,
         "steps": result.steps, "groups": result.groups,
         "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
         "errored_traces": errors, "traces_without_sampled_tokens": skipped,
-        "created_at": _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds"),
+        "created_at": created_at(),
     }
-    with OutputSet(out, names, force=force) as output:
-        output.write_table(rollouts, "rollouts.parquet", Rollout)
-        output.write_table(steps, "steps.parquet", Step)
-        result.manifest["output_set"] = output.id
-        output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
+    result.manifest = publish_records(out, rollouts, steps, lambda set_id: {
+        **manifest, "output_set": set_id}, force=force)
     return result
 
 
