@@ -276,7 +276,9 @@ class FakeLLMServer:
             app.router.add_post("/v1/messages/batches", self.create_anthropic_batch)
             app.router.add_get("/v1/messages/batches/{id}", self.get_anthropic_batch)
             app.router.add_get("/v1/messages/batches/{id}/results", self.anthropic_results)
-            runner = self._runner = web.AppRunner(app, access_log=None)
+            # stop() does not wait out answers still sleeping their latency for a client that
+            # gave up on them (a test's deadline): they are cancelled after half a second
+            runner = self._runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.5)
             self._loop.run_until_complete(runner.setup())
             site = web.TCPSite(runner, host, port, backlog=2048)
             self._loop.run_until_complete(site.start())
