@@ -303,3 +303,36 @@ def test_history_asked_every_step_equals_the_whole_history(rising):
         history.add(results[0], outcomes[0])
     assert_frame_equal(history.health().trends, judge_health_history(results, outcomes).trends,
                        check_exact=True)
+
+
+def test_a_step_that_fails_to_add_leaves_the_history_as_it_was(rising):
+    """A step whose tables cannot be read (a reward that is not a number) raises and is not
+    half-kept: the same step, mended, is taken after it, and the history equals one that never
+    saw the bad step. Tables a caller changes in place do not reach the history."""
+    from dataclasses import replace
+
+    from polars.testing import assert_frame_equal
+
+    from draco_cli.inloop import GroupScore, JudgeHealthHistory, judge_health_history
+
+    results, outcomes = _step_results(rising)
+    results = [replace(r, train_step=None) for r in results]   # numbered by their place
+    history = JudgeHealthHistory()
+    history.add(results[0], outcomes[0])
+    broken = replace(results[1], groups=[
+        GroupScore(**{**g.__dict__, "rewards": g.rewards.with_columns(
+            pl.lit("not a number").alias("reward"))}) for g in results[1].groups])
+    with pytest.raises(pl.exceptions.InvalidOperationError):
+        history.add(broken, outcomes[1])
+    for res, out in zip(results[1:], outcomes[1:]):
+        history.add(res, out)
+    got = history.health(min_steps=2)
+    got.steps.drop_in_place("pairs")
+    got.criteria.drop_in_place("passes")
+    history.add(replace(results[0], train_step=len(results)), outcomes[0])
+    again = history.health(min_steps=2)
+    want = judge_health_history(
+        [*results, replace(results[0], train_step=len(results))], [*outcomes, outcomes[0]],
+        min_steps=2)
+    for name in ("steps", "criteria", "trends"):
+        assert_frame_equal(getattr(again, name), getattr(want, name), check_exact=True)

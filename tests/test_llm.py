@@ -655,9 +655,15 @@ def test_old_logs_migrate_and_newer_ones_are_refused(server, tmp_path):
 def test_shipped_sample_log_still_replays():
     from draco_cli.llm.providers.replay import ReplayProvider
 
-    assert _answered(REPO / "sample_data" / "llm_calls.sqlite") > 0
-    assert ReplayProvider(str(REPO / "sample_data" / "llm_calls.sqlite")).answers.get(
-        ("no such hash", 0)) is None
+    log = REPO / "sample_data" / "llm_calls.sqlite"
+    with sqlite3.connect(log) as conn:
+        recorded = conn.execute("SELECT content_hash, sample, answer_text FROM calls WHERE "
+                                "status = 'ok' ORDER BY id").fetchall()
+    answers = ReplayProvider(str(log)).answers
+    assert recorded and all(answers.get((h, s)) is not None for h, s, _ in recorded)
+    h, s, text = recorded[-1]
+    assert answers.get((h, s)).answer_text == text
+    assert answers.get(("no such hash", 0)) is None
 
 
 def test_the_mock_provider_answers_offline_with_no_key_for_llm_check_and_a_run(tmp_path,

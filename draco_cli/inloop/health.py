@@ -37,24 +37,28 @@ class JudgeHealthHistory:
         step = result.train_step if result.train_step is not None else self._added
         if step in self._seen:
             raise UsageError(f"judge_health_history: train step {step} given twice")
+        t = result.tables(("verdicts", "rewards", "rubrics"))   # not the token tables: large
+        tag = pl.lit(step, pl.Int64).alias("train_step")
+        scored = bool(t["verdicts"].height and t["rewards"].height)
+        if scored:   # every frame built before any is kept: a step that fails leaves no trace
+            frames = (
+                t["verdicts"].select("rollout_id", "criterion_id", "verdict").with_columns(tag),
+                t["rewards"].select("rollout_id", "group_id").with_columns(
+                    pl.col("rollout_id").replace_strict(dict(outcomes), default=None,
+                                                        return_dtype=pl.Float64)
+                    .alias("outcome"), tag),
+                t["rewards"].select("rollout_id", pl.col("reward").cast(pl.Float64))
+                .with_columns(tag),
+                t["rubrics"].select("group_id", "criterion_id", "title").with_columns(tag)
+                if t["rubrics"].height and "title" in t["rubrics"].columns else None,
+                result.spot_checks.with_columns(tag)   # spot_check=N
+                if result.spot_checks is not None and result.spot_checks.height else None)
         self._added += 1
         self._seen.add(step)
-        t = result.tables(("verdicts", "rewards", "rubrics"))   # not the token tables: large
-        if not t["verdicts"].height or not t["rewards"].height:
-            return
-        tag = pl.lit(step, pl.Int64).alias("train_step")
-        vs, rs, ws, bs, ss = self._new
-        vs.append(t["verdicts"].select("rollout_id", "criterion_id", "verdict")
-                  .with_columns(tag))
-        rs.append(t["rewards"].select("rollout_id", "group_id").with_columns(
-            pl.col("rollout_id").replace_strict(dict(outcomes), default=None,
-                                                return_dtype=pl.Float64).alias("outcome"), tag))
-        ws.append(t["rewards"].select("rollout_id", pl.col("reward").cast(pl.Float64))
-                  .with_columns(tag))
-        if t["rubrics"].height and "title" in t["rubrics"].columns:
-            bs.append(t["rubrics"].select("group_id", "criterion_id", "title").with_columns(tag))
-        if result.spot_checks is not None and result.spot_checks.height:   # spot_check=N
-            ss.append(result.spot_checks.with_columns(tag))
+        if scored:
+            for kept, frame in zip(self._new, frames):
+                if frame is not None:
+                    kept.append(frame)
 
     def health(self, *, alpha: float = ALPHA, min_steps: int = MIN_STEPS) -> JudgeHealth:
         vs, rs, ws, bs, ss = self._new
@@ -71,8 +75,9 @@ class JudgeHealthHistory:
         # one frame per table again, so the next call concatenates one more step, not all
         self._steps = [pl.concat(self._steps).sort("train_step")]
         self._criteria = [pl.concat(self._criteria).sort("criterion", "train_step")]
-        return health_of(self._steps[0], self._criteria[0], spot=self._spot, alpha=alpha,
-                         min_steps=min_steps)
+        # clones: a caller changing the returned tables in place leaves the history's alone
+        return health_of(self._steps[0].clone(), self._criteria[0].clone(), spot=self._spot,
+                         alpha=alpha, min_steps=min_steps)
 
 
 def judge_health_history(results: Sequence[StepResult],
