@@ -429,12 +429,7 @@ def _rows(path) -> list[dict]:
 
 def _answered(path) -> int:
     """Distinct (request, sample) pairs the log holds an answer for."""
-    conn = sqlite3.connect(path)
-    try:
-        return conn.execute("SELECT COUNT(*) FROM (SELECT DISTINCT request_hash, sample FROM "
-                            "calls WHERE status = 'ok')").fetchone()[0]
-    finally:
-        conn.close()
+    return len({(r["request_hash"], r["sample"]) for r in _rows(path) if r["status"] == "ok"})
 
 
 def test_a_rejected_request_is_not_retried_and_its_reason_is_kept(server, tmp_path):
@@ -656,9 +651,8 @@ def test_shipped_sample_log_still_replays():
     from draco_cli.llm.providers.replay import ReplayProvider
 
     log = REPO / "sample_data" / "llm_calls.sqlite"
-    with sqlite3.connect(log) as conn:
-        recorded = conn.execute("SELECT content_hash, sample, answer_text FROM calls WHERE "
-                                "status = 'ok' ORDER BY id").fetchall()
+    recorded = [(r["content_hash"], r["sample"], r["answer_text"]) for r in _rows(log)
+                if r["status"] == "ok"]
     answers = ReplayProvider(str(log)).answers
     assert recorded and all(answers.get((h, s)) is not None for h, s, _ in recorded)
     h, s, text = recorded[-1]
