@@ -9,13 +9,13 @@ the real tau-bench and tau2-bench rollouts in ../shared/data, one redaction call
   issue 19 measured at 0.34 ms per call);
 - ``sequential``: today's (larger) pattern set, but one pass per pattern — what the combined
   expression saves.
-- ``batched``: the texts in batches of 17 through ``Redactor.many`` (one screen per batch, as
-  the judge stage redacts a rollout), against today's text-by-text prefilter (``combined``).
-The last line is ``redact_combined_over_before=<ratio>`` (time per call; lower is better).
+It also prints the cost of redacting one judge request's texts (17: an instruction, 8 actions,
+8 observations). The last line is ``redact_combined_over_before=<ratio>`` (time per call;
+lower is better).
 
 ``--before FILE`` (a ``redact.py`` of another commit, e.g. ``git show REV:draco_cli/redact.py >
 /tmp/redact_before.py``) measures that module's ``Redactor`` beside today's in the same run, in
-MB/s of text, text by text and in batches of 17, twice in turn.
+MB/s of text, twice in turn.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ import re
 import time
 from pathlib import Path
 
-from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor, may_hold_secret
+from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor
 
 DATA = Path(os.environ.get("DRACO_SHARED_DATA",
                          Path(__file__).resolve().parent.parent.parent / "shared" / "data"))
@@ -85,13 +85,9 @@ def throughput(corpus: list[str], before_file: Path, repeat: int) -> None:
     before = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(before)
     mb = sum(len(t.encode()) for t in corpus) / 1e6
-    batches = [corpus[i:i + 17] for i in range(0, len(corpus), 17)]
     for name, mod in (("before", before), ("after", now)) * 2:
-        r = mod.Redactor()
-        one = per_call(r, corpus, repeat) * len(corpus)
-        many = per_call(r.many, batches, repeat) * len(batches)
-        print(f"{name}: {mb / one:6.1f} MB/s text by text, {mb / many:6.1f} MB/s batched "
-              f"({mb:.2f} MB)")
+        one = per_call(mod.Redactor(), corpus, repeat) * len(corpus)
+        print(f"{name}: {mb / one:6.1f} MB/s ({mb:.2f} MB)")
 
 
 def main() -> None:
@@ -119,14 +115,7 @@ def main() -> None:
     print(f"every text triggering the prefilter: before {before_t * 1e6:.2f} µs/call, "
           f"combined {combined_t * 1e6:.2f} µs/call "
           f"(redact_triggered_combined_over_before={combined_t / before_t:.3f})")
-    # As the judge stage redacts: a rollout's texts as one batch (``Redactor.many``, screened
-    # at once), batches of 17 consecutive texts (an instruction, 8 actions, 8 observations).
-    batches = [corpus[i:i + 17] for i in range(0, len(corpus), 17)]
-    flagged = sum(may_hold_secret([t for t in b if t]) for b in batches)
-    batched = per_call(Redactor().many, batches, args.repeat) * len(batches) / len(corpus)
-    print(f"batched (17 texts a batch, one screen each):    {batched * 1e6:8.2f} µs/call; "
-          f"{flagged} of {len(batches)} batches sent text by text by the screen")
-    print(f"redact_batched_over_combined={batched / combined:.3f}")
+    print(f"one judge request's 17 texts: {combined * 17 * 1e3:.3f} ms")
     print(f"redact_combined_over_sequential={combined / sequential:.3f}")
     print(f"redact_combined_over_before={combined / before:.3f}")
 

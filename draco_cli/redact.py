@@ -4,23 +4,17 @@ shown (``draco report``).
 The default patterns are combined into one regular expression, so a text is scanned once
 whatever the number of patterns, and only when a prefilter of literal substrings says it may
 hold a secret (then by the combination of just the patterns it may match, tried only where
-one of their literals occurs: every match starts with one). The judge stage
-redacts every action and observation of every rollout, on its hot path: it hands a rollout's
-texts over as one batch (``Redactor.many``), screened at once for pieces of those literals
-(see benchmarks/bench_redact.py). Where a secret follows a key (``password = "x"``), the key
-is kept and only the value masked: each such pattern captures its key in a named group, and
-the replacement template puts back whichever of those groups matched (unmatched groups are
-empty).
+one of their literals occurs: every match starts with one). Where a secret follows a key
+(``password = "x"``), the key is kept and only the value masked: each such pattern captures
+its key in a named group, and the replacement template puts back whichever of those groups
+matched (unmatched groups are empty).
 """
 
 from __future__ import annotations
 
 import functools
 import re
-from typing import Any
-
 MASK = "[REDACTED]"
-
 
 
 def _after(word: str, prefixes: str) -> str:
@@ -153,8 +147,7 @@ _PATTERNS_OF = {lit: tuple(i for i, trig in enumerate(_TRIGGERS) if lit in trig)
 # letters: the long s matches "s" (``(?i:password)`` matches "pa\u017f\u017fword"), the Kelvin
 # sign "k", the dotted capital I and the dotless i "i". ``str.lower`` maps the Kelvin sign to
 # "k" but keeps the long s and the dotless i, and makes the dotted I two characters, so the
-# prefilter maps them first. (tests/test_redact_fast.py checks every code point against ``re``.)
-FOLDED = ("\u017f", "\u212a", "\u0130", "\u0131")
+# prefilter maps them first. (tests/test_redact_prefilter.py checks every code point against ``re``.)
 _FOLD = str.maketrans({"\u017f": "s", "\u0130": "i", "\u0131": "i"})
 
 
@@ -165,29 +158,9 @@ def _lowered(text: str) -> str:
     return low
 
 
-def _found(low: str) -> list[str]:
-    """The trigger literals ``low`` (a lowered text) holds. A long text is screened first by
-    the pieces of the literals (``_pieces``: a literal in ``low`` puts its piece in its UTF-8
-    bytes), and only the literals whose piece occurs are searched for."""
-    if len(low) < PIECES_MIN_CHARS:
-        return [lit for lit in _LITERALS if lit in low]
-    import numpy as np
-
-    raw = (low + "\x00\x00\x00").encode("utf-8", "surrogatepass")
-    folded = np.frombuffer(raw, dtype=np.uint8) | 0x20
-    windows = np.ndarray(shape=(len(raw) - 3,), dtype="<u4", buffer=folded,
-                         strides=(1,)) & 0xFFFFFF
-    table: Any = _pieces()
-    hit = np.take(table, windows)
-    if not hit.any():
-        return []
-    codes = set(np.unique(windows[hit]).tolist())
-    return [lit for lit in _LITERALS if _PIECE_CODE[lit] in codes and lit in low]
-
-
 def _redact_defaults(text: str) -> tuple[str, int]:
     low = _lowered(text)
-    found = _found(low)
+    found = [lit for lit in _LITERALS if lit in low]
     if not found:
         return text, 0
     active = tuple(sorted({i for lit in found for i in _PATTERNS_OF[lit]}))
@@ -219,78 +192,6 @@ def _redact_defaults(text: str) -> tuple[str, int]:
     return "".join(parts), n
 
 
-# The screen for many texts at once (``Redactor.many``): one three-letter piece of each trigger
-# literal. A text holding a literal holds its piece, so a batch whose bytes hold none of the
-# pieces holds no literal and no secret. Pieces are compared on UTF-8 bytes with bit 0x20 set
-# (ASCII letters of either case become lower case; other bytes may collide, which only sends
-# a batch down the exact path); bytes of non-ASCII characters all have bit 7 set and never
-# look like the ASCII pieces. The pieces are picked to be rare in ordinary text ("pas" would
-# flag every "passenger").
-_PIECE = {
-    "github_pat_": "b_p", "ghp_": "hp_", "gho_": "ho_", "ghu_": "hu_", "ghs_": "hs_",
-    "ghr_": "hr_", "sk-": "sk-", "sk_live_": "k_l", "rk_live_": "k_l", "sk_test_": "k_t",
-    "rk_test_": "k_t", "whsec_": "hse", "hf_": "hf_", "glpat-": "glp", "glptt-": "glp",
-    "gldt-": "gld", "glrt-": "glr", "glcbt-": "glc", "glft-": "glf", "glimt-": "imt",
-    "npm_": "pm_", "pypi-ageichlwas5vcmc": "s5v", "shp": "shp", "doo_v1_": "v1_",
-    "dop_v1_": "v1_", "dor_v1_": "v1_", "sg.": "sg.",
-    "akia": "kia", "asia": "sia", "aiza": "aiz", "gocspx-": "csp", "ya29.": "a29",
-    "xox": "xox", "xapp-": "xap", "hooks.slack.com/services/": "k.c", "eyj": "eyj",
-    "-----begin": "-be", "authorization": "riz", "bearer": "rer",
-    "://": "://", "-u ": "-u ", "--user": "-us", "password": "ssw", "passwd": "ssw",
-    "passphrase": "sph", "pwd": "pwd", "_pass=": "ss=", "?pass": "?pa", "&pass": "&pa",
-    ";pass": ";pa", "secret": "ecr", "key": "key", "token": "tok",
-    "passcode": "ssc",
-}
-assert set(_PIECE) == set(_LITERALS), set(_PIECE) ^ set(_LITERALS)
-assert all(p in lit for lit, p in _PIECE.items())
-# Below this many characters a batch is screened text by text (numpy's fixed costs dominate).
-MANY_MIN_CHARS = 2048
-# From this many characters one text is screened by pieces before its literals are searched.
-PIECES_MIN_CHARS = 512
-
-
-def _code(piece: str) -> int:
-    b = [c | 0x20 for c in piece.encode()]
-    return b[0] | b[1] << 8 | b[2] << 16
-
-
-_PIECE_CODE = {lit: _code(piece) for lit, piece in _PIECE.items()}
-_piece_table: list[object] = []
-
-
-def _pieces() -> object:
-    """A 2**24 table of booleans, True at the little-endian code of each piece (made once;
-    ``np.zeros`` maps only the pages that lookups touch)."""
-    if not _piece_table:
-        import numpy as np
-
-        table = np.zeros(1 << 24, dtype=np.bool_)
-        for code in _PIECE_CODE.values():
-            table[code] = True
-        _piece_table.append(table)
-    return _piece_table[0]
-
-
-def may_hold_secret(texts: list[str]) -> bool:
-    """False only if no default pattern can match in any of ``texts`` (then redacting them
-    changes nothing): no trigger literal's piece occurs in their bytes and no character that
-    folds to an ASCII letter (``FOLDED``) occurs either. One pass of a few array operations
-    over all of them instead of a substring search per literal per text."""
-    import numpy as np
-
-    joined = "\x00".join(texts)
-    if any(c in joined for c in FOLDED):
-        return True
-    raw = (joined + "\x00\x00\x00").encode("utf-8", "surrogatepass")
-    folded = np.frombuffer(raw, dtype=np.uint8) | 0x20
-    # every window of 4 bytes as a little-endian uint32 (an overlapping view, no copy); its
-    # low 3 bytes are the 3-byte piece starting there
-    windows = np.ndarray(shape=(len(raw) - 3,), dtype="<u4", buffer=folded, strides=(1,))
-    table: Any = _pieces()
-    # (``take`` gathers in C at about half the time of fancy indexing)
-    return bool(np.take(table, windows & 0xFFFFFF).any())
-
-
 class Redactor:
     def __init__(self, extra: list[str] | tuple[str, ...] = (), defaults: bool = True) -> None:
         # User patterns stay separate: combining them would renumber their groups (and break
@@ -314,23 +215,6 @@ class Redactor:
             text, n = r.subn(MASK, text)
             self.count += n
         return text
-
-    def many(self, texts: list[str]) -> list[str]:
-        """``[self(t) for t in texts]``, with the default patterns screened for the whole
-        batch at once (``may_hold_secret``): a batch that cannot hold a secret is not searched
-        text by text (the judge stage redacts ~17 texts per request)."""
-        present = [t for t in texts if t]
-        if not self._defaults or sum(map(len, present)) < MANY_MIN_CHARS:
-            return [self(t) for t in texts]
-        if may_hold_secret(present):
-            return [self(t) for t in texts]
-        out = list(texts)
-        for r in self._extra:
-            for i, t in enumerate(out):
-                if t:
-                    out[i], n = r.subn(MASK, t)
-                    self.count += n
-        return out
 
 
 def redact(text: str) -> str:

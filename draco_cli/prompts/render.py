@@ -70,12 +70,9 @@ def render_steps(instruction: str, numbers: list[int], actions: list[str], obser
     budget = (budget_tokens or opts.max_prompt_tokens) * CHARS_PER_TOKEN
     red = opts.redactor
     if red is not None:
-        # the rollout's texts redacted as one batch (``Redactor.many`` screens them at once)
-        many = getattr(red, "many", None)
-        texts = [instruction, *actions, *observations]
-        done = many(texts) if many is not None else [red(t) for t in texts]
-        instruction, actions, observations = (done[0], done[1:1 + len(actions)],
-                                               done[1 + len(actions):])
+        instruction = red(instruction)
+        actions = [red(a) for a in actions]
+        observations = [red(o) for o in observations]
     limit = opts.observation_chars
     while True:
         parts = []

@@ -1,6 +1,6 @@
-"""The default redaction's screens against the plain pass they stand for: every default
-pattern combined into one expression and run over every text. Same output, same count, for
-any input (the screens may only skip texts the plain pass would leave unchanged)."""
+"""The default redaction's literal prefilter against the plain pass it stands for: every
+default pattern combined into one expression and run over every text. Same output, same count,
+for any input (the prefilter may only skip texts the plain pass would leave unchanged)."""
 
 from __future__ import annotations
 
@@ -44,67 +44,36 @@ texts = st.lists(st.one_of(st.sampled_from(FRAGMENTS), st.text(max_size=6)),
 
 
 @settings(max_examples=examples(600), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(texts)
-@example("pa\u017f\u017fword=hunter2")              # the long s: (?i) reads it as "s"
-@example("\u017fecret_access_key=" + "A" * 40)
-@example("BEARER abcdefghijklmnop")
-def test_one_text_as_the_plain_pass(text):
-    """Through the literal search alone and through the piece screen (threshold 0)."""
-    for min_chars in (10**9, 0):
-        saved, R.PIECES_MIN_CHARS = R.PIECES_MIN_CHARS, min_chars
-        try:
-            r = Redactor()
-            assert (r(text), r.count) == plain(text)
-        finally:
-            R.PIECES_MIN_CHARS = saved
-
-
-@settings(max_examples=examples(400), deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(texts, max_size=12), st.sampled_from([0, R.MANY_MIN_CHARS]))
-@example(["a" * 3000, "x pa\u017f\u017fword=hunter2"], R.MANY_MIN_CHARS)
-@example(["b" * 3000, "Bearer abcdefghijklmnop"], R.MANY_MIN_CHARS)
-def test_many_texts_as_the_plain_pass(batch, min_chars):
-    """With the threshold at 0 every batch goes through the screen."""
-    saved, R.MANY_MIN_CHARS = R.MANY_MIN_CHARS, min_chars
-    try:
-        r = Redactor()
-        got = r.many(batch)
-    finally:
-        R.MANY_MIN_CHARS = saved
+@given(st.lists(texts, max_size=4))
+@example(["pa\u017f\u017fword=hunter2"])              # the long s: (?i) reads it as "s"
+@example(["\u017fecret_access_key=" + "A" * 40])
+@example(["BEARER abcdefghijklmnop", "x", "Bearer abcdefghijklmnop"])
+def test_texts_as_the_plain_pass(batch):
+    r = Redactor()
     done = [plain(t) for t in batch]
-    assert got == [d[0] for d in done]
+    assert [r(t) for t in batch] == [d[0] for d in done]
     assert r.count == sum(d[1] for d in done)
 
 
-@settings(max_examples=examples(600), deadline=None)
-@given(texts)
-def test_the_batch_screen_never_clears_a_text_the_plain_pass_changes(text):
-    if PLAIN.search(text):
-        assert R.may_hold_secret([text])
-        assert R.may_hold_secret(["padding " * 50, text, "more"])
-
-
-def test_the_batch_screen_clears_ordinary_text():
-    assert not R.may_hold_secret(["the passenger from Lyon booked flight HAT001",
-                                  "a caf\u00e9 \U0001f600 " * 100, ""])
-    assert R.may_hold_secret(["clean", "x" * 5000 + "github_pat_"])
-
-
-def test_user_patterns_apply_on_the_batch_path():
+def test_user_patterns_apply_after_the_defaults():
     r = Redactor([r"hunter\d"])
-    batch = ["x" * 3000, "my hunter2 and hunter3", None, ""]
-    assert r.many(batch) == ["x" * 3000, f"my {MASK} and {MASK}", None, ""]
+    assert [r(t) for t in ["x" * 3000, "my hunter2 and hunter3", None, ""]] == \
+        ["x" * 3000, f"my {MASK} and {MASK}", None, ""]
     assert r.count == 2
 
 
+# Characters other than ASCII letters that ``re`` matches as an ASCII letter when it ignores case.
+FOLDED = ("\u017f", "\u212a", "\u0130", "\u0131")
+
+
 def test_folded_characters_are_every_non_ascii_match_of_a_case_insensitive_letter():
-    """``FOLDED`` must list every character outside ASCII that ``re`` matches as an ASCII
-    letter case-insensitively (any letter: a screen could otherwise clear a secret), and the
-    prefilter must read each as that letter."""
+    """Every character outside ASCII that ``re`` matches as an ASCII letter case-insensitively
+    is in ``FOLDED`` (any letter: the prefilter could otherwise clear a secret), and the
+    prefilter reads each as that letter."""
     pat = re.compile("(?i)[a-z]")
     found = {chr(cp) for cp in range(0x80, sys.maxunicode + 1) if pat.fullmatch(chr(cp))}
-    assert found <= set(R.FOLDED), sorted(found - set(R.FOLDED))
-    for c in R.FOLDED:
+    assert found <= set(FOLDED), sorted(found - set(FOLDED))
+    for c in FOLDED:
         letter = next(a for a in "abcdefghijklmnopqrstuvwxyz" if re.fullmatch(f"(?i){a}", c))
         assert letter in R._lowered(c)
 
@@ -120,6 +89,4 @@ def test_real_rollout_texts_as_the_plain_pass():
             out += [m.get("content") or "" for m in entry["traj"] if isinstance(m, dict)]
     out = [t for t in out if isinstance(t, str)][:3000]
     r = Redactor()
-    for i in range(0, len(out), 17):
-        batch = out[i:i + 17]
-        assert r.many(batch) == [plain(t)[0] for t in batch]
+    assert [r(t) for t in out] == [plain(t)[0] for t in out]
