@@ -234,9 +234,9 @@ def test_rubric_then_judge_two_samples_rerun_and_kill(llama, tau_slice, tmp_path
 
 def test_draco_run_on_the_real_server(llama, tau_slice, tmp_path):
     # One group of the slice: the stages chained, k = 2 and the rerun are the point here. The
-    # test above asks both groups' rubric prompts, and re-asks the invalid answers the 270M
-    # model gives to the first group's (10 of its 11 rubric calls, 4 of the 6 minutes this test
-    # took with both groups in CI); the second group's it mostly answers validly.
+    # test above asks both groups' rubric prompts; the 270M model's answers to the first
+    # group's are the slow ones (a rubric truncated at 384 tokens, ~40 s a call, and a union
+    # answer invalid three times), the second group's it mostly answers validly.
     rollouts = pl.read_parquet(tau_slice / "rollouts.parquet")
     one = rollouts.filter(
         pl.col("group_id") == rollouts["group_id"].unique(maintain_order=True)[-1])

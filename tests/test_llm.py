@@ -157,6 +157,43 @@ def test_truncation_and_refusal_are_told_apart(server, tmp_path):
     assert server.hits["chat"] == 3  # a refusal is not asked again
 
 
+@pytest.mark.parametrize("temperature, calls", [(0.0, 1), (0.7, 3), (None, 3)])
+def test_a_truncation_is_asked_again_only_where_sampling_can_end_sooner(server, tmp_path,
+                                                                        temperature, calls):
+    """At temperature 0 the same question gets the same truncated answer: not paid twice
+    (``None``: the server's own temperature, not known to be 0)."""
+    for _ in range(3):
+        server.push("truncate")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, parse_retries=2)
+        [[a]] = c.run([req(sampling=Sampling(temperature=temperature, max_tokens=64))])
+        assert a.status == "unanswered" and "truncated at max_tokens (64)" in a.reason
+        assert a.attempts == calls and c.stats["score"].calls == calls
+    assert server.hits["chat"] == calls
+
+
+@pytest.mark.parametrize("temperature, calls", [(0.0, 2), (0.7, 4)])
+def test_the_same_invalid_answer_twice_at_temperature_0_ends_the_re_asks(server, tmp_path,
+                                                                         temperature, calls):
+    for _ in range(4):
+        server.push("schema_violation")
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, parse_retries=3)
+        [[a]] = c.run([req(sampling=Sampling(temperature=temperature))])
+    assert a.status == "unanswered" and a.reason.startswith("schema violation")
+    assert a.attempts == calls and server.hits["chat"] == calls
+
+
+def test_different_invalid_answers_at_temperature_0_are_re_asked(server, tmp_path):
+    said = iter(range(100))
+    server.answer = lambda body, i: f"not JSON {next(said)}"
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = client(server, log, parse_retries=3)
+        [[a]] = c.run([req(sampling=Sampling(temperature=0.0))])
+    assert a.status == "unanswered" and a.reason.startswith("not JSON")
+    assert server.hits["chat"] == 4
+
+
 def test_one_truncated_choice_does_not_lose_the_others(server, tmp_path):
     """n=3 in one request; each choice is validated on its own."""
     server.answer = lambda body, i: '{"verdict": "pass", "steps": [1], "reason": "x"}' \

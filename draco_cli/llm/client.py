@@ -333,6 +333,7 @@ class LLMClient:
         attempt = 0
         usage = reply.usage.scaled(share)
         cost = self._cost_of(reply) * share
+        asked = req.messages
         while True:
             value, status, error = parse_choice(req, choice)
             self.rows.answer(req, sample, attempt, status, error, reply, choice, value, share,
@@ -341,12 +342,17 @@ class LLMClient:
                 self.stats[req.phase].answered += 1
                 return Answer(sample, "ok", value, text=choice.text, usage=usage, cost_usd=cost,
                               attempts=attempt + 1)
-            if status == "refused" or attempt >= self.parse_retries:
+            again = reask(req, choice, status, error)
+            # Greedy decoding (temperature 0) answers the same messages the same way: a re-ask
+            # that repeats them (a truncation, or the same invalid answer given twice) would
+            # only pay for that answer again.
+            if status == "refused" or attempt >= self.parse_retries or (
+                    req.sampling.temperature == 0 and again == asked):
                 return self._final_unanswered(req, sample, error, usage, cost, attempt)
             attempt += 1
+            asked = again
             try:
-                reply = await self._call(provider, req, reask(req, choice, status, error),
-                                         [sample])
+                reply = await self._call(provider, req, again, [sample])
             except BudgetReached:
                 return self._final_unanswered(req, sample, "budget reached during re-ask",
                                               usage, cost, attempt)
