@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import functools
 import re
+
 MASK = "[REDACTED]"
 
 
@@ -147,7 +148,8 @@ _PATTERNS_OF = {lit: tuple(i for i, trig in enumerate(_TRIGGERS) if lit in trig)
 # letters: the long s matches "s" (``(?i:password)`` matches "pa\u017f\u017fword"), the Kelvin
 # sign "k", the dotted capital I and the dotless i "i". ``str.lower`` maps the Kelvin sign to
 # "k" but keeps the long s and the dotless i, and makes the dotted I two characters, so the
-# prefilter maps them first. (tests/test_redact_prefilter.py checks every code point against ``re``.)
+# prefilter maps them first. (tests/test_redact_prefilter.py checks every code point against
+# ``re``.)
 _FOLD = str.maketrans({"\u017f": "s", "\u0130": "i", "\u0131": "i"})
 
 
