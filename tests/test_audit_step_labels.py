@@ -177,6 +177,11 @@ def test_uniform_and_intervals(audit, hotpot):
     ok = audit.filter(pl.col("value").is_not_null())
     assert (ok["ci_low"] <= ok["value"] + 1e-12).all() and (ok["value"] <= ok["ci_high"] + 1e-12).all()
     assert set(audit["zero_advantage_rollouts"]) == {120}  # 24 one-outcome groups of 5
+    # n of a mass figure counts rollouts (docs/audits.md), not their steps
+    n = {f: v for f, v in u.select("figure", "n").iter_rows()}
+    assert n["bad_mass"] == sum(a < 0 for a in adv.values())
+    assert n["good_mass"] == sum(a > 0 for a in adv.values())
+    assert n["bad_mass"] + n["good_mass"] + 120 == len(adv)
 
 
 def test_random_citation_stays_near_chance_and_is_seeded(hotpot, tmp_path):
@@ -284,11 +289,26 @@ def test_rubric_run_on_hotpotqa_groups_then_the_audit(hotpot, server, tmp_path):
              [x[3] for x in v]) for rid, v in per.items()]
     want = reference_figures(rows)
     # the table at full precision (the printed figures are rounded)
-    got = figures_of(pl.read_parquet(run / "audit" / "step_label_audit.parquet"), "run")
+    table = pl.read_parquet(run / "audit" / "step_label_audit.parquet")
+    got = figures_of(table, "run")
     for k in ("auroc_quality", "bad_mass", "good_mass"):
         assert got[k] == pytest.approx(want[k], abs=1e-9), k
+    # the random control cites as many steps as the run's retained verdicts do: a rollout has
+    # a quality under it exactly where the run cited something (draco run keeps its verdicts
+    # unfiltered, retained null: the audit filters them as the credit stage did)
+    n = {(a, b): c for a, b, c in table.select("source", "figure", "n").iter_rows()}
+    assert n[("random_citation", "auroc_quality")] == n[("run", "auroc_quality")] > 0
+    assert pl.read_parquet(run / "judge" / "verdicts.parquet")["retained"].null_count() > 0
     # the report shows the audit's table
     p = run_draco("report", str(run), "-o", str(tmp_path / "report.html"))
     assert p.returncode == 0, p.stderr
     page = (tmp_path / "report.html").read_text()
     assert "Where credit lands" in page and "labels:human" in page
+
+
+def test_bad_input_is_named_before_an_existing_output(hotpot, tmp_path):
+    audit_step_labels(hotpot, [], out=tmp_path, draws=5)
+    missing = tmp_path / "missing.jsonl"
+    p = run_draco("audit", "step-labels", "--rollouts", str(hotpot), "--labels", str(missing),
+                  "-o", str(tmp_path))
+    assert p.returncode == 1 and p.stderr.decode().strip() == f"error: {missing}: no such file"

@@ -319,6 +319,26 @@ class StepLabelReport:
     out: Path | None
 
 
+def credited_verdicts(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
+                      settings: dict[str, Any]) -> pl.DataFrame:
+    """The verdicts with ``retained`` as the run's credit stage counted them. ``draco run``
+    keeps the judge's verdicts unfiltered (``retained`` null): the filter and any rubric
+    dropout are applied again with the run's own settings (``--drop``, ``--rubric-dropout``,
+    ``--dropout-seed``)."""
+    from draco_cli.credit import discriminative_filter
+    from draco_cli.credit.dropout import apply_dropout
+
+    if "retained" in verdicts.columns and verdicts["retained"].null_count() < verdicts.height:
+        return verdicts.with_columns(pl.col("retained").fill_null(False))
+    index = rollouts.select("rollout_id", "group_id").with_row_index("__r")
+    v = discriminative_filter(verdicts.join(index, on="rollout_id", how="inner",
+                                            maintain_order="left"),
+                              settings.get("drop") or "all-pass")
+    v, _ = apply_dropout(v, rollouts, float(settings.get("rubric_dropout") or 0.0),
+                         int(settings.get("dropout_seed") or 0))
+    return v.drop("__r", "group_id")
+
+
 def audit_step_labels(rollouts: Path, labels: list[str], *, run: Path | None = None,
                       out: Path | None = None, human: str = "human", seed: int = 0,
                       draws: int = 1000, force: bool = False) -> StepLabelReport:
@@ -335,7 +355,6 @@ def audit_step_labels(rollouts: Path, labels: list[str], *, run: Path | None = N
     if not folder.is_dir():
         raise UsageError(f"--rollouts {folder}: give the folder draco ingest wrote")
     out = Path(out) if out is not None else (Path(run) if run else folder) / "audit"
-    _refuse_existing(out, ["step_label_audit"], force)
     r = read_table(folder / "rollouts.parquet", Rollout,
                    columns=["rollout_id", "group_id", "outcome"])
     steps = pl.read_parquet(folder / "steps.parquet", columns=["rollout_id", "step", "n_tokens"])
@@ -371,6 +390,10 @@ def audit_step_labels(rollouts: Path, labels: list[str], *, run: Path | None = N
             raise InputError(f"--run {run}: rollout {sorted(unknown)[0]!r} is not in "
                              f"{folder}: audit a run on the rollouts it scored",
                              file=str(rf.table("rewards")), field="rollout_id")
+        if v is not None:
+            assert rf.manifest is not None  # RunFolder.open read it
+            credit.verdicts = credited_verdicts(v, r, rf.manifest.settings)
+    _refuse_existing(out, ["step_label_audit"], force)
     figures = step_label_audit(steps, r, all_labels, human=human, run=credit, seed=seed,
                                draws=draws)
     t = publish_tables(out, {"step_label_audit": (figures, StepLabelFigure)}, force=force)

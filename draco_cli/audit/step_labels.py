@@ -208,15 +208,17 @@ def figures(f: Frame, Q: np.ndarray, t: np.ndarray, *, constant: bool = False
     loser, winner = f.adv < 0, f.adv > 0
     bad, good = f.h == -1, f.h == 1
     at = np.abs(t)
+    # n of a mass figure counts rollouts: each rollout's group, once
+    first = np.r_[True, f.r[1:] != f.r[:-1]] if len(f.r) else np.zeros(0, bool)
     out: dict[str, dict[str, Any]] = {
         "auroc_quality": {"C": C, "ng": ng, "nb": nb},
         "bad_mass": {"num": _by_group(f, at * bad, loser), "den": _by_group(f, at, loser),
                      "unum": _by_group(f, f.n * bad, loser), "uden": _by_group(f, f.n, loser),
-                     "rollouts": np.bincount(f.g[loser], minlength=f.n_groups)},
+                     "rollouts": np.bincount(f.g[loser & first], minlength=f.n_groups)},
         "good_mass": {"num": _by_group(f, t * good, winner), "den": _by_group(f, t, winner),
                       "unum": _by_group(f, f.n * good, winner),
                       "uden": _by_group(f, f.n, winner),
-                      "rollouts": np.bincount(f.g[winner], minlength=f.n_groups)},
+                      "rollouts": np.bincount(f.g[winner & first], minlength=f.n_groups)},
     }
     num, den = _worst_parts(f, Q, constant)
     unum, uden = _worst_parts(f, Q, True)
