@@ -901,3 +901,9 @@ def test_two_ingests_into_one_new_folder_publish_once(tmp_path):
         assert "already exists; pass --force to overwrite it" in err and "Traceback" not in err
         res = run_draco("validate", str(out))
         assert res.returncode == 0, res.stderr.decode()
+
+
+def test_a_misspelled_tokenizer_names_the_option_and_its_choices(tmp_path):
+    res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--tokenizer", "aprox",
+                    "-o", str(tmp_path / "o"))
+    one_line_error(res, 1, "aprox", "--tokenizer", "approx")

@@ -197,6 +197,7 @@ def test_tau_bench_end_to_end(server, tmp_path):
     (["--tokens", "bogus"], "--tokens"), (["--std", "bogus"], "--std"),
     (["--train-step", "-1"], "--train-step"), (["--redo", "everything"], "--redo"),
     (["--min-answered", "1.5"], "--min-answered"), (["--redact", "("], "--redact"),
+    (["--max-cost", "-1"], "--max-cost"),
     (["--setting", "outcome", "--credit", "step"], "--credit"),
     (["--judge-model", "nonsense"], "model 'nonsense'"),
     (["--judge-model", "replay//nonexistent.sqlite"], "nonexistent.sqlite"),
@@ -206,6 +207,27 @@ def test_bad_options_refused_before_any_call(server, tmp_path, args, flag):
     assert res.returncode in (1, 2) and flag in res.stderr, res.stderr
     assert res.returncode == 2 or "nonexistent" in flag or "model" in flag
     assert server.hits["chat"] == 0 and not (tmp_path / "r").exists()
+
+
+@pytest.mark.parametrize("table, column, value, words", [
+    ("rollouts", "outcome", pl.lit("yes"), "field 'outcome': expected double, got String"),
+    ("steps", "n_tokens", pl.lit(-5), "field 'n_tokens': must be >= 1, got -5"),
+    ("steps", "step", pl.col("step") + 100, "field 'step'"),
+])
+def test_a_table_the_credit_stage_refuses_is_refused_before_any_call(server, tmp_path, table,
+                                                                       column, value, words):
+    # the LLM stages read only the text columns: what credit would refuse is checked first
+    paths = {"rollouts": SAMPLE_RA, "steps": SAMPLE_SA}
+    bad = tmp_path / f"{table}.parquet"
+    df = pl.read_parquet(paths[table])
+    df.with_columns(pl.when(pl.int_range(pl.len()) == 1).then(value)
+                    .otherwise(pl.col(column)).alias(column)).write_parquet(bad)
+    paths[table] = str(bad)
+    res = draco("run", "--rollouts", paths["rollouts"], "--steps", paths["steps"], "--model",
+                "openai/m", "--base-url", server.url + "/v1", "-o", tmp_path / "r")
+    assert res.returncode == 1 and f"error: {bad}: row " in res.stderr and words in res.stderr, \
+        res.stderr
+    assert server.hits["chat"] == 0
 
 
 def test_stage_keys_follow_what_each_stage_reads(server, tmp_path):

@@ -67,7 +67,8 @@ class HFTokenizerCounter:
         if p.is_dir():
             p = p / "tokenizer.json"
         if not p.exists():
-            raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
+            raise InputError("no such tokenizer file (--tokenizer takes a tokenizer.json, its "
+                             "folder, or approx)", file=str(p))
         from tokenizers import Tokenizer
 
         try:

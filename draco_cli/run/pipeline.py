@@ -179,6 +179,7 @@ class _Run:
                        "steps": input_record(steps, folder.path)}
         self.input_hashes = {k: v.sha256 for k, v in self.inputs.items()}
         self.gold: LLMSettings | None = None
+        self.inputs_checked = False
 
     # -- the chain -------------------------------------------------------------------------
 
@@ -367,6 +368,11 @@ class _Run:
                    **extra: Any) -> StageRecord:
         """An LLM stage into ``run/<name>``: here, or on the Ray cluster by partitions of
         whole groups (``--engine ray``)."""
+        if not self.inputs_checked:   # what the credit stage would refuse, before any call
+            from draco_cli.credit.compute import check_inputs
+
+            check_inputs(self.rollouts, self.steps)
+            self.inputs_checked = True
         if self.opts.engine == "ray":
             from draco_cli.run import ray_engine
 
