@@ -319,7 +319,12 @@ current: ContextVar[Staging] = ContextVar("draco_staging")
 
 def stage(value: str, kind: Kind = "input") -> str:
     """``value`` itself if local, else its staged local path: an input fetched, an output or a
-    call ``log`` (read to resume, then written) pulled and registered for publishing."""
+    call ``log`` (read to resume, then written) pulled and registered for publishing. A
+    ``file://`` URI is its local path."""
+    if value[:7].lower() == "file://":
+        from urllib.parse import unquote, urlparse
+
+        return unquote(urlparse(value).path)
     if not is_remote(value):
         return value
     staging = current.get(None)

@@ -118,6 +118,8 @@ def test_ingest_reads_and_writes_the_bucket(s3, tmp_path):
     src = s3.put("logs/tau.json", TAU)
     res = run_draco("ingest", "tau-bench", src, "--tokenizer", "approx", "-o", s3.uri("tables"))
     assert res.returncode == 0, res.stderr.decode()
+    # the message names where the tables are, the bucket, not the local cache
+    assert f"→ {s3.uri('tables')}" in res.stderr.decode(), res.stderr.decode()
     assert run_draco("ingest", "tau-bench", str(TAU), "--tokenizer", "approx", "-o",
                      str(tmp_path / "local")).returncode == 0
     for t in ("rollouts.parquet", "steps.parquet"):
@@ -243,6 +245,13 @@ def stage_command(argv: list[str]):
         storage.current.reset(token)
     assert res.exit_code == 0, res.output
     return seen, staged
+
+
+def test_a_file_uri_is_its_local_path(tmp_path):
+    res = run_draco("eval", "--rollouts", (tmp_path.parent / "x y.parquet").as_uri())
+    assert f"{tmp_path.parent / 'x y.parquet'}: no such file" in res.stderr.decode()
+    res = run_draco("eval", "--rollouts", Path(SAMPLE_RA).as_uri(), "--json")
+    assert res.returncode == 0, res.stderr.decode()
 
 
 def test_base_urls_and_local_paths_are_left_alone():

@@ -262,14 +262,11 @@ def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
         answered_ok = all(s.get("ok", True) for s in (health.get("stages") or {}).values())
         what = ("signal check failed" if answered_ok else
                 f"health check failed (--min-answered {health.get('threshold')})")
-        err_console.print(remote_named(f"[red]{what}[/]; see {run_dir}/manifest.json; fix the "
-                          "cause and rerun the same command: answered calls are reused"),
-                          highlight=False)
+        err_console.print(f"[red]{what}[/]; see {run_dir}/manifest.json; fix the cause and "
+                          "rerun the same command: answered calls are reused", highlight=False)
         raise typer.Exit(1)
     if m["status"] == "partial":
         err_console.print("[yellow]some calls went unanswered[/]: rerun the same command to "
                           "ask them again (answered ones are reused)", highlight=False)
-    err_console.print(remote_named(f"[green]token advantages:[/] {m['token_advantages']}"),
-                      highlight=False)
-    err_console.print(remote_named(f"next: draco report {run_dir} -o {run_dir}/report.html"),
-                      highlight=False)
+    err_console.print(f"[green]token advantages:[/] {m['token_advantages']}", highlight=False)
+    err_console.print(f"next: draco report {run_dir} -o {run_dir}/report.html", highlight=False)

@@ -87,7 +87,8 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
                         else "no verdicts")
     st = summary.stats
     if st.citations_dropped:
-        report.notes.append(f"{st.citations_dropped} citations outside 1..M dropped")
+        report.notes.append(f"{st.citations_dropped} citation"
+                            f"{'s' if st.citations_dropped != 1 else ''} outside 1..M dropped")
     if st.unknown_ids:
         report.notes.append(f"{st.unknown_ids} verdicts for unknown criterion ids ignored")
     if st.missing:

@@ -70,5 +70,6 @@ def check_samples(samples: int, temperature: float | None, use_n: bool = True) -
     if samples > 1 and temperature == 0 and use_n:
         raise UsageError(f"--samples {samples} at --temperature 0 asks for n = {samples} under "
                          "greedy sampling, which vLLM refuses (and which gives one answer k "
-                         "times): use a temperature above 0, --samples 1, or --no-use-n (one "
-                         "call per sample)")
+                         "times): use a temperature above 0, or --samples 1 (--no-use-n asks "
+                         "each sample on its own, and pays k times for what a greedy server "
+                         "answers alike)")

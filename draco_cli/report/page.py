@@ -68,7 +68,7 @@ def build_report(run_dirs: list[Path], rollout_id: str | None = None) -> str:
             f"<h1>draco report</h1><p>{len(runs)} run(s); latest: "
             f"<code>{html.escape(str(last.dir))}</code> ({html.escape(last.label)}), setting "
             f"<code>{html.escape(str(settings.get('setting')))}</code>, model "
-            f"<code>{html.escape(str(settings.get('model')))}</code>, draco "
+            f"<code>{html.escape(str(settings.get('model') or 'none'))}</code>, draco "
             f"{html.escape(str(m.get('draco_version', '')))}.</p>{_banner(runs, redact, unanswered)}"
             f"{health_banner(health, redact)}{body}"
             f"<script>{SCRIPT}</script></body></html>")

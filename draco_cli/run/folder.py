@@ -164,16 +164,13 @@ class RunFolder:
         folder.manifest = manifest
         return folder
 
-    def read_manifest(self, for_writing: bool = False) -> Manifest | None:
-        """The manifest, or None when there is none yet. ``for_writing``: the caller is the
-        run that would rewrite it, so the advice is to delete it first."""
+    def read_manifest(self) -> Manifest | None:
+        """The manifest, or None when there is none yet."""
         p = self.path / MANIFEST
         if not p.exists():
             return None
-        fix = ("delete it and rerun: every stage is redone from the call log, nothing is paid "
-               "twice") if for_writing else (
-            "rerun the draco run that made this folder (answers already in its "
-            "llm_calls.sqlite are reused, nothing is paid twice)")
+        fix = ("delete it and rerun the draco run that made this folder: every stage is redone "
+               "from the call log, nothing is paid twice")
         try:
             data = json.loads(p.read_text(encoding="utf-8"))
         except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:

@@ -69,4 +69,4 @@ def signal_check(stages: Mapping[str, StageRecord], opts: RunOptions) -> dict[st
             "min_signal": opts.min_signal,
             "ok": problem is None or allowed, "allowed": allowed and problem is not None,
             "problem": None if problem is None else
-            problem + " (--allow-no-signal accepts such a step)"}
+            problem + ("" if allowed else " (--allow-no-signal accepts such a step)")}

@@ -168,7 +168,7 @@ class _Run:
         self.static_criteria = static_criteria
         self.progress = progress
         self.on_event = on_event or (lambda e: None)
-        self.old = folder.read_manifest(for_writing=True) or Manifest()
+        self.old = folder.read_manifest() or Manifest()
         self.log = opts.call_log or folder.path / "llm_calls.sqlite"
         self.t0 = time.perf_counter()
         self.stages: dict[str, StageRecord] = {}
