@@ -8,12 +8,14 @@ import asyncio
 import json
 import sqlite3
 import time
+import warnings
 
 import numpy as np
 import polars as pl
 import pytest
 
 from draco_cli.errors import InputError
+from draco_cli.inloop.metrics import NoSignalWarning
 from draco_cli.inloop import (BlockingStepScorer, Scorer, StepScorer, TrainerRollout,
                               trainer_rows, write_step)
 from draco_cli.options import RunOptions
@@ -253,10 +255,15 @@ def test_zero_fallback_and_a_group_short_of_members(monkeypatch, tmp_path):
         with BlockingStepScorer("openai/m", base_url=slow.url + "/v1", group_size=GROUP,
                                 decode=decode, call_log=tmp_path / "e.sqlite",
                                 deadline=0.3, fallback="zero") as s:
-            res = s.score_step(batch(n_groups=1), 1)
+            with pytest.warns(NoSignalWarning, match=r"train step 1: no rollout of 4 has a "
+                                                     r"non-zero advantage"):
+                res = s.score_step(batch(n_groups=1), 1)
             assert all(r.source == "fallback:zero" and not r.values.any()
                        for r in res.rows.values())
             assert res.metrics["draco/signal_ok"] == 0.0
+            with warnings.catch_warnings():   # said once per scorer
+                warnings.simplefilter("error", NoSignalWarning)
+                assert not s.score_step(batch(n_groups=1, step=2), 2).metrics["draco/signal_ok"]
             with pytest.raises(InputError, match=r"group 's1-g0': 3 of 4 rollouts finished "
                                                  r"by the end of step 1") as e:
                 s.score_step(batch(n_groups=1)[:3], 1)

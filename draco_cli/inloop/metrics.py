@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Any
 if TYPE_CHECKING:
     from draco_cli.inloop.scorer import GroupScore
 
-__all__ = ["signal_problem", "step_metrics"]
+__all__ = ["NoSignalWarning", "signal_problem", "step_metrics"]
 
 
 def step_metrics(groups: list[GroupScore], rows: Mapping[str, Any], fallbacks: Mapping[str, str],
@@ -72,6 +72,10 @@ def step_metrics(groups: list[GroupScore], rows: Mapping[str, Any], fallbacks: M
     out.update({f"draco/credit_mode/{m}": c / n for m, c in sorted(modes.items()) if m})
     out["draco/signal_ok"] = 0.0 if signal_problem(out, min_signal) else 1.0
     return out
+
+
+class NoSignalWarning(UserWarning):
+    """A train step gives the trainer no learning signal (``draco/signal_ok`` is 0)."""
 
 
 def signal_problem(metrics: Mapping[str, float], min_signal: float = 0.0) -> str | None:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+import warnings
 from collections.abc import Awaitable, Collection, Coroutine, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,7 +32,7 @@ import numpy as np
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.inloop.metrics import step_metrics
+from draco_cli.inloop.metrics import NoSignalWarning, signal_problem, step_metrics
 from draco_cli.inloop.rows import Decode, Records, TrainerRollout, rollout_records, row_frames
 from draco_cli.inloop.scorer import GroupScore, Scorer, group_credit
 from draco_cli.options import CreditOptions, RunOptions
@@ -142,6 +143,7 @@ class StepScorer:
             raise UsageError(f"min_signal {min_signal!r}: a share between 0 and 1")
         self.group_size, self.deadline, self.fallback = group_size, deadline, fallback
         self.decode, self.min_signal = decode, min_signal
+        self._said_no_signal = False
         options = _with_overrides(options or RunOptions(), rubric_dropout, dropout_seed,
                                   spot_check, spot_check_seed)
         gold = _gold(options, spot_check_model, spot_check_llm)
@@ -306,6 +308,12 @@ class StepScorer:
         scored = [g.score for g in st.groups.values() if g.score is not None]
         fallbacks = {gid: g.fallback for gid, g in st.groups.items() if g.fallback}
         metrics = step_metrics(scored, rows, fallbacks, latency, self.min_signal)
+        if not metrics["draco/signal_ok"] and not self._said_no_signal:
+            # a trainer's logger may not show draco/signal_ok: said once, as a warning
+            self._said_no_signal = True
+            warnings.warn(f"draco: train step {train_step}: "
+                          f"{signal_problem(metrics, self.min_signal)} (draco/signal_ok is 0; "
+                          "said once per scorer)", NoSignalWarning, stacklevel=2)
         spot = None
         if self.spot_check and scored:
             spot = await self.scorer.spot_check(scored, self.spot_check, self.spot_check_seed,
