@@ -102,6 +102,8 @@ def test_trl_in_step_script(tmp_path, capsys):
     logged = [h for h in ns["trainer"].state.log_history if "draco/groups" in h]
     assert [h["draco/groups"] for h in logged] == [2.0, 2.0]
     assert all(h["draco/judge_calls"] > 0 for h in logged)
+    # a learning signal: some advantage is not zero, and the policy gets a gradient from it
+    assert all(h["draco/signal_ok"] == 1.0 and h["grad_norm"] > 0 for h in logged), logged
     assert "'draco/judge_calls'" in capsys.readouterr().out
     assert sorted(p.name for p in (tmp_path / "runs/trl-demo/draco").iterdir()) == [
         "step-000000", "step-000001"]
