@@ -39,6 +39,7 @@ REMOTE = re.compile(r"^(s3|gs|gcs|hdfs|viewfs|abfs|abfss)://", re.IGNORECASE)
 # never uploaded: locks, SQLite's side files, half-written temporaries
 _SCRATCH = re.compile(r"(\.lock|-wal|-shm|-journal|\.tmp)$|^\.draco-staging-")
 _CHUNK = 8 << 20
+GCS_RETRY_SECONDS = 30
 
 
 class StorageError(DracoError):
@@ -92,6 +93,14 @@ def describe(exc: BaseException, uri: str) -> str:
         where = os.environ.get("AWS_ENDPOINT_URL_S3") or os.environ.get("AWS_ENDPOINT_URL")
         return (f"{uri}: cannot reach the storage endpoint"
                 + (f" {where} (AWS_ENDPOINT_URL)" if where else ""))
+    scheme = uri.partition("://")[0].lower()
+    if scheme in ("gs", "gcs") and re.search(r"OAuth2 access token|UNAUTHENTICATED|"
+                                               r"PERMISSION_DENIED", text):
+        return (f"{uri}: no usable Google Cloud credentials (set "
+                "GOOGLE_APPLICATION_CREDENTIALS, or run gcloud auth application-default login)")
+    if scheme.startswith("abfs") and "Authentication" in text:
+        return (f"{uri}: no usable Azure credentials (set AZURE_STORAGE_ACCOUNT_KEY, or log in "
+                "with the Azure CLI)")
     if re.search(r"ACCESS_DENIED|AccessDenied|InvalidAccessKeyId|SignatureDoesNotMatch|"
                  r"HTTP status 40[13]|Forbidden|credentials", text, re.IGNORECASE):
         return (f"{uri}: access denied (check the credentials: AWS_ACCESS_KEY_ID / "
@@ -102,11 +111,14 @@ def describe(exc: BaseException, uri: str) -> str:
 @contextmanager
 def _remote(uri: str) -> Iterator[None]:
     """Map pyarrow's errors for ``uri`` to one-line StorageErrors."""
+    from pyarrow import ArrowException
+
     try:
         yield
     except DracoError:
         raise
-    except (OSError, ValueError) as exc:   # pyarrow raises OSError subclasses and ArrowInvalid
+    except (OSError, ValueError, ArrowException) as exc:   # ArrowException: what pyarrow's
+        # cloud SDKs raise beside its own errors (Azure's AuthenticationException)
         raise StorageError(describe(exc, uri)) from None
 
 
@@ -115,8 +127,14 @@ def filesystem(uri: str) -> tuple[Any, str]:
     import pyarrow.fs as pafs
 
     _check_credentials(uri)
+    if uri.lower().startswith(("gs://", "gcs://")) and "?" not in uri:
+        # Google's client retries for 15 minutes by default, silently, when no credential
+        # answers (no key, no metadata server): an operation gives up after 30 s instead
+        uri_options = f"{uri}?retry_limit_seconds={GCS_RETRY_SECONDS}"
+    else:
+        uri_options = uri
     with _remote(uri):
-        fs, path = pafs.FileSystem.from_uri(uri)
+        fs, path = pafs.FileSystem.from_uri(uri_options)
     return fs, path.rstrip("/")
 
 

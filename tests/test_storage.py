@@ -310,3 +310,33 @@ def test_sql_fetches_its_remote_inputs(s3):
     res = run_draco("sql", src, "SELECT count(*) AS n FROM rollouts", "--json")
     assert res.returncode == 0, res.stderr.decode()
     assert b'"n"' in res.stdout
+
+
+def test_gcs_gives_up_in_seconds_not_minutes_and_says_which_credentials():
+    # Google's client retries 15 minutes by default when no credential answers (seen: a
+    # `draco eval gs://...` silent past 60 s); draco's file system stops after 30 s
+    from draco_cli import storage
+
+    fs, path = storage.filesystem("gs://bucket/dir/x.parquet")
+    assert path == "bucket/dir/x.parquet"
+    assert fs.__reduce__()[1][0]["retry_time_limit"].total_seconds() == \
+        storage.GCS_RETRY_SECONDS == 30
+    # the message pyarrow 26 gives then (a run here without credentials, 36 s)
+    seen = ("google::cloud::Status(UNAVAILABLE: Retry policy exhausted, with a last message of "
+            "Could not create a OAuth2 access token to authenticate the request. The request "
+            "was not sent, as such an access token is required to complete the request "
+            "successfully.")
+    assert storage.describe(OSError(seen), "gs://bucket/x") == (
+        "gs://bucket/x: no usable Google Cloud credentials (set GOOGLE_APPLICATION_CREDENTIALS,"
+        " or run gcloud auth application-default login)")
+
+
+def test_azure_without_credentials_is_one_line_not_an_internal_error(monkeypatch):
+    from draco_cli import storage
+
+    for k in [k for k in os.environ if k.startswith("AZURE_")]:
+        monkeypatch.delenv(k)
+    with pytest.raises(storage.StorageError, match=r"^abfs://c@acct/x.parquet: no usable "
+                                                   r"Azure credentials"):
+        fs, path = storage.filesystem("abfs://c@acct/x.parquet")
+        storage._info(fs, path, "abfs://c@acct/x.parquet")
