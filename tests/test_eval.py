@@ -241,3 +241,17 @@ def test_eval_bad_k_and_compare_without_shared_tasks(tau_dir, tmp_path):
     res = run_draco("eval", "--compare", str(tau_dir), "--compare",
                     str(tmp_path / "other.parquet"), "--json")
     assert res.returncode == 1 and b"share no task_id" in res.stderr and res.stdout == b""
+
+
+def test_a_breakdown_by_a_column_without_values_says_so(tau_dir):
+    rollouts = pl.read_parquet(tau_dir / "rollouts.parquet")
+    assert rollouts["difficulty"].null_count() == rollouts.height   # tau-bench has none
+    res = evaluate(rollouts, by=["difficulty"])
+    assert not res.metrics.filter(pl.col("scope").str.starts_with("difficulty=")).height
+    assert "--by difficulty: every rollout's difficulty is null: no breakdown by it" in res.warnings
+    some = rollouts.with_columns(pl.when(pl.int_range(pl.len()) < 4).then(pl.lit("easy"))
+                                 .alias("difficulty"))
+    assert f"--by difficulty: {rollouts.height - 4} rollout(s) with null difficulty are in no " \
+        "breakdown" in evaluate(some, by=["difficulty"]).warnings
+    p = run_draco("eval", "--rollouts", str(tau_dir), "--by", "difficulty")
+    assert p.returncode == 0 and "no breakdown by it" in p.stderr.decode()

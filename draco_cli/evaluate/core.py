@@ -208,6 +208,10 @@ def evaluate(rollouts: pl.DataFrame, ks: Sequence[int] = (1, 2, 3), by: Sequence
     for col in by:
         if col not in rollouts.columns:
             raise UsageError(f"--by {col!r}: rollouts have no such column")
+        if (nulls := rollouts[col].null_count()) == rollouts.height:
+            warnings.append(f"--by {col}: every rollout's {col} is null: no breakdown by it")
+        elif nulls:
+            warnings.append(f"--by {col}: {nulls} rollout(s) with null {col} are in no breakdown")
         for value in sorted(rollouts[col].drop_nulls().unique().to_list()):
             part = rollouts.filter(pl.col(col) == value)
             r, _ = _metrics_for(part, ks, f"{col}={value}", [], missing)
