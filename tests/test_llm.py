@@ -713,6 +713,14 @@ def test_the_mock_provider_answers_offline_with_no_key_for_llm_check_and_a_run(t
     assert [a.status for a in answers] == ["ok"] * 3
     assert [a.value.verdict for a in answers] == ["pass", "fail", "pass"]
     assert c.stats["score"].calls == 1 and c.spent == 0.0
+    # --no-use-n and the sampling options reach it as they reach a server, so a user's CI can
+    # exercise them: one call per sample, each logged with what it asked
+    with CallLog(tmp_path / "one.sqlite") as log:
+        c = LLMClient("mock/any", call_log=log, use_n=False, temperature=0.7, seed=5)
+        [answers] = c.run([req("a", samples=3)])
+    assert [a.status for a in answers] == ["ok"] * 3 and c.stats["score"].calls == 3
+    bodies = [json.loads(r["request"]) for r in _rows(tmp_path / "one.sqlite") if r["request"]]
+    assert [(b["n"], b["temperature"], b["seed"]) for b in bodies] == [(1, 0.7, 5)] * 3
 
 
 @pytest.mark.parametrize("extra", [[], ["--setting", "static"], ["--setting", "static-no-credit"],

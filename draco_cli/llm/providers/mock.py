@@ -51,9 +51,11 @@ class MockProvider(Provider):
     forms = ("json-schema",)
     default_form = "json-schema"
 
-    def __init__(self, model: str, *, structured_output: str | None = None, **_: Any) -> None:
+    def __init__(self, model: str, *, structured_output: str | None = None, use_n: bool = True,
+                 **_: Any) -> None:
         self.model = model
         self.form = self._form(structured_output)
+        self.supports_n = use_n   # --no-use-n: one call per sample, as a server without n
 
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
                        samples: list[int]) -> Reply:
@@ -64,5 +66,7 @@ class MockProvider(Provider):
                                               digest_size=4).digest(), "big")
         choices = [Choice(text=json.dumps(instance(schema, k, salt=salt)), finish="stop")
                    for k in range(len(samples))]
-        body = {"model": self.model, "messages": messages, "n": len(samples)}
+        body = {"model": self.model, "messages": messages, "n": len(samples),
+                **{k: v for k in ("temperature", "seed")
+                   if (v := getattr(req.sampling, k)) is not None}}
         return Reply(choices, Usage(), body, {"mock": True}, 0.0)
