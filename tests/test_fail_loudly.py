@@ -907,3 +907,15 @@ def test_a_misspelled_tokenizer_names_the_option_and_its_choices(tmp_path):
     res = run_draco("ingest", "openai-jsonl", str(SAMPLE), "--tokenizer", "aprox",
                     "-o", str(tmp_path / "o"))
     one_line_error(res, 1, "aprox", "--tokenizer", "approx")
+
+
+def test_verdicts_without_a_verdict_column_are_refused_not_scored_as_unanswered(sample,
+                                                                               tmp_path):
+    # every verdict would read as unanswered: no criterion kept, every advantage 0, exit 0
+    bad = tmp_path / "verdicts.parquet"
+    pl.read_parquet(sample / "verdicts.parquet").drop("verdict").write_parquet(bad)
+    res = run_draco(*credit_args(sample, tmp_path / "out", verdicts=bad))
+    one_line_error(res, 1, str(bad), "field 'verdict'", "missing required column")
+    assert not (tmp_path / "out").exists()
+    res = run_draco("validate", "--table", "verdicts", str(bad))
+    assert res.returncode == 1 and b"field 'verdict': missing required column" in res.stderr

@@ -125,7 +125,7 @@ class VerdictRaw(Table):
     criterion_id: str = Field(description="Criterion judged.")
     judge: str = Field(description="Judge arm label, e.g. frontier or self.")
     sample: int = Field(ge=0, description="Sample index 0..k-1.")
-    verdict: Verdict | None = Field(None, description="pass, fail, na, or null = unanswered.")
+    verdict: Verdict | None = Field(description="pass, fail, na, or null = unanswered.")
     cited_steps: list[StepNumber] = Field(
         description="Steps that justify the verdict (1-based)."
     )
@@ -141,7 +141,7 @@ class VerdictAggregated(Table):
     rollout_id: str = Field(description="Judged rollout.")
     criterion_id: str = Field(description="Criterion judged.")
     judge: str = Field(description="Judge arm label.")
-    verdict: Verdict | None = Field(None, description="Aggregated verdict; null = unanswered.")
+    verdict: Verdict | None = Field(description="Aggregated verdict; null = unanswered.")
     cited_steps: list[StepNumber] = Field(
         description="Union of citations of the agreeing samples."
     )
