@@ -919,3 +919,16 @@ def test_verdicts_without_a_verdict_column_are_refused_not_scored_as_unanswered(
     assert not (tmp_path / "out").exists()
     res = run_draco("validate", "--table", "verdicts", str(bad))
     assert res.returncode == 1 and b"field 'verdict': missing required column" in res.stderr
+
+
+def test_credit_compute_with_no_learning_signal_exits_1_unless_allowed(sample, tmp_path):
+    flat = tmp_path / "verdicts.parquet"   # every member passes every criterion: all dropped
+    pl.read_parquet(sample / "verdicts.parquet").with_columns(
+        pl.lit("pass").alias("verdict")).write_parquet(flat)
+    res = run_draco(*credit_args(sample, tmp_path / "a", verdicts=flat))
+    assert res.returncode == 1, res.stderr
+    assert b"no learning signal: every one of the 12 criteria was dropped" in res.stderr, res.stderr
+    assert (tmp_path / "a" / "token_advantages.parquet").exists()   # the tables, whole
+    res = run_draco(*credit_args(sample, tmp_path / "b", verdicts=flat), "--allow-no-signal")
+    assert res.returncode == 0 and b"no learning signal" not in res.stderr
+    assert run_draco(*credit_args(sample, tmp_path / "c")).returncode == 0   # mixed verdicts

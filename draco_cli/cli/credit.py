@@ -55,6 +55,10 @@ def compute(
     judge: JudgeOpt = None,
     rubric_dropout: RubricDropoutOpt = 0.0,
     dropout_seed: DropoutSeedOpt = 0,
+    allow_no_signal: Annotated[bool, typer.Option(
+        "--allow-no-signal", metavar="", help="Exit 0 for a step that gives the trainer no "
+        "learning signal (every advantage 0); without it that is exit 1, the tables written.")]
+    = False,
     fmt: Format = None,
     as_json: Json = False,
     force: Force = False,
@@ -85,6 +89,18 @@ def compute(
                              "verdicts)") + "; pass --credit step with --verdicts to spread it "
                           "over steps by the judge's citations", highlight=False)
     _summary(stats, out, shape, options.reward)
+    from draco_cli.inloop.metrics import signal_problem
+
+    n = stats.rollouts
+    problem = signal_problem({
+        "draco/rollouts": float(n), "draco/nonzero_share": stats.nonzero_advantages / n if n
+        else 0.0, "draco/criteria_kept": float(stats.criteria_kept),
+        "draco/criteria_total": float(stats.criteria_kept + stats.criteria_dropped)
+        if options.reward == "rubric" else 0.0})
+    if problem and not allow_no_signal:
+        err_console.print(f"[red]no learning signal:[/] {problem} (--allow-no-signal accepts "
+                          "such a step)", highlight=False)
+        raise typer.Exit(1)
 
 
 def _summary(stats: CreditStats, out: Path, fmt: str = "table", reward: str = "rubric"
