@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import errno
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 
 class DracoError(Exception):
@@ -100,3 +102,15 @@ def describe_os_error(exc: OSError, path: str | os.PathLike[str] | None = None) 
     if exc.filename2 is not None and path is None:
         where = f"{exc.filename} -> {exc.filename2}"
     return f"{where}: {what}" if where is not None else what
+
+
+@contextmanager
+def naming(file: str | os.PathLike[str] | None) -> Iterator[None]:
+    """An InputError raised inside without a file gets ``file`` (code that checks a frame does
+    not know which file it was read from)."""
+    try:
+        yield
+    except InputError as exc:
+        if exc.file is not None or file is None:
+            raise
+        raise InputError(exc.detail, file=str(file), row=exc.row, field=exc.field) from None

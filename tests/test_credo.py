@@ -224,6 +224,36 @@ def test_cli_loop_plan_correct_fit_evolve(tmp_path):
     assert res.returncode == 0, res.stderr.decode()
     p2 = pl.read_parquet(tmp_path / "plan2.parquet")
     assert p2["head_version"][0].startswith("heads-") and p2["prediction"].std() > 0
+    # features that repeat a positions column (a positions table given as --features): the
+    # positions' own column, no `_right` copy in the plan
+    F.join(pos.select("rollout_id", "step", "n_steps"), on=["rollout_id", "step"]).write_parquet(
+        tmp_path / "f_n.parquet")
+    res = run_draco("replay", "plan", "--positions", str(tmp_path / "pos.parquet"), "--budget",
+                    "2000", "--heads", str(tmp_path / "heads.json"), "--features",
+                    str(tmp_path / "f_n.parquet"), "-o", str(tmp_path / "plan3.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    p3 = pl.read_parquet(tmp_path / "plan3.parquet")
+    assert not [c for c in p3.columns if c.endswith("_right")] and p3.equals(p2), p3.columns
+    # a table that is not a plan, or a value out of range, named before any work
+    pos.with_columns(pl.lit(-1.0).alias("error")).write_parquet(tmp_path / "pos_bad.parquet")
+    for args, code, words in [
+        (["plan", "--positions", str(tmp_path / "pos_bad.parquet"), "--budget", "2000", "-o",
+          str(tmp_path / "p5.parquet")], 1, f"{tmp_path / 'pos_bad.parquet'}: field 'error'"),
+        (["correct", "--plan", str(tmp_path / "pos.parquet"), "--labels",
+          str(tmp_path / "labels.parquet"), "-o", str(tmp_path / "c2")], 1,
+         f"{tmp_path / 'pos.parquet'}: field "),
+        (["plan", "--positions", str(tmp_path / "pos.parquet"), "--budget", "inf", "-o",
+          str(tmp_path / "p4.parquet")], 2, "--budget inf"),
+        (["fit", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+          str(tmp_path / "labels.parquet"), "--features", str(tmp_path / "f.parquet"),
+          "--ridge", "-1", "-o", str(tmp_path / "h2.json")], 2, "--ridge -1"),
+        (["fit", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+          str(tmp_path / "labels.parquet"), "--features", str(tmp_path / "f.parquet"),
+          "--holdout", "1.5", "-o", str(tmp_path / "h2.json")], 2, "--holdout 1.5"),
+    ]:
+        res = run_draco("replay", *args)
+        err = res.stderr.decode()
+        assert res.returncode == code and words in err and len(err.splitlines()) == 1, err
     res = run_draco("replay", "evolve", "--plan", str(tmp_path / "plan.parquet"), "--labels",
                     str(tmp_path / "labels.parquet"), "--rollouts",
                     str(tmp_path / "rollouts.parquet"), "--baseline",

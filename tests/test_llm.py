@@ -526,6 +526,21 @@ def test_connection_refused_is_one_clear_error(tmp_path, monkeypatch):
     assert "after 3 attempts" in msg
 
 
+def test_a_host_name_that_does_not_resolve_is_said_so_and_asked_twice_not_a_minute(
+        tmp_path, monkeypatch):
+    # .invalid never resolves (RFC 2606): with DNS or without, no answer and no wait
+    monkeypatch.setenv("OPENAI_API_KEY", PLANTED)
+    with CallLog(tmp_path / "calls.sqlite") as log:
+        c = LLMClient("openai/m", call_log=log, base_url="http://nosuchhost.invalid/v1",
+                      backoff_base=0.01, timeout=60)
+        t = time.perf_counter()
+        with pytest.raises(LLMError) as err:
+            c.run([req("a")])
+    msg = str(err.value)
+    assert "host not found" in msg and "timeout" not in msg and "after 3 attempts" in msg, msg
+    assert time.perf_counter() - t < 30
+
+
 def test_missing_api_key_is_one_line(tmp_path, monkeypatch):
     monkeypatch.delenv("OPENAI_API_KEY", raising=False)
     monkeypatch.delenv("ANTHROPIC_API_KEY", raising=False)

@@ -131,3 +131,16 @@ def test_the_cli_prints_the_whole_line(server):
     assert "probed at 0.5" in err
     assert "use: --structured-output json-schema --concurrency" not in err   # no parallelism
     assert "--max-tokens 300 --timeout 90 --temperature 0.5" in err.replace("\n", " ")
+
+
+@pytest.mark.parametrize("args, words", [
+    (["--timeout", "-1"], "--timeout -1.0: give a positive number of seconds"),
+    (["--timeout", "0"], "--timeout 0.0"),
+    (["--max-tokens", "0"], "--max-tokens 0"),
+    (["--base-url", "notaurl"], "--base-url: 'notaurl' is not an http(s) URL"),
+])
+def test_bad_options_are_refused_as_a_run_refuses_them(args, words):
+    # checked before any probe: a check advising "--timeout -1" helps nobody
+    res = run_draco("llm", "check", "--model", "openai/x", *args)
+    err = res.stderr.decode()
+    assert res.returncode == 2 and words in err and len(err.strip().splitlines()) == 1, err

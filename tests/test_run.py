@@ -197,7 +197,7 @@ def test_tau_bench_end_to_end(server, tmp_path):
     (["--tokens", "bogus"], "--tokens"), (["--std", "bogus"], "--std"),
     (["--train-step", "-1"], "--train-step"), (["--redo", "everything"], "--redo"),
     (["--min-answered", "1.5"], "--min-answered"), (["--redact", "("], "--redact"),
-    (["--max-cost", "-1"], "--max-cost"),
+    (["--max-cost", "-1"], "--max-cost"), (["--timeout", "0"], "--timeout"),
     (["--setting", "outcome", "--credit", "step"], "--credit"),
     (["--judge-model", "nonsense"], "model 'nonsense'"),
     (["--judge-model", "replay//nonexistent.sqlite"], "nonexistent.sqlite"),

@@ -107,6 +107,8 @@ def test_tables_piped_on_stdin(runs, tmp_path):
     assert run_draco("validate", "-", input=stream.getvalue()).returncode == 1
     named = run_draco("validate", "-", "--table", "verdicts", input=stream.getvalue())
     assert named.returncode == 0 and f"{v.height} verdicts".encode() in named.stderr
+    # the name is that call's: the next one in the same process is not told it
+    assert run_draco("validate", "-", input=stream.getvalue()).returncode == 1
     wrong = run_draco("validate", "-", "--table", "nope", input=stream.getvalue())
     assert wrong.returncode == 2 and b"'nope': choose " in wrong.stderr \
         and b"rewards, rollouts" in wrong.stderr

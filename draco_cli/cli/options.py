@@ -101,7 +101,7 @@ Thinking = Annotated[Literal["on", "off"], llm_option(
 MaxTokens = Annotated[int, prompt_option(help="Token limit per answer (at least 16).")]
 MaxPromptTokens = Annotated[int, prompt_option(
     help="Prompt budget, tokens (at least 500; estimated at 4 characters a token): the whole "
-    "prompt — task context, task, steps and an allowance of 1000 for the instructions, criteria "
+    "prompt — task context, task, steps and an allowance of 1200 for the instructions, criteria "
     "and schema; long observations are shortened in the middle to fit.")]
 Redact = Annotated[list[str] | None, prompt_option(
     help="Regex of text to mask before it leaves the machine (repeatable); API keys, bearer "

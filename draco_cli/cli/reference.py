@@ -41,8 +41,9 @@ def render() -> str:
                 opts = ", ".join(f"`{o}`" for o in p.opts) if is_option \
                     else f"`{(p.metavar or p.name).upper()}`"
                 value = getattr(p.default, "value", p.default)  # enums show their value
-                default = "required" if p.required else (
-                    "" if value in (None, False, [], ()) else f"`{value}`")
+                # 0 == False: a zero default is shown, a False flag is not
+                empty = value is None or value is False or value in ([], ())
+                default = "required" if p.required else ("" if empty else f"`{value}`")
                 helptext = (getattr(p, "help", None) or "").replace("|", "\\|").replace("\n", " ")
                 out.append(f"| {opts} | {helptext} | {default} |")
             out.append("")
@@ -50,6 +51,8 @@ def render() -> str:
 
 
 if __name__ == "__main__":
+    if sys.argv[1:2] and sys.argv[1].startswith("-"):
+        sys.exit("usage: python -m draco_cli.cli.reference [FILE]  (default docs/cli.md)")
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/cli.md")
     target.write_text(render())
     print(f"wrote {target}")

@@ -49,7 +49,7 @@ def plan_cmd(
 ) -> None:
     """Square-root replay allocation under a budget, Bernoulli selection → PLAN.
 
-    Example: draco replay plan --positions positions.parquet --budget 5000 --seed 7 -o plan.parquet
+    Example: draco replay plan --positions positions.parquet --steps steps.parquet --budget 5000 --seed 7 -o plan.parquet
     """
     from draco_cli.credo.stage import plan_replay
 
@@ -60,7 +60,8 @@ def plan_cmd(
         f"{result.height} positions, {int(result['selected'].sum())} selected ({allocation}); "
         f"expected cost "
         f"{result['expected_cost'][0]:.6g} of budget {budget:g}; λ = {result['lambda'][0]:.6g}"
-        f"{' (slack: the rest unspent)' if result['lambda'][0] == 0 else ''} → {out}",
+        f"{' (slack: the rest unspent)' if result['expected_cost'][0] < budget * (1 - 1e-9) else ''}"
+        f" → {out}",
         highlight=False)
 
 

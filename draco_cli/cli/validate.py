@@ -29,15 +29,13 @@ def validate(
     from draco_cli.validate import validate_targets
 
     if table is not None:
-        from draco_cli.io import name_stdin_table
         from draco_cli.schemas import TABLES
 
         if table not in TABLES:
             raise typer.BadParameter(f"{table!r}: choose {', '.join(sorted(TABLES))}",
                                      param_hint="--table")
-        name_stdin_table(table)
 
-    sets, problems = validate_targets(paths)
+    sets, problems = validate_targets(paths, stdin_table=table)
     if problems:
         raise ValidationFailed(problems)
     for label, counts in sets:

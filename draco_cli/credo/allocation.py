@@ -137,6 +137,8 @@ def plan(positions: pl.DataFrame, budget: float, *, p_min: float = 0.05, seed: i
         raise UsageError(f"--allocation takes sqrt or uniform, not {allocation!r}")
     if replays < 1:
         raise UsageError("--replays must be at least 1")
+    if not (math.isfinite(budget) and budget > 0):
+        raise UsageError(f"--budget {budget:g}: give a positive number of environment actions")
     for col in ("rollout_id", "step", "prediction", "error"):
         if col not in positions.columns:
             raise InputError("missing column of the positions table", field=col)

@@ -21,7 +21,7 @@ import polars as pl
 from draco_cli.credo import (Heads, correct, cross_fit, draco_features, evolve, fit_heads,
                              fit_with_holdout, plan, rollout_lengths)
 from draco_cli.credo.protocol import LOG_NAME, RunResult, run_replays
-from draco_cli.errors import UsageError
+from draco_cli.errors import UsageError, naming
 from draco_cli.io import (OutputSet, check_writable, conform, folder_lock, prepare_out_dir,
                           as_frame, read_arrow, require_finite, write_table, write_text_atomic)
 from draco_cli.schemas import (AllocatorCalibration, EvolveScore, HeadPrediction, ReplayCost,
@@ -48,6 +48,18 @@ def read(path: PathLike) -> pl.DataFrame:
     return as_frame(read_arrow(path))
 
 
+def read_plan(path: PathLike, *also: str) -> pl.DataFrame:
+    """A plan with its position and selection columns (and ``also``) held to the contract:
+    a table that is not a plan is named, file and column."""
+    return conform(read(path), ReplayPlan, str(path), ["rollout_id", "step", "selected", *also],
+                   check_keys=False)
+
+
+def read_labels(path: PathLike) -> pl.DataFrame:
+    return conform(read(path), ReplayLabel, str(path), ["rollout_id", "step", "side", "return"],
+                   check_keys=False)
+
+
 def features_table(path: PathLike, rewards: PathLike | None = None) -> pl.DataFrame:
     """A features table: a step_credit table becomes DRACO features (with the reward feature
     when `rewards` is given); any other table is taken as rollout_id, step, numeric columns."""
@@ -70,21 +82,24 @@ def plan_replay(positions: PathLike, budget: float, out: PathLike, *, p_min: flo
     if heads is not None and features is None:
         raise UsageError("--heads needs --features")
     pos = read(positions)
-    lengths = rollout_lengths(read(steps)) if steps is not None else None
+    with naming(steps):
+        lengths = rollout_lengths(read(steps)) if steps is not None else None
     version = None
     if heads is not None:
         assert features is not None
         h = Heads.from_json(Path(heads).read_text(), str(heads))
         F = features_table(features, rewards)
-        joined = pos.select("rollout_id", pl.col("step").cast(pl.Int64),
-                            *[c for c in ("score_norm", "cost", "n_steps")
-                              if c in pos.columns]).join(
-            F, on=["rollout_id", "step"], how="left", maintain_order="left")
+        own = [c for c in ("score_norm", "cost", "n_steps") if c in pos.columns]
+        # the positions' own columns win over a features table's (no `_right` copies)
+        joined = pos.select("rollout_id", pl.col("step").cast(pl.Int64), *own).join(
+            F.drop(own, strict=False), on=["rollout_id", "step"], how="left",
+            maintain_order="left")
         c, e = h.predict(joined)
         pos = joined.with_columns(pl.Series("prediction", c), pl.Series("error", e))
         version = h.version
-    result = plan(pos, budget, p_min=p_min, seed=seed, replays=replays, head_version=version,
-                  n_steps=lengths, allocation=allocation)
+    with naming(positions):
+        result = plan(pos, budget, p_min=p_min, seed=seed, replays=replays,
+                      head_version=version, n_steps=lengths, allocation=allocation)
     # every table is checked against its contract before it is written: a broken one is an
     # error naming the output, never a file
     result = conform(result, ReplayPlan, str(out))
@@ -107,7 +122,7 @@ def run_replay(plan_path: PathLike, env: str, out: PathLike, *, workers: int = 2
     folder = prepare_out_dir(out)
     with folder_lock(folder):
         check_writable(folder / RUN_TABLES[0], force)
-        res = run_replays(read(plan_path), env, folder / LOG_NAME, workers=workers,
+        res = run_replays(read_plan(plan_path), env, folder / LOG_NAME, workers=workers,
                           replays=replays, replace_other=force, timeout=timeout,
                           progress=progress)
         if res.labels is not None:
@@ -137,7 +152,7 @@ def correct_replay(plan_path: PathLike, labels: PathLike, out: PathLike, *, beta
     for name in names:
         check_writable(folder / name, force)
     r = read(rollouts) if rollouts else None
-    plan_df, labels_df = read(plan_path), read(labels)
+    plan_df, labels_df = read_plan(plan_path, "prediction", "p"), read_labels(labels)
     for df, cols, src in ((plan_df, ("prediction", "p"), plan_path),
                           (labels_df, ("return",), labels), (r, ("outcome",), rollouts)):
         if df is not None:
@@ -180,6 +195,11 @@ def fit_replay(plan_path: PathLike, labels: PathLike, features: PathLike, out: P
                predictions: PathLike | None = None, force: bool = False) -> FitResult:
     """`replay fit`: the heads → `out` (JSON); with `folds`, cross-fitted predictions →
     `predictions`. Everything is computed before anything is written."""
+    if not ridge >= 0:
+        raise UsageError(f"--ridge {ridge:g}: give a penalty of 0 or more")
+    if not 0 < holdout < 1:
+        raise UsageError(f"--holdout {holdout:g}: give the share of tasks held out, between 0 "
+                         "and 1")
     if folds is not None and (rollouts is None or predictions is None):
         raise UsageError("--cross-fit needs --rollouts (for the folds by task) and "
                          "--predictions (where to write them)")
@@ -187,7 +207,7 @@ def fit_replay(plan_path: PathLike, labels: PathLike, features: PathLike, out: P
     if predictions is not None and folds is not None:
         check_writable(predictions, force)
     F = features_table(features, rewards)
-    P, L = read(plan_path), read(labels)
+    P, L = read_plan(plan_path), read_labels(labels)
     R = read(rollouts) if rollouts is not None else None
     if R is not None:
         h, cal, note = fit_with_holdout(P, L, F, R, ridge, holdout)
@@ -215,7 +235,7 @@ def evolve_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike,
     cands = {"baseline": features_table(baseline)}
     for p in candidates:
         cands[Path(p).stem] = features_table(p)
-    scores = evolve(read(plan_path), read(labels), read(rollouts), cands, ridge, holdout)
+    scores = evolve(read_plan(plan_path), read_labels(labels), read(rollouts), cands, ridge, holdout)
     write_table(conform(scores, EvolveScore, str(out)), out, EvolveScore, force=force)
     return scores
 
@@ -246,7 +266,7 @@ def propose_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike, st
             check_writable(folder / name, force)
         with CallLog(folder / PROPOSE_CALL_LOG) as log:
             client = llm.client(log)
-            res = evolve_round(read(plan_path), read(labels), read(rollouts), read(steps),
+            res = evolve_round(read_plan(plan_path), read_labels(labels), read(rollouts), read(steps),
                                read(rubrics), read(verdicts), client, max_edits=max_edits,
                                evidence=evidence, ridge=ridge, holdout=holdout,
                                progress=progress)
@@ -279,11 +299,11 @@ def diagnose_replay(plan_path: PathLike, *, labels: PathLike | None = None,
 
     if heads and (len(heads) != 2 or features is None):
         raise UsageError("predictor drift takes --heads OLD --heads NEW and --features")
-    P = read(plan_path)
+    P = read_plan(plan_path)
     report: dict[str, Any] = {"weights": weight_tails(P)}
     cal = None
     if labels is not None:
-        L = read(labels)
+        L = read_labels(labels)
         report["variance_split"] = variance_split(P, L)
         cal = allocator_calibration(P, L)
     if heads:

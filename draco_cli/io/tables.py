@@ -145,22 +145,13 @@ def refuse_binary_to_terminal() -> None:
                          "another command (| draco validate -) or give a file name")
 
 
-_stdin_table: str | None = None
-
-
-def name_stdin_table(name: str | None) -> None:
-    """Say which draco table the stream on stdin holds (``--table verdicts``): it is then
-    checked against that contract, whatever its own metadata says."""
-    global _stdin_table
-    _stdin_table = name
-
-
 def read_stdin_table(name: str | None = None) -> pa.Table:
     """The table piped on stdin: an Arrow IPC stream (``draco ... -o -``, polars'
-    ``write_ipc_stream``), an Arrow IPC file (``write_ipc``) or a Parquet file."""
+    ``write_ipc_stream``), an Arrow IPC file (``write_ipc``) or a Parquet file. ``name`` says
+    which draco table it holds (``--table verdicts``): it is then checked against that
+    contract, whatever its own metadata says."""
     import io
 
-    name = name or _stdin_table
     where = "<stdin>" if name in (None, "stdin") else f"<stdin: {name}>"
     if sys.stdin is None or sys.stdin.isatty():
         raise UsageError("- reads a table from stdin, but nothing is piped in: pipe a Parquet "

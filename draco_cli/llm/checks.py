@@ -429,6 +429,13 @@ def run_check(model: str, base_url: str | None, timeout: float,
               *, max_tokens: int = 1024, temperature: float | None = None,
               seed: int | None = None, form: str | None = None,
               parallelism: bool = True) -> CheckResult:
-    """Probe ``model`` (see the module doc). Probes are diagnostics: no call log is written."""
+    """Probe ``model`` (see the module doc). Probes are diagnostics: no call log is written.
+    The options are checked as a run checks them, before any request."""
+    from draco_cli.llm.settings import LLMSettings
+    from draco_cli.options import PromptOptions
+
+    LLMSettings(model, base_url=base_url, timeout=timeout, temperature=temperature, seed=seed,
+                structured_output=form or "auto")
+    PromptOptions.build(max_tokens=max_tokens)
     return asyncio.run(_probe(model, base_url, timeout, max_tokens, temperature, seed, form,
                               parallelism))

@@ -42,6 +42,8 @@ class LLMSettings:
         if self.structured_output not in STRUCTURED_FORMS:
             raise UsageError(f"--structured-output {self.structured_output}: choose from "
                              f"{', '.join(STRUCTURED_FORMS)}")
+        if not self.timeout > 0:
+            raise UsageError(f"--timeout {self.timeout}: give a positive number of seconds")
         if self.max_cost is not None and not self.max_cost >= 0:
             raise UsageError(f"--max-cost {self.max_cost}: give a budget of 0 USD or more")
         if not self.max_reply_mib > 0 or self.max_reply_mib == float("inf"):

@@ -22,6 +22,7 @@ from draco_cli.io import (
     as_frame,
     conform,
     read_arrow,
+    read_stdin_table,
 )
 from draco_cli.schemas import Table
 from draco_cli.publish import source_name
@@ -42,11 +43,11 @@ class Loaded:
     metadata: dict[bytes, bytes]
 
 
-def _load(path: str) -> Loaded | str:
+def _load(path: str, stdin_table: str | None = None) -> Loaded | str:
     """The checked table, or the problem that stopped reading it (cached per set of sets
     with ``functools.cache``: a file is read once, however many sets it is context for)."""
     try:
-        arrow = read_arrow(path)
+        arrow = read_stdin_table(stdin_table) if str(path) == STDIO else read_arrow(path)
         meta = dict(arrow.schema.metadata or {})
         if Path(path).name == LLM_CALLS and b"draco.table" not in meta:
             df = as_frame(arrow)
@@ -190,12 +191,13 @@ def _context_for(folder: Path, root: Path) -> list[Path]:
     return ctx
 
 
-def validate_targets(paths: Sequence[str | Path]) -> tuple[list[tuple[str, dict[str, int]]],
-                                                       list[str]]:
+def validate_targets(paths: Sequence[str | Path], stdin_table: str | None = None
+                     ) -> tuple[list[tuple[str, dict[str, int]]], list[str]]:
     """``draco validate``: files given together form one set; a folder is walked, and each
     folder in it (a run folder's rubric/, judge/, credit/, ...) is checked as its own set,
-    against the tables above it. Returns ((label, rows per table) per set, problems)."""
-    load = functools.cache(_load)
+    against the tables above it. ``stdin_table`` names the table ``-`` holds. Returns
+    ((label, rows per table) per set, problems)."""
+    load = functools.cache(functools.partial(_load, stdin_table=stdin_table))
     sets: list[tuple[str, dict[str, int]]] = []
     problems: list[str] = []
     files = [p for p in paths if str(p) == STDIO or not Path(p).is_dir()]

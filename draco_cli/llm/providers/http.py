@@ -34,6 +34,14 @@ def refused(exc: BaseException) -> bool:
     return _in_chain(exc, ConnectionRefusedError, "refused", "connect call failed")
 
 
+def unresolved(exc: BaseException) -> bool:
+    """The server's host name has no address (a typo in --base-url, or no DNS)."""
+    import socket
+
+    return _in_chain(exc, socket.gaierror, "name or service not known",
+                     "nodename nor servname", "name resolution", "no address associated")
+
+
 def _dropped(exc: BaseException) -> bool:
     """The server closed the connection mid-request, which the SDKs' aiohttp transport reports
     as a connect "timeout": it is a dropped connection, not a call still running upstream."""
@@ -248,6 +256,8 @@ def transport_failure(exc: BaseException) -> Retryable:
     transport reports all three as a connect "timeout", so they are told apart by the cause."""
     if refused(exc):
         return Retryable("connection refused (is the server running?)", kind="refused")
+    if unresolved(exc):   # as a refusal: asked twice, not for a minute
+        return Retryable("host not found (check the URL's host name)", kind="refused")
     if _dropped(exc):
         return Retryable("connection dropped by the server", kind="connection")
     return Retryable("timeout (no reply within --timeout)", kind="timeout")
