@@ -242,3 +242,14 @@ def test_self_judge_over_run_folders(tmp_path, monkeypatch):
     assert {"step:0", "step:3", "first_quarter", "last_quarter"} <= set(a["scope"])
     # the scripted judge answers the same prompt the same way: the two arms agree fully
     assert a.filter(pl.col("scope") == "overall")["agreement"][0] == 1.0
+
+
+def test_one_train_step_is_one_step_in_both_quarters():
+    from draco_cli.audit.stats import step_tests
+
+    tests = step_tests([(0, 0.5, 10)], first=[0], last=[0])
+    assert [(name, n) for name, _, _, n in tests] == [("welch_t_first_vs_last_quarter", 1),
+                                                      ("wls_trend_per_step", 1)]
+    assert all(t is None and p is None for _, t, p, _ in tests)
+    many = step_tests([(s, 0.1 * s, 10) for s in range(8)], first=[0, 1], last=[6, 7])
+    assert many[0][3] == 4 and many[1][3] == 8

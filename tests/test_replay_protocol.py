@@ -374,3 +374,15 @@ def test_kill_9_of_replay_correct_force_leaves_one_whole_set(planned, tmp_path):
         assert run_draco("validate", str(out)).returncode == 0
     print(f"kill -9 outcomes after {kills} kills: {seen}")
     assert kills >= 3 and seen["old"] >= 1, seen
+
+
+def test_an_environment_that_fails_from_the_start_stops_the_run_and_says_why(planned,
+                                                                             tmp_path):
+    # a wrong --env used to fail every selected position one by one, its reason unseen
+    missing = tmp_path / "my_env_adapter.py"
+    res = run_draco("replay", "run", "--plan", str(planned / "plan.parquet"), "--env",
+                    f"{sys.executable} {missing}", "--workers", "1", "-o", str(tmp_path / "o"))
+    err = res.stderr.decode()
+    assert res.returncode == 1 and "stopped: the environment failed its first 3 replays" in err
+    assert "can't open file" in err and str(missing) in err and "not tried" in err, err
+    assert not (tmp_path / "o" / "labels.parquet").exists()

@@ -60,7 +60,9 @@ def step_tests(per_step: list[tuple[int, float | None, int]], first: list[int],
     t, p = welch_t(a, b)
     _, tt, pt = step_trend(np.array([r for _, r, _ in rows]), np.array([s for s, _, _ in rows]),
                            np.array([n for *_, n in rows]))
-    return [("welch_t_first_vs_last_quarter", t, p, int(a.size + b.size)),
+    # the steps in either quarter, each once (with one step, both quarters are that step)
+    quarters = {s for s, _, _ in rows if s in first or s in last}
+    return [("welch_t_first_vs_last_quarter", t, p, len(quarters)),
             ("wls_trend_per_step", tt, pt, len(rows))]
 
 

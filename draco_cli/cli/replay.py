@@ -107,6 +107,11 @@ def run_cmd(
         f"{res.ran} replays run now, {res.done_before} from the log of an earlier run; "
         f"{int(res.costs['env_actions'].sum())} environment actions, "
         f"{int(res.costs['tokens'].sum())} tokens", highlight=False)
+    if res.not_tried:
+        err_console.print(f"[red]stopped:[/] the environment failed its first "
+                          f"{len(res.failures)} replays and answered none; {res.not_tried} "
+                          "not tried (fix --env and rerun)", highlight=False)
+        raise typer.Exit(1)
     if res.labels is None:
         err_console.print(f"[red]{len(res.failures)} replay(s) failed[/] of {total}: no "
                           "labels written; rerun to retry them (finished ones are kept)",

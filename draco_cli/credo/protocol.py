@@ -26,6 +26,7 @@ draws the same random streams.
 
 from __future__ import annotations
 
+import collections
 import hashlib
 import json
 import os
@@ -44,11 +45,13 @@ from collections.abc import Callable
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
+from draco_cli.llm.keys import scrub
 from draco_cli.schemas import ReplayLabel, polars_schema
 
 PROTOCOL = "draco-replay/1"
 LOG_NAME = "replay_log.jsonl"
 COST_FIELDS = ("env_actions", "tokens", "reconstruction_actions", "reconstruction_tokens")
+FAILURES_TO_STOP = 3   # replays failed in a row, none answered: the run stops there
 
 # A request to the environment, and a record of the log (a checked answer): JSON objects.
 Request = dict[str, Any]
@@ -62,6 +65,7 @@ class RunResult:
     done_before: int                  # replays found in the log from an earlier run
     ran: int                          # replays run now
     failures: list[str] = field(default_factory=list)
+    not_tried: int = 0                # left when the environment failed every replay it began
 
 
 def plan_digest(plan_df: pl.DataFrame) -> str:
@@ -179,7 +183,7 @@ class _Subprocess:
     def __init__(self, cmd: str):
         try:
             self.p = subprocess.Popen(shlex.split(cmd), stdin=subprocess.PIPE,
-                                      stdout=subprocess.PIPE, stderr=subprocess.DEVNULL,
+                                      stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                       text=True, bufsize=1)
         except (OSError, ValueError) as exc:
             raise UsageError(f"--env {cmd!r} could not start: "
@@ -187,12 +191,19 @@ class _Subprocess:
         # Popen with PIPEs: stdin and stdout are there
         self.stdin, self.stdout = cast("IO[str]", self.p.stdin), cast("IO[str]", self.p.stdout)
         self.lines: queue.Queue[str | None] = queue.Queue()
+        self.said: collections.deque[str] = collections.deque(maxlen=1)  # its last stderr line
         threading.Thread(target=self._read, daemon=True).start()
+        threading.Thread(target=self._read_stderr, daemon=True).start()
 
     def _read(self) -> None:  # a reader thread, so a silent environment can time out
         for line in self.stdout:
             self.lines.put(line)
         self.lines.put(None)
+
+    def _read_stderr(self) -> None:
+        for line in cast("IO[str]", self.p.stderr):
+            if line.strip():
+                self.said.append((scrub(line.strip()) or "")[:200])
 
     def ask(self, req: Request, timeout: float) -> object:
         self.stdin.write(json.dumps(req) + "\n")
@@ -203,7 +214,12 @@ class _Subprocess:
             self.p.kill()
             raise TimeoutError(f"no answer within {timeout:g} s (the environment was stopped)") from None
         if line is None:
-            raise RuntimeError(f"the environment exited (code {self.p.poll()})")
+            try:
+                code = self.p.wait(timeout=1)
+            except subprocess.TimeoutExpired:
+                code = None
+            said = f": {self.said[-1]}" if self.said else ""
+            raise RuntimeError(f"the environment exited (code {code}){said}")
         return json.loads(line)
 
     def close(self) -> None:
@@ -260,6 +276,15 @@ def _tables(recs: list[Record], complete: bool) -> tuple[pl.DataFrame, pl.DataFr
     return costs, labels
 
 
+def _reconnect(conn: _Env, connect: Callable[[], _Env]) -> _Env | None:
+    """A fresh copy of an environment whose pipe is gone or hung, or None if none starts."""
+    conn.close()
+    try:
+        return connect()
+    except UsageError:
+        return None
+
+
 def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int = 1,
                 replays: int | None = None, replace_other: bool = False,
                 timeout: float = 600.0,
@@ -278,6 +303,10 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     failures: list[str] = []
     ran = [0]
     lock = threading.Lock()
+    # an environment that fails every replay it begins (a wrong --env, a crash at start) stops
+    # the run after a few, instead of failing every position one by one
+    stop = threading.Event()
+    tick = progress or (lambda done, total: None)
     is_http = env.startswith(("http://", "https://"))
 
     def connect() -> _Env:
@@ -291,7 +320,7 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                 failures.append(str(exc))
             return
         try:
-            while True:
+            while not stop.is_set():
                 try:
                     req = todo.get_nowait()
                 except queue.Empty:
@@ -301,12 +330,13 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                 if why or ans is None:
                     with lock:
                         failures.append(f"({req['rollout_id']!r}, step {req['step']}): {why}")
-                    if broken:  # the pipe is gone or hung: a fresh copy for the next replay
-                        conn.close()
-                        try:
-                            conn = connect()
-                        except UsageError:
+                        if ran[0] == 0 and len(failures) >= FAILURES_TO_STOP:
+                            stop.set()
+                    if broken:
+                        fresh = _reconnect(conn, connect)
+                        if fresh is None:
                             return
+                        conn = fresh
                     continue
                 log.add({"id": req["id"], "rollout_id": req["rollout_id"], "step": req["step"],
                          "realized": ans["realized"], "resampled": ans["resampled"],
@@ -314,8 +344,7 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                          "seconds": round(time.monotonic() - t0, 6)})
                 with lock:
                     ran[0] += 1
-                    if progress:
-                        progress(before + ran[0], len(reqs))
+                    tick(before + ran[0], len(reqs))
         finally:
             conn.close()
 
@@ -328,4 +357,4 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     log.close()
     recs = [log.done[r["id"]] for r in reqs if r["id"] in log.done]
     costs, labels = _tables(recs, len(recs) == len(reqs))
-    return RunResult(labels, costs, before, ran[0], failures)
+    return RunResult(labels, costs, before, ran[0], failures, todo.qsize())
