@@ -20,5 +20,6 @@ def test_rllm_block(kind, tmp_path, capsys):
           "transform_config": rl.config, "_default_traj_grouping_hook": rl.grouping,
           "tokenizer": SimpleNamespace(decode=lambda ids: " ".join(f"w{i}" for i in ids))}
     _run(_block("DracoGroupingHook", "scorer.close()"), ns, tmp_path)
-    assert capsys.readouterr().out.split() == ["1", "2.0"]
+    # the step scored (0) and its groups, as the block's comment says; the hook is at the next
+    assert capsys.readouterr().out.split() == ["0", "2.0"] and ns["hook"].train_step == 1
     assert (tmp_path / "runs/rllm/llm_calls.sqlite").exists()
