@@ -342,6 +342,7 @@ def test_llm_check_sees_a_queue_that_a_busy_machine_hides(monkeypatch):
     # alone (1.7 against 6.7 calls/s) would advise 2
     assert server.hits["chat"] == 4
     assert advice["--concurrency"] == "1", findings
+    assert findings[-1].detail.endswith("; 2 sent at once came back one after another (queued)")
 
 
 @pytest.mark.parametrize("model", ["openai/test-model", "anthropic/test-claude"])

@@ -233,24 +233,28 @@ async def _check_parallelism(provider: Provider, max_tokens: int, temperature: f
         reply, _ = await _one(provider, short)
         return None if reply is None else time.perf_counter() - t
 
+    why = "not queued at 8 at once: 16 advised, not measured (a self-hosted run adapts down)"
     for c in (1, 2, 4, 8):
         start = time.perf_counter()
         latencies = await asyncio.gather(*(timed() for _ in range(c)))
         wall = time.perf_counter() - start
         if any(t is None for t in latencies):
+            why = f"a call failed at {c} at once"
             break
         rates[c] = c / wall
         if c > 1 and rates[c] < rates[best] * 1.25:
-            break  # latency rose, throughput did not: the server queues
+            why = f"{c} at once gained under 25% over {best}"   # latency rose: it queues
+            break
         # Calls sent together that end one after another (the last taking c times the first's
         # time) were queued, whatever the rate: on a busy machine one round's rate against
         # another's is noise, the spread within a round is not (its calls share the noise).
         done = sorted(t for t in latencies if t is not None)
         if c > 1 and done[-1] >= done[0] * (1 + (c - 1) / 2):
+            why = f"{c} sent at once came back one after another (queued)"
             break
         best = c
     findings.append(Finding("parallelism", True, ", ".join(
-        f"{c} at once: {r:.2f} calls/s" for c, r in rates.items())))
+        f"{c} at once: {r:.2f} calls/s" for c, r in rates.items()) + f"; {why}"))
     advice["--concurrency"] = str(best if best < 8 else 16)
     return rates
 
