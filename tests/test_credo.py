@@ -392,6 +392,24 @@ def test_fit_prints_held_out_calibration_of_both_heads(tmp_path):
                     str(tmp_path / "cf.parquet"))
     assert res.returncode == 0, res.stderr.decode()
     assert pl.read_parquet(tmp_path / "cf.parquet").height == F.height
+    # folds by hash: fewer tasks than folds leave folds empty, and the line says so
+    import hashlib
+
+    def h(t):
+        return int(hashlib.sha256(str(t).encode()).hexdigest(), 16)
+    tasks = R["task_id"].unique().sort().to_list()
+    held = next(t for t in tasks if h(t) % 1000 < 500)
+    kept = next(t for t in tasks if h(t) % 1000 >= 500 and h(t) % 6 != h(held) % 6)
+    two = R.filter(pl.col("task_id").is_in([held, kept]))
+    two.write_parquet(tmp_path / "two.parquet")
+    res = run_draco("replay", "fit", "--plan", str(tmp_path / "plan.parquet"), "--labels",
+                    str(tmp_path / "labels.parquet"), "--features", str(tmp_path / "f.parquet"),
+                    "--rollouts", str(tmp_path / "two.parquet"), "--holdout", "0.5", "-o",
+                    str(tmp_path / "heads3.json"), "--cross-fit", "6", "--predictions",
+                    str(tmp_path / "cf3.parquet"))
+    assert res.returncode == 0, res.stderr.decode()
+    assert "over 2 folds (of 6 asked: tasks are split by hash, and 4 folds got none)" in \
+        res.stderr.decode(), res.stderr.decode()
     from draco_cli.credo import fit_with_holdout
 
     _, cal, _ = fit_with_holdout(P, L, F, R)

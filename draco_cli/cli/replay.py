@@ -199,8 +199,12 @@ def fit_cmd(
         _print_table(res.calibration, "inverse-inclusion-weighted means per prediction bin")
     if res.cross_fitted is not None:
         cf = res.cross_fitted
-        err_console.print(f"cross-fitted predictions for {cf.height} positions over "
-                          f"{cf['fold'].n_unique()} folds → {predictions}", highlight=False)
+        made, asked = cf["fold"].n_unique(), cross_fit or 0
+        short = "" if made >= asked else (
+            f" (of {asked} asked: tasks are split by hash, and {asked - made} "
+            f"fold{'s' if asked - made != 1 else ''} got none)")
+        err_console.print(f"cross-fitted predictions for {cf.height} positions over {made} "
+                          f"folds{short} → {predictions}", highlight=False)
 
 
 def _print_table(df: pl.DataFrame, title: str) -> None:
