@@ -120,6 +120,28 @@ def _crosses_a_process(item) -> bool:
     return False
 
 
+# Folders and modules whose every test crosses a process, with the markers its tests carry:
+# a run whose -m deselects all of them (the README's) does not import them — torch, the
+# trainers and Ray cost each worker ~10 s of a two-minute run.
+_ALL_PROCESS = {"trainers": [{"process"}, {"process", "trainers"}],
+                "test_llamacpp.py": [{"process", "llamacpp"}],
+                "test_vllm.py": [{"process", "vllm"}],
+                "test_engine_ray.py": [{"process"}]}
+
+
+def pytest_ignore_collect(collection_path, config):
+    from _pytest.mark.expression import Expression
+
+    kinds = _ALL_PROCESS.get(collection_path.name)
+    expr = config.option.markexpr
+    if kinds is None or not expr or collection_path.parent.name != "tests":
+        return None
+    selected = Expression.compile(expr)
+    if not any(selected.evaluate(lambda name, k=k: name in k) for k in kinds):
+        return True
+    return None
+
+
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
     for item in items:
