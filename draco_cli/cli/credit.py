@@ -89,14 +89,11 @@ def compute(
                              "verdicts)") + "; pass --credit step with --verdicts to spread it "
                           "over steps by the judge's citations", highlight=False)
     _summary(stats, out, shape, options.reward)
-    from draco_cli.inloop.metrics import signal_problem
+    from dataclasses import asdict
 
-    n = stats.rollouts
-    problem = signal_problem({
-        "draco/rollouts": float(n), "draco/nonzero_share": stats.nonzero_advantages / n if n
-        else 0.0, "draco/criteria_kept": float(stats.criteria_kept),
-        "draco/criteria_total": float(stats.criteria_kept + stats.criteria_dropped)
-        if options.reward == "rubric" else 0.0})
+    from draco_cli.run.health import credit_signal_problem
+
+    problem = credit_signal_problem(asdict(stats), options.reward)
     if problem and not allow_no_signal:
         err_console.print(f"[red]no learning signal:[/] {problem} (--allow-no-signal accepts "
                           "such a step)", highlight=False)

@@ -26,7 +26,6 @@ draws the same random streams.
 
 from __future__ import annotations
 
-import collections
 import hashlib
 import json
 import os
@@ -191,7 +190,7 @@ class _Subprocess:
         # Popen with PIPEs: stdin and stdout are there
         self.stdin, self.stdout = cast("IO[str]", self.p.stdin), cast("IO[str]", self.p.stdout)
         self.lines: queue.Queue[str | None] = queue.Queue()
-        self.said: collections.deque[str] = collections.deque(maxlen=1)  # its last stderr line
+        self.said = ""   # the last line it wrote to stderr
         threading.Thread(target=self._read, daemon=True).start()
         threading.Thread(target=self._read_stderr, daemon=True).start()
 
@@ -203,7 +202,7 @@ class _Subprocess:
     def _read_stderr(self) -> None:
         for line in cast("IO[str]", self.p.stderr):
             if line.strip():
-                self.said.append((scrub(line.strip()) or "")[:200])
+                self.said = line.strip()
 
     def ask(self, req: Request, timeout: float) -> object:
         self.stdin.write(json.dumps(req) + "\n")
@@ -218,7 +217,7 @@ class _Subprocess:
                 code = self.p.wait(timeout=1)
             except subprocess.TimeoutExpired:
                 code = None
-            said = f": {self.said[-1]}" if self.said else ""
+            said = f": {(scrub(self.said) or '')[:200]}" if self.said else ""
             raise RuntimeError(f"the environment exited (code {code}){said}")
         return json.loads(line)
 

@@ -48,21 +48,29 @@ def run_health(stages: Mapping[str, StageRecord], opts: RunOptions) -> Health:
                   threshold=threshold, stages=out, messages=messages, signal=signal)
 
 
+def credit_signal_problem(stats: Mapping[str, Any], reward: str, min_signal: float = 0.0
+                          ) -> str | None:
+    """Why a credit computation (its ``CreditStats`` as a mapping) gives the trainer no
+    learning signal, or None (``inloop.metrics.signal_problem`` on its figures)."""
+    from draco_cli.inloop.metrics import signal_problem
+
+    n, nonzero = stats.get("rollouts", 0), stats.get("nonzero_advantages", 0)
+    kept, dropped = stats.get("criteria_kept", 0), stats.get("criteria_dropped", 0)
+    return signal_problem({"draco/rollouts": float(n),
+                           "draco/nonzero_share": nonzero / n if n else 0.0,
+                           "draco/criteria_total": float(kept + dropped) if reward == "rubric"
+                           else 0.0,
+                           "draco/criteria_kept": float(kept)}, min_signal)
+
+
 def signal_check(stages: Mapping[str, StageRecord], opts: RunOptions) -> dict[str, Any] | None:
     """Whether the step gives the trainer a learning signal (from the credit stage)."""
     rec = stages.get("credit")
     stats = getattr(rec, "stats", None)
     if not stats:
         return None
-    from draco_cli.inloop.metrics import signal_problem
-
     n, nonzero = stats.get("rollouts", 0), stats.get("nonzero_advantages", 0)
-    kept, dropped = stats.get("criteria_kept", 0), stats.get("criteria_dropped", 0)
-    metrics = {"draco/rollouts": float(n), "draco/nonzero_share": nonzero / n if n else 0.0,
-               "draco/criteria_total": float(kept + dropped) if
-               opts.credit.reward == "rubric" else 0.0,
-               "draco/criteria_kept": float(kept)}
-    problem = signal_problem(metrics, opts.min_signal)
+    problem = credit_signal_problem(stats, opts.credit.reward, opts.min_signal)
     allowed = opts.allow_no_signal
     return {"rollouts": n, "nonzero_advantages": nonzero,
             "nonzero_share": round(nonzero / n, 6) if n else 0.0,
