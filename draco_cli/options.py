@@ -135,6 +135,13 @@ class CreditOptions(_Options):
     # a seeded share of each group's retained criteria left out of the reward (credit.dropout)
     rubric_dropout: Annotated[float, Field(ge=0.0, lt=1.0)] = 0.0
     dropout_seed: int = 0
+    # the train step token advantages name where the rollouts do not say theirs (a trainer's
+    # loader refuses a step claimed against a file that records none)
+    train_step: Annotated[int | None, Field(ge=0)] = None
+
+    def credit_args(self) -> dict[str, Any]:
+        """The options ``compute_credit`` takes (the token form and step are applied after)."""
+        return self.model_dump(exclude={"tokens", "train_step"})
 
 
 class RunOptions(_Options):

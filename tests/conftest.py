@@ -161,6 +161,26 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+def sample_step(n: int, into: Path) -> list[str]:
+    """``--rollouts R --steps S`` of the sample as train step ``n``: its rollouts say step 0,
+    and ``draco run --train-step n`` refuses rollouts that say another step, so for n > 0 a
+    copy with ``train_step`` = n is written into ``into``."""
+    sample = REPO / "sample_data" / "appworld_mini"
+    rollouts = sample / "rollouts.parquet"
+    if n:
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+
+        rollouts = into / f"rollouts-step-{n}.parquet"
+        if not rollouts.exists():
+            into.mkdir(parents=True, exist_ok=True)
+            table = pq.read_table(sample / "rollouts.parquet")
+            i = table.schema.get_field_index("train_step")
+            step = pa.array([n] * table.num_rows, table.schema.field(i).type)
+            pq.write_table(table.set_column(i, table.schema.field(i), step), rollouts)
+    return ["--rollouts", str(rollouts), "--steps", str(sample / "steps.parquet")]
+
+
 def run_draco(*args: str, input: bytes | None = None, cwd: Path | None = None,
               process: bool = False) -> subprocess.CompletedProcess:
     """Run the real CLI's entry point (``draco_cli.cli.main``: parsing, the one error mapping,

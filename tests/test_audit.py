@@ -12,7 +12,7 @@ from scipy import optimize, stats
 from draco_cli.audit import cost_audit, overlap_audit, rubric_audit, self_judge_audit
 from draco_cli.io import write_table
 from draco_cli.schemas import Rollout, VerdictAggregated
-from tests.conftest import run_draco
+from tests.conftest import run_draco, sample_step
 
 # (rollout, criterion, reference verdict, self verdict); rollouts a, b at step 1; c, d at step 2
 PAIRS = [("a", "c1", "pass", "pass"), ("a", "c2", "pass", "fail"), ("a", "c3", "fail", "pass"),
@@ -200,8 +200,7 @@ def test_overlap_cli_with_model_matchers(tmp_path, monkeypatch, matcher):
 
 def test_cost_over_several_run_folders(tmp_path):
     for n in (0, 1):
-        assert run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
-                         "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+        assert run_draco("run", *sample_step(n, tmp_path / "in"), "--model",
                          "replay/sample_data/llm_calls.sqlite", "--train-step", str(n),
                          "-o", str(tmp_path)).returncode == 0
     res = run_draco("audit", "cost", "--calls", str(tmp_path / "step-0"), "--calls",
@@ -224,8 +223,7 @@ def test_self_judge_over_run_folders(tmp_path, monkeypatch):
     try:
         for n in (0, 1, 2, 3):
             for label, model in (("self", "openai/self-model"), ("ref", "openai/ref-model")):
-                res = run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
-                                "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+                res = run_draco("run", *sample_step(n, tmp_path / "in"), "--model",
                                 model, "--base-url", s.url + "/v1", "--setting", "static",
                                 "--train-step", str(n), "--judge-label", label,
                                 "-o", str(tmp_path / label))

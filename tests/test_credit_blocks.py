@@ -173,6 +173,7 @@ def test_blocks_give_the_whole_tables(inputs, tmp_path, monkeypatch, blocks_used
     CreditOptions(tokens="dense"),
     CreditOptions(tokens="both"),
     CreditOptions(judge="frontier"),
+    CreditOptions(train_step=3),
 ], ids=lambda o: "-".join(f"{k}={v}" for k, v in o.model_dump(exclude_defaults=True).items()))
 def test_every_option(inputs, tmp_path, monkeypatch, blocks_used, options):
     whole_and_blocks(inputs[False], tmp_path, options, 8, monkeypatch)

@@ -71,6 +71,27 @@ def test_credit_compute_end_to_end(sample_run, tmp_path):
     assert res.returncode == 0, res.stderr.decode()
 
 
+def test_train_step_names_rollouts_that_do_not_say_theirs(sample_run, tmp_path):
+    d = sample_run
+    r = pl.read_parquet(d / "rollouts.parquet")
+    # four rollouts say step 7, the rest do not say
+    said = r.with_columns(pl.when(pl.int_range(pl.len()) < 4).then(7).otherwise(None)
+                          .cast(pl.Int32).alias("train_step"))
+    said.write_parquet(tmp_path / "rollouts.parquet")
+    res = run_draco("credit", "compute", "--rollouts", str(tmp_path / "rollouts.parquet"),
+                    "--steps", str(d / "steps.parquet"), "--verdicts", str(d / "verdicts.parquet"),
+                    "--train-step", "5", "-o", str(tmp_path / "c"))
+    assert res.returncode == 0, res.stderr.decode()
+    ta = pl.read_parquet(tmp_path / "c" / "token_advantages.parquet").join(
+        said.select("rollout_id", pl.col("train_step").alias("own")), on="rollout_id")
+    assert ta.height == r.height
+    assert (ta["train_step"] == ta["own"].fill_null(5)).all()
+    res = run_draco("credit", "compute", "--rollouts", str(d / "rollouts.parquet"),
+                    "--steps", str(d / "steps.parquet"), "--verdicts", str(d / "verdicts.parquet"),
+                    "--train-step", "-1", "-o", str(tmp_path / "bad"))
+    assert res.returncode == 2 and b"--train-step -1" in res.stderr, res.stderr
+
+
 def test_expand_round_trip_cli(sample_run, tmp_path):
     d = sample_run
     out = tmp_path / "credit"

@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from draco_cli.evaluate.core import compare, evaluate
-from tests.conftest import TAU, examples, run_draco
+from tests.conftest import TAU, examples, run_draco, sample_step
 
 
 @pytest.fixture(scope="module")
@@ -134,8 +134,7 @@ def test_compare_paired_bootstrap(tau_dir):
 
 def test_several_run_dirs_follow_training(tmp_path):
     for n in (0, 1):
-        assert run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
-                         "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+        assert run_draco("run", *sample_step(n, tmp_path / "in"), "--model",
                          "replay/sample_data/llm_calls.sqlite", "--train-step", str(n),
                          "-o", str(tmp_path)).returncode == 0
     res = run_draco("eval", "--rollouts", str(tmp_path / "step-0"), "--rollouts",
@@ -209,8 +208,7 @@ def test_display_metrics_property(n_tasks, n_trials, seed, p_drop):
         assert got["pass_hat_k"][k] == pytest.approx(v, abs=1e-15)
 def test_several_run_dirs_show_per_step_figures_and_warn_on_repeated_ids(tmp_path):
     for n in (0, 1):
-        assert run_draco("run", "--rollouts", "sample_data/appworld_mini/rollouts.parquet",
-                         "--steps", "sample_data/appworld_mini/steps.parquet", "--model",
+        assert run_draco("run", *sample_step(n, tmp_path / "in"), "--model",
                          "replay/sample_data/llm_calls.sqlite", "--train-step", str(n),
                          "-o", str(tmp_path)).returncode == 0
     args = ["eval", "--rollouts", str(tmp_path / "step-0"), "--rollouts",

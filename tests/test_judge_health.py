@@ -15,7 +15,7 @@ import pytest
 from scipy import stats
 
 from draco_cli.errors import UsageError
-from tests.conftest import run_draco
+from tests.conftest import run_draco, sample_step
 from tests.llm_server import schema_of, FakeLLMServer
 
 SAMPLE = ["--rollouts", "sample_data/appworld_mini/rollouts.parquet", "--steps",
@@ -44,12 +44,18 @@ def judge(rate):
     return answer
 
 
+def _inputs(root):
+    """Where the sample's rollouts as each step are written: beside the run root."""
+    return root.with_name(root.name + "-in")
+
+
 def make_runs(root, rate, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-health-000000000000")
     s = FakeLLMServer(answer=judge(rate)).start()
     try:
         for n in range(STEPS):
-            res = run_draco("run", *SAMPLE, "--model", f"openai/step-{n}", "--base-url",
+            res = run_draco("run", *sample_step(n, _inputs(root)), *SAMPLE[4:],
+                            "--model", f"openai/step-{n}", "--base-url",
                             s.url + "/v1", "--train-step", str(n), "-o", str(root))
             assert res.returncode == 0, res.stderr.decode()
     finally:

@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 from draco_cli.cli.output import Report, clean, emit, pick_format
-from tests.conftest import run_draco
+from tests.conftest import run_draco, sample_step
 
 SAMPLE = ["--rollouts", "sample_data/appworld_mini/rollouts.parquet", "--steps",
           "sample_data/appworld_mini/steps.parquet", "--model",
@@ -24,7 +24,8 @@ def runs(tmp_path_factory):
     """Two training steps of the sample, and one run without a train step."""
     d = tmp_path_factory.mktemp("runs")
     for n in (0, 1):
-        res = run_draco("run", *SAMPLE, "--train-step", str(n), "-o", str(d / "steps"))
+        res = run_draco("run", *sample_step(n, d / "in"), *SAMPLE[4:], "--train-step", str(n),
+                        "-o", str(d / "steps"))
         assert res.returncode == 0, res.stderr.decode()
     assert run_draco("run", *SAMPLE, "-o", str(d / "plain")).returncode == 0
     return d

@@ -13,7 +13,7 @@ import subprocess
 import polars as pl
 import pytest
 
-from tests.conftest import REPO, run_draco
+from tests.conftest import REPO, run_draco, sample_step
 
 SAMPLE = ["--rollouts", "sample_data/appworld_mini/rollouts.parquet", "--steps",
           "sample_data/appworld_mini/steps.parquet", "--model",
@@ -25,7 +25,9 @@ SECRET = "sk-proj-abcdefghijklmnopqrstuvwxyz0123456789ABCD"
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("runs")
     for n in (0, 1):
-        assert run_draco("run", *SAMPLE, "--train-step", str(n), "-o", str(d)).returncode == 0
+        inputs = sample_step(n, d.with_name(d.name + "-in"))
+        assert run_draco("run", *inputs, *SAMPLE[4:], "--train-step", str(n), "-o",
+                         str(d)).returncode == 0
     return d
 
 

@@ -21,7 +21,7 @@ import polars as pl
 import pytest
 
 
-from tests.conftest import REPO, TAU, run_draco
+from tests.conftest import REPO, TAU, run_draco, sample_step
 from tests.llm_server import FakeLLMServer
 from tests.test_rubric_judge import scripted
 
@@ -122,8 +122,8 @@ def server(monkeypatch):
     s.stop()
 
 
-def run_sample(server, out, *extra: str) -> Result:
-    return draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", "openai/m",
+def run_sample(server, out, *extra: str, rollouts: str = SAMPLE_RA) -> Result:
+    return draco("run", "--rollouts", rollouts, "--steps", SAMPLE_SA, "--model", "openai/m",
                  "--base-url", server.url + "/v1", "-o", out, *extra)
 
 
@@ -131,7 +131,8 @@ def run_sample(server, out, *extra: str) -> Result:
     ("draco", "step", True), ("no-credit", "uniform", True),
     ("static", "step", False), ("static-no-credit", "uniform", False)])
 def test_four_settings(server, tmp_path, setting, credit_mode, rubric_calls):
-    res = run_sample(server, tmp_path, "--setting", setting, "--train-step", "3")
+    res = run_sample(server, tmp_path, "--setting", setting, "--train-step", "3",
+                     rollouts=sample_step(3, tmp_path / "in")[1])
     assert res.returncode == 0, res.stderr
     run = tmp_path / "step-3"
     rewards = pl.read_parquet(run / "credit" / "rewards.parquet")
@@ -228,6 +229,34 @@ def test_a_table_the_credit_stage_refuses_is_refused_before_any_call(server, tmp
     assert res.returncode == 1 and f"error: {bad}: row " in res.stderr and words in res.stderr, \
         res.stderr
     assert server.hits["chat"] == 0
+
+
+@pytest.mark.parametrize("setting", ["draco", "outcome"])
+def test_rollouts_of_another_train_step_are_refused_before_any_call(server, tmp_path, setting):
+    # the trainer's loader refuses step N's token advantages when their rows say another step:
+    # found at training time, after every judge call of the step was paid for
+    res = run_sample(server, tmp_path / "r", "--train-step", "1", "--setting", setting)
+    assert res.returncode == 1, res.stderr
+    assert res.stderr.startswith(f"error: {SAMPLE_RA}: field 'train_step': train_step is 0 in "
+                                 "some rows, not --train-step 1"), res.stderr
+    assert server.hits["chat"] == 0 and not (tmp_path / "r").exists()
+    # rollouts that do not say their step take the run's
+    unlabelled = tmp_path / "rollouts.parquet"
+    pl.read_parquet(SAMPLE_RA).with_columns(pl.lit(None, pl.Int32).alias("train_step")
+                                            ).write_parquet(unlabelled)
+    res = run_sample(server, tmp_path / "r", "--train-step", "1", "--setting", "outcome",
+                     rollouts=str(unlabelled))
+    assert res.returncode == 0, res.stderr
+    path = tmp_path / "r" / "step-1" / "credit" / "token_advantages.parquet"
+    ta = pl.read_parquet(path)
+    assert set(ta["train_step"]) == {1}
+    from draco_cli.trainers.loader import AlignmentError, load_token_advantages
+
+    table, ids = load_token_advantages(path), ta["rollout_id"][:2].to_list()
+    width = max(ta["length"][:2])
+    assert table.batch(ids, length=width, train_step=1).shape == (2, width)  # the trainer takes it
+    with pytest.raises(AlignmentError, match="from train step 1"):
+        table.batch(ids, length=width, train_step=2)
 
 
 def test_stage_keys_follow_what_each_stage_reads(server, tmp_path):
@@ -477,7 +506,7 @@ def test_audits_over_run_folders_of_several_steps(tmp_path):
     """Issue 13: self-judge over run folders of different steps agrees with itself per step;
     audit cost keeps a run folder without a train step in the per-step table."""
     for step in ("0", "1"):
-        assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
+        assert draco("run", *sample_step(int(step), tmp_path / "in"), "--model", REPLAY,
                      "-o", tmp_path / "runs", "--train-step", step).returncode == 0
     assert draco("run", "--rollouts", SAMPLE_RA, "--steps", SAMPLE_SA, "--model", REPLAY,
                  "-o", tmp_path / "nostep").returncode == 0
@@ -545,8 +574,8 @@ def test_python_api_takes_the_same_option_objects(tmp_path):
     with pytest.raises(UsageError, match="--model is required"):
         run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "x", None, RunOptions.for_setting("static"))
     events = []
-    res = run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "runs", None,
-                   RunOptions.for_setting("outcome", credit_options={"tokens": "dense"}),
+    res = run_step(sample_step(2, tmp_path / "in")[1], SAMPLE_SA, tmp_path / "runs",
+                   None, RunOptions.for_setting("outcome", credit_options={"tokens": "dense"}),
                    train_step=2, on_event=events.append)
     assert res.healthy and res.manifest["status"] == "done"
     assert res.run_dir == tmp_path / "runs" / "step-2"
@@ -603,7 +632,8 @@ def test_call_log_option_shares_one_log_across_steps(server, tmp_path):
     assert not (tmp_path / "runs" / "step-0" / "llm_calls.sqlite").exists()
     assert calls_in(log) == SAMPLE_CALLS
     # the same rollouts at the next step: every answer comes from the shared log
-    res = run_sample(server, tmp_path / "runs", "--train-step", "1", "--call-log", log)
+    res = run_sample(server, tmp_path / "runs", "--train-step", "1", "--call-log", log,
+                     rollouts=sample_step(1, tmp_path / "in")[1])
     assert res.returncode == 0, res.stderr
     assert "rubric: done" in res.stderr and "answered 18 of 18 requests (100%) (0 new, 18 reused)" in res.stderr, res.stderr
     assert server.hits["chat"] == SAMPLE_CALLS

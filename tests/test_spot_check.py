@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 from scipy import stats
 
-from tests.conftest import run_draco
+from tests.conftest import run_draco, sample_step
 from tests.llm_server import schema_of, FakeLLMServer
 from tests.test_judge_health import SAMPLE, STEPS, _u
 
@@ -37,12 +37,18 @@ def judges(train_rate, gold_rate):
     return answer
 
 
+def _inputs(root):
+    """Where the sample's rollouts as each step are written: beside the run root."""
+    return root.with_name(root.name + "-in")
+
+
 def make_runs(root, train_rate, gold_rate, monkeypatch, *extra):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-spot-0000000000000")
     s = FakeLLMServer(answer=judges(train_rate, gold_rate)).start()
     try:
         for n in range(STEPS):
-            res = run_draco("run", *SAMPLE, "--model", f"openai/step-{n}", "--base-url",
+            res = run_draco("run", *sample_step(n, _inputs(root)), *SAMPLE[4:],
+                            "--model", f"openai/step-{n}", "--base-url",
                             s.url + "/v1", "--train-step", str(n), "-o", str(root),
                             "--spot-check", str(N), "--spot-check-model", f"openai/gold-{n}",
                             "--spot-check-base-url", s.url + "/v1", *extra)
@@ -105,8 +111,9 @@ def test_spot_check_never_changes_the_reward(drifting, tmp_path, monkeypatch):
     monkeypatch.setenv("OPENAI_API_KEY", "sk-test-spot-0000000000000")
     s = FakeLLMServer(answer=judges(lambda s: 0.2 + 0.15 * s, lambda s: 0.2)).start()
     try:
-        res = run_draco("run", *SAMPLE, "--model", "openai/step-3", "--base-url",
-                        s.url + "/v1", "-o", str(tmp_path / "nospot"))
+        res = run_draco("run", *sample_step(3, _inputs(root)), *SAMPLE[4:], "--model",
+                        "openai/step-3", "--base-url", s.url + "/v1", "-o",
+                        str(tmp_path / "nospot"))
     finally:
         s.stop()
     assert res.returncode == 0, res.stderr.decode()
@@ -123,7 +130,8 @@ def test_rerun_pays_no_gold_call_twice(drifting, monkeypatch):
     d = root / "step-2"
     before = pl.read_parquet(d / "judge" / "spot_checks.parquet")
     (d / "judge" / "spot_checks.parquet").unlink()   # the stage must redo, from its log
-    res = run_draco("run", *SAMPLE, "--model", "openai/step-2", "--base-url",
+    res = run_draco("run", *sample_step(2, _inputs(root)), *SAMPLE[4:], "--model",
+                    "openai/step-2", "--base-url",
                     "http://127.0.0.1:9/v1", "--train-step", "2", "-o", str(root),
                     "--spot-check", str(N), "--spot-check-model", "openai/gold-2",
                     "--spot-check-base-url", "http://127.0.0.1:9/v1")   # nothing listens

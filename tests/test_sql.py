@@ -16,7 +16,7 @@ import sys
 import polars as pl
 import pytest
 
-from tests.conftest import REPO, TAU, run_draco
+from tests.conftest import REPO, TAU, run_draco, sample_step
 
 SAMPLE = ["--rollouts", "sample_data/appworld_mini/rollouts.parquet", "--steps",
           "sample_data/appworld_mini/steps.parquet", "--model",
@@ -29,7 +29,8 @@ VIEWS = {"rollouts", "steps", "rubrics", "rubric_candidates", "verdicts", "verdi
 def runs(tmp_path_factory):
     d = tmp_path_factory.mktemp("sql")
     for n in (0, 1):
-        res = run_draco("run", *SAMPLE, "--train-step", str(n), "-o", str(d / "runs"))
+        res = run_draco("run", *sample_step(n, d / "in"), *SAMPLE[4:], "--train-step", str(n),
+                        "-o", str(d / "runs"))
         assert res.returncode == 0, res.stderr.decode()
     return d / "runs"
 

@@ -55,6 +55,9 @@ def compute(
     judge: JudgeOpt = None,
     rubric_dropout: RubricDropoutOpt = 0.0,
     dropout_seed: DropoutSeedOpt = 0,
+    train_step: Annotated[int | None, credit_option(
+        help="The train step token advantages name for rollouts that do not say theirs (a "
+        "trainer's loader checks it).")] = None,
     allow_no_signal: Annotated[bool, typer.Option(
         "--allow-no-signal", metavar="", help="Exit 0 for a step that gives the trainer no "
         "learning signal (every advantage 0); without it that is exit 1, the tables written.")]
@@ -76,8 +79,8 @@ def compute(
     outcome = reward == "outcome"
     options = CreditOptions.build(
         credit=credit or ("uniform" if outcome else "step"),
-        estimator=estimator, std=std, drop=drop, tokens=tokens, reward=reward, judge=judge, rubric_dropout=rubric_dropout,
-        dropout_seed=dropout_seed)
+        estimator=estimator, std=std, drop=drop, tokens=tokens, reward=reward, judge=judge,
+        rubric_dropout=rubric_dropout, dropout_seed=dropout_seed, train_step=train_step)
     if verdicts is None and not outcome:
         raise typer.BadParameter("--verdicts is required unless --reward outcome",
                                  param_hint="--verdicts")

@@ -44,7 +44,9 @@ def run(
         help="draco (dynamic rubrics + step credit), no-credit (dynamic rubrics, uniform), "
         "static (static rubric + step credit), static-no-credit, or outcome (vanilla GRPO on "
         "the environment outcome, uniform, no LLM call).")] = "draco",
-    train_step: Annotated[int | None, typer.Option(help="Write into OUT/step-N (N ≥ 0).")]
+    train_step: Annotated[int | None, typer.Option(
+        help="Write into OUT/step-N (N ≥ 0). Token advantages name step N where the rollouts "
+        "do not say theirs; rollouts that say another step are refused.")]
     = None,
     credit: Annotated[CreditKind | None, credit_option(
         help="Override the setting's credit: step or uniform.")] = None,

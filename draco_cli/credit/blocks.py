@@ -207,7 +207,7 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
     Raises ``WholeTables`` (or the block's error) when a block cannot stand for its part of
     the whole (steps or verdicts not grouped by rollout in the rollouts' order, several
     judges, ``retained`` null in part); nothing is published then."""
-    kwargs = options.model_dump(exclude={"tokens"})
+    kwargs = options.credit_args()
     r_src, s_src = source_name(rollouts), source_name(steps)
     v_src = source_name(verdicts or "verdicts")
     readers: list[_Reader] = []
@@ -255,7 +255,7 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
                 ta = token_spans(rb, sa, step_credit["advantage"].to_numpy(),
                                  rewards["advantage"].to_numpy(), rewards["credit_mode"],
                                  s_src, spans, policy_flat=flat)
-                ta = token_form(ta, options.tokens)
+                ta = token_form(ta, options)
                 layouts.update(ta["layout"].unique().to_list())
                 writer.write(OUTPUTS[2], contract_table(ta, TokenAdvantages,
                                                         drop_absent_optional=True,

@@ -101,7 +101,7 @@ def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path 
                             verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
                             verdict_ids=held.pop("ids"),
-                            **options.model_dump(exclude={"tokens"}))
+                            **options.credit_args())
     rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
                                        result.steps)
     dropout = result.dropout
@@ -122,7 +122,7 @@ def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path 
         ta = token_spans(r, sa, step_adv, rewards["advantage"].to_numpy(),
                          rewards["credit_mode"], source_name(steps), spans,
                          policy_flat=flat_spans)
-        ta = token_form(ta, options.tokens)
+        ta = token_form(ta, options)
         meta = {LAYOUT_KEY: layout_label(ta["layout"].unique().to_list()),
                 "draco.token_form": options.tokens}
         output.write_table(ta, OUTPUTS[2], TokenAdvantages, drop_absent_optional=True,

@@ -21,6 +21,7 @@ from draco_cli.credit.inputs import StepArrays, rollout_chunks, sum_by_offsets
 from draco_cli.errors import InputError
 
 if TYPE_CHECKING:
+    from draco_cli.options import CreditOptions
     from draco_cli.validate import FlatSpans
 
 SPAN_COLUMNS = ("span_start", "span_end", "span_value")
@@ -324,8 +325,12 @@ def layout_label(layouts: set[str] | list[str]) -> str:
     return found[0] if len(found) == 1 else "mixed"
 
 
-def token_form(ta: pl.DataFrame, tokens: str) -> pl.DataFrame:
-    """Spans-form token advantages in the form asked for (spans, dense or both)."""
+def token_form(ta: pl.DataFrame, options: CreditOptions) -> pl.DataFrame:
+    """Spans-form token advantages in the form asked for (spans, dense or both), their
+    ``train_step`` set to ``options.train_step`` where the rollouts did not say."""
+    tokens = options.tokens
+    if options.train_step is not None:
+        ta = ta.with_columns(pl.col("train_step").fill_null(options.train_step))
     if tokens not in ("dense", "both"):
         return ta
     dense = spans_to_dense(ta)

@@ -295,11 +295,11 @@ def group_credit(r: pl.DataFrame, s: pl.DataFrame, verdicts: pl.DataFrame,
     result = compute_credit(r, s, v.select("rollout_id", "criterion_id", "judge", "verdict",
                                            "cited_steps", "retained"),
                             verdicts_source="verdicts", steps_source="steps",
-                            **c.model_dump(exclude={"tokens"}))
+                            **c.credit_args())
     ta = token_spans(r, result.steps, result.step_credit["advantage"].to_numpy(),
                      result.rewards["advantage"].to_numpy(),
                      result.rewards["credit_mode"].to_numpy(), "steps", spans)
-    ta = token_form(ta, c.tokens)
+    ta = token_form(ta, c)
     filtered = verdicts
     if verdicts.height:
         filtered = discriminative_filter(

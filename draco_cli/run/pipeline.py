@@ -32,6 +32,7 @@ from draco_cli.run import spot
 from draco_cli.run.health import run_health, stage_figure
 from draco_cli.io.files import file_sha256
 from draco_cli.run.folder import Manifest, RunFolder, StageRecord, input_record
+from draco_cli.run.inputs import check_model, check_train_step, row_count, run_dir_for
 
 if TYPE_CHECKING:
     from draco_cli.llm.stage import StageReport
@@ -85,11 +86,6 @@ def _contents(*paths: Path) -> list[str | None]:
 RUN_CREDIT_BLOCK_ROLLOUTS = 1 << 14
 
 
-def run_dir_for(out: Path, train_step: int | None) -> Path:
-    if train_step is not None and train_step < 0:
-        raise UsageError(f"--train-step {train_step}: must be ≥ 0")
-    return Path(out) / f"step-{train_step}" if train_step is not None else Path(out)
-
 
 def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
              opts: RunOptions | None = None, train_step: int | None = None,
@@ -107,6 +103,9 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     opts = opts or RunOptions()
     if train_step is None:
         train_step = opts.train_step
+    if train_step is not None:  # token advantages name it where the rollouts do not
+        opts = opts.model_copy(update={"credit": opts.credit.model_copy(
+            update={"train_step": train_step})})
     if llm is not None and llm.batch is None:
         # a training step cannot wait hours for a batch: online unless --batch asks for it
         llm = replace(llm, batch=False)
@@ -116,11 +115,12 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     for path in (rollouts, steps):
         if not Path(path).is_file():
             raise InputError("no such file", file=str(path))
+    check_train_step(Path(rollouts), train_step)
     gold = spot.checked_gold(opts, gold)
     if llm is not None:  # a bad --judge-model must not wait until the rubric is paid for
         for model in {llm.model, opts.judge.judge_model or llm.model,
                       *([gold.model] if gold else [])}:
-            _check_model(model)
+            check_model(model)
     static_criteria = None
     if opts.rubric.kind == "static":
         from draco_cli.rubric.core import load_static_rubric
@@ -132,29 +132,6 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
                    static_criteria, progress, on_event)
         run.gold = gold
         return run.run()
-
-
-def _row_count(path: Path) -> int:
-    """A table's rows from its Parquet footer (the manifest is rewritten at every stage: reading
-    the tables themselves would hold the largest of them in memory each time)."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
-    if path.is_dir():
-        raise InputError("is a folder, expected a Parquet file", file=str(path))
-    try:
-        return int(pq.read_metadata(path).num_rows)
-    except (pa.ArrowInvalid, OSError) as exc:
-        raise InputError(f"not a readable Parquet file ({exc})", file=str(path)) from None
-
-
-def _check_model(model: str) -> None:
-    from draco_cli.llm.providers import parse_model_id
-
-    provider, name = parse_model_id(model)
-    if provider == "replay" and not Path(name).is_file():
-        raise InputError("no such call log (replay/ needs a recorded llm_calls.sqlite)",
-                         file=name)
 
 
 class _Run:
@@ -335,6 +312,8 @@ class _Run:
         # dropout off: the key of a folder made before dropout existed, so it is reused
         off = {"rubric_dropout", "dropout_seed"} if self.opts.credit.rubric_dropout == 0 \
             else set()
+        if self.opts.credit.train_step is None:
+            off.add("train_step")
         return _key("credit", self.input_hashes, verdicts,
                     self.opts.credit.model_dump(mode="json", exclude=off))
 
@@ -431,7 +410,7 @@ class _Run:
         for rel in TABLES.values():
             p = self.folder.path / rel
             if p.exists() and not rel.startswith("audit/"):
-                counts[rel] = _row_count(p)
+                counts[rel] = row_count(p)
         settings: dict[str, Any] = {
             "setting": self.opts.setting,
             **self.opts.rubric.model_dump(mode="json", exclude={"kind", "stages"}),
