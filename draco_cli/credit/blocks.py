@@ -231,7 +231,7 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
                 s, step_ids = steps_frame(readers[1].take_rollouts(ids), s_src)
                 sa = index_steps(s, rb, s_src, ids=step_ids)
                 del s, step_ids
-                vb, vib = no_verdicts(), None
+                vb = no_verdicts()
                 if verdicts is not None:
                     vt = readers[2].take_rollouts(ids)
                     if "judge" in vt.column_names:
@@ -241,12 +241,11 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
                     if "retained" in vt.column_names:
                         retained[0] += vt.column("retained").null_count
                         retained[1] += vt.num_rows
-                    vb, vib = verdicts_frame(vt, v_src)
+                    vb = verdicts_frame(vt, v_src)
                     del vt
                 result = compute_credit(rb, sa, vb, verdicts_source=v_src,
-                                        steps_source=s_src, check_verdict_keys=True,
-                                        verdict_ids=vib, **kwargs)
-                del vb, vib
+                                        steps_source=s_src, check_verdict_keys=True, **kwargs)
+                del vb
                 rewards, step_credit = result.rewards, result.step_credit
                 writer.write(OUTPUTS[0], contract_table(rewards, Reward, metadata=meta))
                 writer.write(OUTPUTS[1], contract_table(with_step_ids(step_credit,

@@ -91,16 +91,15 @@ def _read_inputs(rollouts: str | Path, steps: str | Path
 def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                   out: Path, *, options: CreditOptions, force: bool) -> CreditStats:
     r, spans, flat_spans, sa = _read_inputs(rollouts, steps)
-    v, v_ids = (no_verdicts(), None) if verdicts is None else verdicts_frame(
+    v = no_verdicts() if verdicts is None else verdicts_frame(
         read_arrow(verdicts, CREDIT_VERDICT_COLUMNS), source_name(verdicts))
     # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
     # with them (arguments pass to the callee's frame).
-    held: dict[str, Any] = {"verdicts": v, "ids": v_ids}
-    del v, v_ids
+    held: dict[str, Any] = {"verdicts": v}
+    del v
     result = compute_credit(r, sa, held.pop("verdicts"),
                             verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
-                            verdict_ids=held.pop("ids"),
                             **options.credit_args())
     rewards, step_credit, stats, sa = (result.rewards, result.step_credit, result.stats,
                                        result.steps)

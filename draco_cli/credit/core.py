@@ -16,10 +16,9 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.credit.inputs import (StepArrays, _arrow_verdict_index, _check_verdict_keys,
-                                     _codes, _with_verdict_ids, criterion_keys, index_steps,
-                                     narrow_judge, rollout_chunks, sum_by_offsets, verdict_flags,
-                                     verdict_rows)
+from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes, criterion_keys,
+                                     index_steps, narrow_judge, rollout_chunks, sum_by_offsets,
+                                     verdict_flags, verdict_rows)
 from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode
 from draco_cli.credit.dropout import apply_dropout, check_dropout
 from draco_cli.errors import DracoError, InputError, UsageError
@@ -198,18 +197,17 @@ def group_advantage(
 
 def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame,
                     flags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None,
-                    cited_steps: pa.ChunkedArray[Any] | pa.Array[Any] | None = None,
                     ) -> tuple[np.ndarray, np.ndarray, int]:
     """p_j, f_j for every step of ``sa`` from retained pass/fail verdicts (which carry ``__r``,
     the rollout index), and the number of citations dropped as outside 1..M. A criterion citing
-    a step twice counts once. ``flags`` (``verdict_flags``) and ``cited_steps`` (Arrow) stand
-    for the frame's verdict and cited_steps columns when given."""
+    a step twice counts once. ``flags`` (``verdict_flags``) stand for the frame's verdict
+    column when given."""
     # The citations of retained pass/fail verdicts are picked from all citations by their
     # verdict's flag (no filtered copy of the verdicts' list column).
     total = sa.r.size
     is_pass, is_fail, _ = flags if flags is not None else verdict_flags(verdicts["verdict"])
     counted = verdicts["retained"].fill_null(False).to_numpy() & (is_pass | is_fail)
-    cites = verdicts["cited_steps"].to_arrow() if cited_steps is None else cited_steps
+    cites = verdicts["cited_steps"].to_arrow()
     if isinstance(cites, pa.ChunkedArray):
         cites = cites.combine_chunks()
     if not counted.any():
@@ -358,7 +356,7 @@ def compute_credit(
     credit: CreditKind = "step", estimator: Estimator = "grpo", std: StdMode = "sample",
     drop: Drop = "all-pass", reward: RewardSource = "rubric", judge: str | None = None,
     verdicts_source: str = "verdicts", steps_source: str = "steps",
-    check_verdict_keys: bool = False, verdict_ids: pa.Table | None = None,
+    check_verdict_keys: bool = False,
     rubric_dropout: float = 0.0, dropout_seed: int = 0,
 ) -> CreditResult:
     """Rewards and step credit for every rollout (SPEC §3.3–3.6).
@@ -367,48 +365,25 @@ def compute_credit(
     may be given as ``index_steps`` of them (a caller can then free the steps frame first).
     ``check_verdict_keys`` checks the verdicts' keys are unique (for callers that read them
     without that check: on integer codes it costs a fraction of the string check).
-    ``verdict_ids`` holds the verdicts' rollout_id, criterion_id and judge as read (Arrow
-    string columns without nulls) when ``verdicts`` leaves them out: verdicts of one judge in
-    the rollouts' order are then indexed and coded without converting their ids to polars.
     ``rubric_dropout`` > 0 leaves a seeded share of each group's retained criteria out
     (``credit.dropout``; the result's ``dropout`` lists them).
     """
-    if check_dropout(rubric_dropout) and verdict_ids is not None:   # keyed by the id strings
-        verdicts, verdict_ids = _with_verdict_ids(verdicts, verdict_ids), None
+    check_dropout(rubric_dropout)
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    fast = None if verdict_ids is None else _arrow_verdict_index(verdict_ids, rollouts, judge)
-    if fast is not None:
-        rows, crits_known = fast
-        crits: tuple[np.ndarray, int] | None = crits_known
-        if check_verdict_keys:
-            _check_verdict_keys(verdicts, rows, verdicts_source, crits, verdict_ids)
-    else:  # the general path, on polars strings (it names whatever is wrong)
-        verdicts = _with_verdict_ids(verdicts, verdict_ids)
-        one_judge = verdicts.height == 0 or bool(
-            (verdicts["judge"] == verdicts["judge"][0]).all())
-        if check_verdict_keys and not one_judge:
-            _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
-            check_verdict_keys = False
-        verdicts = narrow_judge(verdicts, judge, verdicts_source)
-        rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
-            else np.zeros(0, dtype=np.int64)
-        crits = _codes(verdicts["criterion_id"])
-        if check_verdict_keys:
-            _check_verdict_keys(verdicts, rows, verdicts_source, crits)
+    one_judge = verdicts.height == 0 or bool((verdicts["judge"] == verdicts["judge"][0]).all())
+    if check_verdict_keys and not one_judge:
+        _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
+        check_verdict_keys = False
+    verdicts = narrow_judge(verdicts, judge, verdicts_source)
+    rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
+        else np.zeros(0, dtype=np.int64)
+    crits = _codes(verdicts["criterion_id"])
+    if check_verdict_keys:
+        _check_verdict_keys(verdicts, rows, verdicts_source, crits)
     verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
         pl.Series("__r", rows, dtype=pl.UInt32))
     keys = criterion_keys(verdicts, rows, rollouts, crits)
-    flags = cited_steps = None
-    if keys is None and fast is not None:  # a null group id: the string-keyed paths below
-        verdicts = _with_verdict_ids(verdicts, verdict_ids)
-    elif fast is not None and verdict_ids is not None and "verdict" in verdict_ids.column_names:
-        # the caller checked verdict and cited_steps in Arrow too: they stay Arrow
-        flags = verdict_flags(verdict_ids.column("verdict"))
-        cited_steps = verdict_ids.column("cited_steps")
-    if flags is None:
-        flags = verdict_flags(verdicts["verdict"])
-    # the ids are coded: their strings are freed here (the caller keeps no reference)
-    verdict_ids = None
+    flags = verdict_flags(verdicts["verdict"])
     unfiltered = "retained" not in verdicts.columns or (
         verdicts.height > 0 and verdicts["retained"].null_count() == verdicts.height
     )
@@ -440,8 +415,8 @@ def compute_credit(
                                if c in verdicts.columns)
     rw = rewards_table(rollouts, verdicts, reward, flags)
     rw = rw.with_columns(group_advantage(rw, estimator, std))
-    p, f, dropped = citation_arrays(sa, verdicts, flags, cited_steps)
-    del verdicts, flags, cited_steps
+    p, f, dropped = citation_arrays(sa, verdicts, flags)
+    del verdicts, flags
     arrays = step_credit_arrays(sa, p, f, rw["advantage"].to_numpy().astype(np.float64), credit)
     rw = rw.with_columns(arrays["mode_r"])
     # Inputs are checked finite at read; this guards the arithmetic itself, because a trainer

@@ -80,9 +80,6 @@ def _arrow_codes(arr: pa.Array[Any] | pa.ChunkedArray[Any]) -> tuple[np.ndarray,
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 
-VERDICT_ID_COLUMNS = ("rollout_id", "criterion_id", "judge")
-
-
 def clean_strings(col: pa.ChunkedArray[Any] | None) -> bool:
     """A string column without nulls: all the contract asks of an id column."""
     return col is not None and col.null_count == 0 and (
@@ -92,54 +89,11 @@ def clean_strings(col: pa.ChunkedArray[Any] | None) -> bool:
 VERDICT_FLAGS = ("pass", "fail", "na")
 
 
-def verdict_flags(verdict: pl.Series | pa.ChunkedArray[Any] | pa.Array[Any],
-                  ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+def verdict_flags(verdict: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
     """(is pass, is fail, is na) of each verdict as numpy bools, null = all False: the filter,
-    the rewards and the citations share them instead of comparing 6M strings each. An Arrow
-    column is dictionary-encoded once (its few distinct values are then compared, not each
-    string)."""
-    if isinstance(verdict, pl.Series):
-        return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", tuple(
-            (verdict == x).fill_null(False).to_numpy() for x in VERDICT_FLAGS))
-    if isinstance(verdict, pa.ChunkedArray):
-        verdict = verdict.combine_chunks()
-    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(verdict))
-    n_values = len(encoded.dictionary)
-    # a null verdict gets the code past the dictionary's end, whose flags are all False
-    indices = cast("pa.Array[Any]", encoded.indices)
-    codes = indices.fill_null(n_values).to_numpy().astype(np.intp, copy=False)
-    values = encoded.dictionary.to_pylist()
+    the rewards and the citations share them instead of comparing 6M strings each."""
     return cast("tuple[np.ndarray, np.ndarray, np.ndarray]", tuple(
-        np.array([v == x for v in values] + [False])[codes] for x in VERDICT_FLAGS))
-
-
-def _arrow_verdict_index(ids: pa.Table, rollouts: pl.DataFrame, judge: str | None,
-                         ) -> tuple[np.ndarray, tuple[np.ndarray, int]] | None:
-    """(rollout row of each verdict, criterion codes) straight from the verdicts' Arrow id
-    columns when they hold one judge (the one asked for, if any) and come grouped by rollout
-    in the rollouts' order; None otherwise (the general path then decides, and names what is
-    wrong). No id string is converted to polars on this path."""
-    if ids.num_rows == 0:
-        return None
-    judges = ids.column("judge")
-    first = judges[0].as_py()
-    if judge is not None and judge != first:
-        return None
-    if not pc.all(pc.equal(judges, pa.scalar(first, judges.type))).as_py():
-        return None
-    lengths = rows_per_rollout(ids.column("rollout_id"), rollouts["rollout_id"])
-    if lengths is None:
-        return None
-    rows = np.repeat(np.arange(lengths.size, dtype=np.int64), lengths)
-    return rows, _arrow_codes(ids.column("criterion_id"))
-
-
-def _with_verdict_ids(verdicts: pl.DataFrame, ids: pa.Table | None) -> pl.DataFrame:
-    """The verdicts with their Arrow id columns as polars ones (for the general paths)."""
-    if ids is None:
-        return verdicts
-    return verdicts.with_columns(
-        [cast(pl.Series, pl.from_arrow(ids.column(c))).alias(c) for c in ids.column_names])
+        (verdict == x).fill_null(False).to_numpy() for x in VERDICT_FLAGS))
 
 
 def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
@@ -159,12 +113,11 @@ def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFr
 
 
 def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
-                        crits: tuple[np.ndarray, int] | None = None,
-                        ids: pa.Table | None = None) -> None:
+                        crits: tuple[np.ndarray, int] | None = None) -> None:
     """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
     rollout rows) and ``crits`` (criterion codes) of one judge's verdicts, integer (rollout row,
     criterion) pairs are checked first; the exact string check runs otherwise, and names the
-    repeat. ``ids`` are the id columns in Arrow when ``verdicts`` leaves them out."""
+    repeat."""
     from draco_cli.io import conform
     from draco_cli.schemas import VerdictAggregated
 
@@ -172,7 +125,7 @@ def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source:
         c, n_c = crits
         if pl.Series(rows * max(n_c, 1) + c).n_unique() == verdicts.height:
             return
-    conform(_with_verdict_ids(verdicts, ids), VerdictAggregated, source, only=[],
+    conform(verdicts, VerdictAggregated, source, only=[],
             check_keys=True)
 
 

@@ -1,6 +1,6 @@
 """Credit's input tables as ``credit compute`` reads them (whole files or blocks of them) and
-its step_credit as written: the contract checks, with the id columns kept in Arrow where they
-are clean (millions of id strings never converted to polars and back)."""
+its step_credit as written: the contract checks, with the steps' rollout_id kept in Arrow where
+it is clean (20M id strings never converted to polars and back)."""
 
 from __future__ import annotations
 
@@ -8,11 +8,10 @@ from typing import TYPE_CHECKING, Any
 
 import polars as pl
 import pyarrow as pa
-import pyarrow.compute as pc
 
-from draco_cli.credit.inputs import VERDICT_ID_COLUMNS, clean_strings
+from draco_cli.credit.inputs import clean_strings
 from draco_cli.io import as_frame, conform
-from draco_cli.schemas import Rollout, Step, VerdictAggregated, columns
+from draco_cli.schemas import Rollout, Step, VerdictAggregated
 
 if TYPE_CHECKING:
     from draco_cli.validate import FlatSpans
@@ -67,48 +66,11 @@ def no_verdicts() -> pl.DataFrame:
                                 "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
 
 
-def verdicts_frame(arrow: pa.Table, source: str) -> tuple[pl.DataFrame, pa.Table | None]:
+def verdicts_frame(arrow: pa.Table, source: str) -> pl.DataFrame:
     """The verdicts checked against their contract but for the keys, which ``compute_credit``
-    checks on integer codes. Their rollout_id, criterion_id and judge stay Arrow when all
-    three are clean string columns: returned apart, for ``compute_credit(verdict_ids=...)``
-    (with verdict and cited_steps when those pass the contract as read)."""
-    cols = list(CREDIT_VERDICT_COLUMNS)
-    ids = None
-    if all(c in arrow.column_names and clean_strings(arrow.column(c))
-           for c in VERDICT_ID_COLUMNS):
-        apart = list(VERDICT_ID_COLUMNS)
-        if _verdicts_as_contract(arrow):
-            apart += ["verdict", "cited_steps"]
-            if "retained" not in arrow.column_names:  # as conform would add it
-                arrow = arrow.append_column("retained", pa.nulls(arrow.num_rows, pa.bool_()))
-        ids = arrow.select(apart)
-        arrow = arrow.drop_columns(apart)
-        cols = [c for c in cols if c not in apart]
-    return conform(as_frame(arrow), VerdictAggregated, source, cols, check_keys=False), ids
-
-
-def _verdicts_as_contract(arrow: pa.Table) -> bool:
-    """The verdicts' verdict and cited_steps pass the contract's checks as read, checked on
-    the Arrow columns: verdict a string column of pass / fail / na or null, cited_steps a
-    list of int32 without null lists or items, every item >= 1. False sends them through
-    ``conform``, which names what is wrong."""
-    if not {"verdict", "cited_steps"} <= set(arrow.column_names):
-        return False
-    verdict, cited = arrow.column("verdict"), arrow.column("cited_steps")
-    if not (pa.types.is_string(verdict.type) or pa.types.is_large_string(verdict.type)):
-        return False
-    if not ((pa.types.is_list(cited.type) or pa.types.is_large_list(cited.type))
-            and pa.types.is_int32(cited.type.value_type) and cited.null_count == 0):
-        return False
-    contract = {c.name: c for c in columns(VerdictAggregated)}
-    item_ge, choices = contract["cited_steps"].item_ge, contract["verdict"].choices
-    assert item_ge is not None and choices is not None  # what the checks below stand for
-    values = pa.chunked_array([pc.list_flatten(chunk) for chunk in cited.chunks],
-                              type=pa.int32())
-    if values.null_count or (len(values) and pc.min(values).as_py() < item_ge):
-        return False
-    allowed = pa.array(choices, type=verdict.type)
-    return bool(pc.all(pc.is_in(pc.drop_null(verdict), value_set=allowed)).as_py() is not False)
+    checks on integer codes."""
+    return conform(as_frame(arrow), VerdictAggregated, source, CREDIT_VERDICT_COLUMNS,
+                   check_keys=False)
 
 
 def with_step_ids(step_credit: pl.DataFrame,
