@@ -1,5 +1,5 @@
-"""A request's schema encoded once per ``schema_key`` (the judge's per group and step count)
-gives the same cache keys and the same bytes on the wire as encoding it per request."""
+"""The judge's score requests give the documented cache keys, and the same keys and bytes on
+the wire as a request carrying a freshly built schema."""
 
 from __future__ import annotations
 
@@ -44,13 +44,12 @@ def test_shared_schema_gives_the_same_keys_and_body(rollouts, temp, samples):
     mp = pytest.MonkeyPatch()
     try:
         p = provider(mp)
-        schemas: dict = {}
         sampling = Sampling(temperature=temp)
         for ids, m, text in rollouts:
             shared = _score_request("r", text, list(range(1, m + 1)), [text] * m, [text] * m,
                                     ids, "listing", samples, sampling, RenderOptions(),
-                                    load_prompt("score"), schemas)
-            alone = replace(shared, schema_key=None, json_schema=score_schema(ids, m))
+                                    load_prompt("score"))
+            alone = replace(shared, json_schema=score_schema(ids, m))
             assert shared.json_schema == alone.json_schema
             for sample in range(samples):
                 for model in ("m", None):
@@ -62,13 +61,3 @@ def test_shared_schema_gives_the_same_keys_and_body(rollouts, temp, samples):
     finally:
         asyncio.run(p.close())
         mp.undo()
-
-
-def test_a_group_shares_one_schema_object_per_step_count():
-    schemas: dict = {}
-    made = [_score_request("r", "t", list(range(1, m + 1)), ["a"] * m, ["o"] * m, ["c1", "c2"],
-                           "l", 1, Sampling(), RenderOptions(), load_prompt("score"), schemas)
-            for m in (3, 3, 5)]
-    assert made[0].json_schema is made[1].json_schema
-    assert made[2].json_schema is not made[0].json_schema
-    assert made[0].schema_key != made[2].schema_key

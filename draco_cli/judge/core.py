@@ -9,7 +9,6 @@ left out are unanswered, citations outside 1..M are dropped and counted.
 
 from __future__ import annotations
 
-import functools
 import json
 from dataclasses import dataclass
 from collections.abc import Callable, Iterator
@@ -106,39 +105,23 @@ def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criter
 def _score_request(rollout_id: str, instruction: str, numbers: list[int], actions: list[str],
                    observations: list[str], ids: list[str], listing: str, samples: int,
                    sampling: Sampling, render: RenderOptions,
-                   prompt: tuple[str, str],
-                   schemas: dict[tuple[tuple[str, ...], int], dict[str, Any]] | None = None,
-                   context: str = "") -> LLMRequest:
+                   prompt: tuple[str, str], context: str = "") -> LLMRequest:
     """``context``: the rendered task-context block (``ContextBlocks``), or ""."""
     template, version = prompt
     task, traj = render_steps(instruction, numbers, actions, observations, render,
                               rollout_budget(render, context, instruction))
     m = len(numbers)
-    # The rollouts of a group with as many steps share one schema: made, and encoded for the
-    # cache key and the body, once (``schema_key``).
-    key = (tuple(ids), m)
-    schema = schemas.get(key) if schemas is not None else None
-    if schema is None:
-        schema = score_schema(ids, m)
-        if schemas is not None:
-            schemas[key] = schema
     # The rollout first (the same bytes as its rubric call's: one cached prefix per rollout),
     # then this stage's instructions and the group's criteria. The criteria were written by a
     # model that read rollouts: fenced as untrusted text too.
     messages, shared = stage_messages(
         rollout_prefix(context, task, traj, m),
-        f"{template}\nCriteria (one JSON object per line):\n{_fenced_criteria(listing)}")
+        f"{template}\nCriteria (one JSON object per line):\n{fenced('criteria', listing)}")
     return LLMRequest(
         phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
-        json_schema=schema, schema_key=("draco.judge.score_schema", *key),
+        json_schema=score_schema(ids, m),
         check=verdict_check(ids), messages=messages, cache_marks=shared)
-
-
-@functools.lru_cache(maxsize=64)
-def _fenced_criteria(listing: str) -> str:
-    """A group's fenced criteria, made once for the group's rollouts (its fence hashes it)."""
-    return fenced("criteria", listing)
 
 
 @dataclass
@@ -299,7 +282,6 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
     skipped = len(ids_col) - len(wanted)
     jobs: list[tuple[str, list[str], int]] = []
     prompt = load_prompt("score")
-    schemas: dict[tuple[tuple[str, ...], int], dict[str, Any]] = {}
 
     def produce() -> Iterator[LLMRequest]:
         for i in wanted:
@@ -309,7 +291,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
             jobs.append((rid, ids, b - a))
             yield _score_request(rid, instructions[i], numbers[a:b], actions[a:b],
                                  observations[a:b], ids, listing, samples, sampling, render,
-                                 prompt, schemas, context_of(contexts.get(groups[i])))
+                                 prompt, context_of(contexts.get(groups[i])))
 
     # Built while the first calls are in flight (``RequestStream``).
     answers = (yield RequestStream(produce(), len(wanted), len(wanted) * samples)) \

@@ -42,7 +42,6 @@ class AdaptiveLimit:
         self._last: tuple[int, float] | None = None   # (limit, throughput) of the last round
         self._held = 0
         self._growing = True
-        self.history: list[tuple[int, float]] = []    # (limit, calls/s) per round
 
     def _free(self) -> bool:
         return self.in_flight < self.limit
@@ -91,7 +90,6 @@ class AdaptiveLimit:
             return
         now = time.monotonic()
         rate = self._round_done / max(now - self._round_start, 1e-6)
-        self.history.append((self.limit, rate))
         self._round_start, self._round_done = now, 0
         last = self._last
         self._last = (self.limit, rate)

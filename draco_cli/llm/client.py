@@ -378,11 +378,7 @@ class LLMClient:
         return max(0.0, self.prices.cost(self.model, usage, batch))   # never lowers the total
 
     def _cost_of(self, reply: Reply) -> float:
-        """A reply's cost, worked out once (its rows, stats and budget all ask)."""
-        cost: float | None = reply.__dict__.get("_cost")
-        if cost is None:
-            cost = reply.__dict__["_cost"] = self._cost(reply.usage, reply.batch_id is not None)
-        return cost
+        return self._cost(reply.usage, reply.batch_id is not None)
 
     def _estimate(self, req: LLMRequest, messages: list[dict[str, str]],
                   n: int) -> tuple[int, float]:

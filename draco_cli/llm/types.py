@@ -5,7 +5,7 @@ from __future__ import annotations
 import functools
 import hashlib
 import json
-from collections.abc import Callable, Hashable, Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import asdict, astuple, dataclass, field
 from typing import Any, Literal
 
@@ -48,11 +48,6 @@ class LLMRequest:
     # is re-asked with the reason fed back, never recorded as valid. Not part of the cache key:
     # a logged answer is checked again when it is served.
     check: Callable[[BaseModel], str | None] | None = None
-    # A value standing for ``json_schema`` (hashable, equal only for equal schemas): requests
-    # sharing it share the schema's JSON, made once for all of them for the cache key and the
-    # body (the judge keys its schema by the group's criterion ids and the step count). Not
-    # part of the cache key: the schema's JSON is.
-    schema_key: Hashable | None = None
     # Where the heads of the first user message that other calls share end, ascending: the
     # group's (task context and task: every call about the group) and the rollout's (its
     # rubric call, judge samples, re-asks and its group's union call). Providers with explicit
@@ -72,13 +67,6 @@ class LLMRequest:
         return self.json_schema if self.json_schema is not None else \
             _model_schema(self.answer_model)
 
-    def hash(self, sample: int, model: str | None) -> str:
-        key = (sample, model)
-        cache: dict[tuple[int, str | None], str] = self.__dict__.setdefault("_hashes", {})
-        if key not in cache:
-            cache[key] = self._hash(sample, model)
-        return cache[key]
-
     def messages_json(self) -> str:
         """The messages as compact JSON with sorted keys, made once per request: the cache
         keys hash it and the OpenAI-compatible provider splices it into the body it sends."""
@@ -87,7 +75,7 @@ class LLMRequest:
             text = self.__dict__["_messages_json"] = _dumps(self.messages)
         return text
 
-    def _hash(self, sample: int, model: str | None) -> str:
+    def hash(self, sample: int, model: str | None) -> str:
         """Cache key: model, messages, schema, sampling, template version and sample index;
         not timeouts, concurrency or anything else that does not change the answer.
         ``model=None`` gives the content hash used by replay (any recorded model).
@@ -95,26 +83,15 @@ class LLMRequest:
         The hashed text is ``json.dumps`` of {model, messages, schema, sampling, template,
         sample} with sorted keys, compact: keys logged by earlier versions stay valid. It is
         hashed in two parts: the messages (the long part, first in key order) once per request,
-        then a copy of that state takes the short rest for each (sample, model)."""
+        then a copy of that state takes the short rest."""
         head = self.__dict__.get("_head_hash")
         if head is None:
             head = self.__dict__["_head_hash"] = hashlib.sha256(
                 ('{"messages":' + self.messages_json()).encode())
-        tail = self.__dict__.get("_tail")
-        if tail is None:
-            if self.json_schema is None:
-                schema = _model_schema_json(self.answer_model)
-            elif self.schema_key is not None:
-                schema = _keyed_schema_json(self.schema_key, self.json_schema)
-            else:
-                schema = _dumps(self.json_schema)
-            tail = self.__dict__["_tail"] = (
-                ',"sampling":' + _sampling_json(self.sampling) + ',"schema":' + schema +
-                ',"template":' + _dumps(self.template_version) + "}")
         h = head.copy()
-        # an int's JSON is its str (the encoder's general path costs more than the hash)
-        number = str(sample) if type(sample) is int else _dumps(sample)
-        h.update((',"model":' + _dumps(model) + ',"sample":' + number + tail).encode())
+        h.update((',"model":' + _dumps(model) + ',"sample":' + _dumps(sample) + ',"sampling":'
+                  + _dumps(asdict(self.sampling)) + ',"schema":' + _dumps(self.schema())
+                  + ',"template":' + _dumps(self.template_version) + "}").encode())
         return h.hexdigest()
 
 
@@ -122,38 +99,9 @@ class LLMRequest:
 _dumps = json.JSONEncoder(sort_keys=True, ensure_ascii=False, separators=(",", ":")).encode
 
 
-_SCHEMA_JSON: dict[Hashable, str] = {}
-
-
-def _keyed_schema_json(key: Hashable, schema: dict[str, Any]) -> str:
-    """``_dumps(schema)``, made once per ``LLMRequest.schema_key``."""
-    text = _SCHEMA_JSON.get(key)
-    if text is None:
-        if len(_SCHEMA_JSON) > 4096:
-            _SCHEMA_JSON.clear()
-        text = _SCHEMA_JSON[key] = _dumps(schema)
-    return text
-
-
-def _sampling_json(s: Sampling) -> str:
-    # keyed by repr so that 1 and 1.0, 0.0 and -0.0, which compare equal but encode
-    # differently, stay apart
-    return _sampling_text(repr(s), s)
-
-
-@functools.lru_cache(maxsize=4096)
-def _sampling_text(key: str, s: Sampling) -> str:
-    return _dumps(asdict(s))
-
-
 @functools.lru_cache(maxsize=256)
 def _model_schema(model: type[BaseModel]) -> dict[str, Any]:
     return strict_schema(model.model_json_schema())
-
-
-@functools.lru_cache(maxsize=256)
-def _model_schema_json(model: type[BaseModel]) -> str:
-    return _dumps(_model_schema(model))
 
 
 def strict_schema(schema: dict[str, Any]) -> dict[str, Any]:

@@ -69,29 +69,21 @@ class OpenAIProvider(Provider):
         headers = None if env_proxy(self._chat_url) else direct_headers(self.client, timeout)
         self.direct = None if headers is None else AioHttpPost(headers, concurrency, timeout,
                                                                max_reply_bytes)
-        self._rest_json: dict[Any, str] = {}   # see ``wire``
-
-    def _response_format(self, req: LLMRequest) -> dict[str, Any]:
-        schema = req.schema()
-        if self.form in ("json-schema", "json-schema-loose"):
-            return {"response_format": {"type": "json_schema", "json_schema": {
-                "name": req.schema_name, "schema": schema,
-                "strict": self.form == "json-schema"}}}
-        if self.form == "json-object":
-            return {"response_format": {"type": "json_object", "schema": schema}}
-        if self.form == "vllm":
-            return {"extra_body": {"structured_outputs": {"json": schema}}}
-        return {}
 
     def body(self, req: LLMRequest, messages: list[dict[str, str]], n: int) -> dict[str, Any]:
+        """The JSON body of one chat completion (single call or batch line)."""
         s = req.sampling
         if self.form == "prompt":
             messages = with_instruction(messages, schema_instruction(req.schema()))
         if not self.system_role:
             messages = fold_system(messages)
         body: dict[str, Any] = {"model": self.model, "messages": messages}
-        extra = self._response_format(req)
-        body.update({k: v for k, v in extra.items() if k != "extra_body"})
+        if self.form in ("json-schema", "json-schema-loose"):
+            body["response_format"] = {"type": "json_schema", "json_schema": {
+                "name": req.schema_name, "schema": req.schema(),
+                "strict": self.form == "json-schema"}}
+        elif self.form == "json-object":
+            body["response_format"] = {"type": "json_object", "schema": req.schema()}
         # Self-hosted servers take max_tokens; OpenAI's own reasoning models need the newer name.
         body["max_tokens" if self.self_hosted else "max_completion_tokens"] = s.max_tokens
         if n > 1:
@@ -101,26 +93,18 @@ class OpenAIProvider(Provider):
                 body[k] = getattr(s, k)
         if self.self_hosted:
             # Qwen3-style templates switch thinking with a template argument (vLLM, SGLang).
-            body["extra_body"] = {"chat_template_kwargs": {"enable_thinking": s.thinking}}
+            body["chat_template_kwargs"] = {"enable_thinking": s.thinking}
         elif s.thinking:
             body["reasoning_effort"] = "medium"
-        if "extra_body" in extra:
-            body.setdefault("extra_body", {}).update(extra["extra_body"])
+        if self.form == "vllm":
+            body["structured_outputs"] = {"json": req.schema()}
         return body
 
     def wire(self, req: LLMRequest, messages: list[dict[str, str]],
              n: int) -> tuple[dict[str, Any], str]:
-        """The body of one call and its JSON as sent. Everything but the messages is the same
-        for every request of a phase with the model's own schema: its JSON is made once."""
+        """The body of one call and its JSON as sent."""
         body = self.body(req, messages, n)
-        wire = dict(body)
-        wire.update(wire.pop("extra_body", {}))
-        # repr(sampling) tells 1 from 1.0 and 0.0 from -0.0, which compare equal; a request's
-        # own schema counts as the model's when it carries a key for it (``schema_key``)
-        schema: Any = req.answer_model if req.json_schema is None else \
-            None if req.schema_key is None else ("schema_key", req.schema_key)
-        key = (schema, req.schema_name, n, repr(req.sampling)) if schema is not None else None
-        return wire, wire_json(wire, req, self._rest_json if key is not None else None, key)
+        return body, wire_json(body, req)
 
     async def complete(self, req: LLMRequest, messages: list[dict[str, str]],
                        samples: list[int]) -> Reply:
@@ -155,9 +139,7 @@ class OpenAIProvider(Provider):
         return f"openai/{self.model}: {what}"
 
     def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
-        body = self.body(req, req.messages, len(samples))
-        body.update(body.pop("extra_body", {}))  # SDK-only key: in a batch file it is the body
-        return body
+        return self.body(req, req.messages, len(samples))
 
     async def submit_batch(self, lines: dict[str, dict[str, Any]]) -> str:
         payload = "".join(json.dumps({"custom_id": cid, "method": "POST",
@@ -200,20 +182,12 @@ class OpenAIProvider(Provider):
 _compact = json.JSONEncoder(ensure_ascii=False, separators=(",", ":")).encode
 
 
-def wire_json(wire: dict[str, Any], req: LLMRequest, cache: dict[Any, str] | None = None,
-              key: Any = None) -> str:
+def wire_json(wire: dict[str, Any], req: LLMRequest) -> str:
     """The request body as JSON, serialised once: the request's messages, when sent as they
-    are, are spliced in from the JSON its cache key already hashed. ``cache[key]`` holds the
-    JSON of the rest when a caller knows what determines it."""
+    are, are spliced in from the JSON its cache key already hashed."""
     if wire.get("messages") is not req.messages:
         return _compact(wire)
-    rest = cache.get(key) if cache is not None else None
-    if rest is None:
-        rest = _compact({k: v for k, v in wire.items() if k != "messages"})
-        if cache is not None:
-            if len(cache) > 1024:
-                cache.clear()
-            cache[key] = rest
+    rest = _compact({k: v for k, v in wire.items() if k != "messages"})
     return (rest[:-1] + ("," if len(wire) > 1 else "") + '"messages":' + req.messages_json()
             + "}")
 
