@@ -110,6 +110,23 @@ def test_criteria_pass_rates_and_agreement_with_outcome(report, runs):
     assert f"{agree / pairs:.3f}" == cells[3] and str(int(pairs)) == cells[4]
 
 
+def test_criteria_left_out_by_rubric_dropout_are_not_shown_kept(tmp_path):
+    # the credit stage leaves a seeded share of the retained criteria out of the reward: the
+    # page must count them as the credit stage did, not as kept
+    run = tmp_path / "run"
+    assert run_draco("run", *SAMPLE, "--rubric-dropout", "0.5", "-o", str(run)).returncode == 0
+    stats = json.loads((run / "manifest.json").read_text())["stages"]["credit"]["stats"]
+    out = stats["criteria_dropout"]
+    assert out > 0
+    res = run_draco("report", str(run), "-o", str(tmp_path / "r.html"))
+    assert res.returncode == 0, res.stderr.decode()
+    text = (tmp_path / "r.html").read_text()
+    assert (f"<p>{stats['criteria_kept'] - out} criteria kept, {stats['criteria_dropped']} "
+            "dropped by the discriminative filter") in text
+    assert f", {out} left out of the reward by --rubric-dropout." in text
+    assert text.count("<td>left out</td>") == out
+
+
 def test_health_banner_redaction_and_minimal_call_log(runs, tmp_path):
     run = tmp_path / "step-0"
     shutil.copytree(runs / "step-0", run)

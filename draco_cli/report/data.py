@@ -91,8 +91,9 @@ CRITERIA = "__criteria_counts"  # DuckDB temp table: the run's verdicts per grou
 
 def _verdicts(run: Run, con: DuckDBPyConnection) -> str | None:
     """The run's verdicts counted per group and criterion, with ``retained`` (recomputed as the
-    discriminative filter does, with the run's --drop, when the stored table leaves it empty),
-    kept in DuckDB as temp table ``CRITERIA`` (a large run has tens of thousands of rows: the
+    discriminative filter does, with the run's --drop, when the stored table leaves it empty)
+    and ``dropout`` (left out of the reward by --rubric-dropout: not retained either), kept in
+    DuckDB as temp table ``CRITERIA`` (a large run has tens of thousands of rows: the
     page fetches counts, the first rows and the shown rollouts' groups). None: no verdicts."""
     views = _views(con)
     if not {"verdicts", "rollouts"} <= views:
@@ -105,7 +106,8 @@ def _verdicts(run: Run, con: DuckDBPyConnection) -> str | None:
                count(*) FILTER (WHERE v.verdict = 'fail') AS fail,
                count(*) FILTER (WHERE v.verdict = 'na') AS na,
                count(*) FILTER (WHERE v.verdict IS NULL) AS unanswered,
-               bool_or(v.retained) AS retained, count(v.retained) AS stored
+               bool_or(v.retained) AS retained, count(v.retained) AS stored,
+               false AS dropout
         FROM (SELECT rollout_id, criterion_id, verdict, retained FROM verdicts
               WHERE run = {one}) v
         JOIN (SELECT rollout_id, group_id FROM rollouts WHERE run = {one}) ro
@@ -116,6 +118,11 @@ def _verdicts(run: Run, con: DuckDBPyConnection) -> str | None:
         keep = "fail > 0" + (" AND pass + na > 0" if drop == "constant" else "")
         con.execute(f"UPDATE {CRITERIA} SET retained = {keep}")
     con.execute(f"UPDATE {CRITERIA} SET retained = false WHERE retained IS NULL")
+    if "rubric_dropout" in views:
+        con.execute(f"""UPDATE {CRITERIA} c SET retained = false, dropout = true
+                        FROM (SELECT group_id, criterion_id FROM rubric_dropout
+                              WHERE run = {one}) d
+                        WHERE c.group_id = d.group_id AND c.criterion_id = d.criterion_id""")
     return CRITERIA
 
 

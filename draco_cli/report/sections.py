@@ -152,8 +152,9 @@ def _distributions(rw: pl.DataFrame | None, n_groups: int) -> str:
 def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Redact) -> str:
     if counts is None:
         return "<p>No verdicts in this run.</p>"
-    total, kept = _frame(con, "SELECT count(*) AS n, count(*) FILTER (WHERE retained) AS kept "
-                              f"FROM {counts}").row(0)
+    total, kept, out = _frame(con, "SELECT count(*) AS n, count(*) FILTER (WHERE retained) AS "
+                                   f"kept, count(*) FILTER (WHERE dropout) AS out FROM {counts}"
+                                   ).row(0)
     if total == 0:
         return "<p>No verdicts in this run.</p>"
     # A large run has a row per group and criterion (tens of thousands): the page shows the
@@ -161,8 +162,8 @@ def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Red
     head = _frame(con, f"SELECT * EXCLUDE (stored) FROM {counts} ORDER BY group_id NULLS "
                        f"FIRST, criterion_id NULLS FIRST LIMIT {MAX_CRITERIA_ROWS}")
     per = head.with_columns(
-        pl.when(pl.col("retained")).then(pl.lit("kept")).otherwise(pl.lit("dropped"))
-        .alias("filter"),
+        pl.when(pl.col("retained")).then(pl.lit("kept")).when(pl.col("dropout"))
+        .then(pl.lit("left out")).otherwise(pl.lit("dropped")).alias("filter"),
         (pl.col("pass") / (pl.col("pass") + pl.col("fail"))).fill_nan(None).alias("pass_rate"))
     shown = _titles(run, con, per)
     shown = shown.rename({"group_id": "group"}).with_columns(
@@ -174,7 +175,7 @@ def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Red
         bar = "" if rate is None else (f"<span class='bar'><span style='width:{100 * rate:.0f}%'>"
                                        "</span></span>")
         rows.append(
-            f"<tr class='{r['filter']}'><td>{html.escape(str(r['group']))}</td>"
+            f"<tr class='{'kept' if r['filter'] == 'kept' else 'dropped'}'><td>{html.escape(str(r['group']))}</td>"
             f"<td>{html.escape(r['criterion'])}</td><td>{r['filter']}</td>"
             f"<td class='num'>{'—' if rate is None else f'{rate:.0%}'} {bar}</td>"
             f"<td class='num'>{r['pass']}</td><td class='num'>{r['fail']}</td>"
@@ -184,12 +185,13 @@ def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Red
             f"shown; {rest} more, of which {kept - int((shown['filter'] == 'kept').sum())} kept. "
             "All of them: <code>draco sql RUN \"SELECT * FROM verdicts\"</code>.</p>"
             if rest else "")
-    return (f"<p>{kept} criteria kept, {total - kept} dropped by the discriminative filter "
-            "(no member of the group failed them, so they cannot tell members apart). Pass rate "
-            "= passes / (passes + fails) over the group's rollouts.</p>"
+    left_out = f", {out} left out of the reward by --rubric-dropout" if out else ""
+    return (f"<p>{kept} criteria kept, {total - kept - out} dropped by the discriminative "
+            "filter (no member of the group failed them, so they cannot tell members apart)"
+            f"{left_out}. Pass rate = passes / (passes + fails) over the group's rollouts.</p>"
             f"<details{' open' if total <= 60 else ''}><summary>{total} criteria"
             "</summary><table><tr><th>group</th>"
-            "<th>criterion</th><th>filter (kept / dropped)</th><th>pass rate</th><th>pass</th>"
+            f"<th>criterion</th><th>filter (kept / dropped{' / left out' if out else ''})</th><th>pass rate</th><th>pass</th>"
             "<th>fail</th><th>na</th><th>unanswered</th></tr>" + "".join(rows)
             + "</table>" + more + "</details>")
 
