@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 
 import numpy as np
 import polars as pl
@@ -251,3 +252,15 @@ def test_one_train_step_is_one_step_in_both_quarters():
     assert all(t is None and p is None for _, t, p, _ in tests)
     many = step_tests([(s, 0.1 * s, 10) for s in range(8)], first=[0, 1], last=[6, 7])
     assert many[0][3] == 4 and many[1][3] == 8
+
+
+def test_llm_matcher_labels_a_pair_alike_in_every_process():
+    import subprocess
+    import sys
+
+    code = ("from draco_cli.audit.matchers import LLMMatcher; "
+            "print(LLMMatcher(None).requests(['a', 'b'], ['c']).key)")
+    keys = {subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                           env={**os.environ, "PYTHONHASHSEED": seed}, check=True).stdout
+            for seed in ("1", "2")}
+    assert len(keys) == 1 and keys.pop().strip()

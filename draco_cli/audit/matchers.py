@@ -9,6 +9,7 @@ llm       — a third model proposes the one-to-one matching (through the LLM la
 from __future__ import annotations
 
 import asyncio
+import hashlib
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -44,7 +45,9 @@ class LLMMatcher:
     def requests(self, a: list[str], b: list[str]) -> LLMRequest:
         listing = "List A:\n" + "\n".join(f"{i}. {t}" for i, t in enumerate(a)) + \
             "\n\nList B:\n" + "\n".join(f"{j}. {t}" for j, t in enumerate(b))
-        return LLMRequest(phase="match", key=str(hash((tuple(a), tuple(b)))), answer_model=Matching,
+        # the log's label for the pair: stable across runs (Python's hash() is salted per process)
+        key = hashlib.sha256(listing.encode()).hexdigest()[:16]
+        return LLMRequest(phase="match", key=key, answer_model=Matching,
                           template_version="match.v1", sampling=Sampling(max_tokens=2048),
                           messages=[{"role": "system", "content": MATCH_PROMPT},
                                     {"role": "user", "content": listing}])
