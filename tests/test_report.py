@@ -114,10 +114,13 @@ def test_criteria_left_out_by_rubric_dropout_are_not_shown_kept(tmp_path):
     # the credit stage leaves a seeded share of the retained criteria out of the reward: the
     # page must count them as the credit stage did, not as kept
     run = tmp_path / "run"
-    assert run_draco("run", *SAMPLE, "--rubric-dropout", "0.5", "-o", str(run)).returncode == 0
+    res = run_draco("run", *SAMPLE, "--rubric-dropout", "0.5", "-o", str(run))
+    assert res.returncode == 0, res.stderr.decode()
     stats = json.loads((run / "manifest.json").read_text())["stages"]["credit"]["stats"]
     out = stats["criteria_dropout"]
     assert out > 0
+    assert (f"criteria kept {stats['criteria_kept']} ({out} of them left out by "
+            "--rubric-dropout)") in res.stderr.decode()
     res = run_draco("report", str(run), "-o", str(tmp_path / "r.html"))
     assert res.returncode == 0, res.stderr.decode()
     text = (tmp_path / "r.html").read_text()

@@ -122,6 +122,8 @@ def _summary(stats: CreditStats, out: Path, fmt: str = "table", reward: str = "r
     t.add_row("groups / rollouts", f"{stats.groups} / {stats.rollouts}")
     if stats.criteria_kept or stats.criteria_dropped or reward == "rubric":
         t.add_row("criteria kept / dropped", f"{stats.criteria_kept} / {stats.criteria_dropped}")
+    if stats.criteria_dropout:
+        t.add_row("left out by --rubric-dropout", f"{stats.criteria_dropout} of the kept")
     t.add_row("credit modes", ", ".join(f"{k} {v}" for k, v in stats.credit_modes.items()))
     if stats.citations_dropped:
         t.add_row("citations dropped", f"{stats.citations_dropped} (outside 1..M)")

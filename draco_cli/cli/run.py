@@ -238,8 +238,10 @@ def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
     if stats:
         modes = ", ".join(f"{k} {v}" for k, v in stats["credit_modes"].items())
         err_console.print(f"{stats['groups']} groups, {stats['rollouts']} rollouts; "
-                          + (f"criteria kept {stats['criteria_kept']} / dropped "
-                             f"{stats['criteria_dropped']}; "
+                          + (f"criteria kept {stats['criteria_kept']}"
+                             + (f" ({stats['criteria_dropout']} of them left out by "
+                                "--rubric-dropout)" if stats.get("criteria_dropout") else "")
+                             + f" / dropped {stats['criteria_dropped']}; "
                              if credit.get("reward") != "outcome" else
                              "reward: the environment outcome; ")
                           + f"credit modes: {modes}", highlight=False)
