@@ -33,17 +33,15 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
     if "train_step" in c.columns and rollouts is not None and c["train_step"].null_count() == c.height:
         c = c.drop("train_step")  # unlabelled: attribute calls through the rollouts instead
     http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
+    sums = [http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens], _dollars()]
     per_phase = c.group_by("phase").agg(
-        http.sum().alias("calls"), (pl.col("status") == "ok").sum().alias("answered"),
-        *[pl.col(t).sum() for t in tokens], _dollars()).sort("phase")
+        *sums[:1], (pl.col("status") == "ok").sum().alias("answered"), *sums[1:]).sort("phase")
     per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
     projected = None
     if "train_step" in c.columns and c["train_step"].null_count() < c.height:
         # calls already labelled by the run folder they came from; a run folder without a
         # train step keeps its own row (train_step null) rather than vanishing
-        per_step = c.group_by("train_step").agg(
-            http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            _dollars()).sort("train_step", nulls_last=True)
+        per_step = c.group_by("train_step").agg(*sums).sort("train_step", nulls_last=True)
         projected = _projected(per_step.drop_nulls("train_step"))
     elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
@@ -52,8 +50,7 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         keys = pl.concat([by_rollout, by_group.select("key", "train_step")]).unique("key")
         j = c.join(keys, on="key", how="left")
         per_step = j.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
-            http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens],
-            _dollars()).sort("train_step")
+            *sums).sort("train_step")
         if per_step.height:
             projected = _projected(per_step)
     return per_phase, per_step, projected
@@ -368,10 +365,7 @@ def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = 
             pl.col("phase").replace_strict(PHASE_CATEGORY, default=pl.col("phase"))
             .alias("category")).group_by("category").agg(
             pl.sum_horizontal([pl.col(c).fill_null(0) for c in tok]).sum().alias("tokens"),
-            http.sum().alias("llm_calls"),
-            # null where every row is unpriced: the cost is unknown, not $0
-            pl.when(pl.col("cost_usd").is_not_null().any()).then(pl.col("cost_usd").sum())
-            .alias("cost_usd"))
+            http.sum().alias("llm_calls"), _dollars())
         for r in per.iter_rows(named=True):
             rows.append({"category": r["category"], "tokens": int(r["tokens"]),
                          "env_actions": None, "llm_calls": int(r["llm_calls"]),

@@ -71,17 +71,17 @@ def clean(value: Any) -> Any:
     return value
 
 
-def _cell(value: Any, digits: int) -> str:
+def _cell(value: Any) -> str:
     if value is None:
         return "—"
     if isinstance(value, float):
-        return "—" if not math.isfinite(value) else f"{value:.{digits}g}"
+        return "—" if not math.isfinite(value) else f"{value:.4g}"
     if isinstance(value, (list, dict)):
         return json.dumps(clean(value))
     return str(value)
 
 
-def rich_table(title: str, df: pl.DataFrame, digits: int = 4) -> RichTable:
+def rich_table(title: str, df: pl.DataFrame) -> RichTable:
     from rich.table import Table
 
     t = Table(title=title or None, title_justify="left", box=None, pad_edge=False,
@@ -90,11 +90,11 @@ def rich_table(title: str, df: pl.DataFrame, digits: int = 4) -> RichTable:
         numeric = dtype.is_numeric()
         t.add_column(name, justify="right" if numeric else "left", overflow="fold")
     for row in df.iter_rows():
-        t.add_row(*[_cell(v, digits) for v in row])
+        t.add_row(*[_cell(v) for v in row])
     return t
 
 
-def emit(report: Report, fmt: str, digits: int = 4) -> None:
+def emit(report: Report, fmt: str) -> None:
     """Print ``report`` on stdout in ``fmt``."""
     if fmt == "json":
         doc = report.document
@@ -118,7 +118,7 @@ def emit(report: Report, fmt: str, digits: int = 4) -> None:
         for i, (title, df) in enumerate(report.tables):
             if i:
                 console.print()
-            console.print(rich_table(title, df, digits))
+            console.print(rich_table(title, df))
         for line in report.lines:
             console.print(line, markup=False)
     sys.stdout.flush()

@@ -209,6 +209,7 @@ def summary_document(result: RunResult, run_dir: Path) -> dict[str, Any]:
         "groups": stats.get("groups"), "rollouts": stats.get("rollouts"),
         "criteria_kept": stats.get("criteria_kept"),
         "criteria_dropped": stats.get("criteria_dropped"),
+        "criteria_dropout": stats.get("criteria_dropout"),
         "credit_modes": stats.get("credit_modes"),
         "llm_call_rows": sum(v.get("rows", 0) for v in calls.values()),
         "cost_usd": None if unpriced else sum(v.get("cost_usd") or 0 for v in calls.values()),
@@ -222,13 +223,10 @@ def summary_document(result: RunResult, run_dir: Path) -> dict[str, Any]:
 
 def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
     m = result.manifest
-    calls = m["llm_calls"]
-    total = sum(v.get("cost_usd") or 0 for v in calls.values())
-    rows = sum(v.get("rows", 0) for v in calls.values())
+    doc = summary_document(result, run_dir)
     if fmt != "table":  # the results on stdout for tools; the lines below stay on stderr
         import polars as pl
 
-        doc = summary_document(result, run_dir)
         flat = {k: v for k, v in doc.items() if not isinstance(v, (dict, list))}
         emit(Report([("run", pl.DataFrame([flat]))], document=doc), fmt)
     if result.skipped:
@@ -247,9 +245,8 @@ def _summary(result: RunResult, run_dir: Path, fmt: str = "table") -> None:
                           + f"credit modes: {modes}", highlight=False)
     from draco_cli.llm.answered import money
 
-    unpriced = bool(calls) and all(v.get("cost_usd") is None for v in calls.values())
-    spent = "unpriced model" if unpriced else f"{money(total)} in all"
-    err_console.print(f"LLM calls logged: {rows} rows, {spent}; "
+    spent = "unpriced model" if doc["cost_usd"] is None else f"{money(doc['cost_usd'])} in all"
+    err_console.print(f"LLM calls logged: {doc['llm_call_rows']} rows, {spent}; "
                       f"{m['wall_seconds']:.1f} s", highlight=False)
     health = m.get("health") or {}
     for message in health.get("messages", []):
