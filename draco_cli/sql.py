@@ -74,15 +74,6 @@ def _manifest(folder: Path) -> dict[str, Any] | None:
     return data
 
 
-def _input_path(value: str, folder: Path) -> Path:
-    """A manifest's input path: as written (relative to where draco ran), else relative to the
-    run folder."""
-    p = Path(value)
-    if p.exists() or p.is_absolute():
-        return p
-    return folder / p if (folder / p).exists() else p
-
-
 def read_call_log(path: Path) -> pa.Table:
     """The call log's ``calls`` table."""
     try:
@@ -174,7 +165,7 @@ def _add_folder(cat: Catalog, folder: Path, call_totals: bool) -> None:
     m = _manifest(folder)
     step = m.get("train_step") if m else None
     run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
-    found = _manifest_inputs(folder, m.get("inputs") if m else None, run_folder, cat.notes)
+    found = _manifest_inputs(folder, run_folder, cat.notes)
     for name, rel in KNOWN.items():
         if (folder / rel).exists():
             found[name] = folder / rel
@@ -196,25 +187,22 @@ def _add_folder(cat: Catalog, folder: Path, call_totals: bool) -> None:
                          "llm_calls.sqlite)", file=run)
 
 
-def _manifest_inputs(folder: Path, inputs: Any, run_folder: RunFolder | None,
+def _manifest_inputs(folder: Path, run_folder: RunFolder | None,
                      notes: list[str]) -> dict[str, Path]:
-    """The rollouts and steps tables a run folder's manifest says it ran on, where they are."""
+    """The rollouts and steps tables a run folder's manifest says it ran on, where they are
+    now (moved with the folder, or absolute)."""
     found: dict[str, Path] = {}
-    if not isinstance(inputs, dict):
+    if run_folder is None or run_folder.manifest is None:
         return found
     for name in ("rollouts", "steps"):
-        given = (inputs.get(name) or {}).get("path")
-        if not given:
+        rec = run_folder.manifest.inputs.get(name)
+        if rec is None:
             continue
-        p = _input_path(given, folder)
-        if run_folder is not None and run_folder.manifest is not None \
-                and name in run_folder.manifest.inputs:
-            # absolute path, else where it moved with the folder
-            p = run_folder.input(name, verify=False, missing_ok=True) or p
-        if p.exists():
+        p = run_folder.input(name, verify=False, missing_ok=True)
+        if p is not None:
             found[name] = p
         else:
-            notes.append(f"{folder}: its {name} table {given} is gone; no "
+            notes.append(f"{folder}: its {name} table {rec.path} is gone; no "
                          f"{name} view from this folder")
     return found
 

@@ -7,7 +7,6 @@ import json
 from collections.abc import Callable, Sequence, Set as AbstractSet
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import polars as pl
 import pyarrow as pa
@@ -166,26 +165,13 @@ def _run_inputs(folder: Path) -> list[Path]:
 
 def _context_for(folder: Path, root: Path) -> list[Path]:
     """Tables a folder's tables are checked against: those of the folders above it (up to
-    the root given), and the inputs a run manifest above it records."""
+    the root given), and the inputs a run manifest above it records (where they are now: moved
+    with the folder, or absolute)."""
     ctx: list[Path] = []
     for up in [folder, *folder.parents]:
         if up != folder:
             ctx += sorted(p for p in up.glob("*.parquet") if not _skip(p))
-        manifest = up / "manifest.json"
-        from draco_cli.run.folder import RunFolder
-
-        if manifest.is_file() and RunFolder.is_run_folder(up):
-            # a run folder finds its inputs where they are now (moved with it, or absolute)
-            ctx += _run_inputs(up)
-        elif manifest.is_file():
-            inputs = _read_json(manifest)
-            inputs = inputs.get("inputs") if isinstance(inputs, dict) else None
-            if isinstance(inputs, dict):
-                for entry in inputs.values():
-                    if isinstance(entry, dict) and isinstance(entry.get("path"), str):
-                        p = Path(entry["path"])
-                        if p.is_file() and p.suffix == ".parquet":
-                            ctx.append(p)
+        ctx += _run_inputs(up)
         if up == root or up == up.parent:
             break
     return ctx
@@ -218,13 +204,6 @@ def validate_targets(paths: Sequence[str | Path], stdin_table: str | None = None
                 problems.append(f"{journal}: a publication was interrupted (killed process); "
                                 "the next draco command writing this folder completes it")
     return sets, problems
-
-
-def _read_json(path: Path) -> Any:
-    try:
-        return json.loads(path.read_text(encoding="utf-8"))
-    except (OSError, ValueError):
-        return None
 
 
 def check_manifest(path: Path, counts: dict[str, int], loaded: list[tuple[Path, Loaded]]
