@@ -42,7 +42,7 @@ def rollouts_frame(arrow: pa.Table, source: str,
                 [c for c in CREDIT_ROLLOUT_COLUMNS if c != "policy_spans"])
     if spans is not None:
         flat = flat_policy_spans(spans)
-        raise_first(policy_span_issues(spans, r["response_len"], flat), source, "policy_spans")
+        raise_first(policy_span_issues(spans, r["response_len"]), source, "policy_spans")
     return r, spans, flat
 
 

@@ -7,7 +7,6 @@ from draco_cli.validate.folder import validate_paths, validate_targets
 from draco_cli.validate.issues import raise_first
 from draco_cli.validate.tokens import (
     FlatSpans,
-    _policy_span_issues_general,
     flat_policy_spans,
     policy_span_issues,
     token_advantage_issues,
@@ -15,7 +14,6 @@ from draco_cli.validate.tokens import (
 
 __all__ = [
     "FlatSpans",
-    "_policy_span_issues_general",
     "flat_policy_spans",
     "policy_span_issues",
     "raise_first",

@@ -35,7 +35,7 @@ def _is_span_lists(t: Any) -> bool:  # a pa.DataType; list types carry value_typ
 
 def flat_policy_spans(spans: pa.Array[Any] | pa.ChunkedArray[Any]) -> FlatSpans | None:
     """policy_spans as ``FlatSpans`` when every span is a pair of non-null bounds (a null
-    rollout holding none); None for anything else, which ``policy_span_issues`` reports."""
+    rollout holding none); None for anything else (``policy_span_issues`` names it)."""
     if not _is_span_lists(spans.type):
         return None
     lists = cast("pa.ListArray[Any]", _combined(spans))  # or LargeListArray: the same accessors
@@ -58,41 +58,12 @@ def flat_policy_spans(spans: pa.Array[Any] | pa.ChunkedArray[Any]) -> FlatSpans 
 
 
 def policy_span_issues(spans: pa.Array[Any] | pa.ChunkedArray[Any],
-                       response_len: pl.Series | None = None,
-                       flat: FlatSpans | None = None) -> list[Issue]:
+                       response_len: pl.Series | None = None) -> list[Issue]:
     """policy_spans: list<list<int>> of half-open [start, end) pairs, start >= 0, end > start,
-    sorted and non-overlapping within a rollout, ending at or before response_len.
-
-    ``flat`` is ``flat_policy_spans(spans)`` when the caller has it already."""
+    sorted and non-overlapping within a rollout, ending at or before response_len."""
     t = spans.type
     if not _is_span_lists(t):
         return [([], 1, f"expected list<list<int32>>, got {t}")]
-    flat = flat if flat is not None else flat_policy_spans(spans)
-    if flat is None:  # a malformed span or a null somewhere: the general path names it
-        return _policy_span_issues_general(spans, response_len)
-    # Well-formed pairs: checked on the file's own buffers, a rollout's spans found by its
-    # offsets instead of a per-span rollout index.
-    start, end, offsets = flat.start, flat.end, flat.offsets
-    issues = _issue(flat.rollout_of(np.flatnonzero((start < 0) | (end <= start))),
-                    "span with start < 0 or end <= start")
-    if response_len is not None and start.size:
-        resp = response_len.fill_null(-1).to_numpy().astype(np.int64)
-        nonempty = np.flatnonzero(np.diff(offsets) > 0)
-        last_end = np.maximum.reduceat(end, offsets[nonempty])
-        rows = nonempty[(resp[nonempty] >= 0) & (last_end > resp[nonempty])]
-        issues += _issue(rows, "span ends past response_len")
-    if start.size > 1:
-        out_of_order = start[1:] < end[:-1]
-        heads = offsets[(offsets > 0) & (offsets < start.size)]  # first span of a rollout
-        out_of_order[heads - 1] = False
-        issues += _issue(flat.rollout_of(np.flatnonzero(out_of_order) + 1),
-                         "spans overlap or are out of order")
-    return issues
-
-
-def _policy_span_issues_general(spans: pa.Array[Any] | pa.ChunkedArray[Any],
-                                response_len: pl.Series | None = None) -> list[Issue]:
-    """policy_span_issues for any list<list<int>> column, nulls and odd shapes included."""
     spans = _combined(spans)
     parent = pc.list_parent_indices(spans).to_numpy().astype(np.int64)
     inner = pc.list_flatten(spans)
