@@ -259,6 +259,27 @@ def test_rollouts_of_another_train_step_are_refused_before_any_call(server, tmp_
         table.batch(ids, length=width, train_step=2)
 
 
+def test_the_run_step_through_the_python_api(tmp_path):
+    from draco_cli.errors import UsageError
+    from draco_cli.options import RunOptions
+    from draco_cli.run.pipeline import run_step
+
+    outcome = RunOptions.for_setting("outcome")
+    with pytest.raises(UsageError, match="--train-step -1: must be"):
+        run_step(SAMPLE_RA, SAMPLE_SA, tmp_path / "neg", None, outcome, train_step=-1)
+    # a train_step column as text is read as the credit stage reads it: "1" is step 1
+    text = tmp_path / "text.parquet"
+    pl.read_parquet(SAMPLE_RA).with_columns(pl.lit("1").alias("train_step")).write_parquet(text)
+    res = run_step(text, SAMPLE_SA, tmp_path / "runs", None, outcome, train_step=1)
+    assert res.run_dir == tmp_path / "runs" / "step-1" and res.manifest["train_step"] == 1
+    # the step given in the credit options is the run's step, not only the files' label
+    res = run_step(text, SAMPLE_SA, tmp_path / "runs2", None, RunOptions.for_setting(
+        "outcome", credit_options={"train_step": 1}))
+    assert res.run_dir == tmp_path / "runs2" / "step-1" and res.manifest["train_step"] == 1
+    ta = pl.read_parquet(res.run_dir / "credit" / "token_advantages.parquet")
+    assert set(ta["train_step"]) == {1}
+
+
 def test_stage_keys_follow_what_each_stage_reads(server, tmp_path):
     rubric = tmp_path / "r.yaml"
     rubric.write_text("criteria:\n  - title: Alpha\n    requirement: Does alpha.\n")

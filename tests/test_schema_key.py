@@ -1,22 +1,21 @@
-"""The judge's score requests give the documented cache keys, and the same keys and bytes on
-the wire as a request carrying a freshly built schema."""
+"""The judge's score requests hash as documented, and every form of request body is sent as the
+same bytes, under the same cache keys, as before the LLM layer's per-request caches went
+(``tests/request_cases.py``, ``tests/request_bytes.json``)."""
 
 from __future__ import annotations
 
-import asyncio
 import hashlib
 import json
-from dataclasses import asdict, replace
+from dataclasses import asdict
 
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from draco_cli.judge.core import _score_request, score_schema
-from draco_cli.llm.providers.openai import OpenAIProvider
+from draco_cli.judge.core import _score_request
 from draco_cli.llm.types import LLMRequest, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import RenderOptions
-from tests.conftest import examples
+from tests.conftest import REPO, examples
 
 
 def documented_hash(r: LLMRequest, sample: int, model: str | None) -> str:
@@ -26,38 +25,26 @@ def documented_hash(r: LLMRequest, sample: int, model: str | None) -> str:
     return hashlib.sha256(text.encode()).hexdigest()
 
 
-def provider(monkeypatch) -> OpenAIProvider:
-    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-local-only")
-    return OpenAIProvider("m", base_url="http://127.0.0.1:9/v1", concurrency=2, timeout=5)
-
-
 ids_ = st.lists(st.text(min_size=1, max_size=8), min_size=1, max_size=4, unique=True)
 
 
 @settings(max_examples=examples(40), deadline=None)
-@given(st.lists(st.tuples(ids_, st.integers(0, 4), st.text(max_size=20)), min_size=1,
-                max_size=6),
+@given(ids_, st.integers(0, 4), st.text(max_size=20),
        st.one_of(st.none(), st.floats(0, 2)), st.integers(1, 3))
-def test_shared_schema_gives_the_same_keys_and_body(rollouts, temp, samples):
-    import pytest
+def test_judge_requests_hash_as_documented(ids, m, text, temp, samples):
+    r = _score_request("r", text, list(range(1, m + 1)), [text] * m, [text] * m, ids,
+                       "listing", samples, Sampling(temperature=temp), RenderOptions(),
+                       load_prompt("score"))
+    for sample in range(samples):
+        for model in ("m", None):
+            assert r.hash(sample, model) == documented_hash(r, sample, model)
 
-    mp = pytest.MonkeyPatch()
-    try:
-        p = provider(mp)
-        sampling = Sampling(temperature=temp)
-        for ids, m, text in rollouts:
-            shared = _score_request("r", text, list(range(1, m + 1)), [text] * m, [text] * m,
-                                    ids, "listing", samples, sampling, RenderOptions(),
-                                    load_prompt("score"))
-            alone = replace(shared, json_schema=score_schema(ids, m))
-            assert shared.json_schema == alone.json_schema
-            for sample in range(samples):
-                for model in ("m", None):
-                    assert shared.hash(sample, model) == alone.hash(sample, model) == \
-                        documented_hash(alone, sample, model)
-            for n in (1, samples):
-                assert p.wire(shared, shared.messages, n)[1] == \
-                    p.wire(alone, alone.messages, n)[1]
-    finally:
-        asyncio.run(p.close())
-        mp.undo()
+
+def test_request_bytes_and_keys_are_pinned(monkeypatch):
+    from tests.request_cases import wire_texts
+
+    monkeypatch.setenv("OPENAI_API_KEY", "sk-test-local-only")
+    expected = json.loads((REPO / "tests" / "request_bytes.json").read_text())
+    got = wire_texts()
+    assert got.keys() == expected.keys()
+    assert [k for k in got if got[k] != expected[k]] == []

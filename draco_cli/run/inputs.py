@@ -27,8 +27,9 @@ def check_train_step(rollouts: Path, train_step: int | None) -> None:
         pf = pq.ParquetFile(rollouts)
         if "train_step" not in pf.schema_arrow.names:
             return
-        other = [v for v in pc.unique(pf.read(columns=["train_step"]).column(0)).to_pylist()
-                 if v is not None and v != train_step]
+        # as the credit stage reads it (a "3" is step 3); what does not cast is its to name
+        steps = pc.cast(pf.read(columns=["train_step"]).column(0), pa.int64())
+        other = [v for v in pc.unique(steps).to_pylist() if v is not None and v != train_step]
     except (pa.ArrowException, OSError):
         return
     if other:

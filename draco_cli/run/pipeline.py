@@ -101,11 +101,12 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
     ``opts.spot_check`` (its answers go to RUN/spot_check_calls.sqlite, never to the reward).
     """
     opts = opts or RunOptions()
-    if train_step is None:
-        train_step = opts.train_step
-    if train_step is not None:  # token advantages name it where the rollouts do not
-        opts = opts.model_copy(update={"credit": opts.credit.model_copy(
-            update={"train_step": train_step})})
+    if train_step is None:  # the run's step, however it was given
+        train_step = opts.train_step if opts.train_step is not None else opts.credit.train_step
+    run_dir = run_dir_for(Path(out), train_step)   # refuses a negative step
+    # token advantages name the step where the rollouts do not
+    opts = opts.model_copy(update={"credit": opts.credit.model_copy(
+        update={"train_step": train_step})})
     if llm is not None and llm.batch is None:
         # a training step cannot wait hours for a batch: online unless --batch asks for it
         llm = replace(llm, batch=False)
@@ -126,7 +127,7 @@ def run_step(rollouts: Path, steps: Path, out: Path, llm: LLMSettings | None,
         from draco_cli.rubric.core import load_static_rubric
 
         static_criteria = load_static_rubric(opts.rubric.static_rubric)  # refused up front
-    folder = RunFolder(run_dir_for(Path(out), train_step))
+    folder = RunFolder(run_dir)
     with folder.lock(wait=wait, on_wait=on_wait):
         run = _Run(folder, Path(rollouts), Path(steps), llm, opts, train_step,
                    static_criteria, progress, on_event)
