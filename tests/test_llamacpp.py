@@ -165,15 +165,17 @@ def test_llm_check_finds_the_settings(llama):
     args = [llama if a == "http://127.0.0.1:8080/v1" else a for a in _documented_check()]
     assert args[args.index("--max-tokens") + 1] == "384" and llama in args
     res = run_draco(*args)
-    err = res.stderr.decode()
+    err, out = res.stderr.decode(), res.stdout.decode()
     assert res.returncode == 0, err
     # strict json_schema is rejected, with the server's own reason, and not retried for a minute
     assert "form json-schema: rejected" in err and "json_object" in err
-    assert "use: " + " ".join(SETTINGS) in err.replace("\n", " ") or all(
-        s in err for s in ("--structured-output json-object", "--no-use-n",
-                           "--system-role fold", "--concurrency 1")), err
+    # the advised options: stdout, one line
+    assert out.startswith("use: ") and out.count("\n") == 1, out
+    assert "use: " + " ".join(SETTINGS) in out or all(
+        s in out for s in ("--structured-output json-object", "--no-use-n",
+                           "--system-role fold", "--concurrency 1")), out
     # the whole line: the token limit and a timeout that fits it at the measured rate
-    assert "--max-tokens 384 --timeout" in err.replace("\n", " ") and "tokens/s: " in err, err
+    assert "--max-tokens 384 --timeout" in out and "tokens/s: " in err, err
 
 
 def test_rubric_then_judge_two_samples_rerun_and_kill(llama, tau_slice, tmp_path):

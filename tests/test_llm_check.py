@@ -126,11 +126,13 @@ def test_the_cli_prints_the_whole_line(server):
     res = run_draco("llm", "check", "--model", "openai/test-model", "--base-url",
                     server.url + "/v1", "--no-parallelism", "--temperature", "0.5",
                     "--max-tokens", "300", "--timeout", "90")
-    err = res.stderr.decode()
+    err, out = res.stderr.decode(), res.stdout.decode()
     assert res.returncode == 0, err
-    assert "probed at 0.5" in err
-    assert "use: --structured-output json-schema --concurrency" not in err   # no parallelism
-    assert "--max-tokens 300 --timeout 90 --temperature 0.5" in err.replace("\n", " ")
+    assert "probed at 0.5" in err and "use:" not in err
+    # the advised options alone on stdout, one line
+    assert out.startswith("use: ") and out.count("\n") == 1, out
+    assert "--structured-output json-schema --concurrency" not in out   # no parallelism
+    assert "--max-tokens 300 --timeout 90 --temperature 0.5" in out
 
 
 @pytest.mark.parametrize("args, words", [

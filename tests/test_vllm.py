@@ -187,7 +187,8 @@ def _documented_check() -> list[str]:
 
 @pytest.fixture(scope="module")
 def check(vllm):
-    """`draco llm check` run as the page writes it: (its stderr, the advised options)."""
+    """`draco llm check` run as the page writes it: (its stderr, the advised options, which it
+    prints on stdout)."""
     args = [vllm.url if a == "http://127.0.0.1:8000/v1" else a for a in _documented_check()]
     assert vllm.url in args
     started = time.time()
@@ -195,7 +196,7 @@ def check(vllm):
     err = res.stderr.decode()
     print(f"llm check: {time.time() - started:.0f} s")
     assert res.returncode == 0, err
-    advised = err.rsplit("use: ", 1)[1].replace("\n", " ")
+    advised = res.stdout.decode().rsplit("use: ", 1)[1]
     print(f"use: {advised.strip()}")
     return err, shlex.split(advised)
 

@@ -68,7 +68,7 @@ def check(
         mark = "[green]ok[/]" if f.ok else "[yellow]no[/]"
         err_console.print(f"  {mark} {f.what}: {escape(f.detail)}", highlight=False, markup=True)
     err_console.print(result.summary(), highlight=False)
-    if result.advice:
-        err_console.print(f"use: {result.options()}", highlight=False, markup=False)
+    if result.advice:  # the command's result, on stdout and on one line, for a script to take
+        typer.echo(f"use: {result.options()}")
     if not result.ok:
         raise typer.Exit(1)
