@@ -12,7 +12,7 @@ import polars as pl
 import pytest
 
 from draco_cli.judge.core import aggregate_verdicts
-from tests.conftest import TAU, run_draco
+from tests.conftest import REPO, TAU, run_draco
 from tests.llm_server import schema_of, FakeLLMServer
 
 KEY = "sk-test-planted-0123456789abcdefghij"
@@ -90,6 +90,7 @@ def test_three_stages_then_k_sample_judging_then_credit(server, tau, tmp_path):
                     str(tmp_path / "rubric" / "rubrics.parquet"), "-o", str(tmp_path / "judge"),
                     "--samples", "3", "--judge-label", "self", *llm_args(server))
     assert res.returncode == 0, res.stderr.decode()
+    assert "samples agreed on every one" not in res.stderr.decode()   # they differ here
     assert server.hits["chat"] == 90 + 60  # one call per rollout, n=3 in it
     assert all(b.get("n") == 3 for b in server.bodies[90:])
     raw = pl.read_parquet(tmp_path / "judge" / "verdicts_raw.parquet")
@@ -310,3 +311,21 @@ def test_a_criterion_given_twice_word_for_word_is_kept_once_not_re_asked():
         same, {"title": "follows the policy!", "requirement": "Asks the user first."}]})
     problem = check(other)
     assert problem is not None and "criterion 2" in problem and "criterion 1" in problem
+
+
+def test_samples_that_always_agree_are_said_to_add_nothing(tmp_path):
+    # the mock judge answers every sample of a request alike, as a greedy server does
+    sample = REPO / "sample_data" / "appworld_mini"
+    args = ["--rollouts", str(sample / "rollouts.parquet"), "--steps",
+            str(sample / "steps.parquet")]
+    assert run_draco("rubric", "generate", *args, "--model", "mock/x", "-o",
+                     str(tmp_path / "rubric")).returncode == 0
+    res = run_draco("judge", "score", *args, "--rubrics", str(tmp_path / "rubric" /
+                    "rubrics.parquet"), "--model", "mock/x", "--samples", "2", "-o",
+                    str(tmp_path / "judge"))
+    assert res.returncode == 0, res.stderr.decode()
+    raw = pl.read_parquet(tmp_path / "judge" / "verdicts_raw.parquet")
+    pairs = raw.group_by("rollout_id", "criterion_id").agg(pl.col("verdict").n_unique())
+    assert (pairs["verdict"] == 1).all()   # the premise: every pair's samples agree
+    assert (f"the 2 samples agreed on every one of the {pairs.height} verdicts answered more "
+            "than once") in " ".join(res.stderr.decode().split())

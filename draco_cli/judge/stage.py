@@ -96,6 +96,11 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     if summary.without_rubric:
         report.notes.append(f"{summary.without_rubric} rollouts skipped: their group has no "
                             "rubric")
+    if summary.repeated and not summary.split:   # k samples paid for, one answer's worth
+        report.notes.append(f"the {samples} samples agreed on every one of the "
+                            f"{summary.repeated} verdicts answered more than once: here they "
+                            "add calls, not information (--samples 1, or a higher "
+                            "--temperature)")
     return report
 
 
@@ -106,6 +111,7 @@ class _Summary:
         from draco_cli.judge.core import ScoreStats
 
         self.verdicts = self.unanswered = self.raw = self.without_rubric = 0
+        self.repeated = self.split = 0   # verdicts answered by ≥ 2 samples; those that differ
         self.stats = ScoreStats()
 
     def add(self, res: ScoreResult) -> None:
@@ -113,6 +119,12 @@ class _Summary:
         self.unanswered += res.verdicts["verdict"].null_count()
         self.raw += res.raw.height
         self.without_rubric += res.rollouts_without_rubric
+        per = res.raw.filter(pl.col("verdict").is_not_null()).group_by(
+            "rollout_id", "criterion_id", "judge").agg(
+            pl.len().alias("k"), pl.col("verdict").n_unique().alias("kinds")).filter(
+            pl.col("k") > 1)
+        self.repeated += per.height
+        self.split += int((per["kinds"] > 1).sum())
         for name in ("unknown_ids", "citations_dropped", "missing", "unanswered_samples"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(res.stats, name))
 
