@@ -119,12 +119,13 @@ class _Summary:
         self.unanswered += res.verdicts["verdict"].null_count()
         self.raw += res.raw.height
         self.without_rubric += res.rollouts_without_rubric
-        per = res.raw.filter(pl.col("verdict").is_not_null()).group_by(
-            "rollout_id", "criterion_id", "judge").agg(
-            pl.len().alias("k"), pl.col("verdict").n_unique().alias("kinds")).filter(
-            pl.col("k") > 1)
-        self.repeated += per.height
-        self.split += int((per["kinds"] > 1).sum())
+        if res.raw.height > res.verdicts.height:   # k > 1
+            per = res.raw.filter(pl.col("verdict").is_not_null()).group_by(
+                "rollout_id", "criterion_id", "judge").agg(
+                pl.len().alias("k"), pl.col("verdict").n_unique().alias("kinds")).filter(
+                pl.col("k") > 1)
+            self.repeated += per.height
+            self.split += int((per["kinds"] > 1).sum())
         for name in ("unknown_ids", "citations_dropped", "missing", "unanswered_samples"):
             setattr(self.stats, name, getattr(self.stats, name) + getattr(res.stats, name))
 
