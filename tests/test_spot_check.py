@@ -14,7 +14,7 @@ from scipy import stats
 
 from tests.conftest import run_draco, sample_step
 from tests.llm_server import schema_of, FakeLLMServer
-from tests.test_judge_health import SAMPLE, STEPS, _u
+from tests.test_judge_health import SAMPLE, STEPS, _inputs, _u
 
 N = 40
 
@@ -35,11 +35,6 @@ def judges(train_rate, gold_rate):
             {"criterion_id": c, "verdict": "pass" if _u(user, c, step) < rate else "fail",
              "cited_steps": cites, "reason": "r"} for c in ids]})
     return answer
-
-
-def _inputs(root):
-    """Where the sample's rollouts as each step are written: beside the run root."""
-    return root.with_name(root.name + "-in")
 
 
 def make_runs(root, train_rate, gold_rate, monkeypatch, *extra):

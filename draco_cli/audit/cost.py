@@ -33,15 +33,17 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
     if "train_step" in c.columns and rollouts is not None and c["train_step"].null_count() == c.height:
         c = c.drop("train_step")  # unlabelled: attribute calls through the rollouts instead
     http = pl.col("status").is_in(["ok", "invalid", "truncated", "refused", "http_error"])
-    sums = [http.sum().alias("calls"), *[pl.col(t).sum() for t in tokens], _dollars()]
+    n_calls = http.sum().alias("calls")
+    totals = [*[pl.col(t).sum() for t in tokens], _dollars()]
     per_phase = c.group_by("phase").agg(
-        *sums[:1], (pl.col("status") == "ok").sum().alias("answered"), *sums[1:]).sort("phase")
+        n_calls, (pl.col("status") == "ok").sum().alias("answered"), *totals).sort("phase")
     per_step = pl.DataFrame(schema={"train_step": pl.Int32, "cost_usd": pl.Float64})
     projected = None
     if "train_step" in c.columns and c["train_step"].null_count() < c.height:
         # calls already labelled by the run folder they came from; a run folder without a
         # train step keeps its own row (train_step null) rather than vanishing
-        per_step = c.group_by("train_step").agg(*sums).sort("train_step", nulls_last=True)
+        per_step = c.group_by("train_step").agg(n_calls, *totals).sort("train_step",
+                                                                         nulls_last=True)
         projected = _projected(per_step.drop_nulls("train_step"))
     elif rollouts is not None and "train_step" in rollouts.columns:
         by_rollout = rollouts.select(pl.col("rollout_id").alias("key"), "train_step")
@@ -50,7 +52,7 @@ def cost_audit(calls: pl.DataFrame, rollouts: pl.DataFrame | None
         keys = pl.concat([by_rollout, by_group.select("key", "train_step")]).unique("key")
         j = c.join(keys, on="key", how="left")
         per_step = j.filter(pl.col("train_step").is_not_null()).group_by("train_step").agg(
-            *sums).sort("train_step")
+            n_calls, *totals).sort("train_step")
         if per_step.height:
             projected = _projected(per_step)
     return per_phase, per_step, projected

@@ -91,13 +91,11 @@ def _read_inputs(rollouts: str | Path, steps: str | Path
 def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                   out: Path, *, options: CreditOptions, force: bool) -> CreditStats:
     r, spans, flat_spans, sa = _read_inputs(rollouts, steps)
-    v = no_verdicts() if verdicts is None else verdicts_frame(
-        read_arrow(verdicts, CREDIT_VERDICT_COLUMNS), source_name(verdicts))
-    # No name here keeps the verdicts alive: compute_credit frees their columns as it is done
-    # with them (arguments pass to the callee's frame).
-    held: dict[str, Any] = {"verdicts": v}
-    del v
-    result = compute_credit(r, sa, held.pop("verdicts"),
+    # Read in the call, so no name here keeps the verdicts alive: compute_credit frees their
+    # columns as it is done with them.
+    result = compute_credit(r, sa, no_verdicts() if verdicts is None else verdicts_frame(
+                                read_arrow(verdicts, CREDIT_VERDICT_COLUMNS),
+                                source_name(verdicts)),
                             verdicts_source=source_name(verdicts or "verdicts"),
                             steps_source=source_name(steps), check_verdict_keys=True,
                             **options.credit_args())

@@ -370,8 +370,8 @@ def compute_credit(
     """
     check_dropout(rubric_dropout)
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
-    one_judge = verdicts.height == 0 or bool((verdicts["judge"] == verdicts["judge"][0]).all())
-    if check_verdict_keys and not one_judge:
+    if check_verdict_keys and verdicts.height and not bool(
+            (verdicts["judge"] == verdicts["judge"][0]).all()):   # several judges
         _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
         check_verdict_keys = False
     verdicts = narrow_judge(verdicts, judge, verdicts_source)

@@ -81,11 +81,10 @@ class LLMRequest:
         ``model=None`` gives the content hash used by replay (any recorded model).
 
         The hashed text is ``json.dumps`` of {model, messages, schema, sampling, template,
-        sample} with sorted keys, compact: keys logged by earlier versions stay valid. It is
-        hashed in parts made once per request (a call asks for its hashes several times, and
-        encoding the schema and sampling each time cost ~0.2 ms a call, a fifth of the
-        client's CPU): the messages, first in key order, then the model and sample, then the
-        rest."""
+        sample} with sorted keys, compact: keys logged by earlier versions stay valid. A call
+        asks for its hashes several times, so the parts that do not depend on the sample and
+        model (the messages, first in key order, and the rest after them) are made once per
+        request."""
         head = self.__dict__.get("_head_hash")
         if head is None:
             head = self.__dict__["_head_hash"] = hashlib.sha256(
