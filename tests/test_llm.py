@@ -813,8 +813,7 @@ def test_anthropic_prompt_caching_marks_the_stable_prefix(server, tmp_path):
 
 def test_the_library_leaves_the_garbage_collector_alone(server, tmp_path):
     """A run inside someone else's process (a trainer's) neither freezes the heap nor changes
-    the collector's thresholds: that tuning is the ``draco`` command's alone
-    (``_allocator.calm_collector`` around the command)."""
+    the collector's thresholds."""
     import gc
 
     from tests.llm_server import default_answer

@@ -117,39 +117,3 @@ def test_tls_context_made_once_per_process_and_follows_ssl_cert_file(monkeypatch
     own = tls_context()
     assert own is not first and own is tls_context()
     assert own.cert_store_stats() == httpx2.create_ssl_context(verify=True).cert_store_stats()
-
-
-def test_collector_calmed_during_a_run_and_restored_after():
-    """During calls the heap from before is frozen and young collections are rarer; after the
-    last (nested) run both are as they were, and a process that froze its own heap is left
-    alone."""
-    import gc
-
-    from draco_cli._allocator import YOUNG_THRESHOLD, calm_collector
-
-    gc.unfreeze()
-    before = gc.get_threshold()
-    with calm_collector():
-        assert gc.get_freeze_count() > 0
-        assert gc.get_threshold()[0] == max(before[0], YOUNG_THRESHOLD)
-        with calm_collector():   # a nested session's run
-            pass
-        assert gc.get_freeze_count() > 0   # still frozen: the outer run goes on
-
-        class Node:
-            other: object = None
-
-        a, b = Node(), Node()
-        a.other, b.other = b, a   # a cycle made during the run is still collected
-        del a, b
-        assert gc.collect() >= 2
-    assert gc.get_freeze_count() == 0 and gc.get_threshold() == before
-    gc.freeze()   # the process froze its own heap: the run leaves it (and thresholds) alone
-    try:
-        frozen = gc.get_freeze_count()
-        with calm_collector():
-            assert gc.get_threshold() == before
-        # not thawed (objects of the frozen heap may still be freed meanwhile)
-        assert gc.get_freeze_count() > frozen // 2
-    finally:
-        gc.unfreeze()

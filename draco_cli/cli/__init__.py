@@ -84,7 +84,7 @@ def command() -> Command:
 
 
 def main() -> None:
-    from draco_cli._allocator import calm_collector, tune_allocator
+    from draco_cli._allocator import tune_allocator
     from draco_cli.errors import DracoError
 
     # the only option before a command is --version/--help: argv[1] names the command
@@ -94,8 +94,7 @@ def main() -> None:
     storage.current.set(staged := storage.Staging())
     try:
         # Not standalone: usage errors come out here too, so every error has one style.
-        with calm_collector():
-            code = command()(args=sys.argv[1:], standalone_mode=False)
+        code = command()(args=sys.argv[1:], standalone_mode=False)
         code = code if isinstance(code, int) else 0
         if code == 0:
             staged.publish()
