@@ -29,7 +29,7 @@ __version__ = "0.1.0"
 if TYPE_CHECKING:
     from draco_cli.errors import DracoError, InputError, UsageError
     from draco_cli.evaluate.core import evaluate
-    from draco_cli.ingest.stage import ingest_logs
+    from draco_cli.ingest import ingest_logs
     from draco_cli.io import read_table, write_table
     from draco_cli.judge.stage import judge_filter, judge_score
     from draco_cli.llm.settings import LLMSettings
@@ -46,7 +46,7 @@ _WHERE = {
     "DracoError": "draco_cli.errors", "InputError": "draco_cli.errors",
     "UsageError": "draco_cli.errors",
     "evaluate": "draco_cli.evaluate.core",
-    "ingest_logs": "draco_cli.ingest.stage",
+    "ingest_logs": "draco_cli.ingest",
     "read_table": "draco_cli.io", "write_table": "draco_cli.io",
     "judge_filter": "draco_cli.judge.stage", "judge_score": "draco_cli.judge.stage",
     "LLMSettings": "draco_cli.llm.settings",

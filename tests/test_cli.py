@@ -85,6 +85,24 @@ def test_ingest_offers_every_format_the_library_reads():
     assert set(get_args(IngestFormat)) == set(FORMATS) | set(RECORD_FORMATS)
 
 
+def test_ingest_refuses_a_bad_group_by_or_step_before_reading(tmp_path):
+    """For the log formats and the record formats alike, before any file is read or made."""
+    import pytest
+
+    from draco_cli import UsageError, ingest_logs
+
+    for fmt in ("tau-bench", "rllm"):
+        with pytest.raises(UsageError, match="--group-by 'trial,x'|--group-by 'x'"):
+            ingest_logs(fmt, [tmp_path / "missing.json"], tmp_path / "out",
+                        group_by="trial,x")
+        with pytest.raises(UsageError, match=r"--train-step -1: must be ≥ 0"):
+            ingest_logs(fmt, [tmp_path / "missing.json"], tmp_path / "out", train_step=-1)
+    res = run_draco("ingest", "tau-bench", str(TAU), "--group-by", "task_id,nope",
+                    "-o", str(tmp_path / "out"))
+    assert res.returncode == 2 and "--group-by 'nope'" in res.stderr.decode()
+    assert not (tmp_path / "out").exists()
+
+
 def test_refuses_to_overwrite_without_force(tmp_path):
     args = ["ingest", "tau-bench", str(TAU), "--tokenizer", "approx", "-o", str(tmp_path)]
     assert run_draco(*args).returncode == 0

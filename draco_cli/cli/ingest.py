@@ -51,7 +51,7 @@ def ingest(
 
     Example: draco ingest tau-bench results.json --tokenizer approx -o data/step-0
     """
-    from draco_cli.ingest.stage import ingest_logs
+    from draco_cli.ingest import ingest_logs
 
     with err_console.status("ingesting…"):
         result = ingest_logs(fmt, list(inputs), out, step_unit=step_unit,

@@ -78,7 +78,7 @@ def ingest(
     *,
     step_unit: str = "message",
     tokenizer: str | None = None,
-    group_by: tuple[str, ...] | None = None,
+    group_by: str | tuple[str, ...] | None = None,
     train_step: int | None = None,
     skip_invalid: bool = False,
     force: bool = False,
@@ -88,8 +88,8 @@ def ingest(
 ) -> IngestResult:
     """Ingest ``inputs`` (files of format ``fmt``) into ``out_dir``.
 
-    ``group_by`` overrides the group: the rollout fields whose values, joined by '/', form
-    ``group_id``. By default an explicit group_id in the log is kept, otherwise the group is
+    ``group_by`` overrides the group: the rollout fields (a tuple, or comma-separated as
+    ``--group-by`` spells them) whose values, joined by '/', form ``group_id``. By default an explicit group_id in the log is kept, otherwise the group is
     ``task_id`` (plus ``train_step`` when set).
 
     Under the ``code-block`` unit a step is a fenced block the harness ran: one in
@@ -97,10 +97,15 @@ def ingest(
     and under ``code_blocks='one'`` only in a message holding exactly one such block
     (``draco_cli.ingest.codeblocks``).
     """
+    group_by = _group_fields(group_by, train_step)
     if fmt in RECORD_FORMATS:
-        return _ingest_records(fmt, inputs, out_dir, tokenizer=tokenizer, train_step=train_step,
-                               force=force)
-    _check_options(fmt, step_unit, group_by)
+        import importlib
+
+        result: IngestResult = importlib.import_module(RECORD_FORMATS[fmt]).ingest(
+            [Path(p) for p in inputs], Path(out_dir), tokenizer=tokenizer,
+            train_step=train_step, force=force)
+        return result
+    _check_options(fmt, step_unit)
     labelled, tokenizer = _labelled_format(fmt, step_unit, tokenizer)
     paths = [Path(p) for p in inputs]
     for p in paths:
@@ -146,26 +151,24 @@ def ingest(
         return result
 
 
-def _check_options(fmt: str, step_unit: str, group_by: tuple[str, ...] | None) -> None:
+def _group_fields(group_by: str | tuple[str, ...] | None, train_step: int | None
+                  ) -> tuple[str, ...] | None:
+    if train_step is not None and train_step < 0:
+        raise UsageError(f"--train-step {train_step}: must be ≥ 0")
+    if isinstance(group_by, str):
+        group_by = tuple(g.strip() for g in group_by.split(",")) if group_by else None
+    for g in group_by or ():
+        if g not in GROUP_FIELDS:
+            raise UsageError(f"--group-by {g!r}: choose among {', '.join(GROUP_FIELDS)}")
+    return group_by
+
+
+def _check_options(fmt: str, step_unit: str) -> None:
     if fmt not in FORMATS:
         names = [*FORMATS, *RECORD_FORMATS]
         raise UsageError(f"unknown format {fmt!r}; choose one of {', '.join(names)}")
     if step_unit not in STEP_UNITS:
         raise UsageError(f"unknown step unit {step_unit!r}; choose one of {', '.join(STEP_UNITS)}")
-    for g in group_by or ():
-        if g not in GROUP_FIELDS:
-            raise UsageError(f"--group-by {g!r}: choose among {', '.join(GROUP_FIELDS)}")
-
-
-def _ingest_records(fmt: str, inputs: list[str | Path], out_dir: str | Path, *,
-                    tokenizer: str | None, train_step: int | None, force: bool) -> IngestResult:
-    import importlib
-
-    reader = importlib.import_module(RECORD_FORMATS[fmt])
-    result: IngestResult = reader.ingest([Path(p) for p in inputs], Path(out_dir),
-                                         tokenizer=tokenizer, train_step=train_step,
-                                         force=force)
-    return result
 
 
 def _labelled_format(fmt: str, step_unit: str, tokenizer: str | None
@@ -341,18 +344,28 @@ def created_at() -> str:
     return _dt.datetime.now(_dt.timezone.utc).isoformat(timespec="seconds")
 
 
-def publish_records(out: Path, rollouts: Any, steps: Any,
-                    manifest: Callable[[str], dict[str, Any]], *, force: bool,
-                    indent: int = 2) -> dict[str, Any]:
-    """A record format's tables and its manifest (``manifest(output set id)``), published as
-    one output set; returns the manifest written."""
+def publish_records(fmt: str, paths: list[Path], out: Path, rollouts: Any, steps: Any, *,
+                    head: dict[str, Any], tail: dict[str, Any] | None = None, force: bool,
+                    created_first: bool = False, indent: int = 2) -> IngestResult:
+    """A record format's tables and manifest, published as one output set. The manifest is
+    ``manifest_head``, ``head`` (the format's fields), the counts, ``tail``, and the output
+    set's stamps; each format keeps the key order its manifests always had."""
+    sizes = rollouts.group_by("group_id").len()
+    result = IngestResult(out_dir=out, rollouts=rollouts.height, steps=steps.height,
+                          groups=sizes.height,
+                          single_rollout_groups=int((sizes["len"] == 1).sum()))
     with OutputSet(out, ["rollouts.parquet", "steps.parquet", "manifest.json"],
                    force=force) as output:
         output.write_table(rollouts, "rollouts.parquet", Rollout)
         output.write_table(steps, "steps.parquet", Step)
-        written = manifest(output.id)
-        output.write_text("manifest.json", json.dumps(written, indent=indent) + "\n")
-    return written
+        stamps = [("output_set", output.id), ("created_at", created_at())]
+        result.manifest = {
+            **manifest_head(fmt, paths), **head, "rollouts": result.rollouts,
+            "steps": result.steps, "groups": result.groups,
+            "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
+            **(tail or {}), **dict(stamps[::-1] if created_first else stamps)}
+        output.write_text("manifest.json", json.dumps(result.manifest, indent=indent) + "\n")
+    return result
 
 
 def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
@@ -379,3 +392,7 @@ def _manifest(result: IngestResult, fmt: str, paths: list[Path], step_unit: str,
         "output_set": output_set,
         "created_at": created_at(),
     }
+
+
+# the name Python users know from ``draco_cli``
+ingest_logs = ingest

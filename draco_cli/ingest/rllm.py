@@ -20,8 +20,7 @@ from typing import Any
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import (IngestResult, _group_warnings, created_at, manifest_head,
-                              publish_records)
+from draco_cli.ingest import (IngestResult, _group_warnings, publish_records)
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, instruction_of, layout_of
 from draco_cli.trainers.rllm.records import episode_files, read_episodes
@@ -93,7 +92,6 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
     texts: dict[str, list[tuple[str, str]]] = {}
     extra: dict[str, dict[str, Any]] = {}
     seen: dict[str, str] = {}
-    groups: Counter[str] = Counter()
     terminations: Counter[str | None] = Counter()
     for path, where, ep in read_episodes(files):
         eid = str(ep.get("id", ep.get("episode_id")))
@@ -127,7 +125,6 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
             extra[rid] = {"termination_raw": None if raw is None else str(raw),
                           "termination": TERMINATIONS.get(str(raw)) if raw else None,
                           "trial": _trial(eid)}
-            groups[gid] += 1
             terminations[extra[rid]["termination"]] += 1
     if not rollouts:
         raise InputError("no trajectories in these records", file=", ".join(map(str, paths)))
@@ -143,33 +140,20 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
         pl.Series("termination_raw", [extra[r]["termination_raw"] for r in r_df["rollout_id"]],
                   pl.String),
         pl.Series("trial", [extra[r]["trial"] for r in r_df["rollout_id"]], pl.Int32))
-    result = IngestResult(out_dir=out, rollouts=r_df.height, steps=s_df.height,
-                          groups=len(groups),
-                          single_rollout_groups=sum(1 for n in groups.values() if n == 1),
-                          token_sources=Counter({"rllm token ids": r_df.height}),
-                          terminations=terminations)
+    result = publish_records("rllm", files, out, r_df, s_df, head={
+        "step_unit": "message", "token_counts": ["rllm token ids"], "tokenizer": tokenizer,
+        "tokenizer_exact": True, "token_positions": "known",
+        "texts": "decoded with the tokenizer" if tokenizer else "the records' own texts",
+        "group_by": ["task_id", "trajectory name"], "train_step": train_step,
+    }, tail={"terminations": {str(k): v for k, v in sorted(terminations.items(),
+                                                          key=lambda kv: str(kv[0]))}},
+        force=force)
+    result.token_sources["rllm token ids"] = r_df.height
+    result.terminations = terminations
     result.warnings += _group_warnings(result.groups, result.single_rollout_groups)
-    result.manifest = publish_records(out, r_df, s_df, lambda set_id: _manifest(
-        result, files, tokenizer, train_step, set_id), force=force)
     return result
 
 
 def _trial(episode_id: str) -> int | None:
     tail = episode_id.split(":")[1] if ":" in episode_id else ""
     return int(tail) if tail.isdigit() else None
-
-
-def _manifest(result: IngestResult, files: list[Path], tokenizer: str | None,
-              train_step: int | None, output_set: str) -> dict[str, Any]:
-    return {
-        **manifest_head("rllm", files), "step_unit": "message", "token_counts": ["rllm token ids"],
-        "tokenizer": tokenizer, "tokenizer_exact": True, "token_positions": "known",
-        "texts": "decoded with the tokenizer" if tokenizer else "the records' own texts",
-        "group_by": ["task_id", "trajectory name"], "train_step": train_step,
-        "rollouts": result.rollouts, "steps": result.steps, "groups": result.groups,
-        "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
-        "terminations": {str(k): v for k, v in sorted(result.terminations.items(),
-                                                      key=lambda kv: str(kv[0]))},
-        "output_set": output_set,
-        "created_at": created_at(),
-    }

@@ -59,7 +59,7 @@ def _decoder(tokenizer: str | None) -> tuple[Callable[[list[int]], str], str]:
 
 def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: int | None,
            force: bool) -> Any:
-    from draco_cli.ingest import IngestResult, created_at, manifest_head, publish_records
+    from draco_cli.ingest import publish_records
 
     decode, tok_name = _decoder(tokenizer)
     rollouts: list[TrainerRollout] = []
@@ -79,15 +79,7 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
     except InputError as exc:
         raise InputError(exc.detail, file=", ".join(map(str, paths)), field=exc.field) from None
     rows = rows.with_columns(pl.Series("termination", ends, dtype=pl.String))
-    result = IngestResult(out_dir=out, rollouts=rows.height, steps=steps.height,
-                          groups=rows["group_id"].n_unique() if rows.height else 0)
-    sizes = rows.group_by("group_id").len()
-    result.single_rollout_groups = int((sizes["len"] == 1).sum())
-    result.manifest = publish_records(out, rows, steps, lambda set_id: {
-        **manifest_head("skyrl", paths), "step_unit": "policy-run",
-        "token_counts": ["response_ids"], "tokenizer": tok_name, "tokenizer_exact": True,
-        "token_positions": "known", "train_step": train_step, "rollouts": result.rollouts,
-        "steps": result.steps, "groups": result.groups,
-        "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
-        "output_set": set_id, "created_at": created_at()}, force=force)
-    return result
+    return publish_records("skyrl", paths, out, rows, steps, head={
+        "step_unit": "policy-run", "token_counts": ["response_ids"], "tokenizer": tok_name,
+        "tokenizer_exact": True, "token_positions": "known", "train_step": train_step},
+        force=force)

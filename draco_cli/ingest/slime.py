@@ -14,7 +14,7 @@ from typing import Any
 
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.ingest import IngestResult, created_at, manifest_head, publish_records
+from draco_cli.ingest import IngestResult, publish_records
 
 __all__ = ["ingest", "tokenizer_decode"]
 
@@ -53,10 +53,11 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
     if not rollouts:
         raise InputError("no sample to ingest (every sample was removed)", file=str(paths[0]))
     rows, steps = trainer_rows(rollouts, decode)
-    result = IngestResult(out_dir=out, rollouts=rows.height, steps=steps.height)
-    sizes = rows.group_by("group_id").len()
-    result.groups = sizes.height
-    result.single_rollout_groups = int((sizes["len"] == 1).sum())
+    result = publish_records("slime", paths, out, rows, steps, head={
+        "step_unit": "policy-run", "token_counts": ["tokenizer"], "tokenizer": tokenizer,
+        "tokenizer_exact": True, "token_positions": "known", "group_by": ["group_index"],
+        "train_step": train_step}, tail={"removed_samples": removed, "terminations": {}},
+        force=force, created_first=True, indent=1)
     result.token_sources["tokenizer"] = rows.height
     if removed:
         result.warnings.append(f"{removed} sample(s) with remove_sample set left out (slime "
@@ -64,20 +65,4 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
     if result.single_rollout_groups:
         result.warnings.append(f"{result.single_rollout_groups} group(s) of one sample: "
                                "group-relative credit needs n_samples_per_prompt >= 2")
-    manifest = _manifest(result, paths, tokenizer, train_step, removed)
-    result.manifest = publish_records(out, rows, steps, lambda set_id: {
-        **manifest, "output_set": set_id}, force=force, indent=1)
     return result
-
-
-def _manifest(result: IngestResult, paths: list[Path], tokenizer: str | None,
-              train_step: int | None, removed: int) -> dict[str, Any]:
-    return {
-        **manifest_head("slime", paths), "step_unit": "policy-run",
-        "token_counts": ["tokenizer"], "tokenizer": tokenizer,
-        "tokenizer_exact": True, "token_positions": "known", "group_by": ["group_index"],
-        "train_step": train_step, "rollouts": result.rollouts, "steps": result.steps,
-        "groups": result.groups, "single_rollout_groups": result.single_rollout_groups,
-        "rejected": 0, "removed_samples": removed, "terminations": {},
-        "created_at": created_at(),
-    }

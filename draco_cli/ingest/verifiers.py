@@ -12,7 +12,6 @@ and its observation the messages after it.
 
 from __future__ import annotations
 
-from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -57,7 +56,7 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
            train_step: int | None = None, force: bool = False) -> Any:
     """Read ``paths`` (verifiers ``traces.jsonl`` files) into ``out`` (rollouts.parquet,
     steps.parquet, manifest.json): whole, or nothing on the first bad record."""
-    from draco_cli.ingest import IngestResult, created_at, manifest_head, publish_records
+    from draco_cli.ingest import publish_records
 
     if tokenizer is not None:
         raise UsageError(f"--tokenizer {tokenizer!r}: verifiers records carry their token ids "
@@ -69,7 +68,6 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
     step_rows: list[pl.DataFrame] = []
     seen: dict[str, str] = {}
     skipped = 0
-    groups: Counter[str] = Counter()
     errors = 0
     for p in paths:
         for n, episode in iter_records(p):
@@ -99,34 +97,23 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
                 ro = ro.with_columns(
                     pl.lit("env_error" if bad else None, pl.String).alias("termination"),
                     pl.lit(trace.get("stop_condition"), pl.String).alias("termination_raw"))
-                groups[ro["group_id"].item()] += 1
                 rows.append(ro)
                 step_rows.append(st)
     if not rows:
         raise InputError(f"no trace with a sampled token ({skipped} traces without one)",
                          file=", ".join(map(str, paths)))
     rollouts, steps = pl.concat(rows, how="diagonal_relaxed"), pl.concat(step_rows)
-    result = IngestResult(out_dir=out, rollouts=rollouts.height, steps=steps.height,
-                          groups=len(groups),
-                          single_rollout_groups=sum(1 for v in groups.values() if v == 1))
+    result = publish_records("verifiers", paths, out, rollouts, steps, head={
+        "step_unit": "policy-run", "token_positions": "known", "token_counts": ["token_ids"],
+        "tokenizer": None, "tokenizer_exact": None, "group_by": None, "train_step": train_step,
+    }, tail={"errored_traces": errors, "traces_without_sampled_tokens": skipped},
+        force=force, created_first=True)
     result.token_sources["token_ids"] = rollouts.height
     if result.single_rollout_groups:
         result.warnings.append(f"{result.single_rollout_groups} of {result.groups} groups have "
                                "a single rollout: their group advantage will be 0")
     if skipped:
         result.warnings.append(f"{skipped} traces without a sampled token were left out")
-    manifest = {
-        **manifest_head("verifiers", paths), "step_unit": "policy-run",
-        "token_positions": "known", "token_counts": ["token_ids"],
-        "tokenizer": None, "tokenizer_exact": None, "group_by": None,
-        "train_step": train_step, "rollouts": result.rollouts,
-        "steps": result.steps, "groups": result.groups,
-        "single_rollout_groups": result.single_rollout_groups, "rejected": 0,
-        "errored_traces": errors, "traces_without_sampled_tokens": skipped,
-        "created_at": created_at(),
-    }
-    result.manifest = publish_records(out, rollouts, steps, lambda set_id: {
-        **manifest, "output_set": set_id}, force=force)
     return result
 
 
