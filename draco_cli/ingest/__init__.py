@@ -22,9 +22,9 @@ from draco_cli.ingest.codeblocks import DEFAULT_LANGUAGE, CodeRule
 from draco_cli.choices import STEP_UNITS, StepUnit
 from draco_cli.ingest.episode import BuildOptions, Built, Episode, build
 from draco_cli.ingest.tokens import TokenCounter, make_counter
-from draco_cli.io import OutputSet, StreamingTableWriter, check_writable
+from draco_cli.io import OutputSet, TableWriter, check_writable
 from draco_cli.io.files import file_sha256
-from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step, StepLabel
+from draco_cli.schemas import SCHEMA_VERSION, Rollout, Step, StepLabel, Table
 
 Reader = Callable[[TextIO, str], Iterator[tuple[str, "Episode | InputError"]]]
 
@@ -125,26 +125,23 @@ def ingest(
     unit = cast(StepUnit, step_unit)  # checked against STEP_UNITS above
     opts_by_source = {str(p): BuildOptions(unit, counter, str(p), code) for p in paths}
 
-    with OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output:
-        run = _Ingestion(output, opts_by_source, group_by, train_step, skip_invalid, progress,
-                         labelled)
-        try:
-            for path in paths:
-                run.read_file(fmt, path)
-            result = run.finish(paths)
-            if unit == "code-block":
-                _check_code_blocks(result, code, paths)
-            result.manifest = _manifest(result, fmt, paths, step_unit, counter, group_by,
-                                        train_step, output.id)
-            if unit == "code-block":
-                result.manifest["code_language"] = code.describe()
-                result.manifest["code_blocks"] = code.blocks
-                result.manifest["code_blocks_not_run"] = dict(sorted(
-                    result.skipped_blocks.items()))
-        except BaseException:
-            run.abort()
-            raise
-        run.commit()
+    models: dict[str, type[Table]] = {"rollouts.parquet": Rollout, "steps.parquet": Step}
+    if labelled:
+        models["step_labels.parquet"] = StepLabel
+    with (OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output,
+          TableWriter(output, models) as tables):
+        run = _Ingestion(tables, opts_by_source, group_by, train_step, skip_invalid, progress)
+        for path in paths:
+            run.read_file(fmt, path)
+        result = run.finish(paths)
+        if unit == "code-block":
+            _check_code_blocks(result, code, paths)
+        result.manifest = _manifest(result, fmt, paths, step_unit, counter, group_by,
+                                    train_step, output.id)
+        if unit == "code-block":
+            result.manifest["code_language"] = code.describe()
+            result.manifest["code_blocks"] = code.blocks
+            result.manifest["code_blocks_not_run"] = dict(sorted(result.skipped_blocks.items()))
         if run.rejects or (out / "rejects.jsonl").exists():
             output.write_text("rejects.jsonl", "".join(json.dumps(r) + "\n" for r in run.rejects))
         output.write_text("manifest.json", json.dumps(result.manifest, indent=2) + "\n")
@@ -186,23 +183,16 @@ def _labelled_format(fmt: str, step_unit: str, tokenizer: str | None
 class _Ingestion:
     """One ingest in progress: the rows built so far, written in batches, and the counts."""
 
-    def __init__(self, output: OutputSet, opts_by_source: dict[str, BuildOptions],
+    def __init__(self, tables: TableWriter, opts_by_source: dict[str, BuildOptions],
                  group_by: tuple[str, ...] | None, train_step: int | None,
-                 skip_invalid: bool, progress: Callable[[int], None] | None,
-                 labelled: bool = False) -> None:
+                 skip_invalid: bool, progress: Callable[[int], None] | None) -> None:
+        self.tables = tables
         self.opts_by_source = opts_by_source
         self.group_by = group_by
         self.train_step = train_step
         self.skip_invalid = skip_invalid
         self.progress = progress
-        self.result = IngestResult(out_dir=output.folder)
-        self.rollout_writer = StreamingTableWriter(output.path("rollouts.parquet"), Rollout,
-                                                   force=True, metadata=output.metadata)
-        self.step_writer = StreamingTableWriter(output.path("steps.parquet"), Step, force=True,
-                                                metadata=output.metadata)
-        self.label_writer = StreamingTableWriter(
-            output.path("step_labels.parquet"), StepLabel, force=True,
-            metadata=output.metadata) if labelled else None
+        self.result = IngestResult(out_dir=tables.output.folder)
         self.label_rows: list[dict[str, Any]] = []
         self.rejects: list[dict[str, str]] = []
         self.seen_ids: dict[str, str] = {}  # rollout_id -> where it was first seen
@@ -271,10 +261,10 @@ class _Ingestion:
             self._flush()
 
     def _flush(self) -> None:
-        self.rollout_writer.write_rows(self.rollout_rows)
-        self.step_writer.write_rows(self.step_rows)
-        if self.label_writer is not None:
-            self.label_writer.write_rows(self.label_rows)
+        self.tables.write_rows("rollouts.parquet", self.rollout_rows)
+        self.tables.write_rows("steps.parquet", self.step_rows)
+        if "step_labels.parquet" in self.tables.models:
+            self.tables.write_rows("step_labels.parquet", self.label_rows)
         self.rollout_rows, self.step_rows, self.label_rows = [], [], []
         if self.progress:
             self.progress(self.result.rollouts)
@@ -292,18 +282,6 @@ class _Ingestion:
         result.single_rollout_groups = sum(1 for n in self.groups.values() if n == 1)
         result.warnings += _group_warnings(result.groups, result.single_rollout_groups)
         return result
-
-    def abort(self) -> None:
-        self.rollout_writer.abort()
-        self.step_writer.abort()
-        if self.label_writer is not None:
-            self.label_writer.abort()
-
-    def commit(self) -> None:
-        self.rollout_writer.commit()
-        self.step_writer.commit()
-        if self.label_writer is not None:
-            self.label_writer.commit()
 
 
 def _check_code_blocks(result: IngestResult, code: CodeRule, paths: list[Path]) -> None:

@@ -24,11 +24,11 @@ from draco_cli.io.outputs import (
     SET_MEMBERS_KEY,
     BlockWriter,
     OutputSet,
+    TableWriter,
     folder_lock,
     recover_folder,
 )
 from draco_cli.io.tables import (
-    StreamingTableWriter,
     _to_arrow,
     as_frame,
     contract_table,
@@ -45,7 +45,7 @@ __all__ = [
     "SET_ID_KEY",
     "SET_MEMBERS_KEY",
     "STDIO",
-    "StreamingTableWriter",
+    "TableWriter",
     "_to_arrow",
     "as_frame",
     "atomic_path",

@@ -16,7 +16,7 @@ import uuid
 from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
-from typing import Any
+from typing import Any, cast
 
 import polars as pl
 import pyarrow as pa
@@ -28,8 +28,8 @@ from draco_cli.errors import (
     describe_os_error,
 )
 from draco_cli.io.files import check_writable, prepare_out_dir, write_text_atomic
-from draco_cli.io.tables import write_table
-from draco_cli.schemas import Table
+from draco_cli.io.tables import contract_table, write_table
+from draco_cli.schemas import Table, arrow_schema
 
 LOCK_FILE = ".draco-write.lock"
 
@@ -215,6 +215,55 @@ class OutputSet:
         for name in files:
             os.replace(self.staging / name, self.folder / name)
         journal.unlink()
+
+
+class TableWriter:
+    """Tables of an ``OutputSet`` written part by part into its staging folder (published with
+    the set), so memory stays bounded by a part. Each part is converted as ``write_table``
+    converts a whole table; later parts take the first part's types. On a clean exit a table
+    no part reached is written empty."""
+
+    def __init__(self, output: OutputSet, models: dict[str, type[Table]]) -> None:
+        self.output, self.models = output, models
+        self._writers: dict[str, pq.ParquetWriter] = {}
+
+    def write(self, name: str, part: pl.DataFrame | pa.Table) -> None:
+        table = contract_table(part, self.models[name], metadata=self.output.metadata)
+        writer = self._writers.get(name)
+        if writer is None:
+            writer = self._open(name, table.schema)
+        # pyarrow's stubs call ``writer.schema`` a ParquetSchema: it is the Arrow schema
+        elif not table.schema.equals(first := cast(pa.Schema, writer.schema),
+                                     check_metadata=False):
+            table = table.cast(first)
+        writer.write_table(table)
+
+    def write_rows(self, name: str, rows: list[dict[str, Any]]) -> None:
+        if rows:
+            schema = arrow_schema(self.models[name])
+            self.write(name, pa.Table.from_pylist(rows, schema=schema))
+
+    def _open(self, name: str, schema: pa.Schema) -> pq.ParquetWriter:
+        writer = pq.ParquetWriter(self.output.path(name), schema, compression="zstd")
+        self._writers[name] = writer
+        return writer
+
+    def __enter__(self) -> TableWriter:
+        return self
+
+    def __exit__(self, exc_type: type[BaseException] | None, *_: object) -> None:
+        if exc_type is None:
+            for name, model in self.models.items():
+                if name not in self._writers:
+                    empty = arrow_schema(model).empty_table()
+                    self._open(name, contract_table(empty, model,
+                                                    metadata=self.output.metadata).schema)
+        for writer in self._writers.values():
+            if exc_type is None:
+                writer.close()
+            else:
+                with contextlib.suppress(Exception):
+                    writer.close()
 
 
 class BlockWriter:

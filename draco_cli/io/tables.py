@@ -2,11 +2,10 @@
 
 from __future__ import annotations
 
-import contextlib
 import os
 import sys
 from pathlib import Path
-from typing import Any, BinaryIO, cast
+from typing import BinaryIO, cast
 
 import polars as pl
 import pyarrow as pa
@@ -98,44 +97,6 @@ def _write_ipc(table: pa.Table, sink: BinaryIO) -> None:
     with ipc.new_stream(sink, table.schema) as writer:  # type: ignore[arg-type]
         writer.write_table(table)
     sink.flush()
-
-
-class StreamingTableWriter:
-    """Write a table batch by batch to a temporary Parquet file; commit renames it in place.
-
-    Memory stays bounded by the batch size, whatever the input size.
-    """
-
-    def __init__(self, path: str | os.PathLike[str], model: type[Table], force: bool = False,
-                 metadata: dict[str, str] | None = None):
-        self.model = model
-        self.schema = arrow_schema(model)
-        if metadata:
-            merged = dict(self.schema.metadata or {})
-            merged.update({k.encode(): v.encode() for k, v in metadata.items()})
-            self.schema = self.schema.with_metadata(merged)
-        self._ctx = atomic_path(path, force)
-        self._tmp = self._ctx.__enter__()
-        self._writer = pq.ParquetWriter(self._tmp, self.schema, compression="zstd")
-        self.rows = 0
-
-    def write_rows(self, rows: list[dict[str, Any]]) -> None:
-        if not rows:
-            return
-        batch = pa.Table.from_pylist(rows, schema=self.schema)
-        self._writer.write_table(batch)
-        self.rows += len(rows)
-
-    def commit(self) -> None:
-        self._writer.close()
-        self._ctx.__exit__(None, None, None)
-
-    def abort(self) -> None:
-        with contextlib.suppress(Exception):
-            self._writer.close()
-        err = RuntimeError("aborted")
-        with contextlib.suppress(RuntimeError):
-            self._ctx.__exit__(RuntimeError, err, None)
 
 
 def refuse_binary_to_terminal() -> None:

@@ -12,10 +12,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 import polars as pl
-import pyarrow as pa
 import pyarrow.parquet as pq
 
-from draco_cli.io import OutputSet, read_table
+from draco_cli.io import OutputSet, TableWriter, read_table
 from draco_cli.llm.export import export_parquet
 from draco_cli.redact import Redactor
 from draco_cli.prompts.render import RenderOptions
@@ -201,35 +200,6 @@ def _positions(chunk: pl.Series, n: int) -> tuple[pl.Series, list[int]]:
     return order, counts
 
 
-class ChunkTables:
-    """Tables of an output set written chunk by chunk into its staging folder (published with
-    the set). Each table is converted as ``OutputSet.write_table`` converts a whole one."""
-
-    def __init__(self, output: OutputSet, models: dict[str, type[Table]]) -> None:
-        self.output, self.models = output, models
-        self._writers: dict[str, tuple[pq.ParquetWriter, pa.Schema]] = {}
-
-    def write(self, name: str, df: pl.DataFrame) -> None:
-        from draco_cli.io import _to_arrow
-
-        table = _to_arrow(df, self.models[name])
-        if name not in self._writers:
-            meta = dict(table.schema.metadata or {})
-            meta.update({k.encode(): v.encode() for k, v in self.output.metadata.items()})
-            schema = table.schema.with_metadata(meta)
-            self._writers[name] = (pq.ParquetWriter(self.output.path(name), schema,
-                                                    compression="zstd"), schema)
-        writer, schema = self._writers[name]
-        if not table.schema.equals(schema, check_metadata=False):
-            table = table.cast(schema)
-        writer.write_table(table)
-
-    def close(self) -> None:
-        for writer, _ in self._writers.values():
-            writer.close()
-        self._writers = {}
-
-
 class _ChunkProgress:
     """One progress count over every chunk and phase of a stage (the client counts each of its
     runs from zero); ``total`` is fixed up front, so a progress bar keeps one line."""
@@ -310,16 +280,13 @@ def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient,
     (``finish``) and publish the set, unless the budget was reached: then nothing is."""
     try:
         with OutputSet(out, list(models), force=force) as output:
-            tables = ChunkTables(output, models)
+            with TableWriter(output, models) as tables:
 
-            def write(result: R) -> None:
-                for name, df in tables_of(result).items():
-                    tables.write(name, df)
+                def write(result: R) -> None:
+                    for name, df in tables_of(result).items():
+                        tables.write(name, df)
 
-            try:
                 asyncio.run(run_chunks(client, stages, write, _ChunkProgress(progress, total)))
-            finally:
-                tables.close()
             finish(client, log_path, out, report)
             if report.budget_reached:
                 raise _Unpublished()
