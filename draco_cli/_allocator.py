@@ -42,16 +42,6 @@ def tune_allocator(release_polars_pages: bool = False) -> bool:
     return ok
 
 
-def trim_heap() -> None:
-    """Hand the heap's free memory back to the system, where ``tune_allocator`` told glibc to
-    keep it: for a command whose next phase would otherwise stack its peak on top of memory
-    an earlier phase freed (one call, a few milliseconds; no-op elsewhere)."""
-    if not _done:
-        return
-    with contextlib.suppress(OSError, AttributeError):
-        ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
 def release_freed_memory() -> None:
     """Hand memory freed by earlier work back to the system before a phase that allocates
     afresh: garbage collected, Arrow's pool's free memory released, glibc's heap trimmed
@@ -66,7 +56,9 @@ def release_freed_memory() -> None:
 
     gc.collect()
     pa.default_memory_pool().release_unused()
-    trim_heap()
+    if _done:
+        with contextlib.suppress(OSError, AttributeError):
+            ctypes.CDLL("libc.so.6").malloc_trim(0)
 
 
 def rss_probe(where: str) -> None:

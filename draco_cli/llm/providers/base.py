@@ -14,25 +14,11 @@ from draco_cli.llm.types import LLMRequest, Reply
 # The largest reply body (after decompression) a call takes: --max-reply-mib, default 32 MiB.
 DEFAULT_MAX_REPLY_BYTES = 32 * 2**20
 
-# How a request asks for a JSON answer (``--structured-output``). Servers differ; `draco llm
-# check` probes which of these a server accepts and prints the one to use.
-STRUCTURED_FORMS = {
-    "auto": "prompt for the hosted OpenAI and Anthropic APIs (their prompt caches put a "
-            "server-side schema ahead of the messages), json-schema for OpenAI-compatible "
-            "servers (--base-url)",
-    "json-schema": "OpenAI response_format json_schema, strict (OpenAI, vLLM, SGLang)",
-    "json-schema-loose": "response_format json_schema with strict false (SGLang, Ollama, "
-                         "servers that refuse strict)",
-    "json-object": "response_format {type: json_object, schema: ...} (llama.cpp server, "
-                   "llama-cpp-python)",
-    "vllm": "vLLM >= 0.12 extra field structured_outputs: {json: schema}",
-    "prompt": "no server constraint: the schema is put in the prompt; answers are validated "
-              "and re-asked",
-    "output-format": "Anthropic structured output (output_config.format json_schema)",
-    "tool": "Anthropic tool use: one forced tool whose input schema is the answer schema",
-}
 OPENAI_FORMS = ("json-schema", "json-schema-loose", "json-object", "vllm", "prompt")
 ANTHROPIC_FORMS = ("output-format", "tool", "prompt")
+# How a request asks for a JSON answer (``--structured-output``; each form in docs/llm.md).
+# Servers differ; `draco llm check` probes which of these a server accepts.
+STRUCTURED_FORMS = ("auto", *OPENAI_FORMS, "output-format", "tool")
 
 
 def split_system(messages: list[dict[str, str]]) -> tuple[str | None, list[dict[str, str]]]:
