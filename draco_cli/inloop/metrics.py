@@ -1,23 +1,7 @@
-"""The metrics of one training step that a trainer logs (``draco/…``, flat floats for wandb,
-tensorboard or any logger the trainer has).
-
-- ``draco/judge_calls``: LLM samples answered by calls made this step (paid); ``cached_calls``
-  came from the call log (free); ``unanswered_share`` is 1 − the step's answered figure
-  (``draco_cli.llm.answered``: answered of the requests the step needed, reused ones included,
-  the figure ``draco run`` checks with ``--min-answered``).
-- ``draco/cost_usd``: dollars spent this step.
-- ``draco/criteria_kept`` / ``criteria_total``: criteria the discriminative filter retained,
-  over all the step's criteria.
-- ``draco/nonzero_share``: share of rollouts with at least one non-zero token advantage.
-- ``draco/credit_mode/<mode>``: share of rollouts per credit mode (step, uniform,
-  grpo_fallback; ``none`` for a zero fallback).
-- ``draco/fallback_groups`` / ``fallback_rollouts``: groups that missed the deadline.
-- ``draco/seconds_to_advantages``: from the step's last rollout finishing to its last
-  group's advantages ready.
-- ``draco/signal_ok``: 1 when the step gives the trainer a learning signal — ``nonzero_share``
-  above ``min_signal`` (any at all by default) and, where criteria were written, at least one
-  kept — else 0 (see ``signal_problem`` for the reason).
-"""
+"""The ``draco/…`` metrics of one training step, flat floats for the trainer's logger; the
+list is in docs/inloop.md ("Metrics"). ``unanswered_share`` is 1 − ``draco_cli.llm.answered``
+(the figure ``draco run --min-answered`` checks, reused calls included); ``credit_mode/<mode>``
+is one of step, uniform, grpo_fallback, or ``none`` for a zero fallback."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""The in-loop Python API: score one group of rollouts as soon as its n rollouts finish, while
-other groups are still generating.
-
-    from draco_cli import inloop as api
-
-    async with api.Scorer("openai/judge", base_url="http://127.0.0.1:8000/v1",
-                          call_log="runs/step-7/llm_calls.sqlite", deadline=60) as scorer:
-        scored = await scorer.score_group(rollouts, steps)   # polars or Arrow tables
-        scored.token_advantages                               # one row per rollout
-
-Each ``score_group`` runs the stages of ``draco run`` on one group — rubric, judge, filter,
-credit, token advantages — with the same library functions, so the tables are the ones
-``draco run`` writes for that group. Every group scored through one ``Scorer`` shares one call
-log (an answered call is never paid twice, a restarted trainer resumes from it, costs add up),
-one concurrency limit and rate limiter, and the per-call ``deadline``: a request not answered
-within it (every retry and re-ask included) ends unanswered instead of stalling the step.
-Nothing here writes a table to disk; the call log is the only file.
-"""
+"""The in-loop Python API: ``Scorer.score_group`` runs ``draco run``'s stages on one group as soon
+as its rollouts finish, the groups of one ``Scorer`` sharing one call log, concurrency limit and
+per-call ``deadline``. See docs/inloop.md. Nothing here writes a table to disk; the call log is
+the only file."""
 
 from __future__ import annotations
 

@@ -1,21 +1,7 @@
-"""Scoring inside the training step: each group is judged the moment its last rollout finishes,
-while other groups are still generating, and every rollout's per-token advantages come back by
-its own id — with a deadline per group and a fallback that is counted, never silent.
-
-    async with StepScorer("openai/judge", base_url=..., call_log=..., group_size=8,
-                          deadline=120, fallback="outcome") as scorer:
-        await scorer.add(rollout)                  # a TrainerRollout, as each one finishes
-        values = await scorer.advantages(rollout.rollout_id)   # float32 [response_len]
-        result = await scorer.finish(step)         # StepResult: every row, metrics, tables
-
-``score_step`` does all three for a batch that finished together (TRL). ``BlockingStepScorer``
-runs the same on an event loop of its own, for trainers whose step is synchronous.
-
-A group's deadline counts from the moment its last member finished. A group not scored by then
-gets the fallback: ``outcome`` — GRPO on the environment outcome, every policy token of a
-rollout taking its advantage (zero where a group has no outcome) — or ``zero``. Either way the
-step's metrics count it (``draco/fallback_groups``) and its rows say so (``source``).
-"""
+"""Scoring inside the training step: ``StepScorer`` judges each group the moment its last rollout
+finishes and hands back every rollout's per-token advantages by its id, with a counted fallback
+for a group past its ``deadline``; ``BlockingStepScorer`` does the same for synchronous
+trainers. See docs/inloop.md, "Inside the training step"."""
 
 from __future__ import annotations
 
@@ -111,18 +97,12 @@ class _Step:
 
 
 class StepScorer:
-    """Collects finished rollouts, scores each group once it is complete, and hands back each
-    rollout's advantages. ``group_size`` is the trainer's rollouts per prompt (n);
-    ``deadline`` seconds per group from its completion (None: wait); ``fallback`` what a group
-    that missed it gets; ``decode`` token ids → text (the tokenizer's decode); the rest as
-    ``Scorer`` (model, ``call_log``, ``options``, LLM settings such as ``base_url``).
-    ``request_deadline`` bounds each LLM request (``Scorer``'s ``deadline``); by default the
-    group's deadline. ``rubric_dropout``/``dropout_seed`` and ``spot_check``/
-    ``spot_check_seed`` override ``options``' (``draco run``'s ``--rubric-dropout``,
-    ``--spot-check``); the gold judge is ``spot_check_model`` with ``spot_check_llm`` (the
-    keywords of ``LLMSettings``: base_url…), logged to ``spot_check_call_log`` (default: beside
-    ``call_log``). The spot check runs in ``finish``, after every group is scored. A group's
-    rollouts are scored in rollout-id order, whatever order they arrived in."""
+    """Collects finished rollouts, scores each group once complete and hands back each
+    rollout's advantages; arguments: docs/inloop.md, "Inside the training step" and "Spot
+    checks and rubric dropout". ``request_deadline`` bounds each LLM request (``Scorer``'s ``deadline``; default:
+    the group's ``deadline``); other keywords as ``Scorer``. A group's rollouts are scored in
+    rollout-id order, whatever order they arrived in; ``rubric_dropout``/``spot_check``
+    arguments override ``options``'."""
 
     def __init__(self, model: str, *, call_log: str | Path, group_size: int,
                  decode: Decode, options: RunOptions | None = None,

@@ -1,16 +1,7 @@
-"""Trainer side: token advantages as dense numpy arrays aligned with a trainer's response tokens.
-
-Needs numpy and pyarrow only (no torch, no polars), so it imports cheaply inside a training
-worker. See docs/trainers.md for verl, TRL and OpenRLHF (draco_cli.trainers.*).
-
-    table = load_token_advantages("run/credit/token_advantages.parquet")
-    adv = table.batch(row_ids, response_mask, train_step=step, response_ids=ids)
-
-Rows are matched by the id each trainer row carries, never by batch order, and each row is
-checked against the file's self-check columns (train_step, n_policy_tokens,
-response_fingerprint): a row that does not fit raises AlignmentError naming the rollout and
-the trainer row.
-"""
+"""Trainer side: token advantages as dense numpy arrays aligned with a trainer's response tokens,
+each row matched by the id it carries and checked (``AlignmentError``). Needs numpy and pyarrow
+only, so it imports cheaply inside a training worker. See docs/trainers.md, "The file checks
+itself"."""
 
 from __future__ import annotations
 

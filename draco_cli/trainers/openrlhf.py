@@ -1,28 +1,10 @@
 """OpenRLHF (0.11): draco's token advantages in place of the experience maker's estimator.
 
-OpenRLHF has no switch to skip its own estimator, so ``DracoExperienceMaker`` overrides
-``RemoteExperienceMaker`` (built in the trainer's Ray actor, see ``install``). Its
-``action_mask`` covers the whole sequence minus its first token, prompt included: response
-token t of row b sits at column ``P_b - 1 + t``, P_b the prompt length, i.e. the column of the
-row's first action token. ``place`` does that shift.
-
-Two routes:
-
-- **in the step** (``judge=``): ``make_experience_batch`` turns the step's samples into
-  ``TrainerRollout`` rows (``experience_rollouts``: response = the sequence from the first
-  action token to the row's end, mask = its action columns; group = the
-  ``n_samples_per_prompt`` consecutive samples of one prompt, in the order OpenRLHF collected
-  them) and hands them to one ``BlockingStepScorer`` per maker, which has judged each group
-  since the generator built it (``DracoSamplesGenerator``, set by ``install``) or judges it
-  while OpenRLHF's model forwards run; ``compute_advantages_and_returns`` lays each row on its
-  action columns (``place``, every row checked by fingerprint and count) and adds the step's
-  ``draco/…`` metrics to ``experience.info``, which OpenRLHF's actor averages into the status it
-  logs (wandb, tensorboard). A rollout cut at ``max_len`` is scored on the tokens it has.
-- **from files** (``token_advantages=``): rows matched by an id sent by the agent through
-  ``extra_logs`` (a number, stored in ``experience.info[id_key]``; the rollout id is its decimal
-  string) or ``experience.index`` mapped by ``ids_from_index``.
-``DracoAgentExecutor`` (``draco_cli.trainers.openrlhf_agent``) puts the id on the final step's
-``extra_logs`` (the only ones OpenRLHF keeps) and lets the agent read its own token ids."""
+See docs/trainers.md, "OpenRLHF (0.11)". OpenRLHF has no switch to skip its estimator, hence
+``DracoExperienceMaker`` over ``RemoteExperienceMaker``. Its ``action_mask`` starts one token
+into the sequence, so response token t of row b sits at column ``P_b - 1 + t`` (``place``).
+The agent side is ``draco_cli.trainers.openrlhf_agent``.
+"""
 
 from __future__ import annotations
 
@@ -55,7 +37,8 @@ TRUNCATED = "draco/truncated_rollouts"
 
 def experience_rollout_ids(experience: Any, *, id_key: str = ID_KEY,
                            ids_from_index: Callable[[int], str] | None = None) -> list[str]:
-    """The rollout id of each row of one Experience (see the module docstring)."""
+    """The rollout id of each row of one Experience: the number the agent sent through
+    ``extra_logs`` (``info[id_key]``) as a decimal string, else ``ids_from_index(index)``."""
     info = experience.info or {}
     if id_key in info:
         vals = info[id_key]
@@ -94,16 +77,11 @@ def place(table: TokenAdvantageTable, ids: Sequence[str], action_mask: np.ndarra
 def experience_rollouts(experiences: Sequence[Any], *, n_samples_per_prompt: int,
                         decode: Callable[[list[int]], str], train_step: int,
                         id_key: str = ID_KEY, start: int = 0) -> list[Any]:
-    """One ``TrainerRollout`` per row of OpenRLHF's samples or experiences, in sample order.
-
-    A row's place i is ``experience.index`` (set by ``split_rollout_samples``) or, before it,
-    its position in ``experiences``; its group is ``f"{train_step}/{i // n}"`` — OpenRLHF
-    collects the ``n_samples_per_prompt`` samples of one prompt consecutively and groups them
-    so for its own estimator — and rows of a group must share their prompt. Its id is the
-    ``extra_logs`` id the agent sent (``info[id_key]``), else ``f"{train_step}:{i}"``. The
-    response runs from the first action token to the row's last real token (attention mask),
-    so a rollout cut at ``max_len`` is the tokens it has; the mask is its action columns;
-    the instruction its prompt tokens, decoded; the outcome ``rewards``."""
+    """One ``TrainerRollout`` per row of OpenRLHF's samples or experiences, in sample order
+    (what a row is: docs/trainers.md, "OpenRLHF (0.11)"). A row's place i is
+    ``experience.index`` (set by ``split_rollout_samples``), else its position in
+    ``experiences``; its id the agent's ``extra_logs`` id (``info[id_key]``), else
+    ``f"{train_step}:{i}"``."""
     from draco_cli.inloop import TrainerRollout
 
     n = n_samples_per_prompt
@@ -392,18 +370,11 @@ def _maker_class() -> type[Any]:
 
     # OpenRLHF ships no types: its classes are Any to mypy
     class DracoExperienceMaker(RemoteExperienceMaker):  # type: ignore[misc]
-        """``RemoteExperienceMaker`` whose advantages (and returns) are draco's.
-
-        Extra keyword arguments, one route or the other:
-        ``judge`` — scoring in the step: a dict of ``BlockingStepScorer`` arguments (``model``,
-        ``call_log``, ``base_url``, ``deadline``, ``fallback``, ``options``, ...; group_size
-        and decode are the trainer's) or a ready ``BlockingStepScorer``; with ``audit_dir``
-        (each step's tables, ``write_step``), ``keep`` (step folders kept), ``start_step``
-        (the trainer's global step when resuming; steps count from it + 1), ``decode``
-        (default: the tokenizer's). ``draco_judge.last`` is the last step's ``StepResult``.
-        ``token_advantages`` — path(s) of token_advantages.parquet, or a callable returning
-        them for the rows' ids, with ``id_key`` / ``ids_from_index`` (see
-        ``experience_rollout_ids``)."""
+        """``RemoteExperienceMaker`` whose advantages (and returns) are draco's; its keywords
+        (``judge``, ``audit_dir``, ``keep``, ``start_step``; or ``token_advantages``) are in
+        docs/trainers.md, "OpenRLHF (0.11)". ``judge`` may also be a ready
+        ``BlockingStepScorer`` (group size and ``decode``, by default the tokenizer's, are the
+        trainer's); ``id_key``/``ids_from_index`` as in ``experience_rollout_ids``."""
 
         def __init__(self, *args: Any, token_advantages: Any = None, judge: Any = None,
                      id_key: str = ID_KEY, ids_from_index: Callable[[int], str] | None = None,

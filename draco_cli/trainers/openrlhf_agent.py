@@ -1,21 +1,8 @@
-"""OpenRLHF's agent side: the rollout id on the final step, and the agent's own token ids.
-
-OpenRLHF's ``MultiTurnAgentExecutor`` keeps only the final step's ``extra_logs`` and never
-shows the agent its token ids. ``DracoAgentExecutor`` (a ``MultiTurnAgentExecutor``) gives
-each rollout a numeric id, puts it on the extra_logs the executor returns (whatever the final
-step sent, ``extra_logs[ID_KEY]`` is kept if the agent set it there itself), and, while the
-rollout runs, ``agent_tokens()`` — called from the agent's ``reset`` or ``step`` — returns its
-``AgentTokens``: the id, the prompt's token ids and the response so far (actions and the
-environment's feedback between them, in the trainer's token ids, with the mask of action
-tokens). The ids are the ones the executor passes to the engine, so they match OpenRLHF's
-``sequences`` up to ``max_len``.
-
-In the agent file OpenRLHF loads (``--agent_func_path``)::
-
-    class AgentExecutor(DracoAgentExecutor):
-        def __init__(self):
-            super().__init__(MyAgentInstance)
-"""
+"""OpenRLHF's agent side: ``DracoAgentExecutor`` puts the rollout's numeric id on the final
+step's ``extra_logs`` (the only ones OpenRLHF keeps; an ``ID_KEY`` the agent set itself is
+kept), and ``agent_tokens()`` shows the agent its own token ids: those the executor passes to
+the engine, so they match OpenRLHF's ``sequences`` up to ``max_len``. See docs/trainers.md,
+"OpenRLHF (0.11)"."""
 
 from __future__ import annotations
 

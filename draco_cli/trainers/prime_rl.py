@@ -1,31 +1,9 @@
 """prime-rl: a draco ``Algorithm`` whose ``score_group`` fills each trace's per-token advantages.
 
-prime-rl (read at commit 559b44772e471d1538537b8805cc77f3824a5e64) calls
-``Algorithm.finalize_group(episodes)`` → ``score_group(episodes)`` once a dispatch group's
-episodes are in; an algorithm writes ``node.advantages`` of the trainable traces
-(``iter_trainable_traces``: ok, ``agent.trainable``, some sampled token) through
-``assign_advantages(trace, values)``, which requires ``len(values) == Σ sum(node.mask)``.
-Traces left at ``None`` are unassigned: prime-rl's ``is_trainable`` finds no credit on them and
-ships nothing for them.
-
-The algorithm list is closed: ``prime_rl.orchestrator.algo.ALGORITHM_CLASSES`` (a dict read by
-``build_algorithm`` at call time) and the config's ``AlgoConfig`` (a discriminated union on
-``type``) admit no new name without editing prime-rl. ``register`` therefore puts draco's class
-under an existing name (``grpo`` by default: its config validates as is and declares the same
-``rl`` loss), before the orchestrator builds its envs::
-
-    from draco_cli.trainers.prime_rl import algorithm_class, register
-    register(algorithm_class("openai/gpt-5-mini", call_log="judge.sqlite", group_size=8,
-                             decode=tokenizer.decode, deadline=120))
-    # then run prime-rl's orchestrator in this process, with [orchestrator.algo] type = "grpo"
-
-``DracoCredit`` is the prime-rl-free half (it also serves tests without prime-rl): the group's
-traces become draco rollouts (id = ``trace.id``, group = the episode's ``group.id``, train step
-= ``run.work.step``), the group is judged as one, and each trace gets its own row's values, the
-id and every length checked. A group with fewer trainable traces than ``group_size`` (prime-rl
-drops errored members) is counted (``DracoCredit.short``) and, by default
-(``short_groups="score"``), judged as the smaller group it is, as prime-rl's GRPO baselines the
-survivors; ``"skip"`` leaves its traces unassigned, ``"error"`` raises.
+See docs/trainers.md, "verifiers and prime-rl" (read at commit 559b447, docs/decisions.md).
+prime-rl's algorithm list is closed, so ``register`` puts draco's class under an existing type
+(``grpo`` by default) instead of a new one. ``DracoCredit`` is the prime-rl-free half (it also
+serves the tests without prime-rl).
 """
 
 from __future__ import annotations

@@ -1,20 +1,7 @@
-"""SkyRL (skyrl-train 0.3.1; newest code: ``skyrl.train``): draco's per-token advantages in the
-loop, in SkyRL's dense layout, through its two supported hooks.
-
-- ``DracoGenerator`` wraps the generator: after the inner generator's batch, each row (one
-  trajectory, ``loss_masks`` 1 = policy token) is scored by draco's ``BlockingStepScorer``
-  and its ``rewards`` become a token-level list over the response, which SkyRL takes as it is
-  (``postprocess_generator_output``) and right-pads into its ``rewards`` tensor.
-- ``register_estimator`` registers ``draco`` in SkyRL's ``AdvantageEstimatorRegistry``. An
-  estimator sees only the padded tensors and the group uids, so it passes the values through
-  (GRPO standardisation is already inside draco's advantages) after checking each row against
-  what the generator delivered: same group uid, same response length, the same values. A row
-  whose rewards were changed or moved after delivery is refused, never trained on.
-
-Step-wise mode (``generator.step_wise_trajectories``) is refused: SkyRL's trainer computes the
-estimator on each trajectory's last step only and broadcasts that row to every step
-(SkyRL #1492), so per-step values cannot survive it, whatever a hook does.
-"""
+"""SkyRL (skyrl-train 0.3.1; newest code: ``skyrl.train``): draco's per-token advantages in
+SkyRL's dense layout, through ``DracoGenerator`` and the ``draco`` estimator. See
+docs/trainers.md, "SkyRL". Step-wise mode is refused: SkyRL's trainer broadcasts the last step's
+advantage to every step (SkyRL #1492), whatever a hook does."""
 
 from __future__ import annotations
 

@@ -1,14 +1,6 @@
-"""``draco export --to skyrl``: a run's token advantages written into SkyRL generator records.
-
-SkyRL's dense layout is its own ``GeneratorOutput``: ``rewards`` becomes, per row, a
-token-level list over ``response_ids`` (draco's value on each policy token, 0 elsewhere),
-which SkyRL's trainer takes as it is. The records (``--records``, the JSON form
-``draco_cli.ingest.skyrl`` reads) supply the rows, their ids and tokens; each row is checked
-against ``token_advantages.parquet`` by its id (``TrajectoryID.to_string()``), its train step,
-its loss-mask count and its response fingerprint before anything is written. The file keeps
-the self-check under ``"draco"`` (rollout ids, train step, policy-token counts, fingerprints);
-``load_export`` reads it back checked, with the ``Deliveries`` the draco estimator needs.
-"""
+"""``draco export --to skyrl``: a run's token advantages written as the ``rewards`` of SkyRL
+generator records, each row checked first; ``load_export`` reads the file back checked, with
+the ``Deliveries`` the estimator needs. See docs/trainers.md, "SkyRL" ("Offline")."""
 
 from __future__ import annotations
 

@@ -1,25 +1,8 @@
 """TRL (1.16): a ``GRPOTrainer`` whose advantages are draco's per-token values.
 
-Only ``_generate_and_score_completions`` is overridden (and ``_calculate_rewards``, to keep the
-outcome): TRL's loss unsqueezes advantages only when they are 1-D ("to support subclasses that
-provide advantages with shape (B, T)"), so a [B, T] tensor flows through every loss type
-unchanged. Two routes:
-
-- ``judge=``: the trainer scores its own generations inside the step. After TRL generates, each
-  row becomes a ``TrainerRollout`` (its completion ids, mask ``completion_mask * tool_mask``,
-  instruction = the prompt decoded, outcome = TRL's weighted sum of the reward functions, None
-  without any), ``num_generations`` consecutive rows in the all-process order one group. The
-  rows of every process are gathered to the main process, scored there by one
-  ``BlockingStepScorer`` (one call log), and each process gets its own rows' values back.
-- ``token_advantages=``: the values come from draco's ``token_advantages.parquet``, rows named
-  by ``rollout_ids``.
-
-Row identity on the file route: a row's rollout id is ``f"{row[id_column]}:{k}"``,
-``id_column`` a dataset column naming the task (or prompt) and k the row's index within its
-group of ``num_generations``, counted in the all-process order (TRL's sampler keeps a group's
-rows contiguous in that order, split across processes by rank). ``rollout_ids`` computes the
-same ids for the rollout logger (e.g. inside a reward function, which sees the same rows in the
-same order).
+See docs/trainers.md, "TRL (1.16)". Only ``_generate_and_score_completions`` (and
+``_calculate_rewards``) is overridden: TRL's loss unsqueezes advantages only when they are 1-D,
+so a [B, T] tensor reaches every loss type unchanged.
 """
 
 from __future__ import annotations
@@ -72,22 +55,12 @@ def _trainer_class() -> type[Any]:
 
     # TRL ships no types for mypy to follow: GRPOTrainer is Any
     class DracoGRPOTrainer(GRPOTrainer):  # type: ignore[misc]
-        """``GRPOTrainer`` whose advantages are draco's per-token values.
-
-        Scoring in the step: ``judge`` (an LLM model string, e.g. ``"openai/gpt-4.1-mini"``)
-        with ``judge_kwargs`` (LLM settings: ``base_url``, ``concurrency``, ``rpm``,
-        ``request_deadline``, ``min_signal``, …), ``options`` (``draco run``'s RunOptions),
-        ``call_log`` (default ``{output_dir}/draco/llm_calls.sqlite``), ``deadline`` (seconds
-        per group; None waits), ``fallback`` (``"outcome"`` or ``"zero"``) and, for audit,
-        ``steps_dir`` (per-step tables, the newest ``keep_steps`` kept). See
-        docs/trainers.md.
-
-        Or from files: ``token_advantages``, a path (or list of paths), a path template with
-        ``{step}`` (formatted with the trainer's global step), or a callable ``step -> path(s)``
-        (which may run draco on the rollouts just logged). With a template or callable the rows
-        claim that train step and the file must agree. ``id_column``: the dataset column that
-        names the task (see ``rollout_ids``).
-        """
+        """``GRPOTrainer`` whose advantages are draco's per-token values. Arguments: see
+        docs/trainers.md, "TRL (1.16)": ``judge`` with ``judge_kwargs``, ``options``,
+        ``call_log``, ``deadline`` (None waits), ``fallback``, ``steps_dir``/``keep_steps``; or
+        ``token_advantages`` (a path, a list of paths, a ``{step}`` template or a callable
+        ``step -> path(s)``; with the last two the rows claim that train step) and
+        ``id_column``."""
 
         def __init__(self, *args: Any, token_advantages: Files | Callable[[int], Files] |
                      None = None, id_column: str = "task_id", judge: str | None = None,

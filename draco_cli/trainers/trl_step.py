@@ -1,15 +1,7 @@
-"""TRL's in-step scoring (``DracoGRPOTrainer(judge=...)``): the step's rows of every process are
-gathered to the main process, scored there by one ``BlockingStepScorer`` (one call log, each
-group once, whichever processes its rows were generated on), and each process gets back the
-values of its own rows as the ``advantages`` [B, T] tensor TRL's loss reads.
-
-Rules: a row's outcome is TRL's weighted sum of its reward functions (None without reward
-functions, or where every function returned None). With ``mask_truncated_completions`` a
-truncated row (its masks zeroed by TRL) is still a member of its group — judged on its
-completion tokens (``completion_rows``) — and gets zeros, since its loss is masked anyway.
-Evaluation steps keep TRL's own advantages. The step's metrics (``draco/…``, fallbacks
-included) go to TRL's own metrics, so they reach every logger the trainer reports to.
-"""
+"""TRL's in-step scoring (``DracoGRPOTrainer(judge=...)``): every process's rows gathered to the
+main process, scored by one ``BlockingStepScorer``, each process's own values sent back as the
+[B, T] ``advantages``. The rules (outcome, truncated rows, evaluation, metrics):
+docs/trainers.md, "Scoring inside the step"."""
 
 from __future__ import annotations
 

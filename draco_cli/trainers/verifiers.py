@@ -1,21 +1,7 @@
-"""verifiers (0.4.0) traces and draco: per-token advantages in the compact layout.
-
-A verifiers ``Trace`` stores each message once as a ``MessageNode``: the tokens it adds
-(``token_ids``), ``mask`` (True = sampled by the policy) and ``advantages`` — "same layout as
-``logprobs``", one value per sampled token, ``None`` until an algorithm assigns it (which is
-not a credit of zero). The compact order is the nodes' storage order, each node's sampled
-tokens in order: what prime-rl's ``assign_advantages`` fills.
-
-draco's view of a trace (``trace_tokens``): the response is every node from the first one
-holding a sampled token, concatenated in storage order; its mask the nodes' masks. For a
-single-branch trace that is exactly the token sequence the model saw; a multi-branch trace
-(compaction, subagents) is read node by node in storage order, each node once. Rows are matched
-by ``trace.id``, never by position, and every fill checks the id, the number of sampled tokens
-and (offline) the fingerprint of the ids.
-
-Functions take a verifiers ``Trace`` or its JSON record (a dict from ``traces.jsonl``) alike;
-nothing here imports verifiers.
-"""
+"""verifiers (0.4.0) traces and draco: per-token advantages in the compact layout (the nodes'
+storage order, each node's sampled tokens in order: what prime-rl's ``assign_advantages``
+fills). See docs/trainers.md, "verifiers and prime-rl". Functions take a verifiers ``Trace`` or
+its JSON record (a dict from ``traces.jsonl``) alike; nothing here imports verifiers."""
 
 from __future__ import annotations
 
@@ -65,8 +51,9 @@ class TraceTokens:
 
 
 def trace_tokens(trace: Any) -> TraceTokens:
-    """The trace's response ids and mask (see the module doc); an error naming the trace and
-    node when a node's mask does not describe its tokens, or no token was sampled."""
+    """The trace's response ids and mask (docs/trainers.md, "verifiers and prime-rl"); an error
+    naming the trace and node when a node's mask does not describe its tokens, or no token was
+    sampled."""
     tid = str(field_of(trace, "id"))
     nodes = field_of(trace, "nodes") or []
     ids: list[np.ndarray] = []

@@ -1,13 +1,6 @@
-"""``draco export --to rllm``: a run's token advantages written into rLLM's saved episodes.
-
-The records (``--records``: rLLM episodes, see ``records``) are the layout: every step of a
-trajectory draco scored gets ``advantage`` = its per-token list (one value per
-``response_ids`` token); every step of a trajectory it did not score gets ``None`` (rLLM's
-"not assigned", never 0). Each scored trajectory is checked against the file's self-check
-columns (policy-token count, response fingerprint) before anything is written, and carries
-them in its ``info["draco"]`` (``Trajectory.from_dict`` reads ``info`` back as metadata).
-Output: JSON Lines, one episode per line, readable by ``Episode.from_dict``.
-"""
+"""``draco export --to rllm``: a run's per-step advantages written into rLLM's saved episodes,
+each scored trajectory checked first, unscored ones ``None``; see docs/trainers.md, "rLLM"
+("Offline"). ``Trajectory.from_dict`` reads ``info["draco"]`` back as metadata."""
 
 from __future__ import annotations
 

@@ -1,21 +1,8 @@
 """draco's advantages into rLLM's precomputed-advantage path, inside the training loop.
 
-rLLM (commit 9beb6e0f) trains on ``Step.advantage`` as given when
-``rllm.algorithm.use_precomputed_advantage=true``: a list must have one value per
-``response_ids`` token — a list of another length is replaced by zeros with only a warning
-(``_collect_precomputed_advantages``), so this module checks every length itself and refuses.
-Its ``UnifiedTrainer(traj_grouping_hook=...)`` builds the ``TrajectoryGroup``s of each step
-through a hook; ``DracoGroupingHook`` wraps rLLM's own hook, scores the groups it returns and
-sets each step's advantage before rLLM collects them.
-
-    hook = DracoGroupingHook(BlockingStepScorer(...), base=_default_traj_grouping_hook)
-    trainer = UnifiedTrainer(..., traj_grouping_hook=hook)
-
-A trajectory is matched by its ``uid`` and each step by its position and ``Step.id``; a step
-whose tokens changed between scoring and assignment is refused by name. Steps of
-trajectories draco did not score keep ``advantage=None`` (rLLM then computes its estimator
-for their group); every step of a scored trajectory gets a list, empty for a step with no
-response tokens.
+See docs/trainers.md, "rLLM" (read at 9beb6e0f). rLLM's ``_collect_precomputed_advantages``
+replaces a list of the wrong length by zeros with only a warning, so every length is checked
+here, and refused.
 """
 
 from __future__ import annotations

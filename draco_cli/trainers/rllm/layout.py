@@ -1,16 +1,6 @@
-"""An rLLM trajectory as draco sees it: one rollout whose response is its steps' tokens.
-
-rLLM (rllm-org/rllm, read at commit 9beb6e0f, docs/decisions.md) keeps a ``Trajectory`` as
-``Step``s, each one LLM call with its ``prompt_ids`` and ``response_ids`` (the sampled
-tokens). ``Step.advantage`` is "compact": one value per ``response_ids`` token, or a float,
-or None. draco's rollout for a trajectory lays the steps end to end: step k's response
-tokens (mask 1), then the tokens the next step's prompt adds (mask 0: tool results, user
-turns, template headers). Where a prompt is not an extension of the running sequence (a
-context reset), its tokens after the common prefix are the observation. Each step's span in
-that response is kept, so draco's dense values cut back into per-step lists exactly.
-
-Works on rLLM's own objects and on their saved dicts alike (attributes or keys).
-"""
+"""An rLLM trajectory as draco sees it: one rollout whose response is its steps' tokens laid end to
+end, each step's span kept so the values cut back into per-step lists (docs/trainers.md, "rLLM";
+read at 9beb6e0f). Works on rLLM's own objects and on their saved dicts alike."""
 
 from __future__ import annotations
 
@@ -78,7 +68,8 @@ def where_of(traj: Any, step: int | None = None) -> str:
 
 
 def layout_of(traj: Any) -> TrajectoryLayout:
-    """The response draco scores for ``traj`` and each step's span in it (see module doc)."""
+    """The response draco scores for ``traj`` and each step's span in it (docs/trainers.md,
+    "rLLM")."""
     uid = field_of(traj, "uid")
     if not isinstance(uid, str) or not uid:
         raise InputError(f"trajectory {uid!r}: needs a string uid (rLLM's Trajectory.uid), "

@@ -1,14 +1,7 @@
-"""rLLM's saved episodes, read as plain dicts.
-
-rLLM writes an ``Episode`` to disk two ways that keep token ids (read at commit 9beb6e0f):
-``rllm eval --save-episodes`` writes ``<run>/episodes/episode_NNNNNN_<task>.json``, one
-``Episode.model_dump(mode="json")`` per file (step ``id`` included); ``Episode.to_dict()``
-(read back by ``Episode.from_dict``) leaves the step ``id`` out. Both keep ``trajectories[]``
-with ``uid``, ``name``, ``reward`` and ``steps[]`` with ``prompt_ids`` and ``response_ids``.
-rLLM's ``EpisodeLogger`` files keep no token ids, and its buffer's pickles are not read
-(unpickling runs code). Accepted here: such a ``.json`` file (one episode or a list), a
-``.jsonl`` file (one episode per line), or a folder of ``.json`` episode files.
-"""
+"""rLLM's saved episodes (``rllm eval --save-episodes`` files, ``Episode.to_dict()`` dumps as
+``.json``/``.jsonl``, a folder of them), read as plain dicts; see docs/trainers.md, "rLLM"
+("Offline"). A ``.json`` file holds one episode or a list; ``to_dict()`` leaves the step
+``id`` out."""
 
 from __future__ import annotations
 

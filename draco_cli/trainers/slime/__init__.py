@@ -1,16 +1,7 @@
-"""slime (THUDM/slime, not on the package index; read and run at commit 624b824a).
-
-- ``advantages(args, rollout_data)``: slime's custom advantage function, on its command line
-  as ``--custom-advantage-function-path draco_cli.trainers.slime.advantages`` (slime loads it
-  with ``rpartition('.')``: a dotted path, not ``module:fn``), reading the rows of a run by
-  ``Sample.index``, cut to the context-parallel rank (``hook``, ``layout``).
-- ``score_rewards(args, samples)``: ``--custom-reward-post-process-path``, the rollout side of
-  the in-loop route: judges the step's samples as they arrive and writes the step's tables
-  for ``advantages`` to read (``inloop``).
-- ``export(...)``: ``draco export --to slime`` (``offline``).
-
-Nothing here imports torch, slime or Megatron until called.
-"""
+"""slime (read and run at commit 624b824a): ``advantages`` (``--custom-advantage-function-path``,
+``hook``), ``score_rewards`` (``--custom-reward-post-process-path``, ``inloop``) and ``export``
+(``draco export --to slime``, ``offline``). See docs/trainers.md, "slime". Nothing here imports
+torch, slime or Megatron until called."""
 
 from __future__ import annotations
 

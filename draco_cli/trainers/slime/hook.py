@@ -1,22 +1,9 @@
 """slime's ``--custom-advantage-function-path``: draco's token advantages as slime's per-sample
 ``advantages`` and ``returns``.
 
-slime (THUDM/slime at 624b824a) calls ``fn(args, rollout_data)`` from
-``compute_advantages_and_returns`` on the last pipeline stage only (earlier stages return
-before it), after the KL. ``rollout_data`` there is this data-parallel rank's samples: lists
-with one entry per sample of ``tokens`` (prompt + response ids), ``response_lengths``,
-``total_lengths``, ``loss_masks`` (over the response), ``sample_indices`` (``Sample.index``,
-the data source's run-wide counter), ``rollout_ids``, and ``kl`` — CP-local, like every
-per-token tensor there. The function must set ``advantages`` and ``returns``: one float tensor
-per sample over this rank's part of the response (``layout.cp_local``).
-
-Rows are found by ``Sample.index`` (draco's ``rollout_id`` is its decimal string), never by
-position, and checked against the file: the response length, the count of loss-mask tokens,
-the fingerprint of the response ids. A sample whose loss mask is all 0 (slime's
-``remove_sample``) trains on nothing and gets zeros without a lookup; every other sample
-missing from the files is an error. slime whitens the advantages afterwards when
-``--normalize-advantages`` is on, which would change draco's values: refused unless the config
-says ``draco_allow_normalize: true``.
+See docs/trainers.md, "slime" (read at 624b824a). ``rollout_data`` holds this data-parallel
+rank's samples, every per-token tensor in it (``kl`` included) CP-local: ``layout.cp_local``
+cuts draco's rows the same way.
 """
 
 from __future__ import annotations

@@ -1,27 +1,9 @@
-"""The rollout side of the in-loop route: slime's ``--custom-reward-post-process-path``.
+"""The rollout side of slime's in-loop route: ``--custom-reward-post-process-path``.
 
-slime calls ``fn(args, samples)`` in its RolloutManager once per rollout step, with every
-sample of the step (flattened, THUDM/slime at 624b824a ``slime/ray/rollout.py``
-``_post_process_rewards``), and trains on the ``(raw_rewards, rewards)`` it returns.
-``score_rewards`` turns the samples into ``TrainerRollout`` rows (``records.sample_rollout``:
-id ``Sample.index``, group ``group_index``), judges them with one ``BlockingStepScorer`` kept
-for the run (groups of ``n_samples_per_prompt``), writes the step's tables under
-``draco_step_dir/step-NNNNNN`` (``write_step``) and returns the raw rewards unchanged:
-draco's values replace slime's advantages on the training side, where ``advantages`` reads
-that folder (``draco_token_advantages`` pointing at the same ``draco_step_dir``). A
-``remove_sample`` sample is judged with its group (slime zeroes its loss mask only later, and
-the training side gives it zeros); a group with fewer than ``n_samples_per_prompt`` samples
-is an error of the scorer, not a silent score.
-
-slime's training actors receive only a fixed list of per-sample keys from the rollout
-manager (no free-form metadata), so the values go through that folder: the rollout manager
-and the training actors must see the same filesystem (one node, or a shared mount).
-
-Settings, from the ``--custom-config-path`` YAML: ``draco_judge`` (a dict of
-``BlockingStepScorer`` arguments: ``model`` and e.g. ``call_log``, ``base_url``,
-``deadline``, ``fallback``), ``draco_step_dir``, ``draco_keep`` (step folders kept, at least
-2 under slime's async trainer, which trains step N while step N+1 is generated),
-``draco_tokenizer`` (a tokenizer.json; default: slime's ``--hf-checkpoint`` tokenizer).
+See docs/trainers.md, "slime" ("In the loop"). slime calls ``score_rewards(args, samples)`` from
+``_post_process_rewards`` (``slime/ray/rollout.py`` at 624b824a) with the step's samples
+flattened. The values reach the training side only through ``draco_step_dir``: slime hands its
+training actors a fixed list of per-sample keys, with no room for free-form data.
 """
 
 from __future__ import annotations

@@ -1,15 +1,7 @@
-"""Where a slime sample's response tokens sit on one context-parallel rank.
-
-slime (THUDM/slime at 624b824a, ``slime/backends/megatron_utils/cp_utils.py``) cuts each
-sample's whole sequence (prompt + response, ``total_length`` tokens) into ``2 * cp_size``
-equal chunks of ``ceil(total / (2 * cp_size))`` tokens; rank r owns chunks r and
-``2 * cp_size - 1 - r`` (the zigzag that balances causal attention). A per-token tensor over the
-response (log-probs, KL, advantages) lives on rank r as the response positions whose
-*predicting logit* falls in those chunks: the logit at sequence position p predicts token
-p + 1, so response token j (sequence position P + j, P the prompt length) belongs to the
-rank that holds position P + j - 1. ``cp_response_ranges`` gives those two response ranges;
-``cp_local`` cuts a dense response row the way slime's ``slice_log_prob_with_cp`` does.
-"""
+"""Where a slime sample's response tokens sit on one context-parallel rank (docs/trainers.md,
+"slime"; slime's ``cp_utils.py`` at 624b824a). Response token j (sequence position P + j) goes
+with the logit predicting it, at P + j - 1; ``cp_local`` cuts a dense row as slime's
+``slice_log_prob_with_cp`` does."""
 
 from __future__ import annotations
 

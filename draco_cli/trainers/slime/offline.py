@@ -1,12 +1,6 @@
-"""``draco export --to slime``: a run's token advantages as dense rows over slime's responses.
-
-The file is a token_advantages table in dense form (``rollout_id`` = slime's ``Sample.index``,
-``length``, ``advantages`` over the whole response, zeros off the loss mask) with the
-self-check columns and a ``sample_index`` column, so ``draco_cli.trainers.slime.advantages``
-reads it as it reads a run. With ``--records`` (slime rollout dumps, ``.pt``) only those
-samples are written, each checked first against its own tokens and loss mask (length, mask
-count, fingerprint): a sample the run does not fit is refused, never written as zeros.
-"""
+"""``draco export --to slime``: a run's token advantages as dense rows over slime's responses,
+read by ``draco_cli.trainers.slime.advantages`` as it reads a run. With ``--records`` only those
+samples are written, each checked first against its own tokens (docs/trainers.md, "slime")."""
 
 from __future__ import annotations
 

@@ -1,18 +1,10 @@
 """slime's rollout records: the samples of one rollout step, as slime saves and holds them.
 
-``--save-debug-rollout-data PATH`` (or ``--dump-details DIR``, which sets it to
-``DIR/rollout_data/{rollout_id}.pt``) makes slime's RolloutManager ``torch.save``
-``{"rollout_id": N, "samples": [Sample.to_dict(), ...]}`` every step (THUDM/slime at 624b824a,
-``slime/observability/rollout_data_utils.py``); ``--load-debug-rollout-data`` replays such
-a file into training. A sample carries ``tokens`` (prompt + response ids), ``response_length``
-(the last that many tokens are the response), ``loss_mask`` over the response (None = all
-1; 0 = tool output, user turns), ``index`` (the data source's run-wide sample counter),
-``group_index`` (one per prompt: its ``n_samples_per_prompt`` samples form a GRPO group),
-``reward`` (a number, or a dict read through ``--reward-key``) and ``remove_sample``.
-
-A slime sample becomes draco's rollout ``str(index)`` in group ``str(group_index)``, its
-response ``tokens[-response_length:]`` with the loss mask as the policy mask: the same ids
-and mask the training side sees, so advantages land on slime's own tokens.
+``--save-debug-rollout-data`` (``--dump-details DIR``: ``DIR/rollout_data/{rollout_id}.pt``)
+``torch.save``s ``{"rollout_id": N, "samples": [Sample.to_dict(), ...]}`` each step
+(``slime/observability/rollout_data_utils.py`` at 624b824a). A sample becomes rollout
+``str(index)`` in group ``str(group_index)``, its response ``tokens[-response_length:]`` with
+``loss_mask`` (None = all 1) as the policy mask. See docs/trainers.md, "slime".
 """
 
 from __future__ import annotations

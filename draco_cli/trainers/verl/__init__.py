@@ -1,13 +1,7 @@
-"""verl (0.9): draco's token advantages through verl's own data path.
-
-- In the loop (``hook``): agent-loop managers whose workers send each finished session to the
-  job's one shared scorer (``scorer``, a named async Ray actor hosting a StepScorer) and put
-  its advantages in the row's ``extra_fields``; the ``draco`` estimator reads them from the row.
-- From files (``estimator``): per-row ids, checked against ``token_advantages.parquet``.
-
-``setup`` (Ray's ``worker_process_setup_hook``) registers the estimator in every process. This
-package imports neither verl, Ray nor torch until used (``hook`` imports verl and Ray).
-"""
+"""verl (0.9): draco's token advantages through verl's own data path, in the loop (``hook``,
+``scorer``) or from files (``estimator``); ``setup`` registers the estimator in every process.
+See docs/trainers.md, "verl (0.9)". Imports neither verl, Ray nor torch until used (``hook``
+imports verl and Ray)."""
 
 from draco_cli.trainers.verl.estimator import (
     ADV_FIELD,

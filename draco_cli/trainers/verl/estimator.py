@@ -1,24 +1,9 @@
 """verl (0.9): the ``draco`` advantage estimator and the wrappers that tell it which row is which.
 
-verl calls a registered estimator with ``index`` = the group ``uid`` only, after reordering the
-batch (``_balance_batch``), so the estimator alone cannot tell which rollout a row is. ``setup``
-(Ray's ``worker_process_setup_hook``: it runs in every Ray worker process, the TaskRunner
-included) registers the estimator and wraps the functions that see each row just before it:
-
-- in-loop (``draco_cli.trainers.verl.hook``): each row carries its own advantages,
-  ``extra_fields["draco_advantages"]`` (legacy: ``non_tensor_batch``; V1: the TransferQueue's
-  ``extra_fields``); the estimator pads them to the response width, padding rows zero, and logs
-  the step's ``draco/...`` metrics through verl's own metrics dict.
-- file route, V1 (``trainer.use_v1``): the TransferQueue keys ``{uid}_{session_id}_{index}`` give
-  the row id (``rollout_id``), the TransferQueue's ``responses`` the fingerprint check and its
-  ``global_steps`` the train-step check (where the file records a step). Rows whose uid is
-  verl's padding uid (``pad`` + 32 hex digits) are padding and get zeros.
-- file route, legacy: ``compute_advantage`` receives the DataProto; the row id is the
-  ``draco_rollout_id`` the agent loop put in ``extra_fields``, ``responses`` gives the
-  fingerprint check, an optional ``draco_train_step`` extra field the train-step check.
-
-``DRACO_TOKEN_ADVANTAGES`` (file route) is a glob, or several separated by ``os.pathsep``; each
-matching file is read once and again only when its modification time or size changes.
+verl hands a registered estimator only the group ``uid`` (``index``), after reordering the batch
+(``_balance_batch``), so ``setup`` also wraps the functions that see each row just before it:
+they pass on the row's own values (in the loop) or its id (file route). See docs/trainers.md,
+"verl (0.9)".
 """
 
 from __future__ import annotations

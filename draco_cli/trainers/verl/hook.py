@@ -1,20 +1,8 @@
-"""In-loop scoring for verl: agent-loop managers (verl's ``agent_loop_manager_class`` setting)
-whose workers hand each session's finished output to the job's shared scorer and put the
-advantages it returns in the output's ``extra_fields``, which verl carries with the row.
-
-    actor_rollout_ref.rollout.agent.agent_loop_manager_class=draco_cli.trainers.verl.hook.DracoAgentLoopManager
-    (V1, ``trainer.use_v1``: ...hook.DracoAgentLoopManagerTQ)
-
-Each worker runs the user's own agent loop unchanged. After it returns, and after verl's reward
-for it is computed, the session's final output becomes a ``TrainerRollout`` (group = ``uid``,
-id = ``rollout_id(uid, session_id, index)``, outcome = the reward score) sent to the shared
-scorer; the session awaits its advantages, while other sessions still generate, and stores
-``draco_advantages`` (float32, one per response token), ``draco_rollout_id``,
-``draco_group``, ``draco_train_step`` and ``draco_source``. A session's earlier outputs (an
-agent loop returning several) are not scored: zeros, ``draco_source = "unscored"``. Validation
-sessions are not scored. The legacy manager also gives each session the ``session_id`` and
-``global_steps`` V1 passes (the legacy agent loop receives neither otherwise).
-"""
+"""In-loop scoring for verl: agent-loop managers (``agent_loop_manager_class``) whose workers,
+once a session's output and verl's reward for it exist, send it to the job's shared scorer and
+put the advantages it returns in the output's ``extra_fields``, which verl carries with the row.
+The legacy manager also passes ``session_id`` and ``global_steps``, which only V1 gives the
+agent loop. See docs/trainers.md, "verl (0.9)"."""
 
 from __future__ import annotations
 

@@ -1,17 +1,7 @@
-"""The one shared scorer of a verl training job: a named async Ray actor hosting a StepScorer.
-
-A group's sessions run on different AgentLoopWorker actors (legacy verl splits the batch across
-workers), so each session sends its finished rollout here and awaits its own advantages; the
-group is judged the moment its last member arrives, while other sessions still generate. One
-actor per job means one call log (a restarted trainer pays nothing twice) and one concurrency
-limit. The trainer's estimator then calls ``finish_groups`` for the batch's groups: the step's
-``draco/...`` metrics, and its audit folder under ``audit_dir`` (the newest ``keep`` kept).
-
-Settings: the JSON object in ``DRACO_INLOOP`` (set it in Ray's ``runtime_env.env_vars`` so every
-worker sees it), e.g. ``{"model": "openai/gpt-4.1-mini", "call_log": "/runs/llm_calls.sqlite",
-"deadline": 120, "fallback": "outcome", "audit_dir": "/runs/draco", "keep": 5}``; other keys
-go to the LLM client (``base_url``, ``concurrency``, ...).
-"""
+"""The one shared scorer of a verl training job: a named async Ray actor hosting a StepScorer, so a
+group whose sessions ran on different workers is judged in one place. The estimator calls
+``finish_groups`` for the batch's groups. Settings (``DRACO_INLOOP``): docs/trainers.md,
+"verl (0.9)"."""
 
 from __future__ import annotations
 
