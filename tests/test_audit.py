@@ -246,12 +246,12 @@ def test_self_judge_over_run_folders(tmp_path, monkeypatch):
 def test_one_train_step_is_one_step_in_both_quarters():
     from draco_cli.audit.stats import step_tests
 
-    tests = step_tests([(0, 0.5, 10)], first=[0], last=[0])
-    assert [(name, n) for name, _, _, n in tests] == [("welch_t_first_vs_last_quarter", 1),
-                                                      ("wls_trend_per_step", 1)]
-    assert all(t is None and p is None for _, t, p, _ in tests)
-    many = step_tests([(s, 0.1 * s, 10) for s in range(8)], first=[0, 1], last=[6, 7])
-    assert many[0][3] == 4 and many[1][3] == 8
+    tests = step_tests("m", [(0, 0.5, 10)])
+    assert [(t["test"], t["n_steps"]) for t in tests] == [("welch_t_first_vs_last_quarter", 1),
+                                                          ("wls_trend_per_step", 1)]
+    assert all(t["statistic"] is None and t["p_value"] is None for t in tests)
+    many = step_tests("m", [(s, 0.1 * s, 10) for s in range(8)])   # quarters [0, 1], [6, 7]
+    assert many[0]["n_steps"] == 4 and many[1]["n_steps"] == 8
 
 
 def test_llm_matcher_labels_a_pair_alike_in_every_process():

@@ -184,20 +184,15 @@ def rubric_audit(rubrics: pl.DataFrame, verdicts: pl.DataFrame, rollouts: pl.Dat
 def overlap_tests(per_unit: pl.DataFrame) -> pl.DataFrame:
     """Step-level trend tests of recall and precision (SPEC §4, as for the self-judge audit):
     each train step one observation, its rate over its units, weighted by its criteria."""
-    from draco_cli.audit.self_judge import TEST_SCHEMA, quarters
+    from draco_cli.audit.self_judge import TEST_SCHEMA
     from draco_cli.audit.stats import step_tests
 
     t = per_unit.filter(pl.col("train_step").is_not_null())
-    steps = sorted(t["train_step"].unique().to_list())
+    agg = t.group_by("train_step").agg(pl.col("matched").sum(), pl.col("n_own").sum(),
+                                       pl.col("n_reference").sum()).sort("train_step")
     rows = []
-    if steps:
-        first, last = quarters(steps)
-        agg = t.group_by("train_step").agg(pl.col("matched").sum(), pl.col("n_own").sum(),
-                                           pl.col("n_reference").sum()).sort("train_step")
-        for metric, den in (("recall", "n_reference"), ("precision", "n_own")):
-            per_step = [(s, m / d if d else None, d) for s, m, d in
-                        agg.select("train_step", "matched", den).iter_rows()]
-            for test, stat, p, n in step_tests(per_step, first, last):
-                rows.append({"metric": metric, "test": test, "statistic": stat, "p_value": p,
-                             "n_steps": n})
+    for metric, den in (("recall", "n_reference"), ("precision", "n_own")):
+        per_step = [(s, m / d if d else None, d) for s, m, d in
+                    agg.select("train_step", "matched", den).iter_rows()]
+        rows += step_tests(metric, per_step) if per_step else []
     return pl.DataFrame(rows, schema=TEST_SCHEMA)

@@ -2,12 +2,11 @@
 
 from __future__ import annotations
 
-import math
 from typing import TYPE_CHECKING, Any, cast
 
 import polars as pl
 
-from draco_cli.audit.stats import step_tests
+from draco_cli.audit.stats import quarters, step_tests
 from draco_cli.errors import UsageError
 from draco_cli.schemas import Agreement, AgreementTest, polars_schema
 
@@ -77,13 +76,6 @@ def _scope_metrics(rows: pl.DataFrame, scope: str) -> dict[str, Any]:
     }
 
 
-def quarters(train_steps: list[int]) -> tuple[list[int], list[int]]:
-    """First and last ⌈S/4⌉ distinct train steps."""
-    s = sorted(set(train_steps))
-    q = math.ceil(len(s) / 4)
-    return s[:q], s[-q:] if q else []
-
-
 # metric -> (indicator column, rows it is a rate over)
 TESTED = {
     "agreement": ("agree", None),
@@ -119,9 +111,7 @@ def self_judge_audit(self_v: pl.DataFrame, ref_v: pl.DataFrame,
                 if ref is not None:
                     rr = rr.filter(pl.col("ref") == ref)
                 per_step.append((st, _number(rr[ind].mean()) if rr.height else None, rr.height))
-            for test, stat, p, n in step_tests(per_step, first, last):
-                tests.append({"metric": metric, "test": test, "statistic": stat,
-                              "p_value": p, "n_steps": n})
+            tests += step_tests(metric, per_step)
     agreement = pl.DataFrame(out, schema=polars_schema(Agreement))
     tests_df = pl.DataFrame(tests, schema=TEST_SCHEMA)
     return agreement, tests_df

@@ -31,7 +31,7 @@ def step_trend(rate: np.ndarray, x: np.ndarray, weight: np.ndarray | None = None
                ) -> tuple[float | None, float | None, float | None]:
     """Weighted least-squares slope of per-step rates on x (each step one observation,
     weighted by its row count) and its t-test on S − 2 degrees of freedom: (slope, t, p).
-    None with fewer than 3 steps, a constant x, or a perfect fit."""
+    None with fewer than 3 steps or a constant x; t and p None on a perfect fit."""
     y, x = np.asarray(rate, dtype=float), np.asarray(x, dtype=float)
     w = np.ones_like(y) if weight is None else np.asarray(weight, dtype=float)
     ok = np.isfinite(y) & (w > 0)
@@ -45,15 +45,24 @@ def step_trend(rate: np.ndarray, x: np.ndarray, weight: np.ndarray | None = None
     resid = y - ym - slope * (x - xm)
     s2 = float(np.sum(w * resid ** 2)) / (y.size - 2)
     if s2 <= 0:
-        return None, None, None
+        return slope, None, None
     t = slope / math.sqrt(s2 / sxx)
     return slope, float(t), float(2 * st.t.sf(abs(t), y.size - 2))
 
 
-def step_tests(per_step: list[tuple[int, float | None, int]], first: list[int],
-               last: list[int]) -> list[tuple[str, float | None, float | None, int]]:
-    """Both step-level tests of one figure from (train_step, rate, rows) per step:
-    [(test, statistic, p_value, n_steps)]."""
+def quarters(train_steps: list[int]) -> tuple[list[int], list[int]]:
+    """First and last ⌈S/4⌉ distinct train steps."""
+    s = sorted(set(train_steps))
+    q = math.ceil(len(s) / 4)
+    return s[:q], s[-q:] if q else []
+
+
+def step_tests(metric: str, per_step: list[tuple[int, float | None, int]]
+               ) -> list[dict[str, object]]:
+    """Both step-level tests of one figure from (train_step, rate, rows) per step, as rows of
+    the tests tables (metric, test, statistic, p_value, n_steps); the quarters are those of
+    the steps listed."""
+    first, last = quarters([s for s, _, _ in per_step])
     rows = [(s, r, n) for s, r, n in per_step if r is not None and n > 0]
     a = np.array([r for s, r, _ in rows if s in first])
     b = np.array([r for s, r, _ in rows if s in last])
@@ -61,9 +70,10 @@ def step_tests(per_step: list[tuple[int, float | None, int]], first: list[int],
     _, tt, pt = step_trend(np.array([r for _, r, _ in rows]), np.array([s for s, _, _ in rows]),
                            np.array([n for *_, n in rows]))
     # the steps in either quarter, each once (with one step, both quarters are that step)
-    quarters = {s for s, _, _ in rows if s in first or s in last}
-    return [("welch_t_first_vs_last_quarter", t, p, len(quarters)),
-            ("wls_trend_per_step", tt, pt, len(rows))]
+    in_quarters = {s for s, _, _ in rows if s in first or s in last}
+    return [{"metric": metric, "test": test, "statistic": stat, "p_value": pv, "n_steps": n}
+            for test, stat, pv, n in (("welch_t_first_vs_last_quarter", t, p, len(in_quarters)),
+                                      ("wls_trend_per_step", tt, pt, len(rows)))]
 
 
 @dataclass
@@ -79,17 +89,11 @@ def trend(per_step: list[tuple[int, float | None, int]]) -> Trend:
     (no residual variance) has t = ±∞ and p = 0, the test's limit; a constant rate has slope
     0 and p = 1."""
     rows = [(s, r, w) for s, r, w in per_step if r is not None and w > 0]
-    if len(rows) < 3 or len({s for s, _, _ in rows}) < 2:
-        return Trend(None, None, None)
-    x = np.array([s for s, _, _ in rows], dtype=float)
-    y = np.array([r for _, r, _ in rows], dtype=float)
-    w = np.array([n for *_, n in rows], dtype=float)
-    slope, t, p = step_trend(y, x, w)
-    if slope is not None:
+    slope, t, p = step_trend(np.array([r for _, r, _ in rows], dtype=float),
+                             np.array([s for s, _, _ in rows], dtype=float),
+                             np.array([w for *_, w in rows], dtype=float))
+    if slope is None or t is not None:
         return Trend(slope, t, p)
-    wn = w / w.mean()
-    xm, ym = np.average(x, weights=wn), np.average(y, weights=wn)
-    b = float(np.sum(wn * (x - xm) * (y - ym)) / np.sum(wn * (x - xm) ** 2))
-    if b == 0:
+    if slope == 0:
         return Trend(0.0, 0.0, 1.0)
-    return Trend(b, math.copysign(math.inf, b), 0.0)
+    return Trend(slope, math.copysign(math.inf, slope), 0.0)
