@@ -1,21 +1,6 @@
-"""Inputs and outputs on object storage (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``).
-
-Every draco command reads and writes local files; remote paths are staged at the edge:
-
-- an input URI is downloaded once into a local cache keyed by the object's URI, size and
-  modification time (a changed object is a new key, an unchanged one is not downloaded
-  again), and the command reads the local copy;
-- an output URI (a file or a folder such as a run folder) gets a local staging copy — the
-  remote objects already there are downloaded first, so a run folder resumes and
-  ``--force`` means what it means locally — and the command writes there. Only when the
-  command succeeded are the new and changed files uploaded (``manifest.json`` last), so a
-  failed command leaves nothing new in the bucket; its staging copy stays, and a rerun on
-  the same machine resumes from it (the call log included).
-
-The file systems are pyarrow's (``pyarrow.fs.FileSystem.from_uri``), configured the way the
-AWS SDK is: ``AWS_ENDPOINT_URL`` (an S3-compatible server such as MinIO), ``AWS_REGION``,
-``AWS_ACCESS_KEY_ID`` / ``AWS_SECRET_ACCESS_KEY`` / ``AWS_PROFILE``. The cache lives in
-``DRACO_CACHE_DIR`` (default ``~/.cache/draco``).
+"""Inputs and outputs on object storage (``s3://``, ``gs://``, ``hdfs://``, ``abfs://``),
+staged at the edge through pyarrow's file systems (``pyarrow.fs.FileSystem.from_uri``): inputs
+into a local cache, outputs into a staging copy uploaded only on success. See docs/storage.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,9 @@
 """Judge health over training: does the training judge's pass rate climb while the outcome
-does not? Per criterion (matched across steps by normalised title, or by id) and per step,
-the pass rate beside the outcome rate of the rollouts judged, their step-level trends, and
-the rubric reward's agreement with the outcome per step.
+does not? See docs/audits.md, "draco audit judge-health".
 
-Every test takes one train step as one observation (SPEC §4): a step's verdicts share its
-rollouts, rubric and judge state. The trend is the weighted least-squares slope of the
-per-step rate on ``train_step`` with its t-test on S − 2 degrees of freedom
-(``draco_cli.audit.stats.step_trend``)."""
+Every test takes one train step as one observation (SPEC §4) because a step's verdicts are not
+independent: they share its rollouts, rubric and judge state. Trends come from
+``draco_cli.audit.stats.step_trend``."""
 
 from __future__ import annotations
 
@@ -99,13 +96,8 @@ def judge_health(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
                  spot_checks: pl.DataFrame | None = None) -> JudgeHealth:
     """Judge health from tables that carry ``train_step``: verdicts (rollout_id,
     criterion_id, verdict), rollouts (rollout_id, group_id, outcome), optional rewards
-    (rollout_id, reward) and rubrics (group_id, criterion_id, title; for ``match="title"``).
-
-    Flag (each scope, over ≥ ``min_steps`` steps): the pass rate's slope is > 0 with p <
-    ``alpha`` (Holm-adjusted over the criteria tested, for a criterion) while the outcome's
-    is not (slope ≤ 0 or p ≥ ``alpha``). ``spot_checks`` (the ``spot_checks`` tables of
-    ``draco run --spot-check``, with ``train_step``) add the agreement with the gold judge per
-    step and a ``spot_check`` trends row (``audit.spot_agreement``)."""
+    (rollout_id, reward), rubrics (group_id, criterion_id, title; for ``match="title"``) and
+    ``spot_checks`` (``draco run --spot-check``). The flag rules: docs/audits.md."""
     steps, crit = step_figures(verdicts, rollouts, rewards, rubrics, match=match,
                                spot_checks=spot_checks)
     return health_of(steps, crit, spot=spot_checks is not None and spot_checks.height > 0,

@@ -1,12 +1,6 @@
 """The training judge against the gold judge of ``draco run --spot-check N``, per train step:
-the share of spot-checked verdicts on which the two agree and Cohen's kappa, beside both
-judges' pass rates on the same rows; and the flag for agreement falling while the training
-judge's pass rate rises (the failure the rubric-reward literature reports: a training judge
-that climbs while a gold judge falls).
-
-Rows the gold judge left unanswered are left out. Agreement and kappa compare the three
-verdicts (pass, fail, na) as they are; kappa is null when chance agreement is 1 (both judges
-gave one and the same verdict throughout), where it is undefined."""
+agreement, Cohen's kappa, both pass rates, and the flag for agreement falling while the pass
+rate rises. See docs/audits.md, "Spot checks against a gold judge"."""
 
 from __future__ import annotations
 

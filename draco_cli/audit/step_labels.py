@@ -1,11 +1,7 @@
-"""Where credit lands, against labelled steps (SPEC §4, step-label audit).
+"""Where credit lands, against labelled steps (SPEC §4, ``draco audit step-labels``).
 
-Every credit source spreads the same group advantage A_i of each rollout over its steps; the
-figures compare where the push lands with the human labels h_ij ∈ {−1, 0, +1}:
-``auroc_quality`` (step quality separates +1 from −1 steps), ``bad_mass`` (the share of a
-losing rollout's negative push on −1 steps), ``good_mass`` (a winner's positive push on +1
-steps), ``worst_step_hit`` (the lowest-quality steps are −1). Intervals: percentile bootstrap
-over whole groups, seeded. Pure functions over polars frames; numpy does the arithmetic.
+Sources, figures and intervals: see docs/audits.md. Pure functions over polars frames; numpy
+does the arithmetic.
 """
 
 from __future__ import annotations

@@ -1,14 +1,6 @@
-"""How reporting commands print: results on stdout, messages on stderr.
-
-Every reporting command takes ``--format table|json|csv`` (``--json`` stays as an alias of
-``--format json``), the convention of the hf CLI and sqlite-utils:
-
-- ``table``: aligned tables for people (wide enough not to cut words when piped to a file);
-- ``json``: one JSON document, nothing else on stdout (NaN and ±inf become null);
-- ``csv``: the command's main table, header first, for spreadsheets and ``csvkit``.
-
-Warnings, progress and "wrote FILE" lines go to stderr in every format, so
-``draco eval ... > out.txt`` holds the results and only the results.
+"""How reporting commands print: results on stdout, messages on stderr, ``--format
+table|json|csv`` (see docs/decisions.md, "Output, SQL and stdin/stdout"). Tables are wide enough
+not to cut words when piped; warnings, progress and "wrote FILE" go to stderr in every format.
 """
 
 from __future__ import annotations

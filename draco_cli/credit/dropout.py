@@ -2,12 +2,8 @@
 reward and credit (after the discriminative filter), so a policy cannot lean on any one
 criterion of the training judge.
 
-Which criteria are left out depends on (seed, group_id, criterion_id) alone, through a hash,
-never on row order or on how the rollouts were split into blocks: the same seed gives the same
-dropout on any machine. Per group with K retained criteria, k = ⌊P·K + u_g⌋ of them are left
-out (u_g a seeded uniform: stochastic rounding, so the expected share is P even when P·K < 1,
-where the cap does not bind), at most K − 1: a group that had a criterion keeps at least one.
-The k left out are those with the smallest hash."""
+Counts and seeding: docs/run.md, "Rubric dropout". The k left out are those with the smallest
+hash of (seed, group_id, criterion_id)."""
 
 from __future__ import annotations
 

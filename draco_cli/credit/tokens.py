@@ -1,11 +1,7 @@
 """Per-token advantages (SPEC §2 token_advantages): spans and dense forms, exactly convertible.
 
-Values by token class: step tokens get their step's a_j; gap tokens (policy tokens in no step)
-get 0 under step credit and A_i under ``uniform`` and ``grpo_fallback``; observation tokens 0.
-
-The **spans** form is canonical: half-open [start, end) ranges of equal non-zero float32 value,
-sorted, non-overlapping, with adjacent ranges of equal value merged; every token not covered is
-0. So dense → spans → dense and spans → dense → spans are both exact.
+Values by token class and both forms: see docs/credit.md, "5. Token advantages". The spans form
+is canonical (sorted, non-overlapping, equal adjacent ranges merged), which makes round trips exact.
 """
 
 from __future__ import annotations

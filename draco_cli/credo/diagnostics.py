@@ -1,14 +1,6 @@
-"""The measurements the CREDO paper asks to report (§5, "Mechanism and cost measurements").
-
-- importance-weight tails: the weights S_t/p_t of the correction — their maximum and Kish's
-  effective sample size (Σw)²/Σw² over the replayed positions;
-- the variance split: per replayed position, the replay noise σ_t² (from the spread of the K
-  returns on each side: s²_real/K + s²_res/K, unbiased) against the squared prediction error
-  (C_t − c_t)², estimated without bias as (Δ_t − c_t)² − σ̂_t²; totals are inverse-inclusion
-  weighted, so they estimate sums over all planned positions;
-- allocator calibration: the e_t the allocator used against the realized (Δ_t − c_t)², per
-  bin of e_t (inverse-inclusion weighted means) — E[(Δ_t − c_t)²] = e_t when e is exact;
-- predictor drift between two head versions on the same features.
+"""The measurements the CREDO paper asks to report (§5): weight tails, variance split, allocator
+calibration, predictor drift. See docs/credo.md, "Diagnostics". Totals are inverse-inclusion
+weighted so they estimate sums over all planned positions, not just the replayed ones.
 
 Cost by category is ``audit.cost.cost_categories`` (the audit and the report share it).
 """

@@ -1,23 +1,9 @@
 """The exact finite-model check of CREDO's estimator (``draco replay exact-check``).
 
-The paper (§4.1) enumerates "a two-decision stochastic model with 16 original trajectories, all
-Bernoulli inclusion decisions, and all two-sided replay outcomes for M = 2" and reports the
-scalar objective gradient 0.1127514540. It does not give the model's probabilities, its policy
-parameterisation or its rewards, so that number cannot be reproduced from the description; this
-module builds a model of exactly that shape (documented in docs/credo.md) and checks the same
-things on it:
-
-    decision 1: a1 ~ Bernoulli(σ(θ))              transition: o1 ~ Bernoulli(RHO[a1])
-    decision 2: a2 ~ Bernoulli(σ(θ + W·(2·o1 − 1)))  evaluator: R ~ Bernoulli(Q[a1, o1, a2])
-
-2 × 2 × 2 × 2 = 16 trajectories (a1, o1, a2, R), one scalar parameter θ, score g_t =
-∂ log π(a_t)/∂θ = a_t − π(1 | s_t). Credit target C_t = E[R | realized state after step t] −
-V(s_t); the replay label Δ_t is the mean of M realized-side returns minus the mean of M
-resampled-side returns (binomial side means, enumerated), so E[Δ_t] = C_t. For every estimator
-the expectation over trajectories, inclusion draws and replay outcomes is compared with the
-analytic gradient ∂J/∂θ (itself checked against a central finite difference), the variance is
-exact, and the cost is the expected number of additional environment actions per original
-trajectory: position t costs M·(T − t + 1) resampled-side plus M·(T − t) realized-side actions.
+The model, its costs and why the paper's 0.1127514540 cannot be reproduced (the paper omits the
+probabilities, policy and rewards that determine it): docs/credo.md, "Checks". Here the score is
+g_t = a_t − π(1 | s_t) and the target C_t = E[R | realized state after step t] − V(s_t), so
+E[Δ_t] = C_t with Δ_t the difference of the binomial side means (enumerated).
 """
 
 from __future__ import annotations

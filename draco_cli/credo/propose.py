@@ -1,17 +1,7 @@
-"""Rubric evolution with LLM-proposed edits (SPEC §6, CREDO §3.6).
+"""Rubric evolution with LLM-proposed edits (SPEC §6, CREDO §3.6; ``draco replay propose``).
 
-One round: fit the credit head on training tasks under the current rubric, show an LLM the
-held-out positions it predicts worst (the step, what the criteria said about it, the predicted
-and the replay-measured credit) and ask for add / remove / merge edits. Each edit is applied to
-the rubric, new criteria are judged on every rollout (through the same LLM layer, cached in the
-call log and costed under the phase ``evolve``), credit and features are recomputed, and the
-edit is scored on held-out tasks by the variance-weighted objective. The best edit is accepted
-only if it lowers that objective below the current rubric's. Ordinary MSE and terminal-outcome
-discrimination (AUC of the rollout reward for the environment outcome) are reported alongside,
-as the paper compares them.
-
-The rubric is one set applied to every group (a static rubric, or any rubric whose groups share
-criteria by text): features must carry across groups, so edits do too.
+See docs/credo.md, "LLM-proposed edits". The rubric is one set applied to every group:
+features must carry across groups, so edits do too.
 """
 
 from __future__ import annotations

@@ -1,27 +1,6 @@
-"""Driving a real environment through the replay protocol (``draco replay run``).
+"""Driving a real environment through the replay protocol (``draco replay run``), resumably.
 
-draco hands the environment one request per selected position of a plan and reads the labels
-back. The environment is an external program speaking JSON lines on stdin/stdout (``--env
-CMD``, one copy per worker) or an HTTP endpoint (``--env http://…``, one POST per request):
-
-    request  {"id": "<rollout_id>#<step>", "rollout_id": str, "step": int, "replays": K,
-              "seed": int, "task_id": str | null, "plan": "<plan digest>"}
-    answer   {"id": same, "realized": [K returns], "resampled": [K returns],
-              "env_actions": int, "tokens": int,
-              "reconstruction_actions": int, "reconstruction_tokens": int}   (the last four
-              optional, default 0)          or          {"id": same, "error": "why"}
-
-The realized side restores the state after step t and runs K continuations; the resampled side
-restores the state before step t, samples a fresh action and runs K continuations (SPEC §6).
-``env_actions`` and ``tokens`` are what the replays cost (environment actions run, policy tokens
-generated); ``reconstruction_*`` what restoring the states cost (e.g. re-executing a prefix
-where no snapshot exists); all recorded per position.
-
-Resumable like the LLM stages: every finished replay is appended (and flushed to disk) to a
-log before it counts, so a run killed at any point reruns only what the log lacks; the labels
-table is written whole, atomically, once every selected position has its answer. The seed of a
-position is derived from the plan's seed and the position, so a replay that had to be redone
-draws the same random streams.
+Requests, answers, transports and resume: see docs/credo.md, "The replay protocol".
 """
 
 from __future__ import annotations

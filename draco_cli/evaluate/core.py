@@ -1,17 +1,7 @@
 """Evaluation metrics (SPEC §5): TGC, SGC, pass^k, pass@k, retention, termination modes, turns.
 
-Conventions of the papers: success = outcome within 1e-6 of 1 (tau-bench); pass^k per task =
-C(c,k)/C(n,k) (tau-bench's estimator: all k of k drawn trials succeed), pass@k = 1 −
-C(n−c,k)/C(n,k) (at least one succeeds); averaged over tasks. TGC = p^1. SGC: a scenario trial
-succeeds iff every task of the scenario succeeds in that trial; SGC at p^k uses the same
-estimator on scenario trials.
-
-Unbalanced trials (SPEC §5). By default (`missing="fail"`) every task has n = the number of
-distinct trials in the data, so a missing trial (or one whose outcome is null) counts as a
-failure: tau-bench's `display_metrics` takes `num_trials = len(set(r.trial for r in results))`
-for every task, and its leaderboard figures are computed that way. `missing="drop"` uses each
-task's own n (tasks with n < k left out of that k). Retention divides p^kmax by p^1 over the
-same tasks.
+Conventions (tau-bench's) and unbalanced trials (``missing="fail"`` / ``"drop"``): see
+docs/evaluation.md.
 """
 
 from __future__ import annotations

@@ -1,15 +1,6 @@
 """``agentprocessbench``: AgentProcessBench trajectories with human step labels
-(RUCBM/AgentProcessBench, one trajectory per line; docs/ingest.md).
-
-{"data_source", "query_index", "sample_index", "question", "messages": [OpenAI messages],
- "step_labels": {"<message index>": -1 | 0 | 1}, "final_label": -1 | 1, ...}
-
-The rollout id is the benchmark's own record id ``{data_source}:{query_index}:{sample_index}``
-(its judges' results files key their labels by it); the group is the question
-(``{data_source}:{query_index}``); the outcome is 1 where the human ``final_label`` is +1, else
-0. One step per assistant message in order; the labels, keyed in the source by the 0-based
-index of the message in ``messages``, are mapped to those step numbers by the build
-(``draco_cli.ingest.episode``) and written to ``step_labels.parquet`` with labeler ``human``.
+(RUCBM/AgentProcessBench, one trajectory per line). Ids, outcome, steps and how the labels map
+to steps (the build, ``draco_cli.ingest.episode``): see docs/ingest.md, "agentprocessbench".
 """
 
 from __future__ import annotations

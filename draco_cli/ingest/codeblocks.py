@@ -1,14 +1,5 @@
-"""The code blocks an agent's harness executed, for the ``code-block`` step unit.
-
-A fenced block opens on a line of three or more backticks with an optional info string (whose
-first word is the block's language) and closes on a line of backticks alone, at least as long;
-nothing nests, so a fence written inside a block (a heredoc that writes Markdown, a quoted
-snippet) is text of that block, never a block of its own. In a shell block a line of backticks
-inside a here-document or an open quote is text of the command, not its closing fence: the
-step is the whole command the agent wrote. Of the blocks of a message, only
-those in the harness's language ran (mini-swe-agent: ``bash``); under ``one`` a message ran its
-block only when it held exactly one (mini-swe-agent answers any other count with a format
-error and runs nothing).
+"""The code blocks an agent's harness executed, for the ``code-block`` step unit. Fences,
+heredocs and quotes, and which blocks ran: see docs/ingest.md, "Step units".
 """
 
 from __future__ import annotations

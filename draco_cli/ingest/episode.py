@@ -2,12 +2,7 @@
 
 Every log format parses its entries into an ``Episode``; this module alone decides what a step
 is (the step unit), how tokens are counted and laid out in the response sequence, and which
-episodes are malformed. See docs/ingest.md for the rules in prose.
-
-Response sequence layout: the prompt is every message before the first policy message; the
-response is the rest, in order. Policy messages are laid out with their token counts, and the
-messages between two policy messages (tool results, user turns) form one observation block.
-Positions are known only when every part of that sequence has a count.
+episodes are malformed. The rules in prose: docs/ingest.md.
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
-"""``openai-jsonl``: the generic format, one rollout per line (see docs/ingest.md).
-
-{"rollout_id"?, "task_id", "group_id"?, "train_step"?, "trial"?, "scenario_id"?,
- "difficulty"?, "instruction"?, "task_context"?, "outcome"?, "termination"?,
- "messages": [OpenAI messages]}
-
-Messages may carry ``n_tokens``: that message's tokens in the trainer's response sequence.
-An entry may carry the trainer's own ``response_mask`` (and ``response_ids``): then positions
-are taken from them, one run of 1s per policy message (docs/ingest.md).
+"""``openai-jsonl``: the generic format, one rollout per line; fields, ``n_tokens`` and
+``response_mask`` / ``response_ids``: see docs/ingest.md, "openai-jsonl".
 """
 
 from __future__ import annotations

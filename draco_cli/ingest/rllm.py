@@ -1,12 +1,5 @@
-"""``draco ingest rllm``: rLLM's saved episodes → rollouts.parquet + steps.parquet.
-
-One draco rollout per rLLM trajectory (``rollout_id`` = ``Trajectory.uid``, ``group_id`` =
-rLLM's own group key ``task_id:trajectory_name``, ``outcome`` = the trajectory reward), its
-response laid out from the steps' token ids as in ``draco_cli.trainers.rllm.layout``, so
-``token_advantages.parquet`` lands on rLLM's own tokens and ``draco export --to rllm`` cuts it
-back per step. Step texts: the ids decoded with ``--tokenizer`` (a tokenizer.json), or, without
-one, the records' own texts (``model_response``; the next step's new chat messages as the
-observation).
+"""``draco ingest rllm``: rLLM's saved episodes → rollouts.parquet + steps.parquet, one rollout
+per trajectory, laid out as ``draco_cli.trainers.rllm.layout`` does. See docs/trainers.md, "rLLM".
 """
 
 from __future__ import annotations

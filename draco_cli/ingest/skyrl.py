@@ -1,14 +1,7 @@
-"""``draco ingest skyrl FILE...``: SkyRL generator output → ``rollouts`` + ``steps`` tables.
-
-SkyRL dumps no generator output of its own in a readable form (its ``dump_data_batch`` writes a
-pickled ``TrainingInputBatch`` after advantages, without uids; pickles are not loaded here:
-they run code). The record is a ``GeneratorOutput`` as the generator returns it, written as
-JSON (``draco_cli.trainers.skyrl_export.dump_records`` writes one): ``prompt_token_ids``,
-``response_ids``, ``loss_masks`` (1 = policy token), ``rewards`` (a scalar or a token-level
-list per row), ``trajectory_ids`` (``{"instance_id", "repetition_id"}``), optionally
-``global_step``. Row id = ``TrajectoryID.to_string()``, group = its ``instance_id``; positions
-come from the response ids and loss mask (``draco_cli.inloop.rows``), so advantages computed
-from these tables land on SkyRL's own tokens.
+"""``draco ingest skyrl FILE...``: SkyRL generator output (a ``GeneratorOutput`` as JSON, as
+``draco_cli.trainers.skyrl_export.dump_records`` writes it) → ``rollouts`` + ``steps`` tables.
+See docs/trainers.md, "SkyRL". SkyRL's own ``dump_data_batch`` pickles are not loaded: they run
+code. Row id = ``TrajectoryID.to_string()``, group = its ``instance_id``.
 """
 
 from __future__ import annotations

@@ -1,10 +1,7 @@
 """``draco ingest slime DUMP.pt...``: slime's saved rollout samples → rollouts, steps, manifest.
-
-The input is what ``--save-debug-rollout-data`` (or ``--dump-details``) writes each step
-(``draco_cli.trainers.slime.records``). Positions come from the samples' own token ids and loss
-masks (``draco_cli.inloop.rows.trainer_rows``: a step is a run of loss-mask 1s), so
-``draco run``'s token advantages fit slime's response tensors exactly; the step texts are those
-ids decoded by ``--tokenizer`` (the model's tokenizer.json), which is therefore required.
+See docs/trainers.md, "slime" ("From a rollout dump"). Records:
+``draco_cli.trainers.slime.records``; rows: ``draco_cli.inloop.rows.trainer_rows``.
+``--tokenizer`` is required: the step texts are the samples' token ids decoded.
 """
 
 from __future__ import annotations

@@ -1,11 +1,6 @@
 """``tau2-bench``: one JSON object {timestamp, info, tasks[], simulations[]} (sierra-research/
-tau2-bench results). Assistant messages carry ``usage.completion_tokens``; tool-call arguments
-are objects; an assistant may call several tools at once.
-
-Token counts: each policy message's tokens are its ``completion_tokens``. The observation block
-between two policy calls is ``prompt_tokens`` of the later call minus ``prompt_tokens`` and
-``completion_tokens`` of the earlier one: the tokens the conversation grew by, chat template
-included, in the API's tokenizer.
+tau2-bench results); fields and token counts: see docs/ingest.md, "tau2-bench". Tool-call
+arguments are objects; an assistant may call several tools at once.
 """
 
 from __future__ import annotations

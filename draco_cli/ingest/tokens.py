@@ -1,8 +1,6 @@
-"""Token counters used when a log does not carry the counts itself.
-
-``--tokenizer PATH`` loads a Hugging Face ``tokenizer.json`` (the trainer's own tokenizer, so the
-counts are real); ``--tokenizer approx`` is an explicit, documented approximation. There is no
-silent default: a log without counts and no ``--tokenizer`` is an error.
+"""Token counters used when a log does not carry the counts itself: a Hugging Face
+``tokenizer.json`` or the explicit ``approx``, never a silent default. See docs/ingest.md,
+"Token counts and positions".
 """
 
 from __future__ import annotations
@@ -51,14 +49,8 @@ class ApproxCounter:
 
 
 class HFTokenizerCounter:
-    """Counts with a Hugging Face ``tokenizer.json``.
-
-    When the tokenizer is a ChatML one (it has ``<|im_start|>`` and ``<|im_end|>``), counts
-    follow the n_tokens convention of docs/ingest.md, as verl's and TRL's masks lay tokens out:
-    an assistant message is its text plus the ``<|im_end|>`` the policy generated; an
-    observation block is the newline after it, each message with its ChatML header and end,
-    and the next ``<|im_start|>assistant\\n`` header. Other tokenizers count text only.
-    """
+    """Counts with a Hugging Face ``tokenizer.json``: a ChatML one by the n_tokens convention,
+    others text only (docs/ingest.md, "Token counts and positions")."""
 
     exact = True
 

@@ -1,13 +1,9 @@
 """``draco ingest verifiers traces.jsonl``: verifiers (0.4.0) episode records → draco's tables.
-
-Each line of ``traces.jsonl`` is an ``Episode`` record (verifiers' ``write_episode``, and
-prime-rl's file monitor under ``rollouts/step_N/…/traces.jsonl``). Every trace with a sampled
-token is a rollout: id ``trace.id``; positions from its nodes' ``token_ids`` and ``mask``
-(``draco_cli.trainers.verifiers.trace_tokens``), so ``draco export --to verifiers`` lands each
-value on the trace's own sampled token; group the episode's ``group.id`` (else the task key,
-with the train step); train step ``run.work.step`` (else ``--train-step``); outcome the trace's
-reward. A step is a run of sampled tokens; its text is the message of the node that sampled it
-and its observation the messages after it.
+Records and the trace layout: see docs/trainers.md, "verifiers and prime-rl". Each trace with a
+sampled token is a rollout (id ``trace.id``); group the episode's ``group.id`` (else the task
+key, with the train step); train step ``run.work.step`` (else ``--train-step``); outcome the
+trace's reward. A step's text is the message of the node that sampled it; its observation, the
+messages after it.
 """
 
 from __future__ import annotations

@@ -1,10 +1,6 @@
 """Judging with citations (SPEC §3.2): one call per (rollout, sample) scores every criterion of
-the rollout's group; samples are aggregated per criterion.
-
-The answer schema sent lists the group's criterion ids as an enum and the rollout's step numbers
-as the only citable integers, so a server with constrained decoding cannot invent either. Answers
-are still checked (not every server constrains): unknown ids are ignored and counted, criteria
-left out are unanswered, citations outside 1..M are dropped and counted.
+the rollout's group; samples are aggregated per criterion. The answer schema and how answers
+are checked: see docs/rubrics-and-judging.md, "draco judge score".
 """
 
 from __future__ import annotations
@@ -190,13 +186,9 @@ def raw_frame(rows: list[dict[str, Any]]) -> pl.DataFrame:
 
 
 def aggregate_verdicts(raw: pl.DataFrame, how: Aggregate = "all") -> pl.DataFrame:
-    """One verdict per (rollout, criterion, judge) from k samples (SPEC §3.2).
-
-    all: fail iff some answered sample fails; else pass iff all k pass; else na iff every
-    answered sample says na; else unanswered ('samples disagree' / 'no answer').
-    majority: the most frequent answered verdict, ties fail > na > pass; none answered → null.
-    cited_steps: the union of the citations of the samples agreeing with the result.
-    """
+    """One verdict per (rollout, criterion, judge) from k samples (SPEC §3.2); the rules of
+    ``all`` and ``majority``: docs/rubrics-and-judging.md, "draco judge score". Under
+    ``majority`` a row with no answered sample is null."""
     keys = ["rollout_id", "criterion_id", "judge"]
     v = pl.col("verdict")
     counts = raw.group_by(keys, maintain_order=True).agg(

@@ -1,10 +1,5 @@
-"""Spot checks (``draco run --spot-check N``): N of a step's verdicts, sampled with a seeded RNG,
-are asked again of a second (gold) judge with the same score prompt on the same rubric, so the
-training judge's agreement with it can be followed over training. The gold answers never enter
-the reward: they go to their own call log and to ``spot_checks.parquet`` only.
-
-One gold call per sampled rollout scores all of its group's criteria (the prompt is the
-training judge's, byte for byte); only the sampled (rollout, criterion) verdicts are kept."""
+"""Spot checks (``draco run --spot-check N``): a seeded sample of a step's verdicts asked again
+of a gold judge, whose answers never enter the reward. See docs/run.md, "Spot checks"."""
 
 from __future__ import annotations
 

@@ -1,18 +1,6 @@
 """Concurrency that adapts to the server: keep in flight only as many calls as it serves in
-parallel.
-
-A hosted API batches hundreds of calls (and limits by rate, so draco adapts only for
-self-hosted servers, ``--base-url``, unless told otherwise); a llama.cpp server on a laptop serves one at a time, and
-every call sent beyond that waits in its queue, so latency rises while throughput does not, and
-queued calls hit the timeout. The limit starts low and doubles each round (one round = as many
-completions as the limit) while throughput rises with it; when a doubling does not raise
-throughput by ``GAIN`` the limit goes back to the last level that did, and stays there (a probe
-one level up every ``REPROBE`` rounds follows a server that scales up). A call that timed out halves
-the limit. Its connection is closed, so a server that aborts a request on disconnect (vLLM,
-llama.cpp's llama-server) stops computing it, and no slot is held for it (a "ghost" held another
-``--timeout`` of idle server time); llama-cpp-python's non-streaming route does not abort, and
-``draco llm check`` advises a ``--timeout`` that fits ``--max-tokens`` at the measured rate, so
-a call there times out only by queuing, not by running away.
+parallel. See docs/llm.md, "Concurrency that adapts" (a round = as many completions as the
+limit), and docs/decisions.md on closing a timed-out call's connection.
 """
 
 from __future__ import annotations

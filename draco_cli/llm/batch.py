@@ -1,12 +1,9 @@
 """Batch APIs (OpenAI Batch, Anthropic Message Batches): half price, answers within hours.
+What is sent and how a rerun resumes: see docs/llm.md, "Batch APIs".
 
-What the call log already answers is not sent. A submitted batch is recorded in the log with
-the map from its custom ids to requests before polling starts, so a rerun after a kill polls
-the same batch instead of paying for a second one. Every exchange with the batch API (upload,
-create, poll, results) is retried like a single call: a transient failure (429, 5xx, timeout,
-dropped connection) waits and tries again, a rejected request ends as one line naming the
-server's reason. Answers go through the same validation as online calls; invalid answers and
-samples a line lacks (fewer choices than asked) are re-asked online, one sample per call.
+Every exchange with the batch API (upload, create, poll, results) is retried like a single
+call (``llm.retry``). Invalid answers and samples a line lacks (fewer choices than asked) are
+re-asked online, one sample per call.
 
 Only the public faces of the client and the provider are used here: the provider's batch
 methods (``Provider.submit_batch`` and friends) and the client's ``recorded``, ``account``,

@@ -1,13 +1,9 @@
 """The call log: every LLM call draco pays for, which is also its cache and its resume point.
+See docs/llm.md, "The call log = cache = resume point".
 
-SQLite in WAL mode, written by one background thread that batches rows into transactions (a
-commit per call would cap throughput at a few hundred calls/s; one writer also avoids lock
-fights). A row is durable once its transaction commits — at most ``FLUSH_SECONDS`` after the
-call returned — and a process killed with SIGKILL loses only calls in flight and that last
-fraction of a second: WAL frames already written survive the process.
-
-For analysis, ``llm.export.export_parquet`` writes the log as Parquet, queryable with DuckDB
-or polars.
+One background thread batches rows into transactions: a commit per call would cap throughput
+at a few hundred calls/s, and one writer avoids lock fights. Parquet export:
+``llm.export.export_parquet``.
 """
 
 from __future__ import annotations
@@ -181,10 +177,8 @@ class CallLog:
         self.path = Path(path)
         self.path.parent.mkdir(parents=True, exist_ok=True)
         self._conn = _connect(self.path)
-        # Rows wait in a deque the writer drains every FLUSH_SECONDS (an append is atomic and
-        # wakes nobody: a queue woke the writer thread for every row, and each wake-up took
-        # the GIL from the event loop answering replies). ``_wake`` is set only to hurry it:
-        # a flush, a close, or FLUSH_ROWS rows waiting.
+        # Rows wait in a deque the writer drains every FLUSH_SECONDS (why not a queue:
+        # docs/decisions.md). ``_wake`` hurries it: a flush, a close, or FLUSH_ROWS rows waiting.
         self._rows: collections.deque[tuple[Any, ...]] = collections.deque()
         self._flushes: collections.deque[threading.Event] = collections.deque()
         self._wake = threading.Event()

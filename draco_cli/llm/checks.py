@@ -1,26 +1,5 @@
 """``draco llm check``: probe a model setup before paying for a run, and print the options
-that work for it, the whole line (``--max-tokens``, ``--timeout``, ``--temperature`` included).
-
-It sends a handful of small requests shaped as the judge's own (two criterion ids as an enum,
-exactly two verdicts, citations bounded by a two-step rollout), at the temperature the run will
-send (none unless ``--temperature``: the server's default then applies, and it says so):
-- every structured-output form the server might take: one it rejects, or ignores so that the
-  answer does not validate, is reported with the server's own reason; an answer of the right
-  shape that repeats one criterion id in every slot (llama.cpp's grammar keeps ids in the enum,
-  not distinct) is reported too, since each such answer is a re-ask in a run. The tightest form
-  that answers validly is advised;
-- whether it honours ``n`` (several choices in one call) at that temperature; at temperature 0
-  ``n`` is not probed (k greedy samples are one answer, and vLLM refuses ``n > 1`` under greedy
-  sampling: a run refuses ``--samples k > 1`` there up front);
-- whether its chat format keeps the system role: the same question is sent with and without a
-  long system message, and a prompt-token count that does not grow means the system message was
-  dropped (Gemma's template in llama.cpp), so ``--system-role fold`` is advised;
-- its useful parallelism: 1, 2, 4 and 8 requests at once; throughput stops rising where the
-  server queues instead of batching, and ``--concurrency`` is advised at that level;
-- its tokens/s and, where the server reports it, its context window: ``--timeout`` is advised
-  long enough for an answer of ``--max-tokens`` at that rate and concurrency (a shorter one
-  gives up a long answer the server may go on computing), and ``--max-prompt-tokens`` short
-  enough that prompt and answer fit the window.
+that work for it, the whole line. What it probes and why: see docs/llm.md, "draco llm check".
 """
 
 from __future__ import annotations
@@ -433,8 +412,8 @@ def run_check(model: str, base_url: str | None, timeout: float,
               *, max_tokens: int = 1024, temperature: float | None = None,
               seed: int | None = None, form: str | None = None,
               parallelism: bool = True) -> CheckResult:
-    """Probe ``model`` (see the module doc). Probes are diagnostics: no call log is written.
-    The options are checked as a run checks them, before any request."""
+    """Probe ``model`` (see docs/llm.md, "draco llm check"). Probes are diagnostics: no call
+    log is written. The options are checked as a run checks them, before any request."""
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.options import PromptOptions
 

@@ -1,14 +1,6 @@
 """The one client every LLM stage uses: cache, concurrency, rate limits, retries, validation,
-cost and budget, written once around a small provider.
-
-    with CallLog("run/llm_calls.sqlite") as log:
-        client = LLMClient("openai/gpt-4.1", call_log=log, concurrency=64)
-        answers = client.run(requests)          # list (per request) of list (per sample)
-
-Every answered (request, sample) is looked up in the call log first, so a rerun after a kill
-pays for nothing twice. Answers are validated against the request's pydantic model; an invalid
-one is asked again with the validation error fed back, up to ``parse_retries`` times, then
-recorded as unanswered with the reason — never guessed.
+cost and budget, written once around a small provider. Usage: docs/llm.md, "Using it from
+Python"; validation and re-asks: "Structured answers".
 """
 
 from __future__ import annotations

@@ -1,14 +1,7 @@
-"""One stage body for both the blocking CLI path and the async in-loop API.
-
-A stage that asks the LLM is written as a generator: it yields each list of requests it needs
-answered and receives the answers back, then returns its result. ``drive`` answers with the
-blocking ``client.run``; ``adrive`` with ``await client.arun``, so many groups can be in flight
-on one event loop while the stage's logic exists once.
-
-A stage may yield a ``RequestStream`` instead of a list: requests built one at a time while the
-client is already answering the first ones (a producer feeding the client, not a serial pre-pass
-over every prompt). ``LLMClient`` takes the stream as it is; any other client (a wrapper of
-one) gets it as a list.
+"""One stage body for both the blocking CLI path and the async in-loop API: a stage is a
+generator that yields request lists (or a ``RequestStream``) and receives the answers;
+``drive`` answers with ``client.run``, ``adrive`` with ``await client.arun``. See
+docs/decisions.md, "Stages written once, driven two ways" and "Streams are opt-in per client".
 """
 
 from __future__ import annotations

@@ -1,16 +1,7 @@
 """A fleet of judges: several OpenAI-compatible endpoints serving one model, used as one.
 
-Each call goes to the healthy endpoint with the fewest requests outstanding (ties to one not
-yet tried, then to the one whose answers came back fastest), so a fast replica takes more of
-the load than a slow one, also when calls come a few at a time. An endpoint
-whose call fails for a reason of its own (connection refused or dropped, timeout, HTTP 5xx or
-429) is backed off — out of rotation for 1, 2, 4 … up to 30 seconds, reset by its next success —
-and the call is sent again at once to another endpoint; only when every endpoint has failed it
-does the client's own retry with backoff take over. A request the server rejects as such (HTTP
-400) is not retried elsewhere: every replica would reject it too.
-
-Every call-log row says which endpoint served or failed it (column ``endpoint``);
-``llm.export.endpoint_totals`` sums them per endpoint.
+Routing, back-off and the ``endpoint`` column: see docs/llm.md, "A fleet of judges"; the
+tie-break, docs/decisions.md. A 400 is not retried elsewhere: every replica would reject it too.
 """
 
 from __future__ import annotations
@@ -89,7 +80,7 @@ class Endpoint:
 
 
 class EndpointPool(Provider):
-    """One provider over several endpoints (see the module docstring)."""
+    """One provider over several endpoints (see docs/llm.md, "A fleet of judges")."""
 
     def __init__(self, endpoints: list[tuple[str, Provider]]) -> None:
         if not endpoints:

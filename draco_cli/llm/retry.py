@@ -1,8 +1,6 @@
 """The retry policy of every exchange with an API (a single call, a batch upload or poll),
-written once: a ``Retryable`` failure waits (the server's Retry-After, else exponential
-backoff with jitter) and tries again, up to ``max_retries`` times (a refused connection twice:
-no server is listening); anything else propagates at once. A server's Retry-After is never
-waited longer than ``wait_cap`` (the call's own timeout): a server cannot park a client."""
+written once. Waits and limits: docs/llm.md, "Throughput"; a refused connection is retried
+only twice (no server is listening)."""
 
 from __future__ import annotations
 

@@ -1,9 +1,6 @@
 """A run folder written by ``draco run``: its typed, versioned manifest, where its tables live,
-where its inputs are, and the lock that keeps two writers apart.
-
-The manifest stores each input's absolute path, its path relative to the run folder and its
-SHA-256, so a run folder opens from any working directory, and still opens after it was moved
-together with its inputs (they are then found relative to it).
+where its inputs are (found even after the folder moved with them), and the lock that keeps two
+writers apart. See docs/run.md, "The run folder and its manifest".
 """
 
 from __future__ import annotations

@@ -1,12 +1,5 @@
 """``draco run``: one training step, rubric → judge → filter → credit, into one run folder.
-
-Each stage's key hashes its options and the contents of what it reads: the input tables, the
-static rubric's criteria, the previous stage's output tables. A rerun skips a finished stage
-whose key is unchanged and whose outputs exist, redoes it (and so everything after it) when
-anything it reads changed, and resumes an unfinished LLM stage from the call log: answered
-calls come free, unanswered ones are asked again. The manifest is rewritten as each stage
-starts and ends, so a killed run leaves a manifest saying what finished. The run folder is
-locked while a run writes it, so two runs into one folder never pay a call twice.
+Stage keys, resume and the folder lock: see docs/run.md, "The run folder and its manifest".
 """
 
 from __future__ import annotations

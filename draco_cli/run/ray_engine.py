@@ -1,17 +1,7 @@
-"""``draco run --engine ray``: the LLM stages (rubric, judge) on a Ray cluster's workers.
-
-The rollouts are read as a Ray dataset and grouped by a partition key derived from each
-``group_id`` (a stable hash, so a rerun puts every group in the same partition as before). Each
-partition runs the same library stage as the local engine (``stages.rubric_generate`` /
-``stages.judge_score``) on its groups, with its own call log and outputs under
-``RUN/ray/part-K/`` — so a partition whose worker died resumes from its own log when Ray retries
-it or when the run is rerun, and nothing is paid twice. The driver then writes the union of the
-partitions' tables into the run folder (whole or not at all, as the local engine's), and merges
-the partitions' new call-log rows into the run's call log. Credit runs on the driver: it is
-per-group arithmetic, seconds for millions of rows.
-
-Ray is an optional extra (``pip install 'draco-cli[ray]'``). The run folder must be on storage
-the workers see (one machine, or a shared file system).
+"""``draco run --engine ray``: the LLM stages (rubric, judge) on a Ray cluster's workers, one
+partition of groups per map task, each with its own call log under ``RUN/ray/part-K/``. See
+docs/run.md, "--engine ray". Credit runs on the driver: it is per-group arithmetic, seconds for
+millions of rows.
 """
 
 from __future__ import annotations
@@ -92,8 +82,7 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work:
                    rubrics: Path | None = None) -> list[tuple[int, StageReport]]:
     """Run ``work(part_rollouts_path, part_steps_path, part_dir, part_log, rubrics)`` for
     each partition on the cluster; return the partitions' reports in partition order.
-    ``partitions`` None: as many as the cluster has CPUs (each partition runs its phases one
-    after another, so more partitions than CPUs only queue; fewer leave CPUs idle)."""
+    ``partitions`` None: as many as the cluster has CPUs (why: docs/run.md, "Partitions")."""
     ray = _ray()
     connect(address)
     partitions = partitions or cluster_cpus()
@@ -122,10 +111,8 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work:
                       d / "llm_calls.sqlite", rubrics)
         return pa.table({"part": [part], "report": [pickle.dumps(report)]})
 
-    # The dataset's blocks are the partitions, split on the driver (their key is already
-    # here), and each block is one map task: a Ray Data groupby would shuffle to the same
-    # place, and its hash shuffle starts aggregator actors per job (2.5 s per stage measured,
-    # where the blocks' map starts in 0.1 s).
+    # The dataset's blocks are the partitions, split on the driver, each one map task (not
+    # a Ray Data groupby: docs/run.md, "Partitions").
     blocks = [table.filter(pa.compute.equal(table.column(PART), pa.scalar(part, pa.int32())))
               for part in present]
     rows_of = {part: b.num_rows for part, b in zip(present, blocks)}
@@ -170,8 +157,7 @@ def cluster_cpus() -> int:
 
 def share_limits(work: StageWork, slots: int) -> StageWork:
     """``work`` with its LLM settings' limits shared among the ``slots`` partitions that run
-    at once: --concurrency, --rpm and --tpm bound the whole run, as with the local engine, and
-    --max-cost is split among them so the partitions together never spend more."""
+    at once (docs/run.md, "Limits are the run's, not each partition's")."""
     from dataclasses import replace
     from functools import partial
 
@@ -187,11 +173,9 @@ def share_limits(work: StageWork, slots: int) -> StageWork:
 
 
 def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> None:
-    """Copy into each partition's call log the answered calls of the run's log that belong to
-    the partition's rollouts and groups (the call log's ``key``), so that a stage first run
-    with the local engine (or with another partition count) is answered from the cache on
-    the workers: nothing is paid twice. The copied rows are marked as merged, so they do not
-    come back into the run's log."""
+    """Copy into each partition's call log the answered calls of the run's log for the
+    partition's rollouts and groups (the call log's ``key``): docs/run.md, "Nothing is paid
+    twice". The copied rows are marked as merged, so they do not come back into the run's log."""
     from draco_cli.llm.calllog import COLUMNS, CallLog
 
     if not Path(main_log).exists():

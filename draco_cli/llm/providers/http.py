@@ -64,11 +64,10 @@ _TLS: dict[tuple[str | None, str | None], Any] = {}
 
 
 def tls_context() -> Any:
-    """The SDKs' default TLS context (httpx's: its CA bundle, or ``SSL_CERT_FILE`` /
-    ``SSL_CERT_DIR``), made once per process for each value of those two variables. Loading
-    the CA bundle takes ~30 ms: every client (every stage, every ``run``) paid it twice, for
-    the SDK's transport and for the direct session, before its first call went out. A context
-    is only read by connections, so one is shared by every client, loop and thread."""
+    """The SDKs' default TLS context (httpx's), made once per process for each value of
+    ``SSL_CERT_FILE`` / ``SSL_CERT_DIR`` (why: docs/decisions.md, "One TLS context per
+    process"). A context is only read by connections, so one is shared by every client, loop
+    and thread."""
     key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
     ctx = _TLS.get(key)
     if ctx is None:
@@ -80,13 +79,10 @@ def tls_context() -> Any:
 
 class AioHttpPost:
     """Single calls posted by draco itself on one long-lived aiohttp session per endpoint, its
-    pool sized to the concurrency. Why not the SDK: its own request path (typed options copied,
-    an httpx request built and converted to aiohttp and back) cost more CPU per call than
-    everything else draco does, and bounds the calls per second one event loop can keep in
-    flight. It sends the headers the SDK client would (taken from it once: key, organisation,
-    version headers), with the same timeouts and TLS context as the SDK's aiohttp transport (a
-    URL behind a proxy stays on the SDK path: ``env_proxy``), and maps every failure to the
-    same ``Retryable`` / ``RequestRejected`` as the SDK path."""
+    pool sized to the concurrency, with the SDK client's headers, timeouts, TLS context and
+    failure mapping. Why not the SDK, and what is kept equal: docs/decisions.md, "Single
+    `openai/` calls go out on draco's own aiohttp session". A URL behind a proxy stays on the
+    SDK path (``env_proxy``)."""
 
     def __init__(self, headers: dict[str, str], concurrency: int, timeout: float,
                  max_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
