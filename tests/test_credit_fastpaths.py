@@ -10,9 +10,9 @@ import polars as pl
 import pyarrow as pa
 import pytest
 
-from draco_cli.credit.core import citation_arrays, discriminative_filter, retained_by_key
+from draco_cli.credit.core import citation_arrays
 from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes, _misnumbered,
-                                     criterion_keys, index_steps)
+                                     index_steps)
 from draco_cli.errors import InputError
 from draco_cli.io import conform
 from draco_cli.schemas import VerdictAggregated
@@ -118,25 +118,6 @@ def random_verdicts(rng: np.random.Generator, R: int, with_nulls: bool = True):
                                           "verdict": pl.String, "cited_steps": pl.List(pl.Int32)},
                             orient="row")
     return rollouts, verdicts.with_columns(pl.lit("frontier").alias("judge"))
-
-
-@pytest.mark.parametrize("seed", range(30))
-@pytest.mark.parametrize("drop", ["all-pass", "constant"])
-def test_integer_filter_matches_the_string_window(seed, drop):
-    rng = np.random.default_rng(seed)
-    rollouts, verdicts = random_verdicts(rng, int(rng.integers(1, 25)))
-    if verdicts.height == 0:
-        return
-    rows = pl.DataFrame({"rollout_id": rollouts["rollout_id"]}).with_row_index("r").join(
-        verdicts.select("rollout_id"), on="rollout_id", maintain_order="right")["r"].to_numpy()
-    keys = criterion_keys(verdicts, rows.astype(np.int64), rollouts)
-    assert keys is not None
-    ours = retained_by_key(*keys, verdicts["verdict"], drop)
-    with_groups = verdicts.with_columns(rollouts["group_id"].gather(pl.Series(rows)))
-    theirs = discriminative_filter(with_groups, drop)["retained"].to_numpy()
-    assert ours.tolist() == theirs.tolist()
-    # a key per (group, criterion): as many as the string pairs
-    assert keys[1] == with_groups.select("group_id", "criterion_id").n_unique()
 
 
 @pytest.mark.parametrize("seed", range(30))
@@ -248,25 +229,6 @@ def test_sums_by_offsets_match_a_running_sum(seed):
         running = np.concatenate([[0], np.cumsum(values, dtype=np.int64)])
         expected = running[offsets[1:]] - running[offsets[:-1]]
         assert _sum_by_offsets(values, offsets).tolist() == expected.tolist()
-
-
-@pytest.mark.parametrize("seed", range(20))
-def test_first_of_each_code_matches_a_group_by(seed):
-    """The criteria count's first verdict per (group, criterion) code: positions agree with a
-    group-by when codes come numbered by first appearance (dictionary codes), None otherwise."""
-    from draco_cli.credit.core import _first_of_each_code
-
-    rng = np.random.default_rng(seed)
-    for _ in range(20):
-        values = rng.integers(0, 6, int(rng.integers(0, 30)))
-        codes, n = _codes(pl.Series([f"k{x}" for x in values], dtype=pl.String))
-        firsts = _first_of_each_code(codes, n)
-        expected = (pl.DataFrame({"k": codes}).with_row_index("i").group_by("k")
-                    .agg(pl.col("i").first()).sort("i")["i"].to_list())
-        assert firsts is not None and firsts.tolist() == expected
-        if n > 1:  # numbered otherwise: refused
-            shuffled = rng.permutation(n)[codes]
-            assert (_first_of_each_code(shuffled, n) is None) == (shuffled[firsts].tolist() != list(range(n)))
 
 
 def reference_token_spans(R, M, n, ts, rsp, adv, rids, steps):

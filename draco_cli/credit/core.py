@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes, criterion_keys,
+from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes,
                                      index_steps, narrow_judge, rollout_chunks, sum_by_offsets,
                                      verdict_flags, verdict_rows)
 from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode
@@ -43,43 +43,6 @@ class CreditStats:
     null_rewards: int = 0
     nonzero_advantages: int = 0   # rollouts with A_i != 0: the ones the trainer learns from
     criteria_dropout: int = 0     # retained criteria left out by --rubric-dropout
-
-
-def _first_of_each_code(codes: np.ndarray, n_codes: int) -> np.ndarray | None:
-    """Position of each code's first occurrence when the codes are numbered in order of first
-    appearance (as ``dictionary_encode`` numbers them): a new code is then one more than the
-    largest before it. None when they are not so numbered (the caller groups instead)."""
-    if codes.size == 0:
-        return np.zeros(0, dtype=np.int64) if n_codes == 0 else None
-    top = np.maximum.accumulate(codes)
-    new = np.empty(codes.size, dtype=bool)
-    new[0] = True
-    np.greater(top[1:], top[:-1], out=new[1:])
-    firsts = np.flatnonzero(new)
-    if firsts.size != n_codes or codes[0] != 0 or not bool(np.all(codes[firsts] == np.arange(n_codes))):
-        return None
-    return firsts
-
-
-def retained_by_key(key: np.ndarray, n_keys: int, verdict: pl.Series | None,
-                    drop: Drop = "all-pass",
-                    flags: tuple[np.ndarray, np.ndarray, np.ndarray] | None = None) -> np.ndarray:
-    """``discriminative_filter``'s ``retained`` over integer (group, criterion) ids; ``flags``
-    are ``verdict_flags`` of ``verdict`` when the caller has them."""
-    if drop not in ("all-pass", "constant"):
-        raise UsageError(f"--drop {drop!r}: choose all-pass or constant")
-    if flags is None:
-        assert verdict is not None
-        flags = verdict_flags(verdict)
-    is_pass, is_fail, is_na = flags
-    keep = np.zeros(n_keys, dtype=bool)
-    keep[key[is_fail]] = True
-    if drop == "constant":
-        other = np.zeros(n_keys, dtype=bool)
-        other[key[is_pass | is_na]] = True
-        keep &= other
-    kept: np.ndarray = keep[key]
-    return kept
 
 
 # --- §3.3 discriminative filter -----------------------------------------------------------
@@ -377,40 +340,27 @@ def compute_credit(
     verdicts = narrow_judge(verdicts, judge, verdicts_source)
     rows = verdict_rows(verdicts, rollouts, verdicts_source) if verdicts.height \
         else np.zeros(0, dtype=np.int64)
-    crits = _codes(verdicts["criterion_id"])
     if check_verdict_keys:
-        _check_verdict_keys(verdicts, rows, verdicts_source, crits)
+        _check_verdict_keys(verdicts, rows, verdicts_source, _codes(verdicts["criterion_id"]))
     verdicts = verdicts.drop("group_id", "__r", strict=False).with_columns(
         pl.Series("__r", rows, dtype=pl.UInt32))
-    keys = criterion_keys(verdicts, rows, rollouts, crits)
     flags = verdict_flags(verdicts["verdict"])
     unfiltered = "retained" not in verdicts.columns or (
         verdicts.height > 0 and verdicts["retained"].null_count() == verdicts.height
     )
-    if unfiltered and keys is not None:
-        verdicts = verdicts.with_columns(pl.Series(
-            "retained", retained_by_key(*keys, None, drop, flags)))
-    elif unfiltered:  # a null group or criterion id: the string-keyed filter
-        verdicts = discriminative_filter(
-            verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])), drop
-        ).drop("group_id")
+    groups = rollouts["group_id"].gather(verdicts["__r"])
+    if unfiltered:
+        verdicts = discriminative_filter(verdicts.with_columns(groups), drop).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
     # the first verdict's retained flag per (group, criterion)
-    firsts = None if keys is None else _first_of_each_code(*keys)
-    if firsts is not None:
-        criteria_kept = int(np.count_nonzero(verdicts["retained"].to_numpy()[firsts]))
-        criteria = firsts.size
-    else:  # a null group or criterion id: no integer keys
-        crit = verdicts.with_columns(rollouts["group_id"].gather(verdicts["__r"])).group_by(
-            "group_id", "criterion_id").agg(pl.col("retained").first())
-        criteria_kept = int(crit["retained"].sum())
-        criteria = crit.height
-        del crit
+    crit = verdicts.select(groups, "criterion_id", "retained").group_by(
+        "group_id", "criterion_id").agg(pl.col("retained").first())
+    criteria_kept, criteria = int(crit["retained"].sum()), crit.height
+    del crit, groups
     verdicts, dropout = apply_dropout(verdicts, rollouts, rubric_dropout, dropout_seed)
     # Only the columns still needed stay referenced (the ids and judge labels are freed when
     # the caller holds no other reference); the verdicts go once citations are counted.
-    del firsts, keys, crits
     verdicts = verdicts.select(c for c in ("__r", "verdict", "cited_steps", "retained")
                                if c in verdicts.columns)
     rw = rewards_table(rollouts, verdicts, reward, flags)

@@ -96,22 +96,6 @@ def verdict_flags(verdict: pl.Series) -> tuple[np.ndarray, np.ndarray, np.ndarra
         (verdict == x).fill_null(False).to_numpy() for x in VERDICT_FLAGS))
 
 
-def criterion_keys(verdicts: pl.DataFrame, rows: np.ndarray, rollouts: pl.DataFrame,
-                   crits: tuple[np.ndarray, int] | None = None) -> tuple[np.ndarray, int] | None:
-    """A dense integer id per verdict of its (group, criterion) and the number of ids, or None
-    when a group or criterion id is null. ``rows`` are the verdicts' rollout rows, ``crits``
-    the criterion codes when the caller has them: every string is hashed once, and the filter
-    and the criteria count work on integers."""
-    groups = _codes(rollouts["group_id"])
-    crits = crits if crits is not None else _codes(verdicts["criterion_id"])
-    if groups is None or crits is None:
-        return None
-    (g, _), (c, n_c) = groups, crits
-    pair = pa.array(g[rows] * max(n_c, 1) + c)
-    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(pair))
-    return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
-
-
 def _check_verdict_keys(verdicts: pl.DataFrame, rows: np.ndarray | None, source: str,
                         crits: tuple[np.ndarray, int] | None = None) -> None:
     """Verdict keys (rollout_id, criterion_id, judge) are unique. With ``rows`` (the verdicts'
