@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -194,26 +194,39 @@ def billed_vs_naive(calls: pl.DataFrame, prices: PriceTable | None = None) -> pl
          / 1e6).alias("_naive"),
         pl.col("_p_in").is_null().alias("_unpriced"))
 
+    c = c.with_columns(pl.lit(1, pl.Int64).alias("naive_calls"),
+                       pl.col("_prompt").alias("naive_input_tokens"))
+    return _naive_table(c, pl.col("batch_id").is_not_null(),
+                        lambda frame, phase, route: frame["_call"].n_unique())
+
+
+def _naive_table(t: pl.DataFrame, batched: pl.Expr,
+                 calls_of: Callable[[pl.DataFrame, str, str], int]) -> pl.DataFrame:
+    """The billed-vs-naive rows of ``t`` (rows or sums of rows: ``naive_calls`` each, token
+    sums, ``cost_usd``, ``_naive``, ``_unpriced``) per phase and route; ``calls_of`` counts a
+    part's distinct replies."""
+    tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
+
     def agg(frame: pl.DataFrame, phase: str, route: str) -> dict[str, Any]:
         priced = frame.filter(~pl.col("_unpriced"))
-        billed = float(priced["cost_usd"].fill_null(0.0).sum()) if priced.height else None
+        billed = float(priced["cost_usd"].sum()) if priced.height else None
         naive = float(priced["_naive"].sum()) if priced.height else None
-        return {"phase": phase, "route": route, "calls": frame["_call"].n_unique(),
-                "naive_calls": frame.height,
-                **{t: int(frame[t].sum()) for t in tok},
-                "naive_input_tokens": int(frame["_prompt"].sum()),
-                "batch_share": _number(frame["batch_id"].is_not_null().mean())
-                if frame.height else None,
+        rows = int(frame["naive_calls"].sum())
+        batched_rows = int(frame.filter(batched)["naive_calls"].sum())
+        return {"phase": phase, "route": route, "calls": calls_of(frame, phase, route),
+                "naive_calls": rows, **{c: int(frame[c].sum()) for c in tok},
+                "naive_input_tokens": int(frame["naive_input_tokens"].sum()),
+                "batch_share": batched_rows / rows if rows else None,
                 "billed_usd": billed, "naive_usd": naive,
                 "billed_over_naive": billed / naive if billed is not None and naive else None,
-                "unpriced_rows": int(frame["_unpriced"].sum())}
+                "unpriced_rows": int(frame.filter(pl.col("_unpriced"))["naive_calls"].sum())}
 
     rows = []
-    for ph in [*sorted(c["phase"].drop_nulls().unique().to_list()), *(["all"] if c.height else [])]:
-        frame = c if ph == "all" else c.filter(pl.col("phase") == ph)
-        for route, part in _routes(frame, pl.col("batch_id").is_not_null()):
+    for ph in [*sorted(t["phase"].drop_nulls().unique().to_list()), *(["all"] if t.height else [])]:
+        frame = t if ph == "all" else t.filter(pl.col("phase") == ph)
+        for route, part in _routes(frame, batched):
             rows.append(agg(part, ph, route))
-    return pl.DataFrame(rows, schema=schema)
+    return pl.DataFrame(rows, schema=polars_schema(CostNaive))
 
 
 
@@ -292,28 +305,8 @@ def billed_vs_naive_logs(logs: Sequence[str | os.PathLike[str]],
         ((pl.col("naive_input_tokens") * pl.col("_p_in")
           + pl.col("output_tokens") * pl.col("_p_out")) / 1e6).alias("_naive"),
         pl.col("_p_in").is_null().alias("_unpriced"))
-    tok = ["input_tokens", "cached_tokens", "cache_write_tokens", "output_tokens"]
-
-    def agg(frame: pl.DataFrame, phase: str, key: str, route: str) -> dict[str, Any]:
-        priced = frame.filter(~pl.col("_unpriced"))
-        billed = float(priced["cost_usd"].sum()) if priced.height else None
-        naive = float(priced["_naive"].sum()) if priced.height else None
-        rows = int(frame["naive_calls"].sum())
-        batched = int(frame.filter(pl.col("batched") > 0)["naive_calls"].sum())
-        return {"phase": phase, "route": route, "calls": calls.get((key, route), 0),
-                "naive_calls": rows, **{c: int(frame[c].sum()) for c in tok},
-                "naive_input_tokens": int(frame["naive_input_tokens"].sum()),
-                "batch_share": batched / rows if rows else None,
-                "billed_usd": billed, "naive_usd": naive,
-                "billed_over_naive": billed / naive if billed is not None and naive else None,
-                "unpriced_rows": int(frame.filter(pl.col("_unpriced"))["naive_calls"].sum())}
-
-    rows = []
-    for ph in [*sorted(t["phase"].drop_nulls().unique().to_list()), *(["all"] if t.height else [])]:
-        frame = t if ph == "all" else t.filter(pl.col("phase") == ph)
-        for route, part in _routes(frame, pl.col("batched") > 0):
-            rows.append(agg(part, ph, "" if ph == "all" else ph, route))
-    return pl.DataFrame(rows, schema=billed_vs_naive(pl.DataFrame(), prices).schema)
+    return _naive_table(t, pl.col("batched") > 0, lambda frame, phase, route: calls.get(
+        ("" if phase == "all" else phase, route), 0))
 
 
 # --- cost by category -----------------------------------------------------------------------
