@@ -38,21 +38,8 @@ def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -
     """Add group_id (and ``__r``, the rollout's row in ``rollouts``) to verdicts; a verdict for
     a rollout not in ``rollouts`` is an error."""
     verdicts = verdicts.drop("group_id", "__r", strict=False)
-    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
-    if run is not None:  # verdicts grouped by rollout, in the rollouts' order: no string join
-        r = pl.Series("__r", run, dtype=pl.UInt32)
-        return verdicts.with_columns(r, rollouts["group_id"].gather(r).alias("group_id"))
-    joined = verdicts.drop("group_id", "__r", strict=False).with_row_index("__row").join(
-        rollouts.select("rollout_id", "group_id").with_row_index("__r"), on="rollout_id",
-        how="left",
-    )
-    missing = joined.filter(pl.col("group_id").is_null())
-    if missing.height:
-        row = int(cast(int, missing["__row"].min()))  # a non-empty UInt32 column
-        rid = joined.filter(pl.col("__row") == row)["rollout_id"][0]
-        raise InputError(f"verdict for unknown rollout {rid!r}", file=source, row=row,
-                         field="rollout_id")
-    return joined.sort("__row").drop("__row")
+    r = pl.Series("__r", verdict_rows(verdicts, rollouts, source), dtype=pl.UInt32)
+    return verdicts.with_columns(r, rollouts["group_id"].gather(r).alias("group_id"))
 
 
 def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
@@ -61,7 +48,7 @@ def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) ->
     run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
     if run is not None:
         return run
-    return attach_groups(verdicts, rollouts, source)["__r"].to_numpy().astype(np.int64)
+    return _rollout_index(verdicts["rollout_id"], rollouts, source, "verdict for")
 
 
 def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
@@ -190,14 +177,15 @@ def rows_per_rollout(ids: pl.Series | pa.Array[Any] | pa.ChunkedArray[Any] | Non
     return lengths
 
 
-def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
-    """Row of each step's rollout in ``rollouts`` (int64), or an error naming an orphan step.
+def _rollout_index(rid: pl.Series, rollouts: pl.DataFrame, source: str,
+                   what: str = "step of") -> np.ndarray:
+    """Row of each of ``rid``'s rollouts in ``rollouts`` (int64), or an error naming the first
+    row whose rollout is unknown.
 
-    Logs keep a rollout's steps together, so the string join runs over the first step of each
-    run of equal rollout_id (one per rollout) instead of over every step. (``index_steps``
-    has tried the cheaper case, one run per rollout in the rollouts' order, first.)
+    Logs keep a rollout's rows together, so the string join runs over the first row of each
+    run of equal rollout_id (one per rollout) instead of over every row. (Callers have tried
+    the cheaper case, one run per rollout in the rollouts' order, first.)
     """
-    rid = steps["rollout_id"]
     if rid.len() == 0:
         return np.zeros(0, dtype=np.int64)
     head = (rid != rid.shift(1)).fill_null(True).to_numpy()
@@ -210,7 +198,7 @@ def _rollout_index(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> 
     if missing.any():
         first_run = int(np.flatnonzero(missing)[0])
         row = int(np.flatnonzero(run == first_run)[0])
-        raise InputError(f"step of unknown rollout {rid[row]!r}", file=source, row=row,
+        raise InputError(f"{what} unknown rollout {rid[row]!r}", file=source, row=row,
                          field="rollout_id")
     owner: np.ndarray = joined["__r"].to_numpy().astype(np.int64)[run]
     return owner
@@ -277,7 +265,7 @@ def index_steps(steps: pl.DataFrame, rollouts: pl.DataFrame, source: str,
         steps = steps.with_columns(cast(pl.Series, pl.from_arrow(ids)).alias("rollout_id"))
         ids = None
     if lengths is None:
-        r = _rollout_index(steps, rollouts, source)
+        r = _rollout_index(steps["rollout_id"], rollouts, source)
     if bad is not None:
         if r.size > 1 and not bool(np.all((r[1:] > r[:-1])
                                           | ((r[1:] == r[:-1]) & (step[1:] > step[:-1])))):
