@@ -20,7 +20,7 @@ from draco_cli.storage import stage
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
-    from draco_cli.options import JudgeOptions, PromptOptions, RubricOptions
+    from draco_cli.options import PromptOptions
 
 LLM_PANEL = "LLM options"
 PROMPT_PANEL = "Prompt options"
@@ -234,23 +234,21 @@ _JUDGE: dict[str, tuple[Any, Any]] = {
     "judge_label": (JudgeLabel, "judge")}
 
 
-def rubric_options(*names: str) -> Callable[[Command], Command]:
-    """The "Rubric options" ``names`` → ``rubric: RubricOptions``."""
+def _stage_options(param: str, table: dict[str, tuple[Any, Any]], cls: str
+                   ) -> Callable[..., Callable[[Command], Command]]:
+    """The group ``*names`` of ``table`` → ``param``: ``draco_cli.options.<cls>`` (the "Rubric
+    options" → ``rubric: RubricOptions``, the "Judge options" → ``judge: JudgeOptions``)."""
 
-    def build(**values: Any) -> RubricOptions:
-        from draco_cli.options import RubricOptions
+    def options(*names: str) -> Callable[[Command], Command]:
+        def build(**values: Any) -> Any:
+            import draco_cli.options
 
-        return RubricOptions.build(**values)
+            return getattr(draco_cli.options, cls).build(**values)
 
-    return _group("rubric", {n: _RUBRIC[n] for n in names}, build)
+        return _group(param, {n: table[n] for n in names}, build)
+
+    return options
 
 
-def judge_options(*names: str) -> Callable[[Command], Command]:
-    """The "Judge options" ``names`` → ``judge: JudgeOptions``."""
-
-    def build(**values: Any) -> JudgeOptions:
-        from draco_cli.options import JudgeOptions
-
-        return JudgeOptions.build(**values)
-
-    return _group("judge", {n: _JUDGE[n] for n in names}, build)
+rubric_options = _stage_options("rubric", _RUBRIC, "RubricOptions")
+judge_options = _stage_options("judge", _JUDGE, "JudgeOptions")

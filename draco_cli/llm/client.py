@@ -23,7 +23,7 @@ from draco_cli.llm.keys import scrub
 from draco_cli.llm.limits import RateLimiter
 from draco_cli.llm.pool import EndpointPool
 from draco_cli.llm.prices import PriceTable
-from draco_cli.llm.providers import Provider, make_provider, parse_model_id
+from draco_cli.llm.providers import Provider, batches_by_default, make_provider, parse_model_id
 from draco_cli.llm.retry import RetryPolicy
 from draco_cli.llm.rows import Rows
 from draco_cli.llm.types import (Answer, Choice, LLMRequest, PhaseStats, Progress, Reply,
@@ -171,12 +171,7 @@ class LLMClient:
     # validation and re-asks as online calls, through public methods -----------------------
 
     def batches_by_default(self, provider: Provider) -> bool:
-        """Whether an offline command (``--batch`` left unset) uses the batch API: only a
-        hosted API that has one (openai/, anthropic/), never a self-hosted or other server
-        named by --base-url or DRACO_BASE_URL (most OpenAI-compatible servers have no batch
-        endpoint), a fleet, or replay/."""
-        hosted = (self.base_url or os.environ.get("DRACO_BASE_URL")) is None
-        return hosted and bool(getattr(provider, "offers_batch", False))
+        return batches_by_default(self.base_url, provider)
 
     def recorded(self, req: LLMRequest) -> list[Answer | None]:
         """Per sample of ``req``: its valid answer from the call log, or None (to be asked)."""

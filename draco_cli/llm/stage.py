@@ -155,15 +155,11 @@ CHUNKS_IN_FLIGHT = 2
 def batching(settings: LLMSettings) -> bool:
     """Whether the stage goes through the provider's batch API (then it is one batch, run
     whole as before: chunks would make many batches)."""
-    import os
-
-    from draco_cli.llm.providers import REGISTRY, parse_model_id
+    from draco_cli.llm.providers import REGISTRY, batches_by_default, parse_model_id
 
     if settings.batch is not None:
         return bool(settings.batch)
-    provider = REGISTRY.get(parse_model_id(settings.model)[0])
-    hosted = (settings.base_url or os.environ.get("DRACO_BASE_URL")) is None
-    return hosted and bool(getattr(provider, "offers_batch", False))
+    return batches_by_default(settings.base_url, REGISTRY.get(parse_model_id(settings.model)[0]))
 
 
 def chunk_frames(rollouts: pl.DataFrame, steps: pl.DataFrame, chunk: pl.Series

@@ -17,7 +17,8 @@ from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, DEFAULT_MAX_REPLY_BYT
                                           STRUCTURED_FORMS, BatchState, Provider)
 
 __all__ = ["ANTHROPIC_FORMS", "OPENAI_FORMS", "PROVIDERS", "REGISTRY", "STRUCTURED_FORMS",
-           "BatchState", "Provider", "make_provider", "parse_model_id", "provider_class"]
+           "BatchState", "Provider", "batches_by_default", "make_provider", "parse_model_id",
+           "provider_class"]
 
 
 @dataclass(frozen=True)
@@ -45,6 +46,15 @@ def parse_model_id(model: str) -> tuple[str, str]:
             "(e.g. openai/gpt-4.1, anthropic/claude-sonnet-4-5, replay/runs/demo/llm_calls.sqlite,"
             " mock/any)")
     return provider, name
+
+
+def batches_by_default(base_url: object, provider: object) -> bool:
+    """Whether an offline command (``--batch`` left unset) uses the batch API: only a hosted
+    API that has one (openai/, anthropic/), never a self-hosted or other server named by
+    --base-url or DRACO_BASE_URL (most OpenAI-compatible servers have no batch endpoint), a
+    fleet, or replay/. ``provider``: a provider, or its ``REGISTRY`` entry."""
+    hosted = (base_url or os.environ.get("DRACO_BASE_URL")) is None
+    return hosted and bool(getattr(provider, "offers_batch", False))
 
 
 def provider_class(name: str) -> type[Provider]:

@@ -13,7 +13,6 @@ from typing import Any
 
 from draco_cli.llm.errors import ModelSpecError, ReplyRefused, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
-from draco_cli.llm.providers.base import DEFAULT_MAX_REPLY_BYTES
 
 
 def _in_chain(exc: BaseException, kind: type[BaseException], *words: str) -> bool:
@@ -85,7 +84,7 @@ class AioHttpPost:
     SDK path (``env_proxy``)."""
 
     def __init__(self, headers: dict[str, str], concurrency: int, timeout: float,
-                 max_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> None:
+                 max_bytes: int) -> None:
         for name, value in headers.items():
             if any(c in value for c in "\r\n\0"):   # e.g. a key pasted with its line break
                 raise ModelSpecError(f"header {name[:40]!r} holds a character HTTP does not "
@@ -175,8 +174,7 @@ def _reply(status: int, headers: Any, raw: bytes, charset: str | None, latency: 
     """A reply's JSON (and its text, logged as received) or the failure its status means."""
     if not 200 <= status < 300:
         body, message = _sdk_error(status, raw, charset)
-        raise status_failure(status, body, message, headers, label,
-                             busy=status == 429 or status >= 500)
+        raise status_failure(status, body, message, headers, label)
     try:
         text: str | None = raw.decode()
     except UnicodeDecodeError:
@@ -229,15 +227,14 @@ def body_text(body: object) -> str:
     return scrub(text[:1000]) or ""
 
 
-def status_failure(status: int, body: object, message: str, headers: Any, label: str,
-                   busy: bool) -> Exception:
-    """What an HTTP error status means to the client, whichever transport got it: ``busy``
-    (429, 5xx) and the other retry statuses are ``Retryable``; anything else is the server
-    rejecting the request itself (``RequestRejected``, its reason in the message). ``body``
-    and ``message`` are as the SDKs make them (the ``error`` object or the text; "Error code:
-    N - reason")."""
+def status_failure(status: int, body: object, message: str, headers: Any, label: str) -> Exception:
+    """What an HTTP error status means to the client, whichever transport got it: a busy
+    server (429, 5xx) and the other retry statuses are ``Retryable``; anything else is the
+    server rejecting the request itself (``RequestRejected``, its reason in the message).
+    ``body`` and ``message`` are as the SDKs make them (the ``error`` object or the text;
+    "Error code: N - reason")."""
     text = body_text(body)
-    if busy:
+    if status == 429 or status >= 500:
         return Retryable(f"HTTP {status}" + (f": {brief(body, message)}" if text else ""),
                          retry_after_of(headers), body=text, status=status)
     if status in RETRY_STATUS:

@@ -15,7 +15,6 @@ from types import ModuleType
 from typing import Any, TypeVar
 
 from draco_cli.llm.errors import ReplyRefused, Retryable
-from draco_cli.llm.providers.base import DEFAULT_MAX_REPLY_BYTES
 from draco_cli.llm.providers.http import (refused, status_failure, tls_context, too_large,
                                           transport_failure)
 
@@ -32,8 +31,7 @@ _WHOLE_FILE: contextvars.ContextVar[bool] = contextvars.ContextVar("draco_whole_
                                                                    default=False)
 
 
-def http_client(sdk: ModuleType, concurrency: int, timeout: float,
-                max_bytes: int = DEFAULT_MAX_REPLY_BYTES) -> Any:
+def http_client(sdk: ModuleType, concurrency: int, timeout: float, max_bytes: int) -> Any:
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
     concurrency (the SDK's own transport if the aiohttp extra is missing). Each reply passes
     ``bounded_reply``: no body over ``max_bytes`` (decompressed) is ever held."""
@@ -138,9 +136,6 @@ async def mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) 
     rejects ``RequestRejected`` (its reason in the message). Both SDKs name them alike."""
     try:
         return await call()
-    except (sdk.RateLimitError, sdk.InternalServerError) as exc:
-        raise status_failure(exc.status_code, _sdk_body(exc), str(exc.message),
-                             exc.response.headers, label, busy=True) from None
     except sdk.APITimeoutError as exc:
         raise transport_failure(exc) from None
     except sdk.APIConnectionError as exc:
@@ -155,7 +150,7 @@ async def mapped(sdk: ModuleType, label: str, call: Callable[[], Awaitable[T]]) 
                         kind="connection") from None
     except sdk.APIStatusError as exc:
         raise status_failure(exc.status_code, _sdk_body(exc), str(exc.message),
-                             exc.response.headers, label, busy=False) from None
+                             exc.response.headers, label) from None
 
 
 def _json_of(raw: Any) -> dict[str, Any]:
