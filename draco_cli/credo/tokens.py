@@ -35,17 +35,7 @@ def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: 
     parent, pstart, pend = _policy_pairs(ps)
     # Gap tokens = policy spans minus step ranges: cut each policy span around the steps
     # (a loop over the replayed rollouts, which CREDO keeps few).
-    rr: list[int] = []
-    ss: list[int] = []
-    ee: list[int] = []
-    vv: list[float] = []
-
-    def piece(r: int, start: int, end: int, value: float) -> None:
-        rr.append(r)
-        ss.append(start)
-        ee.append(end)
-        vv.append(value)
-
+    pieces: list[tuple[int, int, int, float]] = []   # rollout, start, end, value
     for r in np.unique(parent):
         lo, hi = sa.offsets[r], sa.offsets[r + 1]
         if np.any(sa.token_start[lo:hi] < 0):
@@ -59,13 +49,14 @@ def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: 
                 if e <= a or s >= b:
                     continue
                 if s > pos:
-                    piece(r, pos, s, gap[r])
-                piece(r, max(s, a), min(e, b), v)
+                    pieces.append((r, pos, s, gap[r]))
+                pieces.append((r, max(s, a), min(e, b), v))
                 pos = min(e, b)
             if pos < b:
-                piece(r, pos, b, gap[r])
-    if not rr:
+                pieces.append((r, pos, b, gap[r]))
+    if not pieces:
         return base
+    rr, ss, ee, vv = zip(*pieces)
     r_arr = np.array(rr, dtype=np.int64)
     order = np.lexsort((np.array(ss), r_arr))
     offsets, s_, e_, v_ = _canonical(r_arr[order], np.array(ss, dtype=np.int64)[order],

@@ -102,13 +102,7 @@ def _check_column(df: pl.DataFrame, col: Column, source: str) -> None:
             refuse(c.list.min() < item_ge,
                    lambda v: f"every element must be >= {item_ge:g}, got {v.to_list()}")
     if col.finite:
-        row = first_non_finite(df, col.name)
-        if row is not None:
-            value = df[col.name][row]
-            if is_list:
-                value = next(x for x in value.to_list() if x is not None and not math.isfinite(x))
-            raise InputError(f"must be a finite number, got {value}", file=source, row=row,
-                             field=col.name)
+        require_finite(df, [col.name], source)
 
 
 def first_non_finite(df: pl.DataFrame, name: str) -> int | None:
@@ -132,7 +126,11 @@ def require_finite(df: pl.DataFrame, names: list[str] | tuple[str, ...], source:
         if name in df.columns:
             row = first_non_finite(df, name)
             if row is not None:
-                raise InputError(f"must be a finite number, got {df[name][row]}", file=source,
+                value = df[name][row]
+                if isinstance(value, pl.Series):   # a list: its first non-finite element
+                    value = next(x for x in value.to_list()
+                                 if x is not None and not math.isfinite(x))
+                raise InputError(f"must be a finite number, got {value}", file=source,
                                  row=row, field=name)
 
 

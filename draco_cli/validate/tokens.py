@@ -22,11 +22,6 @@ class FlatSpans:
     start: np.ndarray
     end: np.ndarray
 
-    def rollout_of(self, span: np.ndarray) -> np.ndarray:
-        """The rollout (row) of each span index."""
-        found: np.ndarray = np.searchsorted(self.offsets, span, side="right") - 1
-        return found
-
 
 def _is_span_lists(t: Any) -> bool:  # a pa.DataType; list types carry value_type
     return bool(_is_list(t) and _is_list(t.value_type)
