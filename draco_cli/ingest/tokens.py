@@ -8,7 +8,7 @@ from __future__ import annotations
 from collections.abc import Callable
 import math
 from pathlib import Path
-from typing import Protocol
+from typing import Any, Protocol
 
 from draco_cli.errors import InputError
 
@@ -55,19 +55,8 @@ class HFTokenizerCounter:
     exact = True
 
     def __init__(self, path: str) -> None:
-        p = Path(path)
-        if p.is_dir():
-            p = p / "tokenizer.json"
-        if not p.exists():
-            raise InputError("no such tokenizer file (--tokenizer takes a tokenizer.json, its "
-                             "folder, or approx)", file=str(p))
-        from tokenizers import Tokenizer
-
-        try:
-            self._tok = Tokenizer.from_file(str(p))
-        except Exception as exc:  # the Rust side raises a bare Exception
-            raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
-        self.name = str(p)
+        self._tok, self.name = _load_tokenizer(path, "no such tokenizer file (--tokenizer takes "
+                                               "a tokenizer.json, its folder, or approx)")
         self._cache: dict[str, int] = {}
         vocab = self._tok.get_vocab(with_added_tokens=True)
         self.chat_template = "chatml" if all(t in vocab for t in CHATML_TOKENS) else None
@@ -127,14 +116,19 @@ def tokenizer_file_decode(path: str, *, skip_special_tokens: bool
                           ) -> tuple[Callable[[list[int]], str], str]:
     """``decode(ids) -> str`` of a Hugging Face tokenizer.json (the file, or the folder holding
     it), and the file's path; for record formats that hold token ids, not text."""
+    tok, name = _load_tokenizer(path, "no such tokenizer file (expected a tokenizer.json)")
+    return (lambda ids: str(tok.decode(ids, skip_special_tokens=skip_special_tokens))), name
+
+
+def _load_tokenizer(path: str, missing: str) -> tuple[Any, str]:
+    """A Hugging Face tokenizer.json (the file, or the folder holding it) and its path."""
     p = Path(path)
     p = p / "tokenizer.json" if p.is_dir() else p
     if not p.is_file():
-        raise InputError("no such tokenizer file (expected a tokenizer.json)", file=str(p))
+        raise InputError(missing, file=str(p))
     from tokenizers import Tokenizer
 
     try:
-        tok = Tokenizer.from_file(str(p))
+        return Tokenizer.from_file(str(p)), str(p)
     except Exception as exc:  # the Rust side raises a bare Exception
         raise InputError(f"not a Hugging Face tokenizer.json ({exc})", file=str(p)) from None
-    return (lambda ids: str(tok.decode(ids, skip_special_tokens=skip_special_tokens))), str(p)
