@@ -1,12 +1,9 @@
 """Allocator tuning for the ``draco`` command's own process (the library never calls it).
 
-glibc serves numpy's large temporaries with a fresh ``mmap`` each and returns them on free, so
-every temporary pays its page faults again (whole-column arithmetic 5-8x slower on the VMs we
-measured): ``tune_allocator`` raises glibc's mmap and trim thresholds once at start-up.
-polars' jemalloc keeps freed pages ~10 s; ``release_polars_pages`` (``draco run`` only) hands
-them back at once. Between ``draco run``'s stages the command calls ``release_freed_memory``,
-so a stage does not stack its peak on the heap the previous one freed. ``rss_probe`` is the
-command's debugging aid for those figures.
+``tune_allocator`` raises glibc's mmap and trim thresholds once at start-up (numpy's
+temporaries paid first-touch page faults again each time); ``release_polars_pages`` and
+``release_freed_memory`` serve ``draco run``'s memory; ``rss_probe`` is the debugging aid for
+those figures. Measurements: docs/decisions.md, "Credit" and the issue 19 `draco run` sections.
 """
 
 from __future__ import annotations
@@ -45,13 +42,8 @@ def tune_allocator(release_polars_pages: bool = False) -> bool:
 def release_freed_memory() -> None:
     """Hand memory freed by earlier work back to the system before a phase that allocates
     afresh: garbage collected, Arrow's pool's free memory released, glibc's heap trimmed
-    (``tune_allocator`` told glibc to keep freed blocks; a no-op without it).
-
-    Why: polars (jemalloc) and Arrow (mimalloc) cannot reuse what glibc keeps, so without this
-    a phase stacks its peak on top of the previous phase's freed heap. In ``draco run`` at 100k
-    rollouts, the judge stage re-read its inputs (71 MiB of prompt text) on top of ~65 MiB the
-    rubric stage had freed: the run's peak. ~70 ms there (mostly the collection); the pages
-    are faulted in again only as far as they are used."""
+    (a no-op without ``tune_allocator``). Why, and its cost: docs/decisions.md, "`draco run`'s
+    100k peak: freed heap handed back before the judge reads"."""
     import pyarrow as pa
 
     gc.collect()

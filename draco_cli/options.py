@@ -1,8 +1,6 @@
-"""Option objects of the library: one per concern (rubric, judge, credit, run).
-
-Each is defined once here and used by the command line (which builds it from its options) and by
-the Python API. Building one validates every field, so a bad value is refused before any table
-is read or any LLM call is made; the error names the command-line option (``--tokens``).
+"""Option objects of the library: one per concern (rubric, judge, credit, run), built by the
+command line and taken by the Python API; checked before any work (docs/run.md, "Options are
+checked before any work").
 """
 
 from __future__ import annotations

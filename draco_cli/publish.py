@@ -1,6 +1,5 @@
-"""The operations layer: one module per noun (ingest, rubric, judge, credit, audit, evaluate,
-replay, run). Each operation reads its inputs, calls the pure functions of the library and
-publishes its outputs as one set; the CLI commands and the Python API are thin layers over it."""
+"""How the operations publish their outputs: a single file or several checked tables, each
+write one output set (docs/data-contracts.md, "Output sets")."""
 
 from __future__ import annotations
 
@@ -19,9 +18,8 @@ def source_name(path: str | Path) -> str:
 
 def publish_file(df: Any, out: str | Path, model: type[Table], *, force: bool = False,
                  **kwargs: Any) -> None:
-    """One output file published as a one-member output set: written to the folder's staging
-    area under its lock and renamed into place, carrying a set id like every other output
-    (``-`` streams the table to stdout instead)."""
+    """One output file published as a one-member output set (``-`` streams the table to stdout
+    instead)."""
     if str(out) == STDIO:
         write_table(df, out, model, force=force, **kwargs)
         return
@@ -33,9 +31,8 @@ def publish_file(df: Any, out: str | Path, model: type[Table], *, force: bool = 
 
 
 def checked(df: Any, model: type[Table], where: str) -> Any:
-    """``df`` held to ``model``'s contract before it is written: a figure that could not be
-    computed becomes null (never NaN), and a value outside the contract is refused naming the
-    output, instead of being written for a reader to trip over."""
+    """``df`` held to ``model``'s contract before it is written: NaN becomes null, a value
+    outside the contract is refused naming the output (docs/data-contracts.md)."""
     import polars as pl
 
     from draco_cli.io import conform

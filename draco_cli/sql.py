@@ -1,20 +1,8 @@
-"""Every table of one or many run folders as DuckDB views, to query with SQL.
+"""Every table of one or many run folders as DuckDB views, to query with SQL (docs/sql.md).
 
-A run folder (``draco run``) holds rubrics, verdicts, rewards, step credit, token advantages
-and a call log, and names the rollouts and steps it ran on in its manifest. ``views`` opens
-them all, lazily (DuckDB reads the Parquet files as a query needs them), and unions each table
-across folders with two columns added: ``train_step`` (from the folder's manifest, else the
-table's own column) and ``run`` (the folder), so a query can follow training step by step.
-
-The call log is SQLite; it is read through Python's ``sqlite3`` (DuckDB's own SQLite reader is
-an extension it would download at first use, which an offline machine cannot do).
-
-A connection is read-only unless asked otherwise (``connect(read_only=False)``, ``draco sql
---allow-external``): DuckDB's own settings confine file access to the inputs
-(``allowed_directories``, ``allowed_paths``, then ``enable_external_access = false``), forbid
-extensions, and lock the configuration; and statements that write or attach (``COPY``,
-``EXPORT``, ``ATTACH``, ``INSTALL``/``LOAD``, prepared statements, ``EXPLAIN ANALYZE``), which
-DuckDB would still run inside those folders, are refused by their type as DuckDB parses them.
+Why the call log is read through ``sqlite3`` and why a read-only connection also refuses
+statement types: docs/decisions.md, "Output, SQL and stdin/stdout" and "Secrets and a
+read-only `draco sql`".
 """
 
 from __future__ import annotations
@@ -238,7 +226,7 @@ def connect(cat: Catalog, database: str = ":memory:",
     """A DuckDB connection with one view per table name, unioned by column name across
     inputs, with ``train_step`` and ``run`` columns. ``read_only``: queries read only the
     inputs (``cat.roots``, the tables' files; the current folder when no path was given) and
-    write nothing (see the module's docstring)."""
+    write nothing (docs/sql.md, "Read-only by default")."""
     import duckdb
 
     con = duckdb.connect(database, config={"autoinstall_known_extensions": False,

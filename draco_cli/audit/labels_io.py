@@ -1,8 +1,5 @@
-"""Reading step labels for the step-label audit: draco's ``step_labels`` table, or a judge's
-results file in AgentProcessBench's format (``eval/results``: one JSON object per line with
-``record_id`` or ``data_source``/``query_index``/``sample_index``, ``step_labels`` keyed by
-message index, ``explanations.steps``). The two are told apart by their content; every bad
-row is a one-line error naming the file, the row and the field."""
+"""Reading step labels for the step-label audit (the two formats: docs/audits.md). A results
+file's line is keyed by ``record_id`` or by ``data_source``/``query_index``/``sample_index``."""
 
 from __future__ import annotations
 

@@ -1,10 +1,5 @@
-"""Matchers for ``draco audit overlap``: similarity matrices between two sets of criteria.
-
-lexical   — Jaccard of content words (offline default);
-embedding — cosine of embeddings from an OpenAI-compatible /embeddings endpoint;
-llm       — a third model proposes the one-to-one matching (through the LLM layer, logged and
-            cached like every other call).
-"""
+"""Matchers for ``draco audit overlap``: similarity matrices between two sets of criteria
+(the three matchers: docs/audits.md)."""
 
 from __future__ import annotations
 

@@ -1,21 +1,11 @@
 """``credit compute`` block by block of whole groups, each block read from the input files as
-its turn comes and its outputs written by a background thread while the next block computes:
-memory is set by the block, not by the number of rollouts, and Parquet's encoding (which
-releases the GIL) runs on the other core (docs/credit.md §6).
-
-Everything credit computes depends on one group at most (SPEC §3.3–3.6): the discriminative
-filter keeps a criterion by its group's verdicts, rewards and step credit are per rollout, the
-group advantage standardises within the group, token spans are per rollout. So a block of
-whole groups computes exactly the rows the whole computation would, and the blocks' rows in
-order are the whole tables. Reading blocks in turn needs the inputs in the order ingest and
-the judge write them: each group's rollouts adjacent, steps and verdicts grouped by rollout
-in the rollouts' order (a rollout may have none), one judge, ``retained`` absent, or null or
-set throughout. ``plan_blocks`` checks that over the id columns, and what only the whole can
-show (unique rollout ids).
-
-Anything else is left to the whole-table computation (``credit.compute``), and so is any error
-a block raises: it raises its error naming file, row and field exactly as before (a block's
-outputs are staged, never published).
+its turn comes and written by a background thread while the next computes (docs/credit.md §6;
+why, and which inputs take blocks: docs/decisions.md, "`credit compute` by blocks of whole
+groups"). Everything credit computes depends on one group at most, so the blocks' rows in
+order are the whole tables. ``plan_blocks`` checks the inputs' order over the id columns, and
+what only the whole can show (unique rollout ids). Anything else, and any error a block
+raises, is left to the whole-table computation (``credit.compute``), which names file, row and
+field as before (a block's outputs are staged, never published).
 """
 
 from __future__ import annotations

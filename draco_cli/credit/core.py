@@ -49,10 +49,7 @@ class CreditStats:
 
 
 def discriminative_filter(verdicts: pl.DataFrame, drop: Drop = "all-pass") -> pl.DataFrame:
-    """Add ``retained``: criterion c of group g is kept iff some member of g failed it.
-
-    ``drop="constant"`` also drops criteria every answered member failed. Needs ``group_id``.
-    """
+    """Add ``retained`` by the discriminative filter (docs/credit.md §1). Needs ``group_id``."""
     if drop not in ("all-pass", "constant"):
         raise UsageError(f"--drop {drop!r}: choose all-pass or constant")
     v = pl.col("verdict")
@@ -129,12 +126,7 @@ def _reward_columns(out: pl.DataFrame, reward: RewardSource) -> pl.DataFrame:
 def group_advantage(
     rewards: pl.DataFrame, estimator: Estimator = "grpo", std: StdMode = "sample"
 ) -> pl.Series:
-    """A_i per SPEC §3.5, aligned with ``rewards`` rows.
-
-    grpo: (r − mean) / (std + ε) over the group's non-null rewards (std: sample = ddof 1,
-    as verl; population = ddof 0; none = Dr. GRPO, no division). rloo: r − mean of the others.
-    A null reward, a group with one scored member, or a group whose rewards are all equal → 0.
-    """
+    """A_i per SPEC §3.5 (docs/credit.md §3), aligned with ``rewards`` rows."""
     r = pl.col("reward")
     g = "group_id"
     count = r.count().over(g)

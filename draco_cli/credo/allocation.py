@@ -24,11 +24,8 @@ class Allocation:
 
 def allocate(score_norm: np.ndarray, error: np.ndarray, cost: np.ndarray, budget: float,
              p_min: float = 0.05, tol: float = 1e-12) -> Allocation:
-    """p_t = clip(‖g_t‖·sqrt(e_t/(λ ℓ_t)), p_min, 1) with Σ p_t ℓ_t ≤ budget.
-
-    Slack budget (every position with e_t‖g_t‖ > 0 at 1, the rest at p_min, fits): that, with
-    λ = 0 and the rest unspent. Otherwise λ by bisection so that Σ p_t ℓ_t = budget.
-    """
+    """p_t = clip(‖g_t‖·sqrt(e_t/(λ ℓ_t)), p_min, 1) with Σ p_t ℓ_t ≤ budget: λ = 0 on a slack
+    budget, else by bisection (docs/credo.md, "Allocation")."""
     g = np.asarray(score_norm, dtype=float)
     e = np.asarray(error, dtype=float)
     c = np.asarray(cost, dtype=float)
@@ -82,9 +79,7 @@ def allocate(score_norm: np.ndarray, error: np.ndarray, cost: np.ndarray, budget
 
 
 def default_cost(steps: np.ndarray, n_steps: np.ndarray, replays: int) -> np.ndarray:
-    """K·(T − t + 1) + K·(T − t) environment actions (SPEC §6): the resampled side runs a fresh
-    action and the remaining steps, the realized side restores the state after step t and runs
-    the remaining T − t."""
+    """K·(T − t + 1) + K·(T − t) environment actions (SPEC §6; docs/credo.md, "Positions")."""
     cost: np.ndarray = replays * (2.0 * (n_steps - steps) + 1.0)
     return cost
 

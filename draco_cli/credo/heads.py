@@ -1,6 +1,5 @@
-"""The heads (SPEC §6): the credit head c (inverse-inclusion-weighted ridge regression of Δ_t
-on per-step rubric features) and the error head e (non-negative weighted regression of the
-squared residual), versioned; held-out calibration and cross-fitting, both split by task."""
+"""The heads (SPEC §6; docs/credo.md, "Heads"): the credit head c and the error head e,
+versioned; held-out calibration and cross-fitting, both split by task."""
 
 from __future__ import annotations
 

@@ -1,11 +1,7 @@
 """The `draco replay` operations (CREDO, SPEC §6): each reads its inputs, calls the pure
-functions of ``draco_cli.credo`` and writes its outputs against their contracts
-(``draco_cli.schemas``, the replay block).
-
-A command that writes several tables into a folder publishes them as one output set under the
-folder's lock (``draco_cli.io.OutputSet``): they appear together or not at all and carry one
-set id that ``draco validate`` checks. A single-file output (a plan, a heads file) is written
-atomically. Nothing here prints or exits; the command layer (``draco_cli.cli.replay``) does.
+functions of ``draco_cli.credo`` and writes its outputs against their contracts and as output
+sets (docs/credo.md, "Outputs: contracts and output sets"). Nothing here prints or exits; the
+command layer (``draco_cli.cli.replay``) does.
 """
 
 from __future__ import annotations
@@ -113,12 +109,9 @@ def plan_replay(positions: PathLike, budget: float, out: PathLike, *, p_min: flo
 def run_replay(plan_path: PathLike, env: str, out: PathLike, *, workers: int = 2,
                replays: int | None = None, timeout: float = 600.0, force: bool = False,
                progress: Callable[[int, int], None] | None = None) -> RunResult:
-    """`replay run`: every selected position of the plan replayed by the environment `env`.
-
-    The folder is locked for the whole run, so a second `replay run` into it waits and then
-    resumes from the log instead of paying for the same replays. Labels and replay cost are
-    published as one set, and only when every selected position has its answer (the log keeps
-    the finished replays for the rerun); `result.labels` is None otherwise."""
+    """`replay run`: every selected position of the plan replayed by the environment `env`
+    (locking and resume: docs/credo.md, "The replay protocol"). `result.labels` is None unless
+    every selected position has its answer."""
     folder = prepare_out_dir(out)
     with folder_lock(folder):
         check_writable(folder / RUN_TABLES[0], force)
@@ -255,8 +248,8 @@ def propose_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike, st
                    progress: Callable[..., None] | None = None) -> ProposeResult:
     """`replay propose`: LLM-proposed rubric edits scored on held-out tasks → OUT/evolve,
     rubrics, verdicts (one output set); calls cached in OUT/llm_calls.sqlite. `llm` is an
-    ``LLMSettings``. The folder is locked while the calls run, so a second writer waits and
-    then answers every call from the log."""
+    ``LLMSettings``. The folder is locked while the calls run (docs/decisions.md, "CREDO as a
+    package")."""
     from draco_cli.credo.propose import evolve_round
     from draco_cli.llm import CallLog
 

@@ -1,14 +1,6 @@
-"""Reading and writing draco tables.
-
-- Parquet files, or ``-`` for a table on stdin (Parquet or Arrow IPC) or an Arrow IPC stream
-  on stdout (never onto a terminal), so commands chain in pipes.
-- Every read is checked against the table's contract (``draco_cli.schemas``) with whole-column
-  operations; the first offending row of each broken rule is named with file, row and field.
-- Every write is atomic (a temporary file in the destination folder, then ``os.replace``), and
-  refuses to replace an existing file unless ``force`` is set.
-- A command's outputs are one *output set* (``OutputSet``): written into a hidden staging
-  folder under a per-folder lock, then published by renames recorded in a journal, so a set
-  appears whole or not at all, and carries one id in every table's metadata."""
+"""Reading and writing draco tables: Parquet files, or ``-`` for a table on stdin (Parquet or
+Arrow IPC) or an Arrow IPC stream on stdout. Checks at every read, atomic writes and output
+sets: docs/data-contracts.md."""
 
 from draco_cli.io.checks import conform, require_finite
 from draco_cli.io.files import (

@@ -1,5 +1,4 @@
-"""Output sets: a command's outputs written into a hidden staging folder under a per-folder lock,
-then published by renames recorded in a journal, so a set appears whole or not at all."""
+"""Output sets: a command's outputs appear together or not at all (docs/data-contracts.md)."""
 
 from __future__ import annotations
 
@@ -58,10 +57,8 @@ class FolderBusy(DracoError):
 
 @contextlib.contextmanager
 def folder_lock(folder: str | os.PathLike[str], wait: float | None = None) -> Iterator[None]:
-    """Hold ``folder``'s write lock (an flock, released by the kernel even on kill -9).
-
-    A second writer polls for up to ``wait`` seconds (``DRACO_LOCK_WAIT``, default 30), then
-    refuses with the holder's pid."""
+    """Hold ``folder``'s write lock; a second writer polls for up to ``wait`` seconds (default
+    ``DRACO_LOCK_WAIT``), then refuses (docs/data-contracts.md, "Output sets")."""
     if wait is None:
         wait = float(os.environ.get("DRACO_LOCK_WAIT", DEFAULT_LOCK_WAIT))
     path = Path(folder) / LOCK_FILE
@@ -119,14 +116,10 @@ def recover_folder(folder: Path) -> bool:
 
 
 class OutputSet:
-    """The files one command writes into one folder, published together.
-
-    Usage: ``with OutputSet(out, ["a.parquet", "b.parquet"], force=f) as s: s.write_table(...)``.
-    On entry: the folder is created and locked, an interrupted earlier publication is
-    completed, existing outputs are refused without ``force``. Writes go to a hidden staging
-    folder. On a clean exit the files are renamed into place (a journal makes the renames
-    restartable); on an exception nothing is published and the staging folder is removed.
-    ``replaceable`` names may be written over without ``force`` (e.g. rejects.jsonl).
+    """The files one command writes into one folder, published together (docs/data-contracts.md,
+    "Output sets"): ``with OutputSet(out, ["a.parquet"], force=f) as s: s.write_table(...)``.
+    On an exception nothing is published. ``replaceable`` names may be written over without
+    ``force`` (e.g. rejects.jsonl).
     """
 
     def __init__(self, folder: str | os.PathLike[str], names: list[str], *, force: bool = False,
@@ -267,21 +260,14 @@ class TableWriter:
 
 
 class BlockWriter:
-    """Tables of an ``OutputSet`` written block by block, by one background thread, while the
-    caller computes the next block: Parquet's encoding and compression (most of a large
-    command's write time) release the GIL, so they run on another core.
-
-    ``write(name, table)`` hands a block over, waiting while ``depth`` blocks are pending (the
-    memory in flight stays bounded); small blocks are gathered into larger row groups. Each
-    file's first block sets its schema; a later block must have the same. ``close`` waits for the last block and closes the files; an error of
-    the writer is raised in the caller at its next ``write`` or at ``close`` (and then nothing
-    is published: the output set's body failed). Use it as a context manager inside the
-    ``OutputSet``; leaving it on an error stops the thread and discards what was pending.
+    """Tables of an ``OutputSet`` written block by block by one background thread while the
+    caller computes the next (why: docs/decisions.md, "`credit compute` by blocks of whole
+    groups"). ``write`` waits while ``depth`` blocks are pending; each file's first block sets
+    its schema. A writer error is raised at the next ``write`` or at ``close``. Use it as a
+    context manager inside the ``OutputSet``; leaving it on an error discards what is pending.
     """
 
-    # Small blocks are gathered into row groups of at least this many rows (or bytes): every
-    # row group starts its dictionaries and pages afresh, and 20 row groups of 50k rows cost
-    # token advantages ~30% more to encode than one of 1M (measured at 1M rollouts).
+    # Minimum row group, in rows or bytes (why: same section of docs/decisions.md).
     GROUP_ROWS = 1 << 19
     GROUP_BYTES = 64 << 20
 

@@ -1,7 +1,5 @@
-"""A stage's one "answered" figure: of the requests the stage needed (one per sample of each
-prompt, reused answers from the call log included, so a rerun shows the same figure), how many
-have an answer. The stage line, the health check (``--min-answered``), the manifest, the report
-and the in-loop metrics all say this figure, in these words."""
+"""A stage's one "answered" figure, said in these words everywhere (docs/decisions.md, "One
+answered figure per stage")."""
 
 from __future__ import annotations
 

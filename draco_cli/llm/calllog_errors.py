@@ -85,8 +85,7 @@ def _write_failed(path: Path, exc: BaseException) -> BaseException:
 
 
 def _check_file(path: Path) -> None:
-    """Refuse, naming the file and how to recover, anything that is not a whole call log:
-    draco never silently starts over on a damaged log (that would pay for every call again).
+    """Refuse anything that is not a whole call log (docs/llm.md, "The call log").
 
     Only ``stat`` here: SQLite reads the header when the caller's connection first reads (a
     file that is not SQLite is SQLITE_NOTADB; one shorter than its header's page count,

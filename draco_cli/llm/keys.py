@@ -1,9 +1,5 @@
-"""Keeping API keys out of everything draco writes: logs, tables, messages, tracebacks.
-
-Keys come only from the environment or the SDKs' own configuration; draco never takes one on
-its command line. Text that might echo one back (an SDK error quoting a header, a server's
-error body) passes through ``scrub`` before it is logged or shown.
-"""
+"""Keeping API keys out of everything draco writes (docs/llm.md, "Models"): text that might
+echo one back passes through ``scrub`` before it is logged or shown."""
 
 from __future__ import annotations
 
@@ -25,12 +21,12 @@ def scrub(text: str | None) -> str | None:
         value = os.environ.get(var)
         if value and len(value) >= 6:
             text = text.replace(value, "[redacted]")
-    # Each pattern holds one of these literals; most texts (whole request bodies) hold none,
-    # and three substring searches cost far less than three regex scans.
-    # and the default redaction of rollout text (an error quoting a rollout's secret)
+    # the default redaction of rollout text too (an error may quote a rollout's secret)
     from draco_cli.redact import redact
 
     text = redact(text)
+    # Each pattern holds one of these literals; most texts (whole request bodies) hold none,
+    # and three substring searches cost far less than three regex scans.
     low = text.lower()
     if "sk-" not in low and "bearer" not in low and "x-api-key" not in low:
         return text

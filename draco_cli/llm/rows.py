@@ -1,6 +1,5 @@
-"""The call-log rows a client writes: one per sample per HTTP call (answered, invalid or
-refused), one per sample given up on, one per failed attempt. Text that might hold a key is
-scrubbed on the way in."""
+"""The call-log rows a client writes (docs/llm.md, "The call log"); text that might hold a key
+is scrubbed on the way in."""
 
 from __future__ import annotations
 

@@ -43,10 +43,8 @@ class LLMRequest:
     sampling: Sampling = field(default_factory=Sampling)
     template_version: str = ""
     key: str = ""  # the caller's label for the log (e.g. a rollout id)
-    # What a schema cannot say (unique ids, every criterion answered): returns the reason an
-    # answer that validated against ``answer_model`` is still wrong, or None. A failing answer
-    # is re-asked with the reason fed back, never recorded as valid. Not part of the cache key:
-    # a logged answer is checked again when it is served.
+    # What a schema cannot say (docs/llm.md, "Structured answers"): the reason an answer that
+    # validated against ``answer_model`` is still wrong, or None. Not part of the cache key.
     check: Callable[[BaseModel], str | None] | None = None
     # Where the heads of the first user message that other calls share end, ascending: the
     # group's (task context and task: every call about the group) and the rollout's (its
@@ -76,9 +74,8 @@ class LLMRequest:
         return text
 
     def hash(self, sample: int, model: str | None) -> str:
-        """Cache key: model, messages, schema, sampling, template version and sample index;
-        not timeouts, concurrency or anything else that does not change the answer.
-        ``model=None`` gives the content hash used by replay (any recorded model).
+        """Cache key (what enters it: docs/llm.md, "The call log"). ``model=None`` gives the
+        content hash used by replay (any recorded model).
 
         The hashed text is ``json.dumps`` of {model, messages, schema, sampling, template,
         sample} with sorted keys, compact: keys logged by earlier versions stay valid. A call

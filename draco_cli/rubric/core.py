@@ -1,10 +1,5 @@
-"""Rubrics (SPEC §3.1): dynamic ones written by an LLM in three stages, or one static set.
-
-generate — one call per rollout: criteria specific to that episode that some member of the
-           group is likely to fail;
-union    — one call per group: criteria that distinguish the group's members;
-merge    — one call per group: deduplicate the candidates, keep the discriminative ones, cap
-           at ``max_criteria``.
+"""Rubrics (SPEC §3.1): dynamic ones written by an LLM in three stages (generate, union,
+merge: docs/rubrics-and-judging.md), or one static set.
 """
 
 from __future__ import annotations
