@@ -7,7 +7,7 @@ Each submodule imports its trainer (and torch) only when used, so ``import draco
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 
@@ -17,3 +17,13 @@ def field_of(obj: Any, name: str, default: Any = None) -> Any:
     if isinstance(obj, Mapping):
         return obj.get(name, default)
     return getattr(obj, name, default)
+
+
+def lazy_class(namespace: dict[str, Any], name: str,
+               builders: Mapping[str, Callable[[], type[Any]]]) -> type[Any]:
+    """A module ``__getattr__``: class ``name`` built by its builder on first use and kept in
+    the module's ``namespace`` (its globals); any other name an AttributeError."""
+    if name not in builders:
+        raise AttributeError(name)
+    cls = namespace[name] = builders[name]()
+    return cls

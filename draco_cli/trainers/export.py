@@ -20,7 +20,7 @@ from draco_cli.errors import InputError, UsageError
 STACKS: dict[str, str] = {
     "verifiers": "draco_cli.trainers.verifiers",
     "rllm": "draco_cli.trainers.rllm",
-    "skyrl": "draco_cli.trainers.skyrl",
+    "skyrl": "draco_cli.trainers.skyrl_export",
     "slime": "draco_cli.trainers.slime",
 }
 

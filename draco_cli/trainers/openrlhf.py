@@ -17,6 +17,7 @@ from typing import Any
 import numpy as np
 
 from draco_cli.errors import InputError, UsageError
+from draco_cli.trainers import lazy_class, openrlhf_agent
 from draco_cli.trainers.loader import (
     AlignmentError,
     TokenAdvantageTable,
@@ -156,6 +157,19 @@ def step_table(result: Any, rollouts: Sequence[Any]) -> TokenAdvantageTable:
     return TokenAdvantageTable(table, f"train step {result.train_step}")
 
 
+def _fill(e: Any, table: TokenAdvantageTable, ids: Sequence[str], train_step: Any) -> None:
+    """An experience's advantages (its ``returns`` too, their sum its ``info["return"]``),
+    placed from ``table``; no KL."""
+    import torch
+
+    adv = place(table, ids, e.action_mask.cpu().numpy(), e.sequences.cpu().numpy(),
+                train_step=train_step)
+    e.advantages = torch.as_tensor(adv, device=e.action_mask.device)
+    e.returns = e.advantages.clone()
+    e.info["return"] = e.advantages.sum(dim=-1)
+    e.kl = None
+
+
 def put_step(experiences: Sequence[Any], result: Any, rollouts: Sequence[Any]) -> None:
     """Each row's advantages (``advantages`` = ``returns``, on its action columns) and the
     step's metrics (``info["draco/…"]``, one value per row) into the experiences, matched by
@@ -172,15 +186,9 @@ def put_step(experiences: Sequence[Any], result: Any, rollouts: Sequence[Any]) -
         places = [int(i) for i in e.index] if e.index is not None else \
             list(range(start, start + B))
         start += B
-        ids = [by_place[i] for i in places]
-        adv = place(table, ids, e.action_mask.cpu().numpy(), e.sequences.cpu().numpy(),
-                    train_step=result.train_step)
-        e.advantages = torch.as_tensor(adv, device=e.action_mask.device)
-        e.returns = e.advantages.clone()
-        e.info["return"] = e.advantages.sum(dim=-1)
+        _fill(e, table, [by_place[i] for i in places], result.train_step)
         for k, v in metrics.items():
             e.info[k] = torch.full((B,), float(v), dtype=torch.float32)
-        e.kl = None
 
 
 class StepJudge:
@@ -296,8 +304,6 @@ def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
                           id_key: str = ID_KEY,
                           ids_from_index: Callable[[int], str] | None = None) -> None:
     """The file route: each experience's advantages from token_advantages.parquet file(s)."""
-    import torch
-
     rows = [experience_rollout_ids(e, id_key=id_key, ids_from_index=ids_from_index)
             for e in experiences]
     all_ids = list(itertools.chain.from_iterable(rows))
@@ -306,13 +312,7 @@ def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
         files if isinstance(files, (str, Path)) else list(files), rollout_ids=all_ids)
     for e, ids in zip(experiences, rows):
         step = e.info.get(STEP_KEY) if e.info else None
-        step = None if step is None else [int(s) for s in step.tolist()]
-        adv = place(table, ids, e.action_mask.cpu().numpy(), e.sequences.cpu().numpy(),
-                    train_step=step)
-        e.advantages = torch.as_tensor(adv, device=e.action_mask.device)
-        e.returns = e.advantages.clone()
-        e.info["return"] = e.advantages.sum(dim=-1)
-        e.kl = None
+        _fill(e, table, ids, None if step is None else [int(s) for s in step.tolist()])
 
 
 # In-step judges of this process (a maker adds its own; OpenRLHF builds generator, then maker).
@@ -451,13 +451,6 @@ def install(**settings: Any) -> type[Any]:
 
 def __getattr__(name: str) -> type[Any]:
     # Built on first use: importing this module never imports OpenRLHF, Ray or torch.
-    def executor() -> type[Any]:
-        from draco_cli.trainers import openrlhf_agent
-        return openrlhf_agent.DracoAgentExecutor
-
-    build = {"DracoExperienceMaker": _maker_class, "DracoSamplesGenerator": _generator_class,
-             "DracoAgentExecutor": executor}.get(name)
-    if build is None:
-        raise AttributeError(name)
-    cls = globals()[name] = build()
-    return cls
+    return lazy_class(globals(), name, {
+        "DracoExperienceMaker": _maker_class, "DracoSamplesGenerator": _generator_class,
+        "DracoAgentExecutor": lambda: openrlhf_agent.DracoAgentExecutor})

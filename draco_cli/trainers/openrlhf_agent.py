@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from draco_cli.errors import UsageError
+from draco_cli.trainers import lazy_class
 
 __all__ = ["ID_KEY", "AgentTokens", "DracoAgentExecutor", "agent_tokens", "new_rollout_id"]  # noqa: F822
 
@@ -105,8 +106,4 @@ def _executor_class() -> type[Any]:
 
 def __getattr__(name: str) -> type[Any]:
     # Built on first use: importing this module never imports OpenRLHF.
-    if name == "DracoAgentExecutor":
-        cls = _executor_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+    return lazy_class(globals(), name, {"DracoAgentExecutor": _executor_class})

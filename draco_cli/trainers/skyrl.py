@@ -20,9 +20,8 @@ from draco_cli.trainers.skyrl_rows import Deliveries, outcome_of, trajectory
 
 if TYPE_CHECKING:
     from draco_cli.inloop import BlockingStepScorer
-    from draco_cli.trainers.export import ExportResult
 
-__all__ = ["ESTIMATOR", "Deliveries", "DracoGenerator", "draco_estimator", "export",
+__all__ = ["ESTIMATOR", "Deliveries", "DracoGenerator", "draco_estimator",
            "register_estimator", "row_ids"]
 
 ESTIMATOR = "draco"
@@ -196,11 +195,3 @@ def register_estimator(deliveries: Deliveries, name: str = ESTIMATOR) -> str:
         AdvantageEstimatorRegistry.unregister(name)
     AdvantageEstimatorRegistry.register(name, draco_estimator(deliveries))
     return name
-
-
-def export(advantages: Path, out: Path, *, records: Path | None = None,
-           force: bool = False) -> ExportResult:
-    """``draco export --to skyrl``: see ``draco_cli.trainers.skyrl_export``."""
-    from draco_cli.trainers.skyrl_export import export_records
-
-    return export_records(advantages, out, records=records, force=force)

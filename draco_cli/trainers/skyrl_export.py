@@ -14,7 +14,7 @@ from draco_cli.errors import InputError, UsageError
 from draco_cli.trainers.export import ExportResult, advantages_file
 from draco_cli.trainers.skyrl_rows import Deliveries, read_records, trajectory
 
-__all__ = ["dump_records", "export_records", "load_export"]
+__all__ = ["dump_records", "export", "export_records", "load_export"]
 
 
 def _jsonable(output: Any) -> dict[str, Any]:
@@ -106,3 +106,7 @@ def load_export(path: str | Path) -> tuple[dict[str, Any], Any]:
                              "token", file=str(p), field="rewards")
         deliveries.add(uid, rid, np.asarray(v, dtype=np.float32))
     return rec, deliveries
+
+
+# what ``draco export --to skyrl`` calls (draco_cli.trainers.export.STACKS)
+export = export_records

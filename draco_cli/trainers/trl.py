@@ -13,6 +13,7 @@ from typing import TYPE_CHECKING, Any
 
 
 from draco_cli.errors import UsageError
+from draco_cli.trainers import lazy_class
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 from draco_cli.trainers.trl_rows import completion_rows, group_rollouts
 
@@ -143,8 +144,4 @@ def _trainer_class() -> type[Any]:
 
 def __getattr__(name: str) -> type[Any]:
     # The class is built on first use so that importing this module never imports TRL or torch.
-    if name == "DracoGRPOTrainer":
-        cls = _trainer_class()
-        globals()[name] = cls
-        return cls
-    raise AttributeError(name)
+    return lazy_class(globals(), name, {"DracoGRPOTrainer": _trainer_class})

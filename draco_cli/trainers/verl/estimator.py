@@ -201,13 +201,14 @@ def _once(wrap: Callable[[_Fn], _Fn]) -> Callable[[_Fn], _Fn]:
     return install
 
 
-def _with_rows(rows: Rows, call: Callable[[], _T]) -> _T:
-    previous = getattr(_current, "rows", None)
-    _current.rows = rows
+def _with(name: str, value: Any, call: Callable[[], _T]) -> _T:
+    """``call()`` with ``_current.<name>`` set to ``value``, then back to what it was."""
+    previous = getattr(_current, name, None)
+    setattr(_current, name, value)
     try:
         return call()
     finally:
-        _current.rows = previous
+        setattr(_current, name, previous)
 
 
 @_once
@@ -222,13 +223,13 @@ def _wrap_v1(fn: Callable[..., Any]) -> Callable[..., Any]:
             inloop = _inloop_rows(rows.ids, rows.padding, fetched.extra)
             if inloop is not None:
                 rows = inloop
-                out = _with_rows(rows, lambda: fn(data, batch_keys, adv_estimator, *args, **kw))
+                out = _with("rows", rows, lambda: fn(data, batch_keys, adv_estimator, *args, **kw))
                 fetched.metrics = _inloop_metrics(rows)
                 return out
             T = int(data.batch["response_mask"].shape[1])
             rows.response_ids = _padded(fetched.responses, T)
             rows.train_step = fetched.global_steps
-        return _with_rows(rows, lambda: fn(data, batch_keys, adv_estimator, *args, **kw))
+        return _with("rows", rows, lambda: fn(data, batch_keys, adv_estimator, *args, **kw))
 
     return compute_advantage_for_multi_trajectories
 
@@ -279,12 +280,7 @@ def _wrap_v1_trainer(fn: Callable[..., Any]) -> Callable[..., Any]:
         if self.config.algorithm.adv_estimator != ESTIMATOR:
             return fn(self, batch, metrics=metrics)
         fetched = v1_fields(batch.keys, batch.partition_id)
-        previous = getattr(_current, "v1", None)
-        _current.v1 = fetched
-        try:
-            out = fn(self, batch, metrics=metrics)
-        finally:
-            _current.v1 = previous
+        out = _with("v1", fetched, lambda: fn(self, batch, metrics=metrics))
         if fetched.metrics:
             metrics.update(fetched.metrics)   # verl's own per-step metrics, to its logger
         return out
@@ -318,7 +314,7 @@ def _wrap_legacy(fn: Callable[..., Any]) -> Callable[..., Any]:
                       if k in nt} for b in range(len(ids))]
             inloop = _inloop_rows(ids, np.zeros(len(ids), dtype=bool), extra)
             if inloop is not None:
-                out = _with_rows(inloop, lambda: fn(data, adv_estimator, *args, **kw))
+                out = _with("rows", inloop, lambda: fn(data, adv_estimator, *args, **kw))
                 out.meta_info[METRICS_KEY] = _inloop_metrics(inloop)
                 return out
         batch = data.batch  # a TensorDict: membership through its keys
@@ -326,7 +322,7 @@ def _wrap_legacy(fn: Callable[..., Any]) -> Callable[..., Any]:
         steps = data.non_tensor_batch.get(STEP_FIELD)
         rows = Rows(ids, np.array([i is None for i in ids]), responses,
                     None if steps is None else [int(x) for x in steps])
-        return _with_rows(rows, lambda: fn(data, adv_estimator, *args, **kw))
+        return _with("rows", rows, lambda: fn(data, adv_estimator, *args, **kw))
 
     return compute_advantage
 
