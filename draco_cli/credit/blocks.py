@@ -139,21 +139,6 @@ class _Reader:
             batch_size=_READ_ROWS, columns=self.columns)
         self.buffer: list[pa.RecordBatch] = []
 
-    def take(self, n: int) -> pa.Table:
-        """The next ``n`` rows."""
-        got: list[pa.RecordBatch] = []
-        while n:
-            if not self.buffer:
-                self.buffer.append(next(self.batches))
-            head = self.buffer[0]
-            got.append(head.slice(0, n))
-            n -= got[-1].num_rows
-            if head.num_rows <= got[-1].num_rows:
-                self.buffer.pop(0)
-            else:
-                self.buffer[0] = head.slice(got[-1].num_rows)
-        return pa.Table.from_batches(got, schema=self.schema)
-
     def take_rollouts(self, ids: set[str]) -> pa.Table:
         """The next rows whose rollout_id is one of ``ids`` (the block's rollouts): whole
         batches while a batch's last row is one of them, then up to the first run of another
@@ -217,7 +202,7 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
             ta_meta = {LAYOUT_KEY: plan.layout, "draco.token_form": options.tokens, **meta}
             for r0, r1 in plan.blocks():
                 ids = {str(x) for x in plan.rollout_ids.slice(r0, r1 - r0).to_pylist()}
-                rb, spans, flat = rollouts_frame(readers[0].take(r1 - r0), r_src)
+                rb, spans, flat = rollouts_frame(readers[0].take_rollouts(ids), r_src)
                 s, step_ids = steps_frame(readers[1].take_rollouts(ids), s_src)
                 sa = index_steps(s, rb, s_src, ids=step_ids)
                 del s, step_ids
