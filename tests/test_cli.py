@@ -166,14 +166,14 @@ def test_cli_reference_is_current_and_every_command_has_help_and_example():
     import typer
 
     from draco_cli.cli import app
-    from draco_cli.cli.reference import _commands, render
+    from tests.cli_reference import _commands, render
 
     missing = [f"{name}: no help" if not (cmd.help or "").strip() else f"{name}: no example"
                for name, cmd in _commands(typer.main.get_command(app))
                if "Example: draco " not in (cmd.help or "")]
     assert missing == []
     on_disk = (REPO / "docs" / "cli.md").read_text()
-    assert on_disk == render(), "docs/cli.md is stale: python -m draco_cli.cli.reference"
+    assert on_disk == render(), "docs/cli.md is stale: python -m tests.cli_reference"
 
 
 def _doc_option_uses(text: str) -> list[tuple[list[str], str]]:

@@ -131,7 +131,7 @@ def _commands():
     import typer
 
     from draco_cli.cli import app
-    from draco_cli.cli.reference import _commands as walk
+    from tests.cli_reference import _commands as walk
 
     return list(walk(typer.main.get_command(app)))
 

@@ -1,4 +1,4 @@
-"""docs/cli.md, generated from the commands themselves (``python -m draco_cli.cli.reference``).
+"""docs/cli.md, generated from the commands themselves (``python -m tests.cli_reference``).
 A test regenerates it and fails when the file is stale or a command lacks help or an example."""
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ def render() -> str:
 
     root = typer.main.get_command(app)
     out = ["# Command-line reference", "",
-           "Generated from the commands' own help by `python -m draco_cli.cli.reference`; "
+           "Generated from the commands' own help by `python -m tests.cli_reference`; "
            "`draco COMMAND --help` shows the same.", ""]
     for name, cmd in _commands(root):
         out += [f"## `{name}`", "", (cmd.help or "").strip(), ""]
@@ -52,7 +52,7 @@ def render() -> str:
 
 if __name__ == "__main__":
     if sys.argv[1:2] and sys.argv[1].startswith("-"):
-        sys.exit("usage: python -m draco_cli.cli.reference [FILE]  (default docs/cli.md)")
+        sys.exit("usage: python -m tests.cli_reference [FILE]  (default docs/cli.md)")
     target = Path(sys.argv[1]) if len(sys.argv) > 1 else Path("docs/cli.md")
     target.write_text(render())
     print(f"wrote {target}")
