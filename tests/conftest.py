@@ -1,5 +1,6 @@
 from __future__ import annotations
 
+import functools
 import inspect
 import json
 import os
@@ -53,17 +54,7 @@ def pytest_configure(config):
 
 
 def _reads_real_logs(item) -> bool:
-    funcs = [getattr(item, "function", None)]
-    info = getattr(item, "_fixtureinfo", None)  # every fixture the test uses, transitively
-    if info is not None:
-        funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
-    for func in funcs:
-        try:
-            if _REAL_DATA.search(inspect.getsource(func)):
-                return True
-        except (OSError, TypeError):  # builtins, fixtures without source
-            continue
-    return False
+    return any(_REAL_DATA.search(src) for src in _sources(item))
 
 
 # Marker `process`: a test that crosses a process boundary — a real subprocess (`draco` run as
@@ -82,16 +73,22 @@ _PROCESS_MODULES = {"test_engine_ray.py", "test_llamacpp.py", "test_vllm.py"}
 _PROCESS_TESTS: set[str] = set()  # "test_module.py::test_name" (parametrized ids included)
 
 
+@functools.cache
+def _source(func) -> str | None:
+    """A function's source, read once per worker: parametrized tests and shared fixtures ask
+    for the same functions again and again (uncached, ~2 s of every worker's collection)."""
+    try:
+        return inspect.getsource(func)
+    except (OSError, TypeError):  # builtins, fixtures without source
+        return None
+
+
 def _sources(item):
     funcs = [getattr(item, "function", None)]
     info = getattr(item, "_fixtureinfo", None)  # every fixture the test uses, transitively
     if info is not None:
         funcs += [d.func for defs in info.name2fixturedefs.values() for d in defs]
-    for func in funcs:
-        try:
-            yield inspect.getsource(func)
-        except (OSError, TypeError):  # builtins, fixtures without source
-            continue
+    return [src for src in map(_source, funcs) if src is not None]
 
 
 def _crosses_a_process(item) -> bool:
@@ -112,11 +109,8 @@ def _crosses_a_process(item) -> bool:
             return True
         for name in set(re.findall(r"\b([A-Za-z_]\w*)\(", src)) - seen:
             seen.add(name)
-            if name in helpers:
-                try:
-                    todo.append(inspect.getsource(helpers[name]))
-                except (OSError, TypeError):
-                    continue
+            if name in helpers and (src := _source(helpers[name])) is not None:
+                todo.append(src)
     return False
 
 
