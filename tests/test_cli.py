@@ -97,6 +97,10 @@ def test_ingest_refuses_a_bad_group_by_or_step_before_reading(tmp_path):
                         group_by="trial,x")
         with pytest.raises(UsageError, match=r"--train-step -1: must be ≥ 0"):
             ingest_logs(fmt, [tmp_path / "missing.json"], tmp_path / "out", train_step=-1)
+    # the keywords the Python API has always taken
+    out = tmp_path / "kw"
+    result = ingest_logs("tau-bench", [TAU], out=out, tokenizer="approx", group_by="task_id")
+    assert result.rollouts > 0 and (out / "rollouts.parquet").exists()
     res = run_draco("ingest", "tau-bench", str(TAU), "--group-by", "task_id,nope",
                     "-o", str(tmp_path / "out"))
     assert res.returncode == 2 and "--group-by 'nope'" in res.stderr.decode()

@@ -321,6 +321,23 @@ def test_verdict_for_unknown_rollout_is_an_error():
         simple([V("r0", "a", "fail"), V("ghost", "a", "pass")])
 
 
+def test_a_rollout_without_a_group_is_an_error_not_a_group_of_its_own():
+    """In-memory frames skip the contract's check: a null group_id would pool every such
+    rollout into one group's baseline."""
+    from draco_cli.credit import attach_groups
+
+    rollouts = [{"rollout_id": "r0", "group_id": "g", "task_id": "t"},
+                {"rollout_id": "r1", "group_id": None, "task_id": "t"}]
+    with pytest.raises(InputError, match=r"rollouts: row 1: field 'group_id': rollout 'r1' "
+                                         r"has no group_id"):
+        simple([V("r0", "a", "fail"), V("r1", "a", "pass")], rollouts=rollouts)
+    with pytest.raises(InputError, match="rollout 'r1' has no group_id"):
+        attach_groups(pl.DataFrame({"rollout_id": ["r1"]}),
+                      pl.DataFrame(rollouts, schema={"rollout_id": pl.String,
+                                                     "group_id": pl.String,
+                                                     "task_id": pl.String}), "verdicts")
+
+
 def test_steps_not_contiguous_is_an_error():
     steps = [{"rollout_id": "r0", "step": 1, "n_tokens": 10, "token_start": None},
              {"rollout_id": "r0", "step": 3, "n_tokens": 10, "token_start": None}]

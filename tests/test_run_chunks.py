@@ -7,7 +7,7 @@ from __future__ import annotations
 import polars as pl
 import pytest
 
-from draco_cli.io import _to_arrow
+from draco_cli.io.tables import _to_arrow
 from draco_cli.judge.core import score_rollouts
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.settings import LLMSettings

@@ -324,6 +324,10 @@ def compute_credit(
     (``credit.dropout``; the result's ``dropout`` lists them).
     """
     check_dropout(rubric_dropout)
+    if rollouts["group_id"].null_count():   # frames built in memory; a file's are checked
+        row = int(rollouts["group_id"].is_null().arg_true()[0])
+        raise InputError(f"rollout {rollouts['rollout_id'][row]!r} has no group_id",
+                         file="rollouts", row=row, field="group_id")
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
     if check_verdict_keys and verdicts.height and not bool(
             (verdicts["judge"] == verdicts["judge"][0]).all()):   # several judges

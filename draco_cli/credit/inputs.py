@@ -39,7 +39,12 @@ def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -
     a rollout not in ``rollouts`` is an error."""
     verdicts = verdicts.drop("group_id", "__r", strict=False)
     r = pl.Series("__r", verdict_rows(verdicts, rollouts, source), dtype=pl.UInt32)
-    return verdicts.with_columns(r, rollouts["group_id"].gather(r).alias("group_id"))
+    groups = rollouts["group_id"].gather(r)
+    if groups.null_count():   # a frame built in memory: the contract refuses it in a file
+        row = int(groups.is_null().arg_true()[0])
+        raise InputError(f"rollout {verdicts['rollout_id'][row]!r} has no group_id",
+                         file="rollouts", field="group_id")
+    return verdicts.with_columns(r, groups.alias("group_id"))
 
 
 def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:

@@ -74,7 +74,7 @@ def group_key(row: dict[str, Any], group_by: tuple[str, ...]) -> str:
 def ingest(
     fmt: str,
     inputs: list[str | Path],
-    out_dir: str | Path,
+    out: str | Path,
     *,
     step_unit: str = "message",
     tokenizer: str | None = None,
@@ -86,7 +86,7 @@ def ingest(
     code_language: str = DEFAULT_LANGUAGE,
     code_blocks: str = "one",
 ) -> IngestResult:
-    """Ingest ``inputs`` (files of format ``fmt``) into ``out_dir``.
+    """Ingest ``inputs`` (files of format ``fmt``) into the folder ``out``.
 
     ``group_by`` overrides the group: the rollout fields (a tuple, or comma-separated as
     ``--group-by`` spells them) whose values, joined by '/', form ``group_id``. By default an explicit group_id in the log is kept, otherwise the group is
@@ -102,7 +102,7 @@ def ingest(
         import importlib
 
         result: IngestResult = importlib.import_module(RECORD_FORMATS[fmt]).ingest(
-            [Path(p) for p in inputs], Path(out_dir), tokenizer=tokenizer,
+            [Path(p) for p in inputs], Path(out), tokenizer=tokenizer,
             train_step=train_step, force=force)
         return result
     _check_options(fmt, step_unit)
@@ -111,7 +111,7 @@ def ingest(
     for p in paths:
         if not p.is_file():
             raise InputError("no such file", file=str(p))
-    out = Path(out_dir)
+    out = Path(out)
     names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
     if labelled:
         names.insert(2, "step_labels.parquet")

@@ -124,7 +124,7 @@ def _load_tokenizer(path: str, missing: str) -> tuple[Any, str]:
     """A Hugging Face tokenizer.json (the file, or the folder holding it) and its path."""
     p = Path(path)
     p = p / "tokenizer.json" if p.is_dir() else p
-    if not p.is_file():
+    if not p.exists():
         raise InputError(missing, file=str(p))
     from tokenizers import Tokenizer
 

@@ -21,7 +21,6 @@ from draco_cli.io.outputs import (
     recover_folder,
 )
 from draco_cli.io.tables import (
-    _to_arrow,
     as_frame,
     contract_table,
     read_arrow,
@@ -38,7 +37,6 @@ __all__ = [
     "SET_MEMBERS_KEY",
     "STDIO",
     "TableWriter",
-    "_to_arrow",
     "as_frame",
     "atomic_path",
     "check_writable",
