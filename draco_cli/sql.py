@@ -63,7 +63,6 @@ def _manifest(folder: Path) -> dict[str, Any] | None:
 
 
 def read_call_log(path: Path) -> pa.Table:
-    """The call log's ``calls`` table."""
     try:
         conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
         try:

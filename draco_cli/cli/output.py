@@ -87,7 +87,6 @@ def rich_table(title: str, df: pl.DataFrame) -> RichTable:
 
 
 def emit(report: Report, fmt: str) -> None:
-    """Print ``report`` on stdout in ``fmt``."""
     if fmt == "json":
         doc = report.document
         if doc is None:

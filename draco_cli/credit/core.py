@@ -330,7 +330,7 @@ def compute_credit(
                          file="rollouts", row=row, field="group_id")
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
     if check_verdict_keys and verdicts.height and not bool(
-            (verdicts["judge"] == verdicts["judge"][0]).all()):   # several judges
+            (verdicts["judge"] == verdicts["judge"][0]).all()):
         _check_verdict_keys(verdicts, None, verdicts_source)  # before narrowing, as at read
         check_verdict_keys = False
     verdicts = narrow_judge(verdicts, judge, verdicts_source)
@@ -349,7 +349,6 @@ def compute_credit(
         verdicts = discriminative_filter(verdicts.with_columns(groups), drop).drop("group_id")
     else:
         verdicts = verdicts.with_columns(pl.col("retained").fill_null(False))
-    # the first verdict's retained flag per (group, criterion)
     crit = verdicts.select(groups, "criterion_id", "retained").group_by(
         "group_id", "criterion_id").agg(pl.col("retained").first())
     criteria_kept, criteria = int(crit["retained"].sum()), crit.height

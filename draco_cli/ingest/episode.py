@@ -403,7 +403,6 @@ def build(ep: Episode, opts: BuildOptions) -> Built:
             file=source, row=ep.where, field=ep.messages_field,
         )
 
-    # Token counts of each policy message's parts.
     msg_parts: dict[int, list[Part]] = {}
     part_tokens: dict[int, list[int]] = {}
     skipped: Counter[str] = Counter()

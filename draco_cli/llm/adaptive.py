@@ -35,7 +35,6 @@ class AdaptiveLimit:
         return self.in_flight < self.limit
 
     def _wake(self) -> None:
-        """Hand free slots to the waiters at the head of the queue."""
         while self._waiters and self._free():
             fut = self._waiters.popleft()
             if not fut.done():

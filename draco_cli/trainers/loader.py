@@ -263,7 +263,6 @@ class TokenAdvantageTable:
 
 def _mask_and_width(response_mask: np.ndarray | None, length: int | None, B: int
                     ) -> tuple[np.ndarray | None, int]:
-    """The batch's response mask (if given) and its width T."""
     if response_mask is not None:
         mask = np.asarray(response_mask)
         if mask.ndim != 2 or mask.shape[0] != B:
