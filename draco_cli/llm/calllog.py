@@ -287,14 +287,11 @@ class CallLog:
 
 class AnsweredCalls:
     """The answered calls of a log up to the moment it was opened, keyed (hash, sample) where
-    the hash is ``request_hash`` (the cache) or ``content_hash`` (replay/). Only the hashes'
-    first 64 bits are held (8 bytes a call, sorted), so a miss costs no query and a hit one
-    indexed query; the answer text stays in the log until it is asked for. A hash that occurs
-    twice answers with its last row, as the dict this replaces did."""
+    the hash is ``request_hash`` (the cache) or ``content_hash`` (replay/): one indexed query a
+    lookup; the answer text stays in the log until it is asked for. A hash that occurs twice
+    answers with its last row."""
 
     def __init__(self, path: Path, by: str) -> None:
-        import numpy as np
-
         if by not in ("request_hash", "content_hash"):
             raise ValueError(by)
         self.path, self.by = path, by
@@ -302,33 +299,20 @@ class AnsweredCalls:
         self._lock = threading.Lock()
         conn = self._conn
 
-        def read() -> tuple[int, np.ndarray]:
-            last = int(conn.execute("SELECT COALESCE(MAX(id), 0) FROM calls").fetchone()[0])
-            cur = conn.execute(f"SELECT {by} FROM calls WHERE status = 'ok' AND id <= ?",
-                               (last,))
-            return last, np.fromiter((_prefix(h) for (h,) in cur), dtype=np.uint64)
+        def read() -> int:
+            return int(conn.execute("SELECT COALESCE(MAX(id), 0) FROM calls").fetchone()[0])
 
         try:
-            self._last, prefixes = retry_read(path, read)
+            self._last = retry_read(path, read)
         except BaseException:
             self.close()
             raise
-        self._prefixes = np.unique(prefixes)
         self._sql = (f"SELECT answer_text, parsed FROM calls WHERE {by} = ? AND "
                      "sample = ? AND status = 'ok' AND id <= ? ORDER BY id DESC LIMIT 1")
 
-    def _maybe(self, h: str) -> bool:
-        if not len(self._prefixes):
-            return False   # a new log: no lookup at all (numpy's per-call cost is the miss's)
-        import numpy as np
-
-        p = np.uint64(_prefix(h))   # as uint64: a Python int would cast the whole array
-        i = int(self._prefixes.searchsorted(p))
-        return i < len(self._prefixes) and self._prefixes[i] == p
-
     def get(self, key: tuple[str, int], default: Any = None) -> Any:
         h, sample = key
-        if not isinstance(h, str) or not self._maybe(h):
+        if not isinstance(h, str) or not self._last:
             return default
         with self._lock:
             if self._conn is None:
@@ -346,16 +330,6 @@ class AnsweredCalls:
         conn = getattr(self, "_conn", None)
         if conn is not None:
             conn.close()
-
-
-def _prefix(h: str | None) -> int:
-    """A hash's first 64 bits (hex digests; anything else hashed to 64 bits)."""
-    try:
-        return int(str(h)[:16], 16)
-    except ValueError:
-        import hashlib
-
-        return int.from_bytes(hashlib.sha256(str(h).encode()).digest()[:8], "big")
 
 
 def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
