@@ -19,7 +19,7 @@ folder equal row for row; the call logs equal as sets of answered requests) and 
 fails the benchmark.
 
 ``DRACO_RSS_PROBE=1`` in the environment makes ``draco run`` print its RSS and its peak per
-stage (``draco_cli.run.pipeline``); they are printed under each run (the process's peak is then the
+stage (``RUN_WITH_PROBE`` below); they are printed under each run (the process's peak is then the
 largest of them, as the probe resets the kernel's figure at each stage boundary).
 ``--keep DIR`` keeps the tiled inputs and run folders there, to measure a stage alone after.
 """
@@ -100,9 +100,12 @@ def draco_run(src: Path, r: Path, s: Path, out: Path, latency: float) -> tuple[f
         # through _child's launcher: a child forked from this process would report our own
         # peak (the tiling's) as its floor
         status, peak, _, err = run_measured(
-            [sys.executable, "-m", "draco_cli", "run", "--rollouts", str(r), "--steps",
+            [sys.executable, "-c", RUN_WITH_PROBE, "run", "--rollouts", str(r), "--steps",
              str(s), "--model", "openai/mock", "--base-url", f"http://127.0.0.1:{port}/v1",
-             "--concurrency", "64", "-o", str(out)],
+             "--concurrency", "64", "-o", str(out),
+             # the mock server judges every rollout alike: no learning signal, which the run
+             # refuses by default; the memory is the point here
+             "--allow-no-signal"],
             stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, cwd=src, env=env)
         wall = time.perf_counter() - t
     if status:
@@ -114,6 +117,36 @@ def draco_run(src: Path, r: Path, s: Path, out: Path, latency: float) -> tuple[f
             # is then the largest of the probe's figures and wait4's (the last segment's)
             peak = max(peak, float(line.rsplit("peak since last ", 1)[1].split()[0]))
     return wall, peak
+
+
+# ``draco`` with DRACO_RSS_PROBE=1: the RSS and its peak since the last probe printed at each
+# stage's start and end, the peak then reset (Linux ``clear_refs``), so each stage's own peak
+# shows in one run. Trees from before 2026-12-07 print it themselves (``_allocator.rss_probe``).
+RUN_WITH_PROBE = """
+import os, sys
+from pathlib import Path
+import draco_cli._allocator, draco_cli.cli.run as run
+def probe(where):
+    try:
+        status = Path("/proc/self/status").read_text()
+        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines())
+              if k in ("VmRSS", "VmHWM")}
+        print(f"draco rss-probe {where}: rss {kb['VmRSS'] / 1024:.1f} MiB, peak since last "
+              f"{kb['VmHWM'] / 1024:.1f} MiB", file=sys.stderr, flush=True)
+        Path("/proc/self/clear_refs").write_text("5")
+    except (OSError, KeyError, ValueError):
+        pass
+if os.environ.get("DRACO_RSS_PROBE") == "1" and not hasattr(draco_cli._allocator, "rss_probe"):
+    on_event = run._on_event
+    def probed(e):
+        on_event(e)   # first: at a stage's start it hands freed memory back
+        if e.event in ("start", "end"):
+            probe(f"{e.stage} {e.event}")
+    run._on_event = probed
+from draco_cli.cli import main
+sys.argv[0] = "draco"
+main()
+"""
 
 
 def same_outputs(a: Path, b: Path) -> list[str]:

@@ -2,8 +2,8 @@
 
 ``tune_allocator`` raises glibc's mmap and trim thresholds once at start-up (numpy's
 temporaries paid first-touch page faults again each time); ``release_polars_pages`` and
-``release_freed_memory`` serve ``draco run``'s memory; ``rss_probe`` is the debugging aid for
-those figures. Measurements: docs/decisions.md, "Credit" and the issue 19 `draco run` sections.
+``release_freed_memory`` serve ``draco run``'s memory (``benchmarks/bench_run_memory.py``
+prints its per-stage figures). Measurements: docs/decisions.md, "Credit" and the issue 19 `draco run` sections.
 """
 
 from __future__ import annotations
@@ -13,7 +13,6 @@ import ctypes
 import gc
 import os
 import sys
-from pathlib import Path
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
@@ -51,20 +50,3 @@ def release_freed_memory() -> None:
     if _done:
         with contextlib.suppress(OSError, AttributeError):
             ctypes.CDLL("libc.so.6").malloc_trim(0)
-
-
-def rss_probe(where: str) -> None:
-    """With ``DRACO_RSS_PROBE=1`` (a debugging aid, off by default): print the process's RSS
-    and its peak since the last probe to stderr, then reset the peak (Linux ``clear_refs``),
-    so each stage's own peak shows in one run."""
-    if os.environ.get("DRACO_RSS_PROBE") != "1":
-        return
-    try:
-        status = Path("/proc/self/status").read_text()
-        kb = {k: int(v.split()[0]) for k, v in (ln.split(":", 1) for ln in status.splitlines())
-              if k in ("VmRSS", "VmHWM")}
-        print(f"draco rss-probe {where}: rss {kb['VmRSS'] / 1024:.1f} MiB, peak since last "
-              f"{kb['VmHWM'] / 1024:.1f} MiB", file=sys.stderr, flush=True)
-        Path("/proc/self/clear_refs").write_text("5")
-    except (OSError, KeyError, ValueError):
-        pass

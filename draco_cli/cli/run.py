@@ -165,10 +165,6 @@ def _on_event(e: StageEvent) -> None:
         release_freed_memory()
         if e.stage == "credit":   # Arrow's buffers from the C heap, which numpy reuses
             pa.set_memory_pool(pa.system_memory_pool())
-    if e.event in ("start", "end"):
-        from draco_cli._allocator import rss_probe
-
-        rss_probe(f"{e.stage} {e.event}")
     _print_event(e)
 
 
