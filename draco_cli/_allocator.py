@@ -3,7 +3,8 @@
 ``tune_allocator`` raises glibc's mmap and trim thresholds once at start-up (numpy's
 temporaries paid first-touch page faults again each time); ``release_polars_pages`` and
 ``release_freed_memory`` serve ``draco run``'s memory (``benchmarks/bench_run_memory.py``
-prints its per-stage figures). Measurements: docs/decisions.md, "Credit" and the issue 19 `draco run` sections.
+prints its per-stage figures). Measurements: docs/decisions.md, "Credit" and the issue 19
+`draco run` sections.
 """
 
 from __future__ import annotations

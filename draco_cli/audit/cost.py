@@ -222,7 +222,8 @@ def _naive_table(t: pl.DataFrame, batched: pl.Expr,
                 "unpriced_rows": int(frame.filter(pl.col("_unpriced"))["naive_calls"].sum())}
 
     rows = []
-    for ph in [*sorted(t["phase"].drop_nulls().unique().to_list()), *(["all"] if t.height else [])]:
+    phases = sorted(t["phase"].drop_nulls().unique().to_list())
+    for ph in [*phases, *(["all"] if t.height else [])]:
         frame = t if ph == "all" else t.filter(pl.col("phase") == ph)
         for route, part in _routes(frame, batched):
             rows.append(agg(part, ph, route))

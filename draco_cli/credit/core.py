@@ -16,7 +16,7 @@ import polars as pl
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes,
+from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes, require_groups,
                                      index_steps, narrow_judge, rollout_chunks, sum_by_offsets,
                                      verdict_flags, verdict_rows)
 from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode
@@ -324,10 +324,7 @@ def compute_credit(
     (``credit.dropout``; the result's ``dropout`` lists them).
     """
     check_dropout(rubric_dropout)
-    if rollouts["group_id"].null_count():   # frames built in memory; a file's are checked
-        row = int(rollouts["group_id"].is_null().arg_true()[0])
-        raise InputError(f"rollout {rollouts['rollout_id'][row]!r} has no group_id",
-                         file="rollouts", row=row, field="group_id")
+    require_groups(rollouts)
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
     if check_verdict_keys and verdicts.height and not bool(
             (verdicts["judge"] == verdicts["judge"][0]).all()):

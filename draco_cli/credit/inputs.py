@@ -37,14 +37,19 @@ def narrow_judge(verdicts: pl.DataFrame, judge: str | None, source: str = "verdi
 def attach_groups(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> pl.DataFrame:
     """Add group_id (and ``__r``, the rollout's row in ``rollouts``) to verdicts; a verdict for
     a rollout not in ``rollouts`` is an error."""
+    require_groups(rollouts)
     verdicts = verdicts.drop("group_id", "__r", strict=False)
     r = pl.Series("__r", verdict_rows(verdicts, rollouts, source), dtype=pl.UInt32)
-    groups = rollouts["group_id"].gather(r)
-    if groups.null_count():   # a frame built in memory: the contract refuses it in a file
-        row = int(groups.is_null().arg_true()[0])
-        raise InputError(f"rollout {verdicts['rollout_id'][row]!r} has no group_id",
-                         file="rollouts", field="group_id")
-    return verdicts.with_columns(r, groups.alias("group_id"))
+    return verdicts.with_columns(r, rollouts["group_id"].gather(r).alias("group_id"))
+
+
+def require_groups(rollouts: pl.DataFrame) -> None:
+    """Every rollout has a group_id. A file's rollouts are checked against the contract; frames
+    built in memory are not, and a null group would pool its rollouts into one baseline."""
+    if rollouts["group_id"].null_count():
+        row = int(rollouts["group_id"].is_null().arg_true()[0])
+        raise InputError(f"rollout {rollouts['rollout_id'][row]!r} has no group_id",
+                         file="rollouts", row=row, field="group_id")
 
 
 def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:

@@ -1,7 +1,8 @@
 """Per-token advantages (SPEC §2 token_advantages): spans and dense forms, exactly convertible.
 
 Values by token class and both forms: see docs/credit.md, "5. Token advantages". The spans form
-is canonical (sorted, non-overlapping, equal adjacent ranges merged), which makes round trips exact.
+is canonical (sorted, non-overlapping, equal adjacent ranges merged), which makes round trips
+exact.
 """
 
 from __future__ import annotations

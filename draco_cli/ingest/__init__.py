@@ -89,8 +89,9 @@ def ingest(
     """Ingest ``inputs`` (files of format ``fmt``) into the folder ``out``.
 
     ``group_by`` overrides the group: the rollout fields (a tuple, or comma-separated as
-    ``--group-by`` spells them) whose values, joined by '/', form ``group_id``. By default an explicit group_id in the log is kept, otherwise the group is
-    ``task_id`` (plus ``train_step`` when set).
+    ``--group-by`` spells them) whose values, joined by '/', form ``group_id``. By default an
+    explicit group_id in the log is kept, otherwise the group is ``task_id`` (plus
+    ``train_step`` when set).
 
     Under the ``code-block`` unit a step is a fenced block the harness ran: one in
     ``code_language`` (comma-separated languages, or 'any'; default mini-swe-agent's bash),

@@ -99,10 +99,10 @@ class _Step:
 class StepScorer:
     """Collects finished rollouts, scores each group once complete and hands back each
     rollout's advantages; arguments: docs/inloop.md, "Inside the training step" and "Spot
-    checks and rubric dropout". ``request_deadline`` bounds each LLM request (``Scorer``'s ``deadline``; default:
-    the group's ``deadline``); other keywords as ``Scorer``. A group's rollouts are scored in
-    rollout-id order, whatever order they arrived in; ``rubric_dropout``/``spot_check``
-    arguments override ``options``'."""
+    checks and rubric dropout". ``request_deadline`` bounds each LLM request (``Scorer``'s
+    ``deadline``; default: the group's ``deadline``); other keywords as ``Scorer``. A group's
+    rollouts are scored in rollout-id order, whatever order they arrived in;
+    ``rubric_dropout``/``spot_check`` arguments override ``options``'."""
 
     def __init__(self, model: str, *, call_log: str | Path, group_size: int,
                  decode: Decode, options: RunOptions | None = None,
