@@ -175,7 +175,8 @@ def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Red
         bar = "" if rate is None else (f"<span class='bar'><span style='width:{100 * rate:.0f}%'>"
                                        "</span></span>")
         rows.append(
-            f"<tr class='{'kept' if r['filter'] == 'kept' else 'dropped'}'><td>{html.escape(str(r['group']))}</td>"
+            f"<tr class='{'kept' if r['filter'] == 'kept' else 'dropped'}'>"
+            f"<td>{html.escape(str(r['group']))}</td>"
             f"<td>{html.escape(r['criterion'])}</td><td>{r['filter']}</td>"
             f"<td class='num'>{'—' if rate is None else f'{rate:.0%}'} {bar}</td>"
             f"<td class='num'>{r['pass']}</td><td class='num'>{r['fail']}</td>"
@@ -191,7 +192,8 @@ def _criteria(run: Run, con: DuckDBPyConnection, counts: str | None, redact: Red
             f"{left_out}. Pass rate = passes / (passes + fails) over the group's rollouts.</p>"
             f"<details{' open' if total <= 60 else ''}><summary>{total} criteria"
             "</summary><table><tr><th>group</th>"
-            f"<th>criterion</th><th>filter (kept / dropped{' / left out' if out else ''})</th><th>pass rate</th><th>pass</th>"
+            f"<th>criterion</th><th>filter (kept / dropped{' / left out' if out else ''})</th>"
+            "<th>pass rate</th><th>pass</th>"
             "<th>fail</th><th>na</th><th>unanswered</th></tr>" + "".join(rows)
             + "</table>" + more + "</details>")
 
