@@ -5,10 +5,6 @@ from __future__ import annotations
 
 from typing import Literal, get_args
 
-__all__ = ["STAGES", "Aggregate", "CreditKind", "Drop", "Estimator", "RewardSource",
-           "RubricKind", "Setting", "Stage", "StdMode", "TokenForm", "StepUnit",
-           "STEP_UNITS", "CodeBlocks", "CODE_BLOCKS", "IngestFormat"]
-
 CreditKind = Literal["step", "uniform"]
 Estimator = Literal["grpo", "rloo"]
 StdMode = Literal["sample", "population", "none"]

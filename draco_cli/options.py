@@ -5,6 +5,7 @@ checked before any work").
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any, Literal, TypeVar, cast
 
@@ -101,8 +102,6 @@ class PromptOptions(_Options):
 
     @model_validator(mode="after")
     def _regexes_compile(self) -> PromptOptions:
-        import re
-
         for pattern in self.redact:
             try:
                 re.compile(pattern)
@@ -200,21 +199,19 @@ class RunOptions(_Options):
         if setting not in SETTINGS:
             raise UsageError(f"--setting {setting!r}: choose {', '.join(SETTINGS)}")
         kind, default_credit, default_reward = SETTINGS[setting]
-        try:
-            return cls(
-                setting=cast(Setting, setting),
-                rubric=(rubric if isinstance(rubric, RubricOptions) else
-                        RubricOptions(**(rubric or {}))).model_copy(
-                    update={"kind": cast(RubricKind, kind)}),
-                prompt=PromptOptions(**prompt) if isinstance(prompt, dict) else
-                prompt or PromptOptions(),
-                judge=JudgeOptions(**judge) if isinstance(judge, dict) else judge or JudgeOptions(),
-                credit=CreditOptions(credit=cast(CreditKind, credit or default_credit),
-                                     reward=cast(RewardSource, reward or default_reward),
-                                     **(credit_options or {})),
-                **run)
-        except ValidationError as exc:
-            raise UsageError(_one_line(exc)) from None
+        return cls.build(
+            setting=cast(Setting, setting),
+            rubric=(rubric if isinstance(rubric, RubricOptions) else
+                    RubricOptions.build(**(rubric or {}))).model_copy(
+                update={"kind": cast(RubricKind, kind)}),
+            prompt=PromptOptions.build(**prompt) if isinstance(prompt, dict) else
+            prompt or PromptOptions(),
+            judge=JudgeOptions.build(**judge) if isinstance(judge, dict) else
+            judge or JudgeOptions(),
+            credit=CreditOptions.build(credit=cast(CreditKind, credit or default_credit),
+                                       reward=cast(RewardSource, reward or default_reward),
+                                       **(credit_options or {})),
+            **run)
 
     @property
     def uses_llm(self) -> bool:

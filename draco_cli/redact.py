@@ -106,8 +106,6 @@ _DEFAULTS: tuple[tuple[tuple[str, ...], str], ...] = (
 
 # Kept for callers that list the patterns; each is a full pattern on its own.
 DEFAULT_PATTERNS: tuple[str, ...] = tuple(p for _, p in _DEFAULTS)
-# Every group a match puts back in front of the mask, in pattern order.
-KEPT: tuple[str, ...] = tuple(k for keys, _ in _DEFAULTS for k in keys)
 
 # Every default pattern contains one of its (lower-cased) literals. Most texts contain none,
 # and a few substring searches in C cost far less than one regex scan of the text; a text that
@@ -198,12 +196,7 @@ class Redactor:
     def __init__(self, extra: list[str] | tuple[str, ...] = (), defaults: bool = True) -> None:
         # User patterns stay separate: combining them would renumber their groups (and break
         # any backreference they hold).
-        try:
-            self._extra = [re.compile(p) for p in extra]
-        except re.error as exc:
-            from draco_cli.errors import UsageError
-
-            raise UsageError(f"--redact: not a regular expression ({exc})") from None
+        self._extra = [re.compile(p) for p in extra]
         self._defaults = defaults
         self.count = 0
 

@@ -785,14 +785,14 @@ def test_a_timed_out_call_halves_the_limit_and_holds_no_slot():
 
     async def scenario():
         lim = AdaptiveLimit(4, start=4)
-        async with lim.slot():
+        async with lim:
             lim.timed_out()
         assert lim.limit == 2 and lim.in_flight == 0
-        async with lim.slot():
-            waiter = asyncio.ensure_future(lim.slot().__aenter__())
+        async with lim:
+            waiter = asyncio.ensure_future(lim.__aenter__())
             await asyncio.sleep(0.05)
             assert waiter.done()   # two in flight: the halved limit, nothing held besides
-            third = asyncio.ensure_future(lim.slot().__aenter__())
+            third = asyncio.ensure_future(lim.__aenter__())
             await asyncio.sleep(0.05)
             assert not third.done()   # a third waits: the limit is 2
         await third

@@ -61,7 +61,7 @@ def test_slots_go_to_waiters_in_arrival_order_and_a_cancelled_waiter_gives_its_t
         order: list[int] = []
 
         async def user(i: int, hold: float) -> None:
-            async with lim.slot():
+            async with lim:
                 order.append(i)
                 assert lim.in_flight == 1
                 await asyncio.sleep(hold)

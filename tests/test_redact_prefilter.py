@@ -17,7 +17,7 @@ from draco_cli.redact import DEFAULT_PATTERNS, MASK, Redactor
 from tests.conftest import SHARED_DATA, examples
 
 PLAIN = re.compile("|".join(DEFAULT_PATTERNS))
-TEMPLATE = "".join(rf"\g<{name}>" for name in R.KEPT) + MASK
+TEMPLATE = "".join(rf"\g<{k}>" for keys, _ in R._DEFAULTS for k in keys) + MASK
 
 
 def plain(text: str) -> tuple[str, int]:

@@ -14,6 +14,7 @@ from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.judge.stage import judge_score
 from draco_cli.llm.stage import render_options
+from draco_cli.options import PromptOptions
 from draco_cli.rubric.stage import rubric_generate
 from draco_cli.rubric.core import generate_rubrics
 from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
@@ -53,7 +54,7 @@ def shuffled(tmp_path_factory):
 def test_chunked_stages_write_what_one_pass_writes(server, shuffled, tmp_path):
     r_path, s_path = shuffled / "rollouts.parquet", shuffled / "steps.parquet"
     settings = LLMSettings("openai/judge-model", base_url=server.url + "/v1", concurrency=8)
-    render = render_options(6000, [], False)
+    render = render_options(PromptOptions(max_prompt_tokens=6000))
     rollouts, steps = pl.read_parquet(r_path), pl.read_parquet(s_path)
 
     # one pass over everything: the library stages as they were driven before chunking
@@ -106,7 +107,7 @@ def test_chunked_stages_write_what_one_pass_writes(server, shuffled, tmp_path):
 def test_budget_reached_in_a_chunk_publishes_nothing(server, shuffled, tmp_path):
     settings = LLMSettings("openai/gpt-4.1", base_url=server.url + "/v1", concurrency=2,
                            max_cost=1e-9)
-    render = render_options(6000, [], False)
+    render = render_options(PromptOptions(max_prompt_tokens=6000))
     report = rubric_generate(shuffled / "rollouts.parquet", shuffled / "steps.parquet",
                              tmp_path / "rubric", settings, stages=STAGES, max_criteria=4,
                              render=render, chunk_rollouts=5)

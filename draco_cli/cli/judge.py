@@ -61,8 +61,7 @@ def score(
     from draco_cli.llm.settings import check_samples
     from draco_cli.llm.stage import render_options
 
-    render = render_options(prompt.max_prompt_tokens, list(prompt.redact),
-                            prompt.no_default_redact)
+    render = render_options(prompt)
     if show_prompt:
         typer.echo(judge_prompt(rollouts, steps, rubrics, render=render, samples=judge.samples))
         return

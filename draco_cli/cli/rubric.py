@@ -36,8 +36,7 @@ def generate(
     from draco_cli.llm.stage import render_options
     from draco_cli.rubric.stage import rubric_generate, rubric_prompt
 
-    render = render_options(prompt.max_prompt_tokens, list(prompt.redact),
-                            prompt.no_default_redact)
+    render = render_options(prompt)
     if show_prompt:
         if rubric.stages[0] not in ("generate", "union"):
             raise typer.BadParameter(

@@ -114,7 +114,7 @@ class Scorer:
         p = self.options.prompt
         from draco_cli.llm.stage import render_options
 
-        self.render = render_options(p.max_prompt_tokens, list(p.redact), p.no_default_redact)
+        self.render = render_options(p)
         self.sampling = Sampling(max_tokens=p.max_tokens, thinking=self.llm.thinking)
         self._log: CallLog | None = None
         self._clients: dict[str, LLMClient] = {}

@@ -286,7 +286,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
                                  prompt, context_of(contexts.get(groups[i])))
 
     # Built while the first calls are in flight (``RequestStream``).
-    answers = (yield RequestStream(produce(), len(wanted), len(wanted) * samples)) \
+    answers = (yield RequestStream(produce(), len(wanted) * samples)) \
         if wanted else []
     stats = ScoreStats()
     rows: list[dict[str, Any]] = []

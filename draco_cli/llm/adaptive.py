@@ -41,12 +41,8 @@ class AdaptiveLimit:
                 self.in_flight += 1   # taken on the waiter's behalf
                 fut.set_result(None)
 
-    def slot(self) -> AdaptiveLimit:
-        """``async with limit.slot():`` holds one of the limit's slots for the call inside (the
-        limit is its own context manager: every call enters one, and a generator-based one
-        cost a generator and a wrapper per call)."""
-        return self
-
+    # ``async with limit:`` holds one slot for the call inside (the limit is its own context
+    # manager: every call enters one, and a generator-based one cost a generator and a wrapper)
     async def __aenter__(self) -> None:
         if not self._waiters and self._free():
             self.in_flight += 1

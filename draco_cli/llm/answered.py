@@ -10,8 +10,6 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     from draco_cli.llm.types import PhaseStats
 
-__all__ = ["Answered", "money"]
-
 
 @dataclass(frozen=True)
 class Answered:

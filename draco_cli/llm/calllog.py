@@ -20,6 +20,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from draco_cli.errors import InputError
 from draco_cli.llm.calllog_errors import (_bad, _check_file, _unreadable,
                                           _write_failed, retry_read)
 
@@ -95,8 +96,6 @@ def read_only(path: str | os.PathLike[str]) -> Iterator[tuple[sqlite3.Connection
     """A call log opened for reading (while a stage may still write it), with the columns its
     ``calls`` table has; a file that is not one (no such table, not SQLite) is a one-line error
     naming it, a transient SQLite error is retried (``retry_read``)."""
-    from draco_cli.errors import InputError
-
     p = Path(path)
     if not p.is_file():
         raise InputError("no such call log", file=str(path))
@@ -137,8 +136,6 @@ def _check_schema(conn: sqlite3.Connection, path: Path) -> None:
         if tables and "calls" not in tables:
             raise _bad(path, "a SQLite file but not a draco call log (no calls table)")
         if version > SCHEMA_VERSION:
-            from draco_cli.errors import InputError
-
             raise InputError(f"call log schema v{version} was written by a newer draco (this one "
                              f"reads up to v{SCHEMA_VERSION}): upgrade draco", file=str(path))
     except BaseException:
@@ -292,8 +289,6 @@ class AnsweredCalls:
     answers with its last row."""
 
     def __init__(self, path: Path, by: str) -> None:
-        if by not in ("request_hash", "content_hash"):
-            raise ValueError(by)
         self.path, self.by = path, by
         self._conn: sqlite3.Connection | None = _connect(path, readonly=True)
         self._lock = threading.Lock()
@@ -330,19 +325,4 @@ class AnsweredCalls:
         conn = getattr(self, "_conn", None)
         if conn is not None:
             conn.close()
-
-
-def phase_totals(conn: sqlite3.Connection) -> dict[str, dict[str, float]]:
-    out = {}
-    for row in conn.execute(
-        "SELECT phase, COUNT(*), SUM(status = 'ok'), SUM(input_tokens), SUM(cached_tokens), "
-        "SUM(output_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM calls GROUP BY phase"
-    ):
-        totals = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
-                           "output_tokens", "reasoning_tokens", "cost_usd"),
-                          (x or 0 for x in row[1:])))
-        if row[-1] is None:
-            totals["cost_usd"] = None  # unpriced model: unknown, not $0
-        out[row[0]] = totals
-    return out
 

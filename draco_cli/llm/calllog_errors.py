@@ -8,10 +8,9 @@ import sqlite3
 import time
 from collections.abc import Callable
 from pathlib import Path
-from typing import TYPE_CHECKING, TypeVar
+from typing import TypeVar
 
-if TYPE_CHECKING:
-    from draco_cli.errors import InputError
+from draco_cli.errors import DracoError, InputError
 
 T = TypeVar("T")
 
@@ -20,8 +19,6 @@ RECOVER = ("restore it from a copy, or move it aside to start a new log (the cal
 
 
 def _bad(path: Path, why: str) -> InputError:
-    from draco_cli.errors import InputError
-
     return InputError(f"{why}: {RECOVER}", file=str(path))
 
 
@@ -46,8 +43,6 @@ def _unreadable(path: Path, exc: sqlite3.DatabaseError) -> BaseException:
         if name.startswith("SQLITE_NOTADB") or "not a database" in str(exc):
             return _bad(path, f"not a SQLite call log ({exc})")
         return _bad(path, f"corrupt call log ({exc})")
-    from draco_cli.errors import DracoError
-
     return DracoError(f"{path}: could not read the call log ({exc}) — a transient error, "
                       "often another process reading it; the log is not damaged: rerun the "
                       "same command (its answers are kept)")
@@ -71,8 +66,6 @@ def _write_failed(path: Path, exc: BaseException) -> BaseException:
     one line naming the call log; anything else is passed through unchanged."""
     if not isinstance(exc, sqlite3.OperationalError):
         return exc
-    from draco_cli.errors import DracoError
-
     name = getattr(exc, "sqlite_errorname", "")
     if name == "SQLITE_FULL" or "disk is full" in str(exc):
         why = ("database or disk is full (free space and rerun: the calls already in the log "

@@ -16,14 +16,11 @@ from pydantic import ValidationError
 
 from draco_cli.llm.errors import LLMError, Retryable
 from draco_cli.llm.keys import scrub
-from draco_cli.llm.providers import (ANTHROPIC_FORMS, OPENAI_FORMS, Provider, make_provider,
-                                     parse_model_id, provider_class)
+from draco_cli.llm.prices import PriceTable
+from draco_cli.llm.providers import Provider, make_provider, parse_model_id, provider_class
+from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import LLMRequest, Reply, Sampling, Usage
-
-# Preference order: the tightest constraint a server takes first.
-OPENAI_ORDER = ("json-schema", "json-object", "vllm", "json-schema-loose", "prompt")
-ANTHROPIC_ORDER = ("output-format", "tool", "prompt")
-assert set(OPENAI_ORDER) == set(OPENAI_FORMS) and set(ANTHROPIC_ORDER) == set(ANTHROPIC_FORMS)
+from draco_cli.options import PromptOptions
 
 # The order the advised options are printed in (the rest after them).
 ADVICE_ORDER = ("--structured-output", "--system-role", "--no-use-n", "--concurrency",
@@ -363,9 +360,8 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
         ok = reply is not None and _validates(reply, req)[0]
         return CheckResult(ok, f"{model}: {'replays' if ok else err or 'no answer'}",
                            time.perf_counter() - t0, 0.0)
-    order = ANTHROPIC_ORDER if provider_name == "anthropic" else OPENAI_ORDER
-    takes = provider_class(provider_name).forms   # mock/ takes json-schema only
-    forms = [form] if form and form != "auto" else [f for f in order if f in takes]
+    # every form the provider takes, tightest first (mock/ takes json-schema only)
+    forms = [form] if form and form != "auto" else list(provider_class(provider_name).forms)
     chosen, first, fatal = await _pick_form(model, forms, base_url, timeout, req, findings)
     if fatal is not None:
         return CheckResult(False, fatal, time.perf_counter() - t0, None, findings)
@@ -398,8 +394,6 @@ async def _probe(model: str, base_url: str | None, timeout: float, max_tokens: i
         _check_window(*window, max_tokens, findings, advice)
     if temperature is not None:
         advice["--temperature"] = f"{temperature:g}"
-    from draco_cli.llm.prices import PriceTable
-
     prices = PriceTable.load()
     cost = sum(prices.cost(model, u) for u in spent) if prices.price(model) is not None \
         else None
@@ -414,9 +408,6 @@ def run_check(model: str, base_url: str | None, timeout: float,
               parallelism: bool = True) -> CheckResult:
     """Probe ``model`` (see docs/llm.md, "draco llm check"). Probes are diagnostics: no call
     log is written. The options are checked as a run checks them, before any request."""
-    from draco_cli.llm.settings import LLMSettings
-    from draco_cli.options import PromptOptions
-
     LLMSettings(model, base_url=base_url, timeout=timeout, temperature=temperature, seed=seed,
                 structured_output=form or "auto")
     PromptOptions.build(max_tokens=max_tokens)

@@ -175,7 +175,6 @@ class LLMClient:
 
     def recorded(self, req: LLMRequest) -> list[Answer | None]:
         """Per sample of ``req``: its valid answer from the call log, or None (to be asked)."""
-        req = self._with_defaults(req)
         out: list[Answer | None] = []
         for i in range(req.samples):
             hit = self._cache.get((req.hash(i, self.model), i))
@@ -209,7 +208,6 @@ class LLMClient:
                      reply: Reply) -> list[Answer]:
         """Validate a reply's choices for ``samples`` as an online reply's are: invalid answers
         re-asked, samples the reply lacks (fewer choices than asked) asked again one per call."""
-        req = self._with_defaults(req)
         share = 1.0 / max(len(reply.choices), 1)
         out = [await self._settle(provider, req, i, choice, reply, share)
                for i, choice in zip(samples, reply.choices)]
@@ -222,7 +220,7 @@ class LLMClient:
 
     def unanswered(self, req: LLMRequest, sample: int, reason: str) -> Answer:
         """Record ``sample`` of ``req`` as unanswered (asked again by a rerun)."""
-        return self._final_unanswered(self._with_defaults(req), sample, reason, Usage(), 0.0, 0)
+        return self._final_unanswered(req, sample, reason, Usage(), 0.0, 0)
 
     async def _answer_stream(self, provider: Provider, requests: Iterable[LLMRequest],
                              tick: Callable[[list[Answer]], None]) -> list[list[Answer]]:
@@ -406,7 +404,7 @@ class LLMClient:
         async def attempt(n: int) -> Reply:
             nonlocal usd, last_body, same
             await self._limiter.acquire(estimate)
-            async with self.limit.slot():
+            async with self.limit:
                 # The call's estimated cost is reserved before it is sent, so the calls in
                 # flight cannot together overshoot the budget by more than one call.
                 # The first call goes out whatever its pessimistic estimate, to measure one.

@@ -30,8 +30,8 @@ class RequestRejected(LLMError):
 class Retryable(Exception):
     """A failure worth another attempt (429, 5xx, timeout, dropped connection). ``body`` is
     the server's own text (scrubbed), so a 500 that repeats the same body can be told from a
-    transient one; ``kind`` is "http", "timeout", "refused" or "connection". ``endpoint`` is
-    the fleet endpoint that failed, ``logged`` whether the fleet logged the failure itself."""
+    transient one; ``kind`` is "http", "timeout", "refused" or "connection"; ``logged``:
+    whether the fleet logged the failure itself."""
 
     def __init__(self, message: str, retry_after: float | None = None, *,
                  body: str | None = None, kind: str = "http", status: int | None = None) -> None:
@@ -40,7 +40,6 @@ class Retryable(Exception):
         self.body = body
         self.kind = kind
         self.status = status
-        self.endpoint: str | None = None
         self.logged = False
 
 

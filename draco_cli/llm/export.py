@@ -6,15 +6,27 @@ from __future__ import annotations
 import sqlite3
 from pathlib import Path
 
-from draco_cli.llm.calllog import _connect, phase_totals
+from draco_cli.errors import InputError
+from draco_cli.llm.calllog import _connect
 from draco_cli.llm.calllog_errors import _bad
 
 
 def read_totals(path: str | Path) -> dict[str, dict[str, float]]:
     """Per-phase totals of a finished call log, read-only (no writer thread)."""
     conn = _connect(Path(path), readonly=True)
+    out = {}
     try:
-        return phase_totals(conn)
+        for row in conn.execute(
+            "SELECT phase, COUNT(*), SUM(status = 'ok'), SUM(input_tokens), SUM(cached_tokens), "
+            "SUM(output_tokens), SUM(reasoning_tokens), SUM(cost_usd) FROM calls GROUP BY phase"
+        ):
+            totals = dict(zip(("rows", "answered", "input_tokens", "cached_tokens",
+                               "output_tokens", "reasoning_tokens", "cost_usd"),
+                              (x or 0 for x in row[1:])))
+            if row[-1] is None:
+                totals["cost_usd"] = None  # unpriced model: unknown, not $0
+            out[row[0]] = totals
+        return out
     except sqlite3.DatabaseError as exc:
         raise _bad(Path(path), f"corrupt call log ({exc})") from None
     finally:
@@ -38,8 +50,6 @@ def export_parquet(log: str | Path, out: str | Path, force: bool = False) -> int
     from draco_cli.io import atomic_path
 
     if not Path(log).exists():
-        from draco_cli.errors import InputError
-
         raise InputError("no such call log", file=str(log))
     conn = _connect(Path(log), readonly=True)
     rows = 0

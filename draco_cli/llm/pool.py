@@ -83,8 +83,6 @@ class EndpointPool(Provider):
     """One provider over several endpoints (see docs/llm.md, "A fleet of judges")."""
 
     def __init__(self, endpoints: list[tuple[str, Provider]]) -> None:
-        if not endpoints:
-            raise ValueError("an endpoint pool needs at least one endpoint")
         self.endpoints = [Endpoint(url, p) for url, p in endpoints]
         first = self.endpoints[0].provider
         self.name = first.name
@@ -129,7 +127,6 @@ class EndpointPool(Provider):
             except Retryable as exc:
                 ep.fail()
                 exc.args = (f"{exc.args[0] if exc.args else exc} [{ep.url}]",)
-                exc.endpoint = ep.url
                 last = exc
                 if self.on_failure is not None:
                     self.on_failure(req, samples, exc, ep.url)

@@ -25,7 +25,6 @@ class PriceTable:
     and is reported as unpriced (self-hosted models usually are)."""
 
     def __init__(self, data: dict[str, Any], source: str) -> None:
-        self.source = source
         self.as_of = data.get("as_of")
         self.batch_discount = float(data.get("batch_discount", 0.5))
         self.models: dict[str, Price] = {}

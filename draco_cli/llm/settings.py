@@ -9,7 +9,9 @@ from pathlib import Path
 from draco_cli.errors import UsageError
 from draco_cli.llm.calllog import CallLog
 from draco_cli.llm.client import LLMClient
+from draco_cli.llm.pool import base_urls
 from draco_cli.llm.prices import PriceTable
+from draco_cli.llm.providers import STRUCTURED_FORMS
 
 
 @dataclass
@@ -36,9 +38,6 @@ class LLMSettings:
     max_reply_mib: float = 32.0   # the largest reply body a call takes, after decompression
 
     def __post_init__(self) -> None:
-        from draco_cli.llm.pool import base_urls
-        from draco_cli.llm.providers import STRUCTURED_FORMS
-
         if self.structured_output not in STRUCTURED_FORMS:
             raise UsageError(f"--structured-output {self.structured_output}: choose from "
                              f"{', '.join(STRUCTURED_FORMS)}")

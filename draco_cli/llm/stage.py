@@ -4,6 +4,7 @@ prompt rendering options, the call log they resume from and the report they end 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import sqlite3
 from collections import deque
 from collections.abc import Callable, Iterable, Iterator
@@ -14,8 +15,12 @@ from typing import TYPE_CHECKING, Any, TypeVar
 import polars as pl
 import pyarrow.parquet as pq
 
-from draco_cli.io import OutputSet, TableWriter, read_table
+from draco_cli.io import (STDIO, OutputSet, TableWriter, conform, folder_lock, prepare_out_dir,
+                          read_table)
+from draco_cli.llm.calllog import CallLog, reader
+from draco_cli.llm.calllog_errors import retry_read
 from draco_cli.llm.export import export_parquet
+from draco_cli.llm.providers import REGISTRY, batches_by_default, parse_model_id
 from draco_cli.redact import Redactor
 from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Step, Table
@@ -25,6 +30,7 @@ if TYPE_CHECKING:
     from draco_cli.llm.drive import Stage
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.types import PhaseStats
+    from draco_cli.options import PromptOptions
 
 R = TypeVar("R")
 
@@ -54,8 +60,6 @@ def _read_text_table(path: str | Path, model: type[Table], columns: list[str]) -
     Parquet file is read by polars itself (through Arrow the text was held 2-3 times over while
     it was converted: +263 MiB at 100k rollouts of the benchmark, against +97); stdin, or a
     file polars cannot read as asked, goes through ``read_table`` and its errors."""
-    from draco_cli.io import STDIO, conform
-
     wanted = list(dict.fromkeys([*model.keys, *columns]))
     if str(path) != STDIO and Path(path).is_file():
         try:
@@ -69,10 +73,9 @@ def _read_text_table(path: str | Path, model: type[Table], columns: list[str]) -
     return read_table(path, model, columns=columns)
 
 
-def render_options(max_prompt_tokens: int, redact: list[str], no_default_redact: bool
-                   ) -> RenderOptions:
-    return RenderOptions(max_prompt_tokens=max_prompt_tokens,
-                         redactor=Redactor(redact, defaults=not no_default_redact))
+def render_options(prompt: PromptOptions) -> RenderOptions:
+    return RenderOptions(max_prompt_tokens=prompt.max_prompt_tokens,
+                         redactor=Redactor(prompt.redact, defaults=not prompt.no_default_redact))
 
 
 def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) -> None:
@@ -87,9 +90,6 @@ def finish(client: LLMClient, log_path: Path, out: Path, report: StageReport) ->
 
 def log_position(log_path: Path) -> int:
     """The call log's last row id (0 when there is none yet): rows after it are this run's."""
-    from draco_cli.llm.calllog import reader
-    from draco_cli.llm.calllog_errors import retry_read
-
     path = Path(log_path)
     if not path.exists():
         return 0
@@ -112,9 +112,6 @@ def log_position(log_path: Path) -> int:
 def unanswered_reasons(log_path: Path, phases: list[str], after: int) -> dict[str, int]:
     """Why samples of ``phases`` logged after row ``after`` stayed unanswered, counted per
     reason, read-only from the call log."""
-    from draco_cli.llm.calllog import reader
-    from draco_cli.llm.calllog_errors import retry_read
-
     if not Path(log_path).exists() or not phases:
         return {}
     conn = reader(Path(log_path))
@@ -155,8 +152,6 @@ CHUNKS_IN_FLIGHT = 2
 def batching(settings: LLMSettings) -> bool:
     """Whether the stage goes through the provider's batch API (then it is one batch, run
     whole as before: chunks would make many batches)."""
-    from draco_cli.llm.providers import REGISTRY, batches_by_default, parse_model_id
-
     if settings.batch is not None:
         return bool(settings.batch)
     return batches_by_default(settings.base_url, REGISTRY.get(parse_model_id(settings.model)[0]))
@@ -223,8 +218,7 @@ async def _drive_chunk(stage: Stage[R], client: LLMClient, progress: _ChunkProgr
     try:
         requests = next(stage)
         while True:
-            requests = stage.send(await client.arun(requests, progress=progress.sub(),
-                                                    batch=False))
+            requests = stage.send(await client.arun(requests, progress=progress.sub()))
     except StopIteration as stop:
         result: R = stop.value
         return result
@@ -239,9 +233,6 @@ def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettin
     as a batch API wants) or its chunks (``chunks``: their stages and the requests they make
     in all), the output set ``models`` names in ``out`` published from ``tables_of`` (a
     result's file name → rows), unless the budget was reached: then nothing is."""
-    from draco_cli.io import folder_lock, prepare_out_dir
-    from draco_cli.llm.calllog import CallLog
-
     report = StageReport(outputs=[out / name for name in models])
     log_path = call_log if call_log is not None else out / "llm_calls.sqlite"
     # The folder stays locked through the calls: a second writer would pay for them again.
@@ -256,8 +247,20 @@ def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettin
                         output.write_table(df, name, models[name])
         else:
             stages, total = chunks()
-            publish_chunks(out, models, client, log_path, stages, tables_of, report,
-                           force=force, progress=progress, total=total)
+            # the set is published unless the budget was reached (``_Unpublished``)
+            with contextlib.suppress(_Unpublished), \
+                    OutputSet(out, list(models), force=force) as output:
+                with TableWriter(output, models) as tables:
+
+                    def write(result: R) -> None:
+                        for name, df in tables_of(result).items():
+                            tables.write(name, df)
+
+                    asyncio.run(run_chunks(client, stages, write,
+                                           _ChunkProgress(progress, total)))
+                finish(client, log_path, out, report)
+                if report.budget_reached:
+                    raise _Unpublished()
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
     return report
@@ -265,29 +268,6 @@ def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettin
 
 class _Unpublished(Exception):
     """Leaves an output set unpublished (the budget was reached)."""
-
-
-def publish_chunks(out: Path, models: dict[str, type[Table]], client: LLMClient, log_path: Path,
-                   stages: Iterable[Stage[R]], tables_of: Callable[[R], dict[str, pl.DataFrame]],
-                   report: StageReport, *, force: bool,
-                   progress: Callable[[Any], None] | None, total: int) -> None:
-    """Run a stage's chunks (``run_chunks``), append each chunk's tables (``tables_of``: file
-    name → rows) to the output set ``models`` names in ``out``, export the call log
-    (``finish``) and publish the set, unless the budget was reached: then nothing is."""
-    try:
-        with OutputSet(out, list(models), force=force) as output:
-            with TableWriter(output, models) as tables:
-
-                def write(result: R) -> None:
-                    for name, df in tables_of(result).items():
-                        tables.write(name, df)
-
-                asyncio.run(run_chunks(client, stages, write, _ChunkProgress(progress, total)))
-            finish(client, log_path, out, report)
-            if report.budget_reached:
-                raise _Unpublished()
-    except _Unpublished:
-        pass
 
 
 async def run_chunks(client: LLMClient, stages: Iterable[Stage[R]], on_result: Callable[[R], None],

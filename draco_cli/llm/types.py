@@ -11,6 +11,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel
 
+from draco_cli.llm.errors import ReplyRefused
+
 Status = Literal["ok", "unanswered", "skipped"]
 
 
@@ -156,8 +158,6 @@ def token_count(name: str, value: object) -> int:
     if isinstance(value, float) and value.is_integer():
         value = int(value)
     if type(value) is not int or not 0 <= value <= MAX_REPLY_TOKENS:
-        from draco_cli.llm.errors import ReplyRefused
-
         raise ReplyRefused(f"reply not used: the server reported {name} = {str(value)[:40]}, "
                            "not a possible token count (its answer and cost are not counted)")
     return value
@@ -171,8 +171,6 @@ def counts(body: object, *path: str) -> dict[str, Any]:
         if body is None:
             return {}
         if not isinstance(body, dict):
-            from draco_cli.llm.errors import ReplyRefused
-
             raise ReplyRefused(f"reply not used: its {'.'.join(path)} is not an object")
     return body if isinstance(body, dict) else {}
 
@@ -236,15 +234,11 @@ class Progress:
 
 
 class RequestStream:
-    """Requests yielded by a producer as it builds them; iterable once. ``count`` requests
-    asking ``samples`` answers in all (known up front, for progress)."""
+    """Requests yielded by a producer as it builds them; iterable once. ``samples``: the
+    answers they ask in all (known up front, for progress)."""
 
-    def __init__(self, requests: Iterator[LLMRequest], count: int, samples: int) -> None:
-        self._requests = requests
-        self.count, self.samples = count, samples
+    def __init__(self, requests: Iterator[LLMRequest], samples: int) -> None:
+        self._requests, self.samples = requests, samples
 
     def __iter__(self) -> Iterator[LLMRequest]:
         return self._requests
-
-    def __len__(self) -> int:
-        return self.count

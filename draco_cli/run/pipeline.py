@@ -158,8 +158,7 @@ class _Run:
         from draco_cli.llm.stage import render_options
 
         opts = self.opts
-        self.render = render_options(opts.prompt.max_prompt_tokens,
-                                        list(opts.prompt.redact), opts.prompt.no_default_redact)
+        self.render = render_options(opts.prompt)
         run = self.folder.path
         self._same_inputs()
         try:

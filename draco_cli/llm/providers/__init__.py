@@ -13,12 +13,10 @@ import os
 from dataclasses import dataclass
 
 from draco_cli.llm.errors import ModelSpecError
-from draco_cli.llm.providers.base import (ANTHROPIC_FORMS, DEFAULT_MAX_REPLY_BYTES, OPENAI_FORMS,
-                                          STRUCTURED_FORMS, BatchState, Provider)
+from draco_cli.llm.providers.base import DEFAULT_MAX_REPLY_BYTES, STRUCTURED_FORMS, Provider
 
-__all__ = ["ANTHROPIC_FORMS", "OPENAI_FORMS", "PROVIDERS", "REGISTRY", "STRUCTURED_FORMS",
-           "BatchState", "Provider", "batches_by_default", "make_provider", "parse_model_id",
-           "provider_class"]
+__all__ = ["REGISTRY", "STRUCTURED_FORMS", "Provider", "batches_by_default", "make_provider",
+           "parse_model_id", "provider_class"]
 
 
 @dataclass(frozen=True)
@@ -35,14 +33,13 @@ REGISTRY: dict[str, Entry] = {
     "replay": Entry("replay", "ReplayProvider", None, False),
     "mock": Entry("mock", "MockProvider", None, False),
 }
-PROVIDERS = tuple(REGISTRY)
 
 
 def parse_model_id(model: str) -> tuple[str, str]:
     provider, sep, name = model.partition("/")
     if not sep or not name or provider not in REGISTRY:
         raise ModelSpecError(
-            f"model {model!r}: write provider/model, provider one of {', '.join(PROVIDERS)} "
+            f"model {model!r}: write provider/model, provider one of {', '.join(REGISTRY)} "
             "(e.g. openai/gpt-4.1, anthropic/claude-sonnet-4-5, replay/runs/demo/llm_calls.sqlite,"
             " mock/any)")
     return provider, name

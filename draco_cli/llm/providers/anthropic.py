@@ -97,9 +97,6 @@ class AnthropicProvider(Provider):
 
     offers_batch = True
 
-    def _label(self, what: str) -> str:
-        return f"anthropic/{self.model}: {what}"
-
     def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
         if len(samples) != 1:
             raise ValueError("Anthropic answers one sample per batch line")

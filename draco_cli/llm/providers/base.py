@@ -14,7 +14,8 @@ from draco_cli.llm.types import LLMRequest, Reply
 # The largest reply body (after decompression) a call takes: --max-reply-mib, default 32 MiB.
 DEFAULT_MAX_REPLY_BYTES = 32 * 2**20
 
-OPENAI_FORMS = ("json-schema", "json-schema-loose", "json-object", "vllm", "prompt")
+# In the order `draco llm check` prefers them: the tightest constraint a server takes first.
+OPENAI_FORMS = ("json-schema", "json-object", "vllm", "json-schema-loose", "prompt")
 ANTHROPIC_FORMS = ("output-format", "tool", "prompt")
 # How a request asks for a JSON answer (``--structured-output``; each form in docs/llm.md).
 # Servers differ; `draco llm check` probes which of these a server accepts.
@@ -164,6 +165,9 @@ class Provider(abc.ABC):
 
     async def close(self) -> None:
         return None
+
+    def _label(self, what: str) -> str:
+        return f"{self.name}/{self.model}: {what}"
 
     # -- batch APIs (optional): each method is one HTTP exchange, its errors mapped like a
     # single call's (``Retryable`` / ``RequestRejected``), so the caller retries them alike.

@@ -8,8 +8,14 @@ import asyncio
 import json
 import math
 import os
+import socket
 import time
 from typing import Any
+from urllib.parse import urlsplit
+from urllib.request import getproxies, proxy_bypass
+
+import aiohttp
+import httpx2
 
 from draco_cli.llm.errors import ModelSpecError, ReplyRefused, RequestRejected, Retryable
 from draco_cli.llm.keys import scrub
@@ -35,8 +41,6 @@ def refused(exc: BaseException) -> bool:
 
 def unresolved(exc: BaseException) -> bool:
     """The server's host name has no address (a typo in --base-url, or no DNS)."""
-    import socket
-
     return _in_chain(exc, socket.gaierror, "name or service not known",
                      "nodename nor servname", "name resolution", "no address associated")
 
@@ -70,8 +74,6 @@ def tls_context() -> Any:
     key = (os.environ.get("SSL_CERT_FILE"), os.environ.get("SSL_CERT_DIR"))
     ctx = _TLS.get(key)
     if ctx is None:
-        import httpx2
-
         ctx = _TLS[key] = httpx2.create_ssl_context(verify=True, trust_env=True)
     return ctx
 
@@ -97,9 +99,6 @@ class AioHttpPost:
         self._session: Any = None
 
     def _open(self) -> Any:
-        import aiohttp
-        import httpx2
-
         # as the SDK's transport: httpx's TLS context (its CA bundle, SSL_CERT_FILE), its
         # keep-alive expiry, a timeout per connect and per read; and one for the whole call
         # too: a server trickling bytes (keep-alive spaces, a slow stream) never trips a read
@@ -120,8 +119,6 @@ class AioHttpPost:
                    label: str) -> tuple[dict[str, Any], float, str | None]:
         """POST ``data`` (JSON bytes); return (JSON reply, latency, the reply as text when it
         is UTF-8: logged as received instead of encoded again)."""
-        import aiohttp
-
         session = self._session or self._open()
         start = time.perf_counter()
         try:
@@ -205,9 +202,6 @@ def _sdk_error(status: int, raw: bytes, charset: str | None) -> tuple[object, st
 def env_proxy(url: str) -> str | None:
     """The proxy the environment (HTTPS_PROXY, NO_PROXY ...) names for ``url``, if any: the
     SDK's httpx client routes through it, so such calls keep to the SDK path."""
-    from urllib.parse import urlsplit
-    from urllib.request import getproxies, proxy_bypass
-
     parts = urlsplit(url)
     proxy = getproxies().get(parts.scheme) or getproxies().get("all")
     if not proxy or (parts.hostname and proxy_bypass(parts.hostname)):

@@ -135,9 +135,6 @@ class OpenAIProvider(Provider):
     offers_batch = True
     BATCH_ENDED = ("completed", "failed", "expired", "cancelled")
 
-    def _label(self, what: str) -> str:
-        return f"openai/{self.model}: {what}"
-
     def batch_request(self, req: LLMRequest, samples: list[int]) -> dict[str, Any]:
         return self.body(req, req.messages, len(samples))
 

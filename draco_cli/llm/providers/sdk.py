@@ -14,6 +14,8 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 from types import ModuleType
 from typing import Any, TypeVar
 
+import httpx2
+
 from draco_cli.llm.errors import ReplyRefused, Retryable
 from draco_cli.llm.providers.http import (refused, status_failure, tls_context, too_large,
                                           transport_failure)
@@ -35,8 +37,6 @@ def http_client(sdk: ModuleType, concurrency: int, timeout: float, max_bytes: in
     """One long-lived client per endpoint on the SDK's aiohttp transport, its pool sized to the
     concurrency (the SDK's own transport if the aiohttp extra is missing). Each reply passes
     ``bounded_reply``: no body over ``max_bytes`` (decompressed) is ever held."""
-    import httpx2
-
     limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency)
     common: dict[str, Any] = dict(limits=limits, timeout=timeout, verify=tls_context(),
                                   headers={"Accept-Encoding": ACCEPT_ENCODING},
@@ -73,8 +73,6 @@ def bounded_reply(limit: int) -> Callable[[Any], Awaitable[None]]:
 
 
 def _bounded_stream(inner: Any, limit: int, codings: list[str]) -> Any:
-    import httpx2
-
     class Bounded(httpx2.AsyncByteStream):
         async def __aiter__(self) -> AsyncIterator[bytes]:
             # content codings are listed in the order applied: undone in reverse
@@ -167,8 +165,6 @@ async def post_json(sdk: ModuleType, client: Any, path: str, body: dict[str, Any
     without re-walking the request through typed params and the reply through pydantic, which
     cost more CPU than everything else per call at high concurrency). A body already serialised
     (bytes) is sent as it is. Returns (JSON reply, latency)."""
-    import httpx2
-
     sent = {"content": body} if isinstance(body, bytes) else {"body": body}
     start = time.perf_counter()
     raw = await mapped(sdk, label, lambda: client.post(path, cast_to=httpx2.Response, **sent))
@@ -177,15 +173,11 @@ async def post_json(sdk: ModuleType, client: Any, path: str, body: dict[str, Any
 
 
 async def get_json(sdk: ModuleType, client: Any, path: str, label: str) -> dict[str, Any]:
-    import httpx2
-
     return _json_of(await mapped(sdk, label, lambda: client.get(path, cast_to=httpx2.Response)))
 
 
 async def get_text(sdk: ModuleType, client: Any, path: str, label: str,
                    accept: str | None = None) -> str:
-    import httpx2
-
     options = {"headers": {"Accept": accept}} if accept else {}
 
     async def call() -> str:
