@@ -21,8 +21,6 @@ from draco_cli.inloop.step import StepResult
 from draco_cli.io import conform
 from draco_cli.schemas import Rollout, Step, Table
 
-__all__ = ["write_step"]
-
 _STEP = re.compile(r"step-(\d+)$")
 _LAYOUT = {"rubrics": "rubric", "verdicts_raw": "judge", "verdicts": "judge",
            "rewards": "credit", "step_credit": "credit", "token_advantages": "credit"}

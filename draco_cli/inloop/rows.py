@@ -19,8 +19,6 @@ import polars as pl
 from draco_cli.errors import InputError
 from draco_cli.schemas import Step, polars_schema
 
-__all__ = ["TrainerRollout", "policy_runs", "trainer_rows"]
-
 Decode = Callable[[list[int]], str]
 
 

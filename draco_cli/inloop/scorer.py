@@ -27,8 +27,6 @@ if TYPE_CHECKING:
     from draco_cli.llm.client import LLMClient
     from draco_cli.llm.types import Answer, LLMRequest, Progress
 
-__all__ = ["Scorer", "GroupScore", "CallTally", "group_credit"]
-
 _ROLLOUT_COLUMNS = ["rollout_id", "group_id", "task_id", "instruction", "outcome",
                     "response_len", "train_step", "response_fingerprint", "task_context"]
 _STEP_COLUMNS = ["rollout_id", "step", "action", "observation", "n_tokens", "token_start"]
@@ -217,8 +215,7 @@ class Scorer:
         the gold judge (``judge.spot``); nothing here touches a reward."""
         from draco_cli.judge.spot import sample_verdicts, spot_stage
 
-        if self.gold is None:
-            raise UsageError("Scorer.spot_check: the scorer has no gold judge (spot_check_model)")
+        assert self.gold is not None   # StepScorer asks only with spot_check_model given
         judged = [g for g in groups if g.inputs is not None and g.verdicts.height]
         if not judged:
             return pl.DataFrame()

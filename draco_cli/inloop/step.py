@@ -26,8 +26,6 @@ from draco_cli.options import CreditOptions, RunOptions
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
 
-__all__ = ["BlockingStepScorer", "Fallback", "RowAdvantages", "StepResult", "StepScorer"]
-
 Fallback = Literal["outcome", "zero"]
 T = TypeVar("T")
 F = TypeVar("F", bound="asyncio.Future[Any]")
@@ -229,15 +227,14 @@ class StepScorer:
 
     def _fallback_rows(self, r: pl.DataFrame, s: pl.DataFrame
                        ) -> dict[str, tuple[np.ndarray, str, str]]:
+        from draco_cli.credit.tables import no_verdicts
+
         source = f"fallback:{self.fallback}"
         if self.fallback == "zero" or r["outcome"].null_count() == r.height:
             return {rid: (np.zeros(n, dtype=np.float32), source, "none")
                     for rid, n in zip(r["rollout_id"].to_list(), r["response_len"].to_list())}
-        empty = pl.DataFrame(schema={"rollout_id": pl.String, "criterion_id": pl.String,
-                                     "judge": pl.String, "verdict": pl.String,
-                                     "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
         spans = r.select("policy_spans").to_arrow().column(0)
-        _, rewards, _, ta = group_credit(r.drop("policy_spans"), s, empty, spans,
+        _, rewards, _, ta = group_credit(r.drop("policy_spans"), s, no_verdicts(), spans,
                                          CreditOptions(reward="outcome", credit="uniform",
                                                        tokens="dense"))
         return self._rows(ta, rewards, source)
@@ -376,13 +373,10 @@ class BlockingStepScorer:
                                         name="draco-step-scorer")
         self._thread.start()
         try:
-            self.inner = self._call(self._open(model, kwargs))
+            self.inner = self._call(StepScorer(model, **kwargs).__aenter__())
         except BaseException:
             self._stop()
             raise
-
-    async def _open(self, model: str, kwargs: dict[str, Any]) -> StepScorer:
-        return await StepScorer(model, **kwargs).__aenter__()
 
     def _call(self, coro: Coroutine[Any, Any, T] | Awaitable[T]) -> T:
         async def run() -> T:

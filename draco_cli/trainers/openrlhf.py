@@ -308,8 +308,7 @@ def advantages_from_files(experiences: Sequence[Any], token_advantages: Any, *,
             for e in experiences]
     all_ids = list(itertools.chain.from_iterable(rows))
     files = token_advantages(all_ids) if callable(token_advantages) else token_advantages
-    table = load_token_advantages(
-        files if isinstance(files, (str, Path)) else list(files), rollout_ids=all_ids)
+    table = load_token_advantages(files, rollout_ids=all_ids)
     for e, ids in zip(experiences, rows):
         step = e.info.get(STEP_KEY) if e.info else None
         _fill(e, table, ids, None if step is None else [int(s) for s in step.tolist()])

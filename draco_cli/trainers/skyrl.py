@@ -70,7 +70,6 @@ class DracoGenerator:
         # resolved now: SkyRL's workers may change directory before the first step is written
         self.steps_dir = None if steps_dir is None else Path(steps_dir).resolve()
         self.keep_steps = keep_steps
-        self.last_metrics: dict[str, float] = {}
 
     def __getattr__(self, name: str) -> Any:
         # SkyRL's trainer and generators reach for inner attributes (e.g. the env config)
@@ -101,7 +100,6 @@ class DracoGenerator:
             rewards.append(v.astype(np.float32).tolist())
             self.deliveries.add(r.group_id, r.rollout_id, np.asarray(v, dtype=np.float32))
         out["rewards"] = rewards
-        self.last_metrics = dict(result.metrics)
         out["rollout_metrics"] = {**(out.get("rollout_metrics") or {}), **result.metrics}
         if self.steps_dir is not None:
             from draco_cli.inloop import write_step

@@ -33,20 +33,19 @@ def _jsonable(output: Any) -> dict[str, Any]:
 def dump_records(output: Any, path: str | Path, *, global_step: int | None = None) -> Path:
     """Write a SkyRL ``GeneratorOutput`` as the JSON record ``draco ingest skyrl`` reads.
     ``trajectory_ids`` are needed (the generator input's, if the output lacks them)."""
-    from draco_cli.io.files import atomic_path
+    from draco_cli.io.files import write_text_atomic
 
     rec = _jsonable(output)
     if global_step is not None:
         rec["global_step"] = int(global_step)
     dest = Path(path)
-    with atomic_path(dest, force=True) as tmp:
-        tmp.write_text(json.dumps(rec), encoding="utf-8")
+    write_text_atomic(dest, json.dumps(rec), force=True)
     return dest
 
 
 def export_records(advantages: Path, out: Path, *, records: Path | None,
                    force: bool = False) -> ExportResult:
-    from draco_cli.io.files import atomic_path
+    from draco_cli.io.files import write_text_atomic
     from draco_cli.trainers.loader import AlignmentError, fingerprint, load_token_advantages
 
     if records is None:
@@ -75,8 +74,7 @@ def export_records(advantages: Path, out: Path, *, records: Path | None,
                     "train_step": step,
                     "n_policy_tokens": [int(m.sum()) for m in mask],
                     "response_fingerprints": [fingerprint(r) for r in rec["response_ids"]]}
-    with atomic_path(out, force) as tmp:
-        tmp.write_text(json.dumps(rec), encoding="utf-8")
+    write_text_atomic(out, json.dumps(rec), force)
     return ExportResult(out, len(ids), int(sum(lengths)),
                         notes=["rewards are draco's per-token values: train with "
                                "trainer.algorithm.advantage_estimator=draco "

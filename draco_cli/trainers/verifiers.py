@@ -226,7 +226,7 @@ def export(advantages: Path, out: Path, *, records: Path | None = None,
     not score keep ``advantages`` unassigned (None). Every scored trace is checked against the
     file first (id, train step, sampled-token count, fingerprint); a misfit is an error naming
     the record line, and nothing is written."""
-    from draco_cli.io import atomic_path, check_writable
+    from draco_cli.io import check_writable, write_text_atomic
 
     if records is None:
         raise UsageError("--to verifiers needs --records: the traces.jsonl whose nodes to fill "
@@ -265,8 +265,7 @@ def export(advantages: Path, out: Path, *, records: Path | None = None,
     if not filled:
         raise InputError(f"no trace of these records is in {table_path} (matched by trace id)",
                          file=str(records))
-    with atomic_path(out, force) as tmp:
-        tmp.write_text("".join(lines), encoding="utf-8")
+    write_text_atomic(out, "".join(lines), force)
     notes = []
     if unscored:
         notes.append(f"{unscored} traces not in the advantages file: left unassigned (None)")

@@ -17,8 +17,6 @@ from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 from draco_cli.trainers.rllm.layout import layout_of, step_values
 from draco_cli.trainers.rllm.records import read_episodes
 
-__all__ = ["export"]
-
 
 def _fill(ep: dict[str, Any], table: Any, file: str, where: str,
           used: set[str]) -> tuple[int, int, int]:

@@ -18,9 +18,6 @@ from draco_cli.trainers.rllm.layout import (TrajectoryLayout, check_same, field_
                                             group_id_of, instruction_of, layout_of,
                                             step_values)
 
-__all__ = ["DracoGroupingHook", "EpisodeCredit", "ScoredTrajectory", "apply_advantages", "assign_advantages",
-           "assign_advantages_blocking", "check_algorithm_config", "plan_groups"]
-
 
 @dataclass(frozen=True)
 class ScoredTrajectory:

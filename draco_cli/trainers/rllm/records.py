@@ -12,8 +12,6 @@ from typing import Any
 
 from draco_cli.errors import InputError
 
-__all__ = ["episode_files", "read_episodes"]
-
 
 def episode_files(paths: list[Path]) -> list[Path]:
     files: list[Path] = []

@@ -18,8 +18,6 @@ from draco_cli.errors import UsageError
 from draco_cli.trainers.loader import AdvantageFiles, AlignmentError, TokenAdvantageTable
 from draco_cli.trainers.slime.layout import cp_local
 
-__all__ = ["advantages", "dense_advantages", "resolve_files", "sample_ids"]
-
 SOURCE_KEY = "draco_token_advantages"
 # the step folders' files, read once each, held while batches need them
 _files_read = AdvantageFiles()

@@ -13,8 +13,6 @@ from typing import Any
 
 from draco_cli.errors import UsageError
 
-__all__ = ["close", "score_rewards"]
-
 _LOCK = threading.Lock()
 _STATE: dict[str, Any] = {}
 

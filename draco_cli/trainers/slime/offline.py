@@ -16,8 +16,6 @@ from draco_cli.io import atomic_path
 from draco_cli.trainers.export import ExportResult
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
 
-__all__ = ["export"]
-
 
 def _records(path: Path) -> list[tuple[str, Any]]:
     from draco_cli.trainers.slime.records import dump_rollouts

@@ -18,8 +18,6 @@ import numpy as np
 from draco_cli.errors import InputError
 from draco_cli.trainers import field_of
 
-__all__ = ["load_dump", "sample_rollout"]
-
 
 def load_dump(path: Path) -> tuple[int | None, list[dict[str, Any]]]:
     """(rollout_id, samples) of a ``--save-debug-rollout-data`` file, read without running

@@ -4,22 +4,15 @@ See docs/trainers.md, "verl (0.9)". Imports neither verl, Ray nor torch until us
 imports verl and Ray)."""
 
 from draco_cli.trainers.verl.estimator import (
-    ADV_FIELD,
     ENV_FILES,
     ESTIMATOR,
-    GROUP_FIELD,
     ROW_ID_FIELD,
-    SOURCE_FIELD,
     STEP_FIELD,
-    Rows,
-    draco_advantages,
-    registered,
     rollout_id,
     row_ids_from_keys,
     setup,
 )
-from draco_cli.trainers.verl.scorer import ACTOR_NAME, ENV_SETTINGS
+from draco_cli.trainers.verl.scorer import ENV_SETTINGS
 
-__all__ = ["ACTOR_NAME", "ADV_FIELD", "ENV_FILES", "ENV_SETTINGS", "ESTIMATOR", "GROUP_FIELD",
-           "ROW_ID_FIELD", "SOURCE_FIELD", "STEP_FIELD", "Rows", "draco_advantages",
-           "registered", "rollout_id", "row_ids_from_keys", "setup"]
+__all__ = ["ENV_FILES", "ENV_SETTINGS", "ESTIMATOR", "ROW_ID_FIELD", "STEP_FIELD", "rollout_id",
+           "row_ids_from_keys", "setup"]

@@ -31,22 +31,6 @@ GROUP_FIELD = "draco_group"  # in-loop: the group (verl's uid) the row was score
 METRICS_KEY = "draco_metrics"  # legacy: DataProto.meta_info key the metrics travel under
 _PAD_UID = re.compile(r"pad[0-9a-f]{32}")
 
-__all__ = [
-    "ADV_FIELD",
-    "ENV_FILES",
-    "ESTIMATOR",
-    "GROUP_FIELD",
-    "METRICS_KEY",
-    "ROW_ID_FIELD",
-    "SOURCE_FIELD",
-    "STEP_FIELD",
-    "draco_advantages",
-    "rollout_id",
-    "row_ids_from_keys",
-    "setup",
-    "v1_fields",
-]
-
 
 @dataclass
 class Rows:
@@ -355,10 +339,3 @@ def setup() -> None:
     if base is not None:
         setattr(base, "compute_advantage_for_multi_trajectories",  # noqa: B010 - a ModuleType to mypy
                 v1_utils.compute_advantage_for_multi_trajectories)
-
-
-def registered() -> bool:
-    """True when ``setup`` ran in this process (for checks from a Ray actor)."""
-    from verl.trainer.ppo import core_algos
-
-    return core_algos.ADV_ESTIMATOR_REGISTRY.get(ESTIMATOR) is draco_advantages

@@ -24,9 +24,6 @@ ACTOR_NAME = "draco_step_scorer"
 # the keys the actor reads itself; every other key is a StepScorer keyword
 _OWN = ("model", "audit_dir", "keep", "wait_timeout")
 
-__all__ = ["ACTOR_NAME", "ENV_SETTINGS", "DracoScorerActor", "finish_groups", "scorer_handle",
-           "settings"]
-
 
 def settings(raw: str | None = None) -> dict[str, Any]:
     """The in-loop settings from ``DRACO_INLOOP`` (a JSON object with at least ``model`` and
@@ -65,7 +62,7 @@ class DracoScorerActor:
     def __init__(self, config: dict[str, Any], group_size: int, tokenizer: Any) -> None:
         self.config, self.group_size, self.tokenizer = dict(config), group_size, tokenizer
         self._scorer: Any = None
-        self._lock: asyncio.Lock | None = None
+        self._lock = asyncio.Lock()
         self._groups: dict[tuple[int | None, str], _Wait] = {}   # by (train step, group)
         self._written: set[int] = set()   # steps with an audit folder from this actor
 
@@ -75,8 +72,6 @@ class DracoScorerActor:
     async def _get(self) -> Any:
         from draco_cli.inloop import StepScorer
 
-        if self._lock is None:
-            self._lock = asyncio.Lock()
         async with self._lock:
             if self._scorer is None:
                 c = self.config
