@@ -59,10 +59,6 @@ def holm(p: list[float | None]) -> list[float | None]:
     return adjusted
 
 
-def _rate(num: int, den: int) -> float | None:
-    return num / den if den else None
-
-
 def _agreement(rw: pl.DataFrame) -> tuple[int, float | None]:
     """Within-group pairs of rollouts with different outcomes, and the share the reward orders
     as the outcome does (ties half): the same figure as the report's per-step table."""
@@ -147,7 +143,8 @@ def step_figures(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
             "train_step": s, "rollouts": r_s.height, "outcome_n": n_out,
             "outcome_rate": float(r_s["outcome"].mean()) if n_out else None,  # type: ignore[arg-type]
             "verdicts": j_s.height,
-            "pass_rate": _rate(int((j_s["verdict"] == "pass").sum()), j_s.height),
+            "pass_rate": int((j_s["verdict"] == "pass").sum()) / j_s.height if j_s.height
+            else None,
             "criteria": v_of(s)["criterion"].n_unique(),
             "mean_reward": float(rw["reward"].mean())  # type: ignore[arg-type]
             if rw is not None and rw["reward"].is_not_null().any() else None,

@@ -4,19 +4,15 @@ rate rises. See docs/audits.md, "Spot checks against a gold judge"."""
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import polars as pl
 
 from draco_cli.audit.stats import Trend, trend
+from draco_cli.schemas import JudgeHealthStep, polars_schema
 
-if TYPE_CHECKING:
-    from polars._typing import PolarsDataType
-
-
-SPOT_STEP_SCHEMA: dict[str, PolarsDataType] = {
-    "spot_n": pl.Int64, "spot_agreement": pl.Float64, "spot_kappa": pl.Float64,
-    "spot_judge_pass_rate": pl.Float64, "spot_gold_pass_rate": pl.Float64}
+SPOT_STEP_SCHEMA = {name: dtype for name, dtype in polars_schema(JudgeHealthStep).items()
+                    if name.startswith("spot_")}
 
 
 def cohen_kappa(a: list[str], b: list[str]) -> float | None:

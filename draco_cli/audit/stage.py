@@ -53,11 +53,7 @@ def read_verdicts(path: Path, judge: str | None, option: str = "--judge") -> pl.
     ``option`` (never an empty or mixed table audited without a word)."""
     from draco_cli.credit import narrow_judge
 
-    v = read_table(path, VerdictAggregated)
-    try:
-        return narrow_judge(v, judge, str(path))
-    except UsageError as exc:
-        raise UsageError(str(exc).replace("--judge", option)) from None
+    return narrow_judge(read_table(path, VerdictAggregated), judge, str(path), option)
 
 
 def verdicts_of(path: Path, judge: str | None, option: str
@@ -167,31 +163,23 @@ def rubric_table(path: Path, level: str) -> pl.DataFrame:
     return df
 
 
-@dataclass
-class Matcher:
-    """How two criteria are compared: lexical (offline), embedding or llm."""
-
-    kind: str = "lexical"
-    model: str | None = None
-    base_url: str | None = None
-    threshold: float = 0.5
-
-
 def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group",
-                  matcher: Matcher | None = None, rollouts: Path | None = None,
-                  force: bool = False) -> tuple[pl.DataFrame, pl.DataFrame]:
-    """Recall and precision of a rubric writer against a reference → ``out/overlap.parquet``
-    and ``out/overlap_units.parquet``; returns (summary, per unit)."""
+                  matcher: str = "lexical", model: str | None = None,
+                  base_url: str | None = None, threshold: float = 0.5,
+                  rollouts: Path | None = None, force: bool = False
+                  ) -> tuple[pl.DataFrame, pl.DataFrame]:
+    """Recall and precision of a rubric writer against a reference, criteria compared by
+    ``matcher`` (lexical, offline; embedding or llm, with ``model``) →
+    ``out/overlap.parquet`` and ``out/overlap_units.parquet``; returns (summary, per unit)."""
     from draco_cli.audit import lexical_similarity, overlap_audit
     from draco_cli.audit.overlap import overlap_tests
 
-    matcher = matcher or Matcher()
     if level not in ("rollout", "group"):
         raise UsageError(f"--level {level!r}: choose rollout or group")
-    if matcher.kind == "llm" and not matcher.model:
+    if matcher == "llm" and not model:
         raise UsageError("--matcher llm needs --model")
-    if matcher.kind not in ("lexical", "embedding", "llm"):
-        raise UsageError(f"--matcher {matcher.kind!r}: choose lexical, embedding or llm")
+    if matcher not in ("lexical", "embedding", "llm"):
+        raise UsageError(f"--matcher {matcher!r}: choose lexical, embedding or llm")
     _refuse_existing(out, ["overlap", "overlap_units", "overlap_tests"], force)
     r = _rollouts(rollouts, AUDIT_ROLLOUT_COLUMNS)
     a, b = rubric_table(own, level), rubric_table(reference, level)
@@ -204,7 +192,7 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
                            force=force)
         return t["overlap"], t["overlap_units"]
 
-    if matcher.kind == "llm":
+    if matcher == "llm":
         from draco_cli.audit.matchers import LLMMatcher
         from draco_cli.io import folder_lock, prepare_out_dir
         from draco_cli.llm.calllog import CallLog
@@ -212,14 +200,13 @@ def audit_overlap(own: Path, reference: Path, out: Path, *, level: str = "group"
 
         # the folder stays locked through the calls: a second writer would pay them again
         with folder_lock(prepare_out_dir(out)), CallLog(Path(out) / "llm_calls.sqlite") as log:
-            return publish(LLMMatcher(LLMClient(matcher.model or "", call_log=log,
-                                                base_url=matcher.base_url)), 0.5)
-    if matcher.kind == "embedding":
+            return publish(LLMMatcher(LLMClient(model or "", call_log=log,
+                                                base_url=base_url)), 0.5)
+    if matcher == "embedding":
         from draco_cli.audit.matchers import EmbeddingMatcher
 
-        return publish(EmbeddingMatcher(matcher.model or "", matcher.base_url),
-                       matcher.threshold)
-    return publish(lexical_similarity, matcher.threshold)
+        return publish(EmbeddingMatcher(model or "", base_url), threshold)
+    return publish(lexical_similarity, threshold)
 
 
 # --- rubric statistics ------------------------------------------------------------------
@@ -292,12 +279,11 @@ def audit_cost(calls: list[Path], out: Path, *, rollouts: Path | None = None,
 
     _refuse_existing(out, ["cost_phase", "cost_step", "cost_category", "cost_naive"], force)
     log = read_call_logs(list(calls))
-    r = _rollouts(rollouts, AUDIT_ROLLOUT_COLUMNS)
+    r = _rollouts(rollouts, [*AUDIT_ROLLOUT_COLUMNS, "response_len"])
     per_phase, per_step, projected = cost_audit(log, r)
     rc = [pl.read_parquet(p / "replay_cost.parquet" if Path(p).is_dir() else p)
           for p in (replay_cost or [])]
-    r_full = _rollouts(rollouts, ["rollout_id", "response_len"])
-    by_cat = cost_categories(log, r_full, pl.read_parquet(steps) if steps else None,
+    by_cat = cost_categories(log, r, pl.read_parquet(steps) if steps else None,
                               pl.concat(rc, how="diagonal_relaxed") if rc else None)
     naive = billed_vs_naive(log, PriceTable.load(prices))
     t = publish_tables(out, {"cost_phase": (per_phase, CostPhase),

@@ -78,25 +78,16 @@ def frame(steps: pl.DataFrame, rollouts: pl.DataFrame, human: pl.DataFrame,
 
 
 def draco_credit(f: Frame, p: np.ndarray, q: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """(Q_ij, t_ij) of SPEC §3.6 from per-step pass / fail counts p, q. A rollout with nothing
-    cited falls back to GRPO (Q null, t = n·A); Σw = 0 gives the equal share."""
-    R = f.n_rollouts
-    cited = (p + q) > 0
-    qc = np.divide(p, p + q, out=np.zeros_like(p, dtype=float), where=cited)
-    n_cited = np.bincount(f.r, cited, R)
-    qbar = np.divide(np.bincount(f.r, qc * cited, R), n_cited,
-                     out=np.full(R, np.nan), where=n_cited > 0)
-    Q = np.where(cited, qc, qbar[f.r])
-    w = np.where(f.adv >= 0, Q, 1 - Q)
-    wsum = np.bincount(f.r, np.nan_to_num(w), R)
-    N = np.bincount(f.r, f.n, R)
-    M = np.bincount(f.r, minlength=R).astype(float)
-    equal = (wsum == 0)[f.r]
-    share = np.where(equal, 1 / M[f.r], np.divide(w, wsum[f.r], out=np.zeros_like(w),
-                                                    where=~equal))
-    t = f.adv * N[f.r] * share
-    fallback = (n_cited == 0)[f.r]
-    return np.where(fallback, np.nan, Q), np.where(fallback, f.n * f.adv, t)
+    """(Q_ij, t_ij) of SPEC §3.6 from per-step pass / fail counts p, q, by the credit stage's
+    own computation: a rollout with nothing cited falls back to GRPO (Q null, t = n·A)."""
+    from draco_cli.credit.core import step_credit_arrays
+    from draco_cli.credit.inputs import StepArrays
+
+    offsets = np.r_[0, np.cumsum(np.bincount(f.r, minlength=f.n_rollouts))]
+    n = f.n.astype(np.int64)
+    sa = StepArrays(pl.Series(dtype=pl.String), f.r, f.step, n, n, offsets)
+    out = step_credit_arrays(sa, p, q, f.adv[offsets[:-1]])
+    return out["quality"], f.n * out["advantage"]
 
 
 def label_counts(f: Frame, labels: pl.DataFrame) -> tuple[np.ndarray, np.ndarray]:

@@ -81,11 +81,11 @@ def overlap(
     Example: draco audit overlap --own self/rubrics.parquet --reference gpt/rubrics.parquet --level group --rollouts d/rollouts.parquet -o audit
     """
 
-    from draco_cli.audit.stage import Matcher, audit_overlap
+    from draco_cli.audit.stage import audit_overlap
 
-    summary, _ = audit_overlap(own, reference, out, level=level,
-                               matcher=Matcher(matcher, model, base_url, threshold),
-                               rollouts=rollouts, force=force)
+    summary, _ = audit_overlap(own, reference, out, level=level, matcher=matcher, model=model,
+                               base_url=base_url, threshold=threshold, rollouts=rollouts,
+                               force=force)
     emit(Report([(f"overlap ({level} level, {matcher} matcher)", summary)],
                 keys=["overlap"]), pick_format(fmt, as_json))
 

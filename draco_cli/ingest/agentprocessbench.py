@@ -18,14 +18,7 @@ LABELS = (-1, 0, 1)
 
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
-    for where, _, raw in json_lines(fp, source):
-        if isinstance(raw, InputError):
-            yield where, raw
-            continue
-        try:
-            yield where, to_episode(raw, EntryContext(source, where))
-        except InputError as exc:
-            yield where, exc
+    return json_lines(fp, source, lambda raw, ctx, _: to_episode(raw, ctx))
 
 
 def label_value(value: Any) -> int | None:

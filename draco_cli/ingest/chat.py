@@ -3,11 +3,11 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.episode import Message, ToolCall
+from draco_cli.ingest.episode import Episode, Message, ToolCall
 
 
 class EntryContext:
@@ -146,24 +146,28 @@ def trainer_tokens(raw: dict[str, Any], ctx: EntryContext
     return mask, ids
 
 
-def json_lines(fp: TextIO, source: str) -> Iterator[tuple[str, int, Any]]:
-    """(where, line number, the line's JSON value or the InputError it makes) of each non-blank
-    line of a JSON Lines file."""
+def json_lines(fp: TextIO, source: str, to_episode: Callable[[Any, EntryContext, int], Episode]
+               ) -> Iterator[tuple[str, Episode | InputError]]:
+    """(where, the episode or the InputError it makes) of each non-blank line of a JSON Lines
+    file; ``to_episode(value, context, line number)`` reads a line's JSON value."""
     for lineno, line in enumerate(fp, start=1):
         where = f"line {lineno}"
         if not line.strip():
             continue
         try:
-            yield where, lineno, json.loads(line)
+            raw = json.loads(line)
+            yield where, to_episode(raw, EntryContext(source, where), lineno)
         except json.JSONDecodeError as exc:
             # A line cut short fails at its very end (or inside an unterminated string).
             cut = exc.pos >= len(line.rstrip()) or exc.msg.startswith("Unterminated")
             what = "truncated JSON" if cut else "invalid JSON"
-            yield where, lineno, InputError(f"{what} ({exc.msg} at column {exc.colno})",
-                                            file=source, row=where)
+            yield where, InputError(f"{what} ({exc.msg} at column {exc.colno})",
+                                    file=source, row=where)
         except RecursionError:
-            yield where, lineno, InputError("JSON nested too deeply to be a rollout",
-                                            file=source, row=where)
+            yield where, InputError("JSON nested too deeply to be a rollout", file=source,
+                                    row=where)
+        except InputError as exc:
+            yield where, exc
 
 
 def first_user_text(messages: list[Message]) -> str:

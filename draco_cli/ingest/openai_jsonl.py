@@ -20,14 +20,7 @@ Item = tuple[str, "Episode | InputError"]
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
     stem = Path(source).stem
-    for where, lineno, raw in json_lines(fp, source):
-        if isinstance(raw, InputError):
-            yield where, raw
-            continue
-        try:
-            yield where, to_episode(raw, EntryContext(source, where), f"{stem}:{lineno}")
-        except InputError as exc:
-            yield where, exc
+    return json_lines(fp, source, lambda raw, ctx, n: to_episode(raw, ctx, f"{stem}:{n}"))
 
 
 def to_episode(raw: Any, ctx: EntryContext, default_id: str) -> Episode:

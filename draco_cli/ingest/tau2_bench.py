@@ -35,30 +35,26 @@ def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
     # The agent's policy, once per file (tau2 writes ``info`` before the simulations).
     policy: str | None = None
     pending: list[tuple[int, Any]] = []  # simulations seen before the task list (unusual)
-    walk = iter_object_with_array(fp, source, "simulations", _label)
     seen_simulations = False
-    while True:
-        try:
-            key, value = next(walk)
-        except StopIteration:
-            break
-        except InputError as exc:
-            yield exc.row if isinstance(exc.row, str) else "file", exc
-            return
-        if key == "info":
-            policy = policy_of(value)
-        elif key == "tasks":
-            tasks = _task_index(value)
-            for index, raw in pending:
-                yield _convert(index, raw, tasks, source, policy)
-            pending = []
-        elif key == "simulations":
-            seen_simulations = True
-            index, raw = value
-            if tasks is None:
-                pending.append((index, raw))
-            else:
-                yield _convert(index, raw, tasks, source, policy)
+    try:
+        for key, value in iter_object_with_array(fp, source, "simulations", _label):
+            if key == "info":
+                policy = policy_of(value)
+            elif key == "tasks":
+                tasks = _task_index(value)
+                for index, raw in pending:
+                    yield _convert(index, raw, tasks, source, policy)
+                pending = []
+            elif key == "simulations":
+                seen_simulations = True
+                index, raw = value
+                if tasks is None:
+                    pending.append((index, raw))
+                else:
+                    yield _convert(index, raw, tasks, source, policy)
+    except InputError as exc:
+        yield exc.row if isinstance(exc.row, str) else "file", exc
+        return
     for index, raw in pending:  # no task list at all: instructions come from the dialogue
         yield _convert(index, raw, {}, source, policy)
     if not seen_simulations:

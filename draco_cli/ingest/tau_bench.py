@@ -20,21 +20,16 @@ def _label(i: int) -> str:
 
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:
-    items = iter_array(fp, source, _label)
-    while True:
-        try:
-            index, raw = next(items)
-        except StopIteration:
-            return
-        except InputError as exc:
-            # The rest of the file cannot be read past broken JSON: report it and stop.
-            yield exc.row if isinstance(exc.row, str) else "file", exc
-            return
-        where = _label(index)
-        try:
-            yield where, to_episode(raw, EntryContext(source, where))
-        except InputError as exc:
-            yield where, exc
+    try:
+        for index, raw in iter_array(fp, source, _label):
+            where = _label(index)
+            try:
+                yield where, to_episode(raw, EntryContext(source, where))
+            except InputError as exc:
+                yield where, exc
+    except InputError as exc:
+        # The rest of the file cannot be read past broken JSON: report it and stop.
+        yield exc.row if isinstance(exc.row, str) else "file", exc
 
 
 def termination_of(info: dict[str, Any]) -> tuple[str | None, str | None]:

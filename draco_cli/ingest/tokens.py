@@ -8,24 +8,13 @@ from __future__ import annotations
 from collections.abc import Callable
 import math
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any
 
 from draco_cli.errors import InputError
 
 APPROX = "approx"
 APPROX_CHARS_PER_TOKEN = 4
 CHATML_TOKENS = ("<|im_start|>", "<|im_end|>")
-
-
-class TokenCounter(Protocol):
-    name: str
-    exact: bool
-
-    def count(self, text: str) -> int: ...
-
-    def end_of_turn(self) -> int: ...
-
-    def observation_block(self, messages: list[tuple[str, str]]) -> int: ...
 
 
 class ApproxCounter:
@@ -80,6 +69,9 @@ class HFTokenizerCounter:
             if len(self._cache) < 100_000:
                 self._cache[text] = hit
         return hit
+
+
+TokenCounter = ApproxCounter | HFTokenizerCounter
 
 
 def make_counter(spec: str | None) -> TokenCounter | None:

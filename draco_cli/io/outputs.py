@@ -56,11 +56,10 @@ class FolderBusy(DracoError):
 
 
 @contextlib.contextmanager
-def folder_lock(folder: str | os.PathLike[str], wait: float | None = None) -> Iterator[None]:
-    """Hold ``folder``'s write lock; a second writer polls for up to ``wait`` seconds (default
-    ``DRACO_LOCK_WAIT``), then refuses (docs/data-contracts.md, "Output sets")."""
-    if wait is None:
-        wait = float(os.environ.get("DRACO_LOCK_WAIT", DEFAULT_LOCK_WAIT))
+def folder_lock(folder: str | os.PathLike[str]) -> Iterator[None]:
+    """Hold ``folder``'s write lock; a second writer polls for up to ``DRACO_LOCK_WAIT``
+    seconds, then refuses (docs/data-contracts.md, "Output sets")."""
+    wait = float(os.environ.get("DRACO_LOCK_WAIT", DEFAULT_LOCK_WAIT))
     path = Path(folder) / LOCK_FILE
     key = os.path.realpath(path)
     if key in _HELD:  # re-entrant within a process (a stage locks, then publishes its set)

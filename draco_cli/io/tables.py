@@ -5,7 +5,7 @@ from __future__ import annotations
 import os
 import sys
 from pathlib import Path
-from typing import BinaryIO, cast
+from typing import cast
 
 import polars as pl
 import pyarrow as pa
@@ -85,25 +85,16 @@ def write_table(
     table = contract_table(df, model, drop_absent_optional=drop_absent_optional,
                            metadata=metadata)
     if str(path) == STDIO:
-        refuse_binary_to_terminal()
-        _write_ipc(table, sys.stdout.buffer)
+        if sys.stdout.isatty():  # Arrow on a terminal is noise that can garble it
+            raise UsageError("-o - writes a binary Arrow stream; stdout is a terminal: pipe it "
+                             "into another command (| draco validate -) or give a file name")
+        # pyarrow takes any binary file object; its stubs list only IOBase and NativeFile
+        with ipc.new_stream(sys.stdout.buffer, table.schema) as writer:  # type: ignore[arg-type]
+            writer.write_table(table)
+        sys.stdout.buffer.flush()
         return
     with atomic_path(path, force) as tmp:
         pq.write_table(table, tmp, compression="zstd")
-
-
-def _write_ipc(table: pa.Table, sink: BinaryIO) -> None:
-    # pyarrow takes any binary file object; its stubs list only IOBase and NativeFile
-    with ipc.new_stream(sink, table.schema) as writer:  # type: ignore[arg-type]
-        writer.write_table(table)
-    sink.flush()
-
-
-def refuse_binary_to_terminal() -> None:
-    """Arrow on a terminal is noise that can garble it: ``-o -`` is for pipes."""
-    if sys.stdout.isatty():
-        raise UsageError("-o - writes a binary Arrow stream; stdout is a terminal: pipe it into "
-                         "another command (| draco validate -) or give a file name")
 
 
 def read_stdin_table(name: str | None = None) -> pa.Table:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import json
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -11,11 +10,14 @@ from typing import TYPE_CHECKING, Any, cast
 import polars as pl
 
 from draco_cli.errors import InputError
+from draco_cli.sql import _manifest as _raw_manifest, _quote
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection
 
 
+
+_q = _quote  # a text as an SQL string literal
 
 # the redaction applied to every rollout or LLM text (a ``draco_cli.redact.Redactor``)
 Redact = Callable[[str], str]
@@ -32,18 +34,14 @@ class Run:
 def _manifest(run: Path) -> dict[str, Any]:
     from draco_cli.run.folder import RunFolder
 
-    m = run / "manifest.json"
-    if not run.is_dir() or not m.exists():
-        raise InputError("not a draco run folder (no manifest.json)", file=str(run))
     if RunFolder.is_run_folder(run):  # typed, versioned; corrupt manifests named
         manifest = RunFolder.open(run).manifest
         assert manifest is not None  # open() raises when there is none
         return manifest.model_dump(mode="json")
-    try:
-        loaded: dict[str, Any] = json.loads(m.read_text())
-        return loaded
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
-        raise InputError(f"not a readable manifest ({exc})", file=str(m)) from None
+    m = _raw_manifest(run) if run.is_dir() else None
+    if m is None:
+        raise InputError("not a draco run folder (no manifest.json)", file=str(run))
+    return m
 
 
 def _runs(run_dirs: list[Path]) -> list[Run]:
@@ -76,10 +74,6 @@ def _connect(runs: list[Run]) -> DuckDBPyConnection:
     # one thread: the report's queries take milliseconds, and each extra thread keeps buffers
     con.execute("SET threads = 1")
     return con
-
-
-def _q(text: str) -> str:
-    return "'" + text.replace("'", "''") + "'"
 
 
 def _q_list(items: list[str]) -> str:

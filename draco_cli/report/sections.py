@@ -12,6 +12,7 @@ import polars as pl
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection
+from draco_cli.audit.cost import _dollars
 from draco_cli.report.data import Redact, Run, _frame, _q, _titles, _views
 from draco_cli.report.html import _esc, _fig_html, _int_axis, _table
 
@@ -333,9 +334,7 @@ def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
              "Calls per training step, by phase (no dollars logged: replayed or free calls)")
     fig.update_layout(barmode="stack", title=title, yaxis_title=unit, yaxis_rangemode="tozero")
     _int_axis(fig, xs)
-    table = c.group_by("phase").agg(pl.col("calls").sum(), pl.when(
-        pl.col("cost_usd").is_not_null().any()).then(pl.col("cost_usd").sum()).alias(
-        "cost_usd")).sort("phase")
+    table = c.group_by("phase").agg(pl.col("calls").sum(), _dollars()).sort("phase")
     return (_fig_html(fig) + "<p>Calls and dollars per phase, all steps:</p>"
             + _table(table, {"cost_usd": ".4f"}, nulls={"cost_usd": _unpriced("calls")})
             + _cost_breakdown(runs, con))

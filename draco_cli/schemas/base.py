@@ -123,15 +123,10 @@ def _bound(value: object) -> float:
     return float(value)
 
 
-def columns(model: type[Table]) -> list[Column]:
-    """The contract's columns of ``model``, in order."""
-    return list(_columns(model))
-
-
 @functools.cache
-def _columns(model: type[Table]) -> tuple[Column, ...]:
-    # computed once per model: resolving the type hints costs ~1 ms, and block-by-block
-    # writers ask for every block
+def columns(model: type[Table]) -> tuple[Column, ...]:
+    """The contract's columns of ``model``, in order (computed once per model: resolving the
+    type hints costs ~1 ms, and block-by-block writers ask for every block)."""
     hints = typing.get_type_hints(model, include_extras=True)
     out = []
     for attr, info in model.model_fields.items():
