@@ -7,8 +7,8 @@ Both sides send the same 2,000 judge requests (rollouts built from the real tau-
 ../shared/data, 8 steps each, groups of 8 with 6 criteria) through ``LLMClient`` to a server
 running in another process, each with a fresh call log:
 - ``client``: the requests built beforehand, then ``client.run`` timed alone;
-- ``stage``: ``judge.score_rollouts`` timed from the input tables to the verdict tables
-  (rendering, redaction, hashing, calls, call-log rows, verdict tables);
+- ``stage``: ``judge.score_stage`` driven by ``llm.drive.drive``, timed from the input tables
+  to the verdict tables (rendering, redaction, hashing, calls, call-log rows, verdict tables);
 - ``command``: the whole ``draco judge score`` command in a fresh process (start-up and
   imports, Parquet reads, the stage, the call log's Parquet copy, atomic writes).
 The three alternate ``--repeat`` times; the best wall of each is kept. Last lines:
@@ -114,7 +114,8 @@ def main() -> None:
 
     import polars as pl
 
-    from draco_cli.judge.core import score_rollouts, score_stage
+    from draco_cli.judge.core import score_stage
+    from draco_cli.llm.drive import drive
     from draco_cli.llm import CallLog, LLMClient
     from draco_cli.redact import Redactor
     from draco_cli.prompts.render import RenderOptions
@@ -163,7 +164,7 @@ def main() -> None:
                         ok = sum(a.status == "ok" for x in out for a in x)
                     else:
                         t0, c0 = time.perf_counter(), time.process_time()
-                        res = score_rollouts(r, s, rb, client, render=render)
+                        res = drive(score_stage(r, s, rb, render=render), client)
                         ok = res.raw.height // 6 - res.stats.unanswered_samples
                     wall, used = time.perf_counter() - t0, time.process_time() - c0
                 print(f"{side:>6} run {rep}: {args.rollouts} calls in {wall:5.2f} s = "

@@ -8,15 +8,16 @@ import polars as pl
 import pytest
 
 from draco_cli.io.tables import _to_arrow
-from draco_cli.judge.core import score_rollouts
+from draco_cli.judge.core import score_stage
 from draco_cli.llm.calllog import CallLog
+from draco_cli.llm.drive import drive
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.judge.stage import judge_score
 from draco_cli.llm.stage import render_options
 from draco_cli.options import PromptOptions
 from draco_cli.rubric.stage import rubric_generate
-from draco_cli.rubric.core import generate_rubrics
+from draco_cli.rubric.core import rubric_stage
 from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
 from tests.conftest import TAU, run_draco
 from tests.llm_server import FakeLLMServer
@@ -59,10 +60,10 @@ def test_chunked_stages_write_what_one_pass_writes(server, shuffled, tmp_path):
 
     # one pass over everything: the library stages as they were driven before chunking
     with CallLog(tmp_path / "whole.sqlite") as log:
-        whole = generate_rubrics(rollouts, steps, settings.client(log), stages=STAGES,
-                                 max_criteria=4, render=render, sampling=Sampling())
-        scored = score_rollouts(rollouts, steps, whole.rubrics, settings.client(log), samples=2,
-                                render=render, sampling=Sampling())
+        whole = drive(rubric_stage(rollouts, steps, stages=STAGES, max_criteria=4,
+                                   render=render, sampling=Sampling()), settings.client(log))
+        scored = drive(score_stage(rollouts, steps, whole.rubrics, samples=2, render=render,
+                                   sampling=Sampling()), settings.client(log))
     calls_whole = server.hits["chat"]
 
     # chunks of ~7 rollouts (groups of 4: several groups per chunk, never split), two in flight

@@ -10,7 +10,6 @@ field as before (a block's outputs are staged, never published).
 
 from __future__ import annotations
 
-from collections import Counter
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from draco_cli.credit.core import CreditStats, compute_credit
+from draco_cli.credit.core import CreditStats, compute_credit, credit_stats
 from draco_cli.credit.inputs import (clean_strings, index_steps)
 from draco_cli.credit.tables import (CREDIT_ROLLOUT_COLUMNS, CREDIT_STEP_COLUMNS,
                                      CREDIT_VERDICT_COLUMNS, no_verdicts, rollouts_frame,
@@ -186,7 +185,7 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
     r_src, s_src = source_name(rollouts), source_name(steps)
     v_src = source_name(verdicts or "verdicts")
     readers: list[_Reader] = []
-    parts: list[CreditStats] = []
+    counts = np.zeros(4, dtype=np.int64)  # groups, criteria kept and dropped, citations dropped
     scores: list[pl.DataFrame] = []
     layouts: set[str] = set()
     judges: set[Any] = set()
@@ -234,8 +233,9 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
                 writer.write(OUTPUTS[2], contract_table(ta, TokenAdvantages,
                                                         drop_absent_optional=True,
                                                         metadata=ta_meta))
-                parts.append(result.stats)
-                scores.append(rewards.select("reward", "pass_rate_all"))
+                st = result.stats
+                counts += (st.groups, st.criteria_kept, st.criteria_dropped, st.citations_dropped)
+                scores.append(rewards.select("reward", "pass_rate_all", "advantage", "credit_mode"))
                 del result, rewards, step_credit, ta, sa, rb, spans, flat
             # rows left: of unknown rollouts, or not grouped in the rollouts' order
             if not all(reader.done() for reader in readers):
@@ -249,32 +249,5 @@ def credit_by_blocks(plan: BlockPlan, rollouts: str | Path, steps: str | Path,
     finally:
         for reader in readers:
             reader.close()
-    both = pl.concat(scores)
-    return combine_stats(parts, both["reward"], both["pass_rate_all"])
-
-
-def combine_stats(parts: list[CreditStats], reward: pl.Series,
-                  pass_rate_all: pl.Series) -> CreditStats:
-    """The stats of a computation done in parts that share no group, as the whole
-    computation's: counts summed, extremes of extremes, and the means over the whole
-    ``reward`` and ``pass_rate_all`` columns (the parts' rows, in order: a mean of means would
-    round differently)."""
-    modes: Counter[str] = Counter()
-    for p in parts:
-        modes.update(p.credit_modes)
-    mins = [p.advantage_min for p in parts if p.advantage_min is not None]
-    maxs = [p.advantage_max for p in parts if p.advantage_max is not None]
-    return CreditStats(
-        groups=sum(p.groups for p in parts),
-        rollouts=sum(p.rollouts for p in parts),
-        criteria_kept=sum(p.criteria_kept for p in parts),
-        criteria_dropped=sum(p.criteria_dropped for p in parts),
-        citations_dropped=sum(p.citations_dropped for p in parts),
-        credit_modes=dict(sorted(modes.items())),
-        advantage_min=min(mins) if mins else None,
-        advantage_max=max(maxs) if maxs else None,
-        mean_reward=cast("float | None", reward.rechunk().mean()),
-        mean_pass_rate_all=cast("float | None", pass_rate_all.rechunk().mean()),
-        null_rewards=sum(p.null_rewards for p in parts),
-        nonzero_advantages=sum(p.nonzero_advantages for p in parts),
-    )
+    # blocks share no group: their counts add up, their rows in order are the whole's
+    return credit_stats(pl.concat(scores, rechunk=True), *(int(c) for c in counts))

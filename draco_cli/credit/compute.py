@@ -65,15 +65,11 @@ def credit_compute(rollouts: str | Path, steps: str | Path, verdicts: str | Path
     return _whole_tables(rollouts, steps, verdicts, out, options=options, force=force)
 
 
-def check_inputs(rollouts: str | Path, steps: str | Path) -> None:
+def check_inputs(rollouts: str | Path, steps: str | Path
+                 ) -> tuple[Any, Any, Any, StepArrays]:
     """The checks ``credit_compute`` makes of the rollouts and steps, made on their own:
     ``draco run`` calls it before its LLM stages, so a bad table is named before a call is
-    paid for (measured cost: docs/decisions.md, "A new user's pass")."""
-    _read_inputs(rollouts, steps)
-
-
-def _read_inputs(rollouts: str | Path, steps: str | Path
-                 ) -> tuple[Any, Any, Any, StepArrays]:
+    paid for (measured cost: docs/decisions.md, "A new user's pass"). Returns what it read."""
     r, spans, flat_spans = rollouts_frame(read_arrow(rollouts, CREDIT_ROLLOUT_COLUMNS),
                                           source_name(rollouts))
     s, step_ids = steps_frame(read_arrow(steps, CREDIT_STEP_COLUMNS), source_name(steps))
@@ -83,7 +79,7 @@ def _read_inputs(rollouts: str | Path, steps: str | Path
 
 def _whole_tables(rollouts: str | Path, steps: str | Path, verdicts: str | Path | None,
                   out: Path, *, options: CreditOptions, force: bool) -> CreditStats:
-    r, spans, flat_spans, sa = _read_inputs(rollouts, steps)
+    r, spans, flat_spans, sa = check_inputs(rollouts, steps)
     # Read in the call, so no name here keeps the verdicts alive: compute_credit frees their
     # columns as it is done with them.
     result = compute_credit(r, sa, no_verdicts() if verdicts is None else verdicts_frame(

@@ -163,8 +163,6 @@ def citation_arrays(sa: StepArrays, verdicts: pl.DataFrame,
     is_pass, is_fail, _ = flags if flags is not None else verdict_flags(verdicts["verdict"])
     counted = verdicts["retained"].fill_null(False).to_numpy() & (is_pass | is_fail)
     cites = verdicts["cited_steps"].to_arrow()
-    if isinstance(cites, pa.ChunkedArray):
-        cites = cites.combine_chunks()
     if not counted.any():
         return np.zeros(total, np.int32), np.zeros(total, np.int32), 0
     # Step numbers and rollout rows stay in their narrow integer types (int32, uint32) until
@@ -372,12 +370,24 @@ def compute_credit(
         raise DracoError("internal error: credit produced a non-finite advantage; nothing "
                          "was written (please report this with your inputs)")
     step_table = step_credit_frame(sa, arrays)
-    stats = CreditStats(
-        groups=rollouts["group_id"].n_unique(),
-        rollouts=rollouts.height,
+    stats = credit_stats(rw, rollouts["group_id"].n_unique(), criteria_kept,
+                         criteria - criteria_kept, dropped,
+                         0 if dropout is None else dropout.height)
+    return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa,
+                        dropout=dropout)
+
+
+def credit_stats(rw: pl.DataFrame, groups: int, criteria_kept: int, criteria_dropped: int,
+                 citations_dropped: int, criteria_dropout: int = 0) -> CreditStats:
+    """The stats of the rewards ``rw`` (its ``reward``, ``pass_rate_all``, ``advantage`` and
+    ``credit_mode``: all of them, or the blocks' rows in order, since a mean of means would
+    round differently) and of the counts given."""
+    return CreditStats(
+        groups=groups,
+        rollouts=rw.height,
         criteria_kept=criteria_kept,
-        criteria_dropped=criteria - criteria_kept,
-        citations_dropped=dropped,
+        criteria_dropped=criteria_dropped,
+        citations_dropped=citations_dropped,
         credit_modes=dict(rw.group_by("credit_mode").len().sort("credit_mode").iter_rows()),
         # Float64 columns: their min, max and mean are floats (None when empty or all null)
         advantage_min=cast("float | None", rw["advantage"].min()),
@@ -386,7 +396,5 @@ def compute_credit(
         mean_pass_rate_all=cast("float | None", rw["pass_rate_all"].mean()),
         nonzero_advantages=int((rw["advantage"].fill_null(0.0) != 0).sum()),
         null_rewards=rw["reward"].null_count(),
-        criteria_dropout=0 if dropout is None else dropout.height,
+        criteria_dropout=criteria_dropout,
     )
-    return CreditResult(rewards=rw, step_credit=step_table, stats=stats, steps=sa,
-                        dropout=dropout)

@@ -19,18 +19,19 @@ from draco_cli.errors import InputError, UsageError
 
 
 
-def narrow_judge(verdicts: pl.DataFrame, judge: str | None, source: str = "verdicts") -> pl.DataFrame:
-    """Keep one judge's verdicts. Mixing judges in one computation is an error (SPEC §3.3)."""
+def narrow_judge(verdicts: pl.DataFrame, judge: str | None, source: str = "verdicts",
+                 option: str = "--judge") -> pl.DataFrame:
+    """Keep one judge's verdicts. Mixing judges in one computation is an error (SPEC §3.3);
+    ``option`` is the command's name for the choice."""
     judges = sorted(verdicts["judge"].unique().to_list())
     if judge is not None:
         if judge not in judges:
-            raise UsageError(f"--judge {judge!r}: {source} has judges {', '.join(judges) or 'none'}")
+            raise UsageError(f"{option} {judge!r}: {source} has judges "
+                             f"{', '.join(judges) or 'none'}")
         return verdicts.filter(pl.col("judge") == judge)
     if len(judges) > 1:
-        raise UsageError(
-            f"{source} holds verdicts of several judges ({', '.join(judges)}); "
-            "choose one with --judge LABEL"
-        )
+        raise UsageError(f"{source} holds verdicts of several judges ({', '.join(judges)}); "
+                         f"choose one with {option} LABEL")
     return verdicts
 
 
@@ -55,25 +56,18 @@ def require_groups(rollouts: pl.DataFrame) -> None:
 def verdict_rows(verdicts: pl.DataFrame, rollouts: pl.DataFrame, source: str) -> np.ndarray:
     """Row in ``rollouts`` of each verdict's rollout (int64); a verdict for a rollout not in
     ``rollouts`` is an error. Verdicts in the rollouts' order need no string join."""
-    run = _runs_in_order(verdicts["rollout_id"], rollouts["rollout_id"])
-    if run is not None:
-        return run
+    lengths = rows_per_rollout(verdicts["rollout_id"], rollouts["rollout_id"])
+    if lengths is not None:
+        return np.repeat(np.arange(lengths.size), lengths)
     return _rollout_index(verdicts["rollout_id"], rollouts, source, "verdict for")
 
 
 def _codes(values: pl.Series) -> tuple[np.ndarray, int] | None:
-    """Integer codes of a column's values (hashed once) and how many distinct values there
-    are; None when it holds nulls."""
+    """Integer codes of a column's values (hashed once; in order of first appearance) and how
+    many distinct values there are; None when it holds nulls."""
     if values.null_count():
         return None
-    return _arrow_codes(values.to_arrow())
-
-
-def _arrow_codes(arr: pa.Array[Any] | pa.ChunkedArray[Any]) -> tuple[np.ndarray, int]:
-    """``_codes`` of an Arrow column without nulls (codes in order of first appearance)."""
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(arr))
+    encoded = cast("pa.DictionaryArray[Any, Any]", pc.dictionary_encode(values.to_arrow()))
     return encoded.indices.to_numpy().astype(np.int64), len(encoded.dictionary)
 
 
@@ -149,13 +143,6 @@ class StepArrays:
         return pl.DataFrame({"rollout_id": ids, "step": step})
 
 
-def _runs_in_order(ids: pl.Series, rollout_ids: pl.Series) -> np.ndarray | None:
-    """Row in ``rollout_ids`` of each of ``ids`` when they come grouped by rollout in the
-    rollouts' order (``rows_per_rollout``); None otherwise."""
-    lengths = rows_per_rollout(ids, rollout_ids)
-    return None if lengths is None else np.repeat(np.arange(lengths.size), lengths)
-
-
 def rows_per_rollout(ids: pl.Series | pa.Array[Any] | pa.ChunkedArray[Any] | None,
                      rollout_ids: pl.Series | pa.Array[Any]) -> np.ndarray | None:
     """How many of ``ids`` each rollout of ``rollout_ids`` has, when they come grouped by
@@ -216,10 +203,7 @@ def _rollout_index(rid: pl.Series, rollouts: pl.DataFrame, source: str,
 
 def large_strings(values: pl.Series) -> pa.Array[Any]:
     """A polars string column as one Arrow large_string array (what ``arrow_runs`` gives)."""
-    arr = values.to_arrow()
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    return arr.cast(pa.large_string())
+    return values.to_arrow().cast(pa.large_string())
 
 
 def arrow_runs(ids: pa.ChunkedArray[Any]) -> tuple[np.ndarray, pa.Array[Any]]:

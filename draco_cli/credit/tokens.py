@@ -26,10 +26,7 @@ SPAN_COLUMNS = ("span_start", "span_end", "span_value")
 
 def _flat(lists: pl.Series) -> np.ndarray:
     """The values of a list column, row after row (empty and null lists contribute none)."""
-    arr = lists.to_arrow()
-    if isinstance(arr, pa.ChunkedArray):
-        arr = arr.combine_chunks()
-    return pc.list_flatten(arr).to_numpy(zero_copy_only=False)
+    return pc.list_flatten(lists.to_arrow()).to_numpy(zero_copy_only=False)
 
 
 def _series(arr: pa.Array[Any]) -> pl.Series:
@@ -207,15 +204,13 @@ def _policy_token_counts(ps: pa.Array[Any], has_ps: np.ndarray, sa: StepArrays, 
 def _self_check_columns(rollouts: pl.DataFrame, n_policy: np.ndarray) -> dict[str, pa.Array[Any]]:
     """SPEC §2 self-check columns: what a loader compares with the trainer's rows."""
     R = rollouts.height
-    cols: dict[str, pa.Array[Any] | pa.ChunkedArray[Any]] = {
-        "n_policy_tokens": pa.array(n_policy.astype(np.int32))}
+    cols: dict[str, pa.Array[Any]] = {"n_policy_tokens": pa.array(n_policy.astype(np.int32))}
     cols["train_step"] = (rollouts["train_step"].cast(pl.Int32).to_arrow()
                           if "train_step" in rollouts.columns else pa.nulls(R, pa.int32()))
     cols["response_fingerprint"] = (
         rollouts["response_fingerprint"].cast(pl.String).to_arrow()
         if "response_fingerprint" in rollouts.columns else pa.nulls(R, pa.string()))
-    return {k: (v.combine_chunks() if isinstance(v, pa.ChunkedArray) else v)
-            for k, v in cols.items()}
+    return cols
 
 
 def _flat_policy(ps: pa.Array[Any]) -> FlatSpans:

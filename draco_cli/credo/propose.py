@@ -196,7 +196,8 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
                  client: Client, *, max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
                  holdout: float = 0.2, judge_label: str = "judge",
                  progress: Callable[[Progress], None] | None = None) -> EvolveResult:
-    from draco_cli.judge.core import score_rollouts
+    from draco_cli.judge.core import score_stage
+    from draco_cli.llm.drive import drive
 
     if max_edits < 1:
         raise UsageError("--max-edits must be at least 1")
@@ -239,8 +240,8 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
         v = verdicts.filter(~pl.col("criterion_id").is_in(removed))
         if new is not None:
             fresh = rb.filter(pl.col("source") == "evolve")
-            scored = score_rollouts(rollouts, steps, fresh, judge, judge=judge_label,
-                                    progress=progress)
+            scored = drive(score_stage(rollouts, steps, fresh, judge=judge_label), judge,
+                           progress=progress)
             v = pl.concat([v.drop("retained", strict=False),
                            scored.verdicts.select(v.drop("retained", strict=False).columns)])
         F, rw = _features_of(rollouts, steps, v)

@@ -17,14 +17,14 @@ import urllib.error
 import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import IO, Any, Protocol, cast
+from typing import IO, Any, cast
 from collections.abc import Callable
 
 import polars as pl
 
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import UsageError
 from draco_cli.llm.keys import scrub
-from draco_cli.schemas import ReplayLabel, polars_schema
+from draco_cli.schemas import ReplayCost, ReplayLabel, polars_schema
 
 PROTOCOL = "draco-replay/1"
 LOG_NAME = "replay_log.jsonl"
@@ -63,9 +63,7 @@ def position_seed(plan_seed: int, rollout_id: str, step: int) -> int:
 
 
 def requests_of(plan_df: pl.DataFrame, replays: int | None) -> list[Request]:
-    for col in ("rollout_id", "step", "selected"):
-        if col not in plan_df.columns:
-            raise InputError("missing column of the plan", field=col)
+    """The plan's selected positions as requests (its columns were checked by ``read_plan``)."""
     K = replays or (int(plan_df["replays"][0]) if "replays" in plan_df.columns else None)
     if not K or K < 1:
         raise UsageError("the plan records no K (replays): pass --replays")
@@ -149,14 +147,6 @@ class _Log:
         self.f.close()
 
 
-class _Env(Protocol):
-    """One connection to the environment."""
-
-    def ask(self, req: Request, timeout: float) -> object: ...
-
-    def close(self) -> None: ...
-
-
 class _Subprocess:
     def __init__(self, cmd: str):
         try:
@@ -222,7 +212,7 @@ class _Http:
         pass
 
 
-def _ask(conn: _Env, req: Request, timeout: float, is_http: bool
+def _ask(conn: _Subprocess | _Http, req: Request, timeout: float, is_http: bool
          ) -> tuple[str | None, Record | None, bool]:
     """(why the answer is unusable or None, the answer, whether the connection is broken)."""
     try:
@@ -241,8 +231,7 @@ def _tables(recs: list[Record], complete: bool) -> tuple[pl.DataFrame, pl.DataFr
         [{"rollout_id": rec["rollout_id"], "step": rec["step"],
           **{k: rec.get(k, 0) for k in COST_FIELDS}, "seconds": rec["seconds"]}
          for rec in recs],
-        schema={"rollout_id": pl.String, "step": pl.Int64,
-                **{k: pl.Int64 for k in COST_FIELDS}, "seconds": pl.Float64})
+        schema=polars_schema(ReplayCost))
     if not complete:
         return costs, None
     labels = pl.DataFrame(
@@ -252,15 +241,6 @@ def _tables(recs: list[Record], complete: bool) -> tuple[pl.DataFrame, pl.DataFr
          for k, v in enumerate(rec[side])],
         schema=polars_schema(ReplayLabel))
     return costs, labels
-
-
-def _reconnect(conn: _Env, connect: Callable[[], _Env]) -> _Env | None:
-    """A fresh copy of an environment whose pipe is gone or hung, or None if none starts."""
-    conn.close()
-    try:
-        return connect()
-    except UsageError:
-        return None
 
 
 def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int = 1,
@@ -287,7 +267,7 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
     tick = progress or (lambda done, total: None)
     is_http = env.startswith(("http://", "https://"))
 
-    def connect() -> _Env:
+    def connect() -> _Subprocess | _Http:
         return _Http(env) if is_http else _Subprocess(env)
 
     def worker() -> None:
@@ -310,11 +290,12 @@ def run_replays(plan_df: pl.DataFrame, env: str, log_path: Path, *, workers: int
                         failures.append(f"({req['rollout_id']!r}, step {req['step']}): {why}")
                         if ran[0] == 0 and len(failures) >= FAILURES_TO_STOP:
                             stop.set()
-                    if broken:
-                        fresh = _reconnect(conn, connect)
-                        if fresh is None:
+                    if broken:   # a pipe gone or hung: a fresh copy, or none if none starts
+                        conn.close()
+                        try:
+                            conn = connect()
+                        except UsageError:
                             return
-                        conn = fresh
                     continue
                 log.add({"id": req["id"], "rollout_id": req["rollout_id"], "step": req["step"],
                          "realized": ans["realized"], "resampled": ans["resampled"],

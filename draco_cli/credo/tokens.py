@@ -30,9 +30,7 @@ def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: 
     gap = beta * rollouts.select("rollout_id").join(
         credit.group_by("rollout_id").agg(pl.col("rloo").first()), on="rollout_id",
         how="left", maintain_order="left")["rloo"].fill_null(0.0).to_numpy()
-    ps = rollouts["policy_spans"].to_arrow()
-    ps = ps.combine_chunks() if isinstance(ps, pa.ChunkedArray) else ps
-    parent, pstart, pend = _policy_pairs(ps)
+    parent, pstart, pend = _policy_pairs(rollouts["policy_spans"].to_arrow())
     # Gap tokens = policy spans minus step ranges: cut each policy span around the steps
     # (a loop over the replayed rollouts, which CREDO keeps few).
     pieces: list[tuple[int, int, int, float]] = []   # rollout, start, end, value

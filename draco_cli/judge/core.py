@@ -22,8 +22,7 @@ from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, rend
 from draco_cli.schemas import VerdictRaw, polars_schema
 
 if TYPE_CHECKING:
-    from draco_cli.llm.drive import Client, Stage
-    from draco_cli.llm.types import Progress
+    from draco_cli.llm.drive import Stage
 
 
 class VerdictItem(BaseModel):
@@ -232,18 +231,6 @@ class ScoreResult:
     verdicts: pl.DataFrame
     stats: ScoreStats
     rollouts_without_rubric: int
-
-
-def score_rollouts(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, client: Client,
-                   *, samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
-                   sampling: Sampling | None = None, render: RenderOptions | None = None,
-                   batch: bool | None = False,
-                   progress: Callable[[Progress], None] | None = None) -> ScoreResult:
-    from draco_cli.llm.drive import drive
-
-    return drive(score_stage(rollouts, steps, rubrics, samples=samples, aggregate=aggregate,
-                             judge=judge, sampling=sampling, render=render), client,
-                 progress=progress, batch=batch)
 
 
 def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, *,

@@ -22,7 +22,6 @@ from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
 
 if TYPE_CHECKING:
-    from draco_cli.llm.client import LLMClient
     from draco_cli.judge.core import ScoreResult
     from draco_cli.llm.drive import Stage
 
@@ -37,7 +36,7 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
 
     Rollouts are scored in chunks of ``chunk_rollouts`` in file order (``llmstage``): memory
     follows the chunk, not the input; the tables are the same as from one pass over all."""
-    from draco_cli.judge.core import score_rollouts, score_stage
+    from draco_cli.judge.core import score_stage
 
     out = Path(out)
     targets = [out / "verdicts_raw.parquet", out / "verdicts.parquet"]
@@ -48,24 +47,19 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
     summary = _Summary()
 
-    def whole(client: LLMClient) -> ScoreResult:
-        return score_rollouts(r, s, rb, client, samples=samples, aggregate=aggregate,
-                              judge=judge_label, render=render, batch=settings.batch,
-                              progress=progress, sampling=sampling)
+    def whole() -> Stage[ScoreResult]:
+        return score_stage(r, s, rb, samples=samples, aggregate=aggregate, judge=judge_label,
+                           sampling=sampling, render=render)
 
     def chunks() -> tuple[Iterator[Stage[ScoreResult]], int]:
         size = max(1, chunk_rollouts)
         chunk = pl.int_range(0, r.height, dtype=pl.Int64, eager=True) // size
         judged = r["group_id"].is_in(rb["group_id"].unique().implode()).sum() * samples
-
-        def stages() -> Iterator[Stage[ScoreResult]]:
-            for cr, cs in chunk_frames(r, s, chunk):
-                mine = cr["group_id"].unique().implode()
-                yield score_stage(cr, cs, rb.filter(pl.col("group_id").is_in(mine)),
-                                  samples=samples, aggregate=aggregate, judge=judge_label,
-                                  sampling=sampling, render=render)
-
-        return stages(), int(judged)
+        return (score_stage(cr, cs, rb.filter(pl.col("group_id").is_in(
+                                cr["group_id"].unique().implode())),
+                            samples=samples, aggregate=aggregate, judge=judge_label,
+                            sampling=sampling, render=render)
+                for cr, cs in chunk_frames(r, s, chunk)), int(judged)
 
     def tables(res: ScoreResult) -> dict[str, pl.DataFrame]:
         summary.add(res)
@@ -147,25 +141,18 @@ def judge_prompt(rollouts: str | Path, steps: str | Path, rubrics: str | Path, *
     return render_messages(req.messages)
 
 
-def filtered_verdicts(rollouts: str | Path, verdicts: str | Path, *, drop: Drop = "all-pass",
-                      judge: str | None = None) -> pl.DataFrame:
-    """Aggregated verdicts of one judge with ``retained`` set by the discriminative filter,
-    ``group_id`` attached."""
-    from draco_cli.credit import attach_groups, discriminative_filter, narrow_judge
-
-    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
-    v = read_table(verdicts, VerdictAggregated)
-    v = narrow_judge(v, judge, source_name(verdicts))
-    return discriminative_filter(attach_groups(v, r, source_name(verdicts)), drop)
-
-
 def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,
                  drop: Drop = "all-pass", judge: str | None = None, force: bool = False
                  ) -> tuple[int, int]:
-    """The filtered verdicts → ``out`` (published whole, under the folder's lock); returns
-    (retained, all) (group, criterion) pairs."""
+    """The aggregated verdicts of one judge with ``retained`` set by the discriminative filter
+    → ``out`` (published whole, under the folder's lock); returns (retained, all) (group,
+    criterion) pairs."""
+    from draco_cli.credit import attach_groups, discriminative_filter, narrow_judge
+
     check_writable(out, force)
-    v = filtered_verdicts(rollouts, verdicts, drop=drop, judge=judge)
+    r = read_table(rollouts, Rollout, columns=["rollout_id", "group_id", "task_id"])
+    v = narrow_judge(read_table(verdicts, VerdictAggregated), judge, source_name(verdicts))
+    v = discriminative_filter(attach_groups(v, r, source_name(verdicts)), drop)
     publish_file(v.drop("group_id", "__r", strict=False), out, VerdictAggregated, force=force)
     pairs = v.unique(["group_id", "criterion_id"])
     return int(pairs["retained"].sum()), pairs.height

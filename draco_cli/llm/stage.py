@@ -19,6 +19,7 @@ from draco_cli.io import (STDIO, OutputSet, TableWriter, conform, folder_lock, p
                           read_table)
 from draco_cli.llm.calllog import CallLog, reader
 from draco_cli.llm.calllog_errors import retry_read
+from draco_cli.llm.drive import Stage, drive
 from draco_cli.llm.export import export_parquet
 from draco_cli.llm.providers import REGISTRY, batches_by_default, parse_model_id
 from draco_cli.redact import Redactor
@@ -27,7 +28,6 @@ from draco_cli.schemas import Rollout, Step, Table
 
 if TYPE_CHECKING:
     from draco_cli.llm.client import LLMClient
-    from draco_cli.llm.drive import Stage
     from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.types import PhaseStats
     from draco_cli.options import PromptOptions
@@ -225,7 +225,7 @@ async def _drive_chunk(stage: Stage[R], client: LLMClient, progress: _ChunkProgr
 
 
 def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettings,
-                  call_log: Path | None, *, whole: Callable[[LLMClient], R],
+                  call_log: Path | None, *, whole: Callable[[], Stage[R]],
                   chunks: Callable[[], tuple[Iterable[Stage[R]], int]],
                   tables_of: Callable[[R], dict[str, pl.DataFrame]], force: bool,
                   progress: Callable[[Any], None] | None) -> StageReport:
@@ -239,7 +239,7 @@ def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettin
     with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         if batching(settings):
-            res = whole(client)
+            res = drive(whole(), client, progress=progress, batch=settings.batch)
             finish(client, log_path, out, report)
             if not report.budget_reached:
                 with OutputSet(out, list(models), force=force) as output:

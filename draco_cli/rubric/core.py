@@ -11,7 +11,7 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from importlib import resources
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import polars as pl
 from pydantic import BaseModel, Field
@@ -26,8 +26,6 @@ from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, grou
                                      stage_messages)
 
 if TYPE_CHECKING:
-    from draco_cli.llm.drive import Client
-    from draco_cli.llm.types import Progress
     from draco_cli.llm.drive import Stage
 
 STAGES = ("generate", "union", "merge")
@@ -109,21 +107,12 @@ def _groups(rollouts: pl.DataFrame) -> list[tuple[str, str, list[str], str | Non
             for r in g.iter_rows(named=True)]
 
 
-def _steps_of(steps: pl.DataFrame) -> dict[str, pl.DataFrame]:
-    return {k[0]: v.sort("step") for k, v in steps.partition_by("rollout_id", as_dict=True).items()}
-
-
-def _drafts(answer: Answer) -> list[CriterionDraft]:
-    """The criteria of an answer whose status is ok (parsed as its CriteriaAnswer)."""
-    assert isinstance(answer.value, CriteriaAnswer)
-    return answer.value.criteria
-
-
 def stage_requests(rollouts: pl.DataFrame, steps: pl.DataFrame, stages: tuple[str, ...],
                    max_criteria: int, render: RenderOptions, sampling: Sampling
                    ) -> list[tuple[str, str, str | None, LLMRequest]]:
     """The generate and union requests: (stage, group_id, origin rollout or None, request)."""
-    by_rollout = _steps_of(steps)
+    by_rollout = {k[0]: v.sort("step")
+                  for k, v in steps.partition_by("rollout_id", as_dict=True).items()}
     empty = steps.clear()
     out: list[tuple[str, str, str | None, LLMRequest]] = []
     context_of = ContextBlocks(render.redactor)
@@ -202,20 +191,6 @@ def dedupe(criteria: list[dict[str, Any]]) -> list[dict[str, Any]]:
     return out
 
 
-def generate_rubrics(rollouts: pl.DataFrame, steps: pl.DataFrame, client: Client, *,
-                     stages: tuple[str, ...] = STAGES, max_criteria: int = 8,
-                     render: RenderOptions | None = None, sampling: Sampling | None = None,
-                     batch: bool | None = False,
-                     progress: Callable[[Progress], None] | None = None,
-                     pool: pl.DataFrame | None = None) -> RubricResult:
-    from draco_cli.llm.drive import drive
-
-    return drive(rubric_stage(rollouts, steps, stages=stages, max_criteria=max_criteria,
-                              render=render, sampling=sampling, pool=pool,
-                              warm=batch is False), client,
-                 progress=progress, batch=batch)
-
-
 def _cache_rounds(jobs: list[tuple[str, str, str | None, LLMRequest]]) -> list[list[int]]:
     """The jobs in the rounds that warm the provider's cache: one lead per task context (the
     first group's), then the other groups' leads, then the rest. A group's lead is the generate
@@ -268,7 +243,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
     for (stage, group_id, origin, _), [answer] in zip(jobs, answers):
         if answer.status != "ok":
             continue
-        for c in _drafts(answer)[: max_criteria * 2]:
+        for c in cast(CriteriaAnswer, answer.value).criteria[: max_criteria * 2]:  # status ok
             cand_rows.append({
                 "group_id": group_id,
                 "candidate_id": f"{stage}-" + hashlib.sha256(
@@ -298,7 +273,7 @@ def rubric_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, *,
         for (group_id, _), [answer] in zip(merge_jobs, answered):
             if answer.status == "ok":
                 merged[group_id] = dedupe([{**c.model_dump(), "source": "merge"}
-                                           for c in _drafts(answer)])
+                                           for c in cast(CriteriaAnswer, answer.value).criteria])
             else:
                 fallback.append(group_id)
     rows, missing, capped = [], [], 0

@@ -18,7 +18,6 @@ from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, RubricCandidate
 
 if TYPE_CHECKING:
-    from draco_cli.llm.client import LLMClient
     from draco_cli.llm.drive import Stage
     from draco_cli.rubric.core import RubricResult
 
@@ -33,7 +32,7 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
 
     Groups are written in chunks of about ``chunk_rollouts`` rollouts (``llmstage``): memory
     follows the chunk, not the input; the tables are the same as from one pass over all."""
-    from draco_cli.rubric.core import generate_rubrics, rubric_stage
+    from draco_cli.rubric.core import rubric_stage
 
     out = Path(out)
     targets = [out / "rubric_candidates.parquet", out / "rubrics.parquet"]
@@ -44,10 +43,9 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
     summary = _Summary()
 
-    def whole(client: LLMClient) -> RubricResult:
-        return generate_rubrics(r, s, client, stages=stages, max_criteria=max_criteria,
-                                render=render, progress=progress, batch=settings.batch,
-                                sampling=sampling, pool=pool)
+    def whole() -> Stage[RubricResult]:
+        return rubric_stage(r, s, stages=stages, max_criteria=max_criteria, render=render,
+                            sampling=sampling, pool=pool, warm=False)
 
     def chunks() -> tuple[Iterator[Stage[RubricResult]], int]:
         groups = r.group_by("group_id", maintain_order=True).agg(pl.len().alias("n"))
