@@ -53,14 +53,12 @@ class OutputExistsError(DracoError):
 
     def __init__(self, path: str) -> None:
         super().__init__(f"{path} already exists; pass --force to overwrite it")
-        self.path = path
 
 
 class ValidationFailed(DracoError):
     """A set of tables broke their contracts; carries every problem found."""
 
     def __init__(self, problems: list[str]) -> None:
-        self.problems = problems
         head = f"{len(problems)} problem(s) found"
         super().__init__(head + ":\n" + "\n".join(f"  - {p}" for p in problems))
 

@@ -8,7 +8,6 @@ read-only `draco sql`".
 from __future__ import annotations
 
 import json
-import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -22,9 +21,6 @@ from draco_cli.run.folder import TABLES, RunFolder
 if TYPE_CHECKING:
     import duckdb  # imported where used: `draco sql` alone needs it
 
-# The run folder's own tables, by the name a query uses. Anything else found in a run folder
-# (audit outputs, future stages) is added under its file name.
-KNOWN = TABLES
 CALL_LOG = "llm_calls.sqlite"
 # Per-stage Parquet exports of the call log: the SQLite log itself is the complete one.
 SKIP = {"llm_calls"}
@@ -63,22 +59,18 @@ def _manifest(folder: Path) -> dict[str, Any] | None:
 
 
 def read_call_log(path: Path) -> pa.Table:
-    try:
-        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
-        try:
-            cur = conn.execute("SELECT * FROM calls")
-            names = [d[0] for d in cur.description]
-            import polars as pl
+    import polars as pl
 
-            # In blocks: Python row tuples of a large log would cost many times its bytes.
-            parts = []
-            while rows := cur.fetchmany(10_000):
-                parts.append(pl.DataFrame(rows, schema=names, orient="row",
-                                          infer_schema_length=None).to_arrow())
-        finally:
-            conn.close()
-    except sqlite3.DatabaseError as exc:
-        raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
+    from draco_cli.llm.calllog import read_only
+
+    with read_only(path) as (conn, _):
+        cur = conn.execute("SELECT * FROM calls")
+        names = [d[0] for d in cur.description]
+        # In blocks: Python row tuples of a large log would cost many times its bytes.
+        parts = []
+        while rows := cur.fetchmany(10_000):
+            parts.append(pl.DataFrame(rows, schema=names, orient="row",
+                                      infer_schema_length=None).to_arrow())
     if not parts:
         return pl.DataFrame(schema=names).to_arrow() if names else pa.table({})
     return pa.concat_tables(parts, promote_options="permissive")
@@ -153,7 +145,9 @@ def _add_folder(cat: Catalog, folder: Path, call_totals: bool) -> None:
     step = m.get("train_step") if m else None
     run_folder = RunFolder.open(folder) if RunFolder.is_run_folder(folder) else None
     found = _manifest_inputs(folder, run_folder, cat.notes)
-    for name, rel in KNOWN.items():
+    # the run folder's own tables, by the name a query uses; anything else found in a run
+    # folder (audit outputs, future stages) is added under its file name
+    for name, rel in TABLES.items():
         if (folder / rel).exists():
             found[name] = folder / rel
     for p in sorted(folder.rglob("*.parquet")):
@@ -220,16 +214,15 @@ def _ident(name: str) -> str:
     return '"' + name.replace('"', '""') + '"'
 
 
-def connect(cat: Catalog, database: str = ":memory:",
-            read_only: bool = True) -> duckdb.DuckDBPyConnection:
+def connect(cat: Catalog, read_only: bool = True) -> duckdb.DuckDBPyConnection:
     """A DuckDB connection with one view per table name, unioned by column name across
     inputs, with ``train_step`` and ``run`` columns. ``read_only``: queries read only the
     inputs (``cat.roots``, the tables' files; the current folder when no path was given) and
     write nothing (docs/sql.md, "Read-only by default")."""
     import duckdb
 
-    con = duckdb.connect(database, config={"autoinstall_known_extensions": False,
-                                           "autoload_known_extensions": False}
+    con = duckdb.connect(":memory:", config={"autoinstall_known_extensions": False,
+                                             "autoload_known_extensions": False}
                          if read_only else {})
     by_name: dict[str, list[Source]] = {}
     for s in cat.sources:
@@ -320,12 +313,8 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table | None:
     _refuse_writes(con, sql)
     try:
         rel = con.sql(sql)
-    except duckdb.Error as exc:
-        raise UsageError(_sql_error(exc)) from None
-    if rel is None:
-        return None
-    try:
-        table: pa.Table = rel.to_arrow_table()  # duckdb's stubs leave pyarrow types as Any
+        # duckdb's stubs leave pyarrow types as Any
+        table: pa.Table | None = None if rel is None else rel.to_arrow_table()
     except duckdb.Error as exc:
         raise UsageError(_sql_error(exc)) from None
     return table

@@ -31,10 +31,6 @@ class StorageError(DracoError):
     """A remote path that cannot be read or written: missing bucket, credentials, endpoint."""
 
 
-def is_remote(value: str | os.PathLike[str]) -> bool:
-    return bool(REMOTE.match(str(value)))
-
-
 def cache_root() -> Path:
     root = os.environ.get("DRACO_CACHE_DIR")
     if root:
@@ -328,7 +324,7 @@ def stage(value: str, kind: Kind = "input") -> str:
         from urllib.parse import unquote, urlparse
 
         return unquote(urlparse(value).path)
-    if not is_remote(value):
+    if not REMOTE.match(value):
         return value
     staging = current.get(None)
     if staging is None:   # outside draco's main: the caller publishes current.get()

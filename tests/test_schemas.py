@@ -4,7 +4,7 @@ import json
 
 import pyarrow as pa
 
-from draco_cli.schema_export import render_json_schemas
+from draco_cli.cli.schema import render_json_schemas
 from draco_cli.schemas import TABLES, Rollout, Step, TokenAdvantages, arrow_schema
 from tests.conftest import REPO
 

@@ -49,7 +49,6 @@ class StageEvent:
     cost_usd: float | None = 0.0  # None: unpriced
     priced: bool = True          # False: the model has no price, its cost says "unpriced"
     seconds: float = 0.0
-    unanswered: int = 0
     answered: Answered | None = None   # LLM stages: the stage's one answered figure
     reasons: dict[str, int] = field(default_factory=dict)
     notes: list[str] = field(default_factory=list)
@@ -62,7 +61,6 @@ class RunResult:
     skipped: list[str]
     budget_reached: bool = False
     healthy: bool = True
-    events: list[StageEvent] = field(default_factory=list)
 
 
 def _key(*parts: Any) -> str:
@@ -144,7 +142,6 @@ class _Run:
         self.t0 = time.perf_counter()
         self.stages: dict[str, StageRecord] = {}
         self.skipped: list[str] = []
-        self.events: list[StageEvent] = []
         self.forced = False
         self.inputs = {"rollouts": input_record(rollouts, folder.path),
                        "steps": input_record(steps, folder.path)}
@@ -238,12 +235,13 @@ class _Run:
                 prev.status == "done" and all(p.exists() for p in outputs):
             self.stages[name] = prev
             self.skipped.append(name)
-            self._emit(StageEvent(name, "reused", status="done", rows=getattr(prev, "rows", None),
-                                  seconds=prev.seconds or 0.0))
+            self.on_event(StageEvent(name, "reused", status="done",
+                                     rows=getattr(prev, "rows", None),
+                                     seconds=prev.seconds or 0.0))
             return prev
         self.stages[name] = StageRecord(key=key, status="running")
         self._write("running")
-        self._emit(StageEvent(name, "start"))
+        self.on_event(StageEvent(name, "start"))
         t = time.perf_counter()
         from draco_cli.llm.stage import log_position
 
@@ -254,20 +252,16 @@ class _Run:
         self.stages[name] = rec
         self._write("running")
         ev = getattr(rec, "calls", None) or {}
-        self._emit(StageEvent(name, "end", status=rec.status, rows=getattr(rec, "rows", None),
-                              calls_new=ev.get("calls_new", 0),
-                              calls_reused=ev.get("calls_reused", 0),
-                              cost_usd=ev.get("cost_usd", 0.0),
-                              priced=ev.get("priced", True), seconds=rec.seconds,
-                              unanswered=ev.get("unanswered", 0),
-                              answered=stage_figure(getattr(rec, "health", None)),
-                              reasons=dict((getattr(rec, "health", None) or {}).get("reasons", {})),
-                              notes=list(rec.notes)))
+        health = getattr(rec, "health", None)
+        self.on_event(StageEvent(name, "end", status=rec.status, rows=getattr(rec, "rows", None),
+                                 calls_new=ev.get("calls_new", 0),
+                                 calls_reused=ev.get("calls_reused", 0),
+                                 cost_usd=ev.get("cost_usd", 0.0),
+                                 priced=ev.get("priced", True), seconds=rec.seconds,
+                                 answered=stage_figure(health),
+                                 reasons=dict((health or {}).get("reasons", {})),
+                                 notes=list(rec.notes)))
         return rec
-
-    def _emit(self, event: StageEvent) -> None:
-        self.events.append(event)
-        self.on_event(event)
 
     # -- keys: options + contents of what each stage reads ----------------------------------
 
@@ -322,22 +316,23 @@ class _Run:
             return StageRecord(key="", status="done", kind="static", criteria=n * groups,
                                rows=n * groups)
         assert self.llm is not None
-        from draco_cli.run import ray_engine   # imports ray itself only for --engine ray
-
-        work = partial(ray_engine.rubric_work, self.llm, self.opts.rubric.max_criteria,
-                       self.render, self.opts.prompt.max_tokens)
-        return self._llm_stage("rubric", work, None, kind="dynamic")
+        work = partial(st.rubric_generate, settings=self.llm,
+                       stages=("generate", "union", "merge"),
+                       max_criteria=self.opts.rubric.max_criteria, render=self.render,
+                       max_tokens=self.opts.prompt.max_tokens, force=True)
+        return self._llm_stage("rubric", work, kind="dynamic")
 
     def _judge(self) -> StageRecord:
-        from draco_cli.run import ray_engine
+        from draco_cli.judge import stage as judge_stage
 
         j = self.opts.judge
-        work = partial(ray_engine.judge_work, self._judge_llm(), j.samples, j.aggregate,
-                       j.judge_label, self.render, self.opts.prompt.max_tokens)
-        return self._llm_stage("judge", work, self.folder.table("rubrics"))
+        work = partial(judge_stage.judge_score, rubrics=self.folder.table("rubrics"),
+                       settings=self._judge_llm(), samples=j.samples, aggregate=j.aggregate,
+                       judge_label=j.judge_label, render=self.render,
+                       max_tokens=self.opts.prompt.max_tokens, force=True)
+        return self._llm_stage("judge", work)
 
-    def _llm_stage(self, name: str, work: partial[StageReport], rubrics: Path | None,
-                   **extra: Any) -> StageRecord:
+    def _llm_stage(self, name: str, work: partial[StageReport], **extra: Any) -> StageRecord:
         """An LLM stage into ``run/<name>``: here, or on the Ray cluster by partitions of
         whole groups (``--engine ray``)."""
         if not self.inputs_checked:   # what the credit stage would refuse, before any call
@@ -350,10 +345,10 @@ class _Run:
 
             report = ray_engine.run_stage(name, self.rollouts, self.steps, self.folder.path,
                                           self.log, work, partitions=self.opts.partitions,
-                                          address=self.opts.ray_address, rubrics=rubrics)
+                                          address=self.opts.ray_address)
         else:
-            report = work(self.rollouts, self.steps, self.folder.path / name, self.log, rubrics,
-                          progress=self.progress)
+            report = work(self.rollouts, self.steps, out=self.folder.path / name,
+                          call_log=self.log, progress=self.progress)
         return self._llm_record(name, report, **extra)
 
     def _llm_record(self, name: str, report: StageReport, **extra: Any) -> StageRecord:
@@ -454,5 +449,4 @@ class _Run:
             status = "done"
         manifest = self._write(status)
         return RunResult(self.folder.path, manifest.model_dump(mode="json"), self.skipped,
-                         budget_reached=stopped == "budget reached", healthy=health.ok,
-                         events=self.events)
+                         budget_reached=stopped == "budget reached", healthy=health.ok)

@@ -10,9 +10,9 @@ import hashlib
 import pickle
 import sqlite3
 from dataclasses import fields
+from functools import partial
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
-from collections.abc import Callable
 
 import polars as pl
 import pyarrow as pa
@@ -21,16 +21,10 @@ import pyarrow.compute  # noqa: F401  (pa.compute)
 from draco_cli.errors import DracoError, UsageError
 
 if TYPE_CHECKING:
-    from draco_cli.choices import Aggregate
-    from draco_cli.llm.settings import LLMSettings
     from draco_cli.llm.stage import StageReport
-    from draco_cli.prompts.render import RenderOptions
     from draco_cli.schemas import Table
 
 PART = "__draco_partition"
-
-# A stage's work on one partition: (rollouts, steps, out folder, call log, rubrics) -> report.
-StageWork = Callable[[Path, Path, Path, Path, "Path | None"], "StageReport"]
 
 
 def _ray() -> Any:   # the ray module: untyped (no stubs), Any is its boundary
@@ -77,11 +71,12 @@ def partition_of(group_id: str, partitions: int) -> int:
     return int(hashlib.sha256(group_id.encode()).hexdigest()[:8], 16) % partitions
 
 
-def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work: StageWork, *,
-                   partitions: int | None, address: str | None, main_log: Path,
-                   rubrics: Path | None = None) -> list[tuple[int, StageReport]]:
-    """Run ``work(part_rollouts_path, part_steps_path, part_dir, part_log, rubrics)`` for
-    each partition on the cluster; return the partitions' reports in partition order.
+def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path,
+                   work: partial[StageReport], *, partitions: int | None, address: str | None,
+                   main_log: Path) -> list[tuple[int, StageReport]]:
+    """Run ``work(part_rollouts, part_steps, out=part_dir, call_log=part_log)`` (a partial of
+    the stage's function) for each partition on the cluster; return the partitions' reports
+    in partition order.
     ``partitions`` None: as many as the cluster has CPUs (why: docs/run.md, "Partitions")."""
     ray = _ray()
     connect(address)
@@ -94,30 +89,36 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work:
     part_of = [partition_of(g, partitions) for g in gids]
     table = table.append_column(PART, pa.array(part_of, pa.int32()))
     root = Path(run_dir).absolute() / "ray"
-    steps, rubrics = Path(steps).absolute(), rubrics and Path(rubrics).absolute()
+    steps = Path(steps).absolute()
+    if "rubrics" in work.keywords:
+        work = partial(work, rubrics=Path(work.keywords["rubrics"]).absolute())
     present = sorted(set(part_of))
     seed_partition_logs(main_log, run_dir, table)
     work = share_limits(work, min(len(present), cluster_cpus()))
+    # The dataset's blocks are the partitions, split on the driver, each one map task (not
+    # a Ray Data groupby: docs/run.md, "Partitions").
+    blocks = [table.filter(pa.compute.equal(table.column(PART), pa.scalar(part, pa.int32())))
+              for part in present]
+    rows_of = {part: b.num_rows for part, b in zip(present, blocks)}
 
     def one(batch: pa.Table) -> pa.Table:
         part = batch.column(PART)[0].as_py()
+        # a batch must be a whole partition (batch_size=None maps one block as one batch; a
+        # block Ray had split would make two tasks write one partition's folder)
+        if batch.num_rows != rows_of[part]:
+            raise DracoError(f"--engine ray: partition {part} arrived as {batch.num_rows} of "
+                             f"its {rows_of[part]} rows (Ray split its block)")
         d = root / f"part-{part}"
         d.mkdir(parents=True, exist_ok=True)
         r = as_frame(batch.drop_columns([PART]))
         r.write_parquet(d / f"{stage}-rollouts.parquet")
         s = pl.read_parquet(steps).filter(pl.col("rollout_id").is_in(r["rollout_id"].implode()))
         s.write_parquet(d / f"{stage}-steps.parquet")
-        report = work(d / f"{stage}-rollouts.parquet", d / f"{stage}-steps.parquet", d / stage,
-                      d / "llm_calls.sqlite", rubrics)
+        report = work(d / f"{stage}-rollouts.parquet", d / f"{stage}-steps.parquet",
+                      out=d / stage, call_log=d / "llm_calls.sqlite")
         return pa.table({"part": [part], "report": [pickle.dumps(report)]})
 
-    # The dataset's blocks are the partitions, split on the driver, each one map task (not
-    # a Ray Data groupby: docs/run.md, "Partitions").
-    blocks = [table.filter(pa.compute.equal(table.column(PART), pa.scalar(part, pa.int32())))
-              for part in present]
-    rows_of = {part: b.num_rows for part, b in zip(present, blocks)}
-    ds = ray.data.from_arrow(blocks).map_batches(whole(one, rows_of), batch_size=None,
-                                                 batch_format="pyarrow")
+    ds = ray.data.from_arrow(blocks).map_batches(one, batch_size=None, batch_format="pyarrow")
     try:
         rows = ds.take_all()
     except DracoError:
@@ -136,40 +137,22 @@ def run_partitions(stage: str, rollouts: Path, steps: Path, run_dir: Path, work:
     return [(row["part"], pickle.loads(row["report"])) for row in rows]
 
 
-def whole(one: Callable[[pa.Table], pa.Table], rows_of: dict[int, int]
-          ) -> Callable[[pa.Table], pa.Table]:
-    """``one`` for a batch that must be a whole partition (batch_size=None maps one block as
-    one batch; a block Ray had split would make two tasks write one partition's folder)."""
-    def checked(batch: pa.Table) -> pa.Table:
-        part = batch.column(PART)[0].as_py()
-        if batch.num_rows != rows_of[part]:
-            raise DracoError(f"--engine ray: partition {part} arrived as {batch.num_rows} of "
-                             f"its {rows_of[part]} rows (Ray split its block)")
-        return one(batch)
-    return checked
-
-
 def cluster_cpus() -> int:
     """CPUs of the cluster joined: how many partitions run at once."""
     ray = _ray()
     return max(1, int(ray.cluster_resources().get("CPU", 1)))
 
 
-def share_limits(work: StageWork, slots: int) -> StageWork:
+def share_limits(work: partial[StageReport], slots: int) -> partial[StageReport]:
     """``work`` with its LLM settings' limits shared among the ``slots`` partitions that run
     at once (docs/run.md, "Limits are the run's, not each partition's")."""
     from dataclasses import replace
-    from functools import partial
 
-    from draco_cli.llm.settings import LLMSettings
-
-    if not (isinstance(work, partial) and work.args and isinstance(work.args[0], LLMSettings)):
-        return work
-    llm = work.args[0]
+    llm = work.keywords["settings"]
     shared = replace(llm, concurrency=max(1, -(-llm.concurrency // slots)),
                      rpm=llm.rpm and llm.rpm / slots, tpm=llm.tpm and llm.tpm / slots,
                      max_cost=llm.max_cost and llm.max_cost / slots)
-    return partial(work.func, shared, *work.args[1:], **work.keywords)
+    return partial(work, settings=shared)
 
 
 def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> None:
@@ -212,8 +195,6 @@ def seed_partition_logs(main_log: Path, run_dir: Path, table: pa.Table) -> None:
                 con.execute("DETACH DATABASE m")
             finally:
                 con.close()
-            main.execute("CREATE TABLE IF NOT EXISTS ray_merged (part TEXT PRIMARY KEY, "
-                         "last_id INTEGER)")
             main.execute("INSERT OR REPLACE INTO ray_merged VALUES (?, ?)", (d.name, top))
         main.commit()
     finally:
@@ -255,7 +236,7 @@ def union_tables(parts: list[tuple[int, StageReport]], names: list[str]
 def merge_call_logs(run_dir: Path, main_log: Path) -> None:
     """Copy the partitions' call-log rows the run's log does not hold yet into it (a
     partition's rows are copied once: the highest id copied is remembered per partition)."""
-    from draco_cli.llm.calllog import COLUMNS, CallLog
+    from draco_cli.llm.calllog import COLUMNS, CallLog, read_only
 
     with CallLog(main_log):   # creates / migrates the main log
         pass
@@ -268,14 +249,10 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> None:
             key = str(log.parent.name)
             last = (con.execute("SELECT last_id FROM ray_merged WHERE part = ?", (key,))
                     .fetchone() or [0])[0]
-            src = sqlite3.connect(f"file:{log}?mode=ro", uri=True)
-            try:
-                have = {r[1] for r in src.execute("PRAGMA table_info(calls)")}
+            with read_only(log) as (src, have):
                 cols = [c for c in COLUMNS if c in have]
                 rows = src.execute(f"SELECT id, {', '.join(cols)} FROM calls WHERE id > ? "
                                    "ORDER BY id", (last,)).fetchall()
-            finally:
-                src.close()
             if rows:
                 con.executemany(f"INSERT INTO calls ({', '.join(cols)}) VALUES "
                                 f"({', '.join('?' * len(cols))})", [r[1:] for r in rows])
@@ -284,30 +261,6 @@ def merge_call_logs(run_dir: Path, main_log: Path) -> None:
         con.commit()
     finally:
         con.close()
-
-
-def rubric_work(llm: LLMSettings, max_criteria: int, render: RenderOptions, max_tokens: int,
-                rollouts: Path, steps: Path, out: Path, log: Path, rubrics: Path | None,
-                progress: Callable[..., None] | None = None) -> StageReport:
-    """The rubric stage of ``draco run`` over ``rollouts`` (a partition's, on the cluster)."""
-    from draco_cli.rubric import stage as st
-
-    return st.rubric_generate(rollouts, steps, out, llm, stages=("generate", "union", "merge"),
-                              max_criteria=max_criteria, render=render, max_tokens=max_tokens,
-                              call_log=log, force=True, progress=progress)
-
-
-def judge_work(llm: LLMSettings, samples: int, aggregate: Aggregate, judge_label: str,
-               render: RenderOptions, max_tokens: int, rollouts: Path, steps: Path, out: Path,
-               log: Path, rubrics: Path | None, progress: Callable[..., None] | None = None
-               ) -> StageReport:
-    """The judge stage of ``draco run`` (likewise)."""
-    from draco_cli.judge import stage as st
-
-    assert rubrics is not None, "the judge stage reads the rubric stage's rubrics"
-    return st.judge_score(rollouts, steps, rubrics, out, llm, samples=samples,
-                          aggregate=aggregate, judge_label=judge_label, render=render,
-                          max_tokens=max_tokens, call_log=log, force=True, progress=progress)
 
 
 def in_input_order(df: pl.DataFrame, key: str, order: list[str]) -> pl.DataFrame:
@@ -320,8 +273,8 @@ def in_input_order(df: pl.DataFrame, key: str, order: list[str]) -> pl.DataFrame
 
 
 def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: Path,
-              work: StageWork, *, partitions: int | None, address: str | None,
-              rubrics: Path | None = None) -> StageReport:
+              work: partial[StageReport], *, partitions: int | None, address: str | None
+              ) -> StageReport:
     """One LLM stage on the cluster, its union written into ``run_dir/<stage>``; returns the
     merged StageReport (``outputs`` in the run folder)."""
     from draco_cli.io import OutputSet, read_arrow
@@ -329,7 +282,7 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
 
     parts = run_partitions(stage, rollouts, steps, run_dir, work, partitions=partitions,
-                           address=address, rubrics=rubrics, main_log=main_log)
+                           address=address, main_log=main_log)
     merge_call_logs(run_dir, main_log)
     report = merge_reports(parts)
     out = Path(run_dir) / stage
@@ -337,13 +290,11 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     if stage == "rubric":
         names = {"rubric_candidates.parquet": RubricCandidate, "rubrics.parquet": Rubric}
         key = "group_id"
-        order = cast("list[str]", read_arrow(rollouts, ["group_id"]).column("group_id").to_pylist())
     else:
         names = {"verdicts_raw.parquet": VerdictRaw, "verdicts.parquet": VerdictAggregated}
         key = "rollout_id"
-        order = cast("list[str]",
-                     read_arrow(rollouts, ["rollout_id"]).column("rollout_id").to_pylist())
-    order = list(dict.fromkeys(order))
+    order = list(dict.fromkeys(cast("list[str]",
+                                    read_arrow(rollouts, [key]).column(key).to_pylist())))
     report.outputs = [out / n for n in names]
     out.mkdir(parents=True, exist_ok=True)
     export_parquet(main_log, out / "llm_calls.parquet", force=True)
