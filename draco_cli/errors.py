@@ -68,6 +68,12 @@ class OutputError(DracoError):
     published, and what existed before is as it was."""
 
 
+class Interrupted(DracoError):
+    """Stopped by Ctrl-C; the message says how to resume. Exit code 130."""
+
+    exit_code = 130
+
+
 # One wording per OSError family, used at the command-line edge and where a write knows its
 # path: new commands inherit it without a line of their own.
 _OS_ERRORS = {

@@ -213,3 +213,18 @@ def test_every_option_the_docs_show_exists():
             if not any(option in p.opts + p.secondary_opts for p in cmd.params):
                 unknown.append(f"{doc.name}: draco {' '.join(words)} {option}")
     assert checked > 200 and unknown == []
+
+
+def test_ctrl_c_in_any_command_says_so(monkeypatch, tmp_path):
+    """typer turns Ctrl-C into exit code 130 before draco's handler sees it: the one line
+    must come all the same (it came for `draco run` alone)."""
+    import draco_cli.cli.schema as schema_cli
+
+    def interrupted(*_a, **_k):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(schema_cli, "render_json_schemas", interrupted)
+    res = run_draco("schema", "export", str(tmp_path / "s"))
+    assert res.returncode == 130
+    assert res.stderr.decode().strip() == \
+        "error: interrupted (nothing was published; rerun to resume)"

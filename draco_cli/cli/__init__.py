@@ -96,6 +96,8 @@ def main() -> None:
         # Not standalone: usage errors come out here too, so every error has one style.
         code = command()(args=sys.argv[1:], standalone_mode=False)
         code = code if isinstance(code, int) else 0
+        if code == 130:   # typer turns Ctrl-C into this exit code before `except` below sees it
+            _fail("interrupted (nothing was published; rerun to resume)", 130)
         if code == 0:
             staged.publish()
         sys.exit(code)

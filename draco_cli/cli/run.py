@@ -10,6 +10,7 @@ from draco_cli.cli import llmrun
 from draco_cli.cli.console import err_console, remote_named
 from draco_cli.cli.output import Format, Json, Report, emit, pick_format
 from draco_cli.cli.credit import DropoutSeedOpt, RubricDropoutOpt
+from draco_cli.errors import Interrupted
 from draco_cli.choices import (STAGES, CreditKind, Drop, Estimator, RewardSource, Setting,
                                StdMode, TokenForm)
 from draco_cli.cli.options import (OUT, CallLogPath, credit_option, llm_option, spot_option,
@@ -148,9 +149,8 @@ def run(
                               gold=gold)
     except KeyboardInterrupt:
         log = call_log or run_dir / "llm_calls.sqlite"
-        err_console.print(f"interrupted: rerun the same command to resume (answered calls are "
-                          f"kept in {log}; none is paid twice)", highlight=False)
-        raise typer.Exit(130) from None
+        raise Interrupted(f"interrupted: rerun the same command to resume (answered calls are "
+                          f"kept in {log}; none is paid twice)") from None
     _summary(result, run_dir, fmt_name)
 
 
