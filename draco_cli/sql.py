@@ -118,8 +118,10 @@ def catalog(paths: list[Path], stdin: pa.Table | None = None, stdin_name: str = 
         if not folder.exists():
             raise InputError("no such file or folder", file=str(folder))
         cat.roots.append(folder)
-        if folder.is_file():
-            cat.sources.append(_file_source(folder, call_totals))
+        if folder.suffix == ".sqlite" and folder.is_file():
+            cat.sources.append(_call_source(folder, None, str(folder), call_totals))
+        elif folder.is_file():
+            cat.sources.append(Source(folder.stem, folder, None, str(folder)))
         else:
             _add_folder(cat, folder, call_totals)
     return cat
@@ -129,12 +131,6 @@ def _call_source(log: Path, step: int | None, run: str, call_totals: bool) -> So
     if call_totals:
         return Source("call_totals", None, step, run, read_call_totals(log))
     return Source("calls", None, step, run, read_call_log(log))
-
-
-def _file_source(path: Path, call_totals: bool) -> Source:
-    if path.suffix == ".sqlite":
-        return _call_source(path, None, str(path), call_totals)
-    return Source(path.stem, path, None, str(path))
 
 
 def _add_folder(cat: Catalog, folder: Path, call_totals: bool) -> None:
@@ -316,15 +312,11 @@ def run_query(con: duckdb.DuckDBPyConnection, sql: str) -> pa.Table | None:
         # duckdb's stubs leave pyarrow types as Any
         table: pa.Table | None = None if rel is None else rel.to_arrow_table()
     except duckdb.Error as exc:
-        raise UsageError(_sql_error(exc)) from None
+        text = f"SQL: {_first_line(str(exc))}"
+        if "disabled by configuration" in text or "configuration has been locked" in text:
+            text += f" ({UNLOCK})"
+        raise UsageError(text) from None
     return table
-
-
-def _sql_error(exc: Exception) -> str:
-    text = f"SQL: {_first_line(str(exc))}"
-    if "disabled by configuration" in text or "configuration has been locked" in text:
-        text += f" ({UNLOCK})"
-    return text
 
 
 def _first_line(text: str) -> str:

@@ -468,7 +468,8 @@ def test_kill_9_during_force_keeps_a_whole_set(sample, tmp_path, references):
             # killed between two renames: validate says so, the next writer completes it
             res = run_draco("validate", str(out))
             assert res.returncode == 1 and "publication was interrupted" in res.stderr.decode()
-            from draco_cli.io import folder_lock, recover_folder
+            from draco_cli.io import folder_lock
+            from draco_cli.io.outputs import recover_folder
 
             with folder_lock(out):
                 assert recover_folder(out)

@@ -194,7 +194,8 @@ def test_kill_9_leaves_the_old_set_or_the_new_one(run, constant_verdicts, refere
         if (tmp_path / ".draco-publish.json").exists():
             res = run_draco("validate", str(tmp_path))
             assert res.returncode == 1 and "publication was interrupted" in res.stderr.decode()
-            from draco_cli.io import folder_lock, recover_folder
+            from draco_cli.io import folder_lock
+            from draco_cli.io.outputs import recover_folder
 
             with folder_lock(tmp_path):
                 assert recover_folder(tmp_path)

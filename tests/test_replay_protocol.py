@@ -356,7 +356,8 @@ def test_kill_9_of_replay_correct_force_leaves_one_whole_set(planned, tmp_path):
         p.wait(timeout=30)
         kills += 1
         if (out / ".draco-publish.json").exists():  # killed between two renames
-            from draco_cli.io import folder_lock, recover_folder
+            from draco_cli.io import folder_lock
+            from draco_cli.io.outputs import recover_folder
 
             with folder_lock(out):
                 assert recover_folder(out)

@@ -6,7 +6,7 @@ import pytest
 from draco_cli.errors import InputError
 from draco_cli.io import read_table, write_table
 from draco_cli.schemas import Rollout, Step
-from draco_cli.validate import validate_paths
+from draco_cli.validate.folder import validate_paths
 
 
 def rollouts(**over):

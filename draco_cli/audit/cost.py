@@ -338,19 +338,16 @@ def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = 
         elif steps is not None and "n_tokens" in steps.columns:
             tokens = int(steps["n_tokens"].sum())
         rows.append({"category": "original", "tokens": tokens,
-                     "env_actions": steps.height if steps is not None else None,
-                     "llm_calls": None, "cost_usd": None})
+                     "env_actions": steps.height if steps is not None else None})
     if replay_costs is not None:
         rc = replay_costs
         rows.append({"category": "replay", "tokens": int(rc["tokens"].sum()),
-                     "env_actions": int(rc["env_actions"].sum()), "llm_calls": None,
-                     "cost_usd": None})
+                     "env_actions": int(rc["env_actions"].sum())})
         if "reconstruction_tokens" in rc.columns:
             rows.append({"category": "reconstruction",
                          "tokens": int(rc["reconstruction_tokens"].sum()),
                          "env_actions": int(rc["reconstruction_actions"].sum())
-                         if "reconstruction_actions" in rc.columns else None,
-                         "llm_calls": None, "cost_usd": None})
+                         if "reconstruction_actions" in rc.columns else None})
     if calls is not None and calls.height:
         tok = [c for c in ("input_tokens", "output_tokens", "reasoning_tokens")
                if c in calls.columns]
@@ -364,7 +361,7 @@ def cost_categories(calls: pl.DataFrame | None, rollouts: pl.DataFrame | None = 
             http.sum().alias("llm_calls"), _dollars())
         for r in per.iter_rows(named=True):
             rows.append({"category": r["category"], "tokens": int(r["tokens"]),
-                         "env_actions": None, "llm_calls": int(r["llm_calls"]),
+                         "llm_calls": int(r["llm_calls"]),
                          "cost_usd": None if r["cost_usd"] is None else float(r["cost_usd"])})
     order = {c: i for i, c in enumerate(CATEGORY_ORDER)}
     rows.sort(key=lambda r: (order.get(r["category"], len(order)), r["category"]))

@@ -180,9 +180,13 @@ def step_figures(verdicts: pl.DataFrame, rollouts: pl.DataFrame,
 def health_of(steps: pl.DataFrame, crit: pl.DataFrame, *, spot: bool, alpha: float = ALPHA,
               min_steps: int = MIN_STEPS) -> JudgeHealth:
     """The trends and flags over ``step_figures``' tables (``spot``: spot checks were given)."""
-    trends = [_run_trend(steps, alpha, min_steps)]
-    if spot:
-        p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
+    p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
+    o_t = trend(list(zip(steps["train_step"], steps["outcome_rate"], steps["outcome_n"])))
+    a_t = trend(list(zip(steps["train_step"], steps["agreement"], steps["pairs"])))
+    run = _scope_row("run", None, None, steps.filter(pl.col("verdicts") > 0), p_t, o_t, p_t.p,
+                     alpha, min_steps)
+    trends = [run | {"agreement_slope": a_t.slope, "agreement_p": a_t.p}]
+    if spot:   # the run's pass-rate trend beside the agreement with the gold judge
         trends.append(spot_scope_row(steps, p_t, alpha, min_steps))
     rows = []
     for (c,), g in crit.filter(pl.col("n") > 0).group_by("criterion", maintain_order=True):
@@ -196,16 +200,6 @@ def health_of(steps: pl.DataFrame, crit: pl.DataFrame, *, spot: bool, alpha: flo
                                  min_steps))
     return JudgeHealth(steps, crit, pl.DataFrame(trends, schema=TREND_SCHEMA), alpha,
                        min_steps)
-
-
-def _run_trend(steps: pl.DataFrame, alpha: float, min_steps: int) -> dict[str, Any]:
-    p_t = trend(list(zip(steps["train_step"], steps["pass_rate"], steps["verdicts"])))
-    o_t = trend(list(zip(steps["train_step"], steps["outcome_rate"], steps["outcome_n"])))
-    a_t = trend(list(zip(steps["train_step"], steps["agreement"], steps["pairs"])))
-    g = steps.filter(pl.col("verdicts") > 0)
-    row = _scope_row("run", None, None, g, p_t, o_t, p_t.p, alpha, min_steps)
-    row.update(agreement_slope=a_t.slope, agreement_p=a_t.p)
-    return row
 
 
 def _scope_row(scope: str, criterion: str | None, title: str | None, g: pl.DataFrame,

@@ -10,10 +10,10 @@ from typing import Any
 import polars as pl
 
 from draco_cli.errors import InputError
+from draco_cli.ingest.agentprocessbench import LABELS, label_value
 
 COLUMNS = {"rollout_id": pl.String, "step": pl.Int64, "label": pl.Int64, "labeler": pl.String,
            "reason": pl.String, "row": pl.String, "file": pl.String}
-LABELS = (-1, 0, 1)
 
 
 def split_spec(spec: str) -> tuple[str | None, Path]:
@@ -64,12 +64,6 @@ def _table(path: Path, name: str | None) -> pl.DataFrame:
     return out.drop("i")
 
 
-def _label(value: Any) -> int | None:
-    if isinstance(value, bool) or not isinstance(value, (int, float)):
-        return None
-    return int(value) if value in LABELS else None
-
-
 def _record_id(raw: dict[str, Any]) -> str | None:
     if isinstance(raw.get("record_id"), str):
         return str(raw["record_id"])
@@ -104,7 +98,7 @@ def _results_file(path: Path, name: str | None, message_steps: dict[tuple[str, i
                 if isinstance(raw.get("explanations"), dict) else {}
             for key, value in raw["step_labels"].items():
                 field = f"step_labels[{key!r}]"
-                label = _label(value)
+                label = label_value(value)
                 if label is None:
                     raise InputError(f"label {value!r} is not one of -1, 0, 1", file=file,
                                      row=where, field=field)

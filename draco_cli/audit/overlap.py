@@ -109,15 +109,9 @@ def _ceiling(ref: dict[str, list[str]], meta: pl.DataFrame | None, level: str,
         by_task.setdefault(task, []).append(u)
     rows = []
     for us in by_task.values():
-        if level == "group":
-            # distinct train steps only
-            seen: set[int | None] = set()
-            picked: list[str] = []
-            for u in us:
-                if info[u][1] not in seen:
-                    seen.add(info[u][1])
-                    picked.append(u)
-            us = picked
+        if level == "group":  # distinct train steps only: each step's first unit
+            first: dict[int | None, str] = {}
+            us = [first.setdefault(info[u][1], u) for u in us if info[u][1] not in first]
         for x, y in zip(us[0::2], us[1::2]):
             m = len(match_one_to_one(similarity(ref[x], ref[y]), threshold))
             rows.append({"unit": f"{x}~{y}", "n_own": len(ref[x]), "n_reference": len(ref[y]),

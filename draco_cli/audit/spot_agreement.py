@@ -77,8 +77,6 @@ def spot_scope_row(steps: pl.DataFrame, pass_t: Trend, alpha: float, min_steps: 
                   f"{judge}" + ("; flagged: the training judge passes more while it agrees "
                                 "less with the gold judge" if flagged else ""))
     # pass_rate_first/last stay null: the per-step agreement is in the steps table
-    return {"scope": "spot_check", "criterion": None, "title": None, "n_steps": n,
-            "pass_rate_first": None, "pass_rate_last": None, "pass_slope": pass_t.slope,
-            "pass_t": None, "pass_p": pass_t.p, "pass_p_holm": None, "outcome_slope": None,
-            "outcome_p": None, "agreement_slope": a_t.slope, "agreement_p": a_t.p,
+    return {"scope": "spot_check", "n_steps": n, "pass_slope": pass_t.slope,
+            "pass_p": pass_t.p, "agreement_slope": a_t.slope, "agreement_p": a_t.p,
             "flagged": flagged, "reason": reason}

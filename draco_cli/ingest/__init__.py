@@ -113,22 +113,16 @@ def ingest(
         if not p.is_file():
             raise InputError("no such file", file=str(p))
     out = Path(out)
-    names = ["rollouts.parquet", "steps.parquet", "manifest.json"]
-    if labelled:
-        names.insert(2, "step_labels.parquet")
+    models: dict[str, type[Table]] = {"rollouts.parquet": Rollout, "steps.parquet": Step,
+                                      **({"step_labels.parquet": StepLabel} if labelled else {})}
+    names = [*models, "manifest.json"]
     for name in names:
         check_writable(out / name, force)
-    try:
-        code = CodeRule.parse(code_language, code_blocks)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    code = CodeRule.parse(code_language, code_blocks)
     counter = make_counter(tokenizer)
     unit = cast(StepUnit, step_unit)  # checked against STEP_UNITS above
     opts_by_source = {str(p): BuildOptions(unit, counter, str(p), code) for p in paths}
 
-    models: dict[str, type[Table]] = {"rollouts.parquet": Rollout, "steps.parquet": Step}
-    if labelled:
-        models["step_labels.parquet"] = StepLabel
     with (OutputSet(out, names, force=force, replaceable=("rejects.jsonl",)) as output,
           TableWriter(output, models) as tables):
         run = _Ingestion(tables, opts_by_source, group_by, train_step, skip_invalid, progress)

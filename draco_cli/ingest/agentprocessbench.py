@@ -9,11 +9,9 @@ import ast
 from collections.abc import Iterator
 from typing import Any, TextIO
 
-from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, json_lines, parse_messages
+from draco_cli.ingest.chat import EntryContext, Item, json_lines, parse_messages
 from draco_cli.ingest.episode import Episode
 
-Item = tuple[str, "Episode | InputError"]
 LABELS = (-1, 0, 1)
 
 

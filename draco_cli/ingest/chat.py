@@ -9,6 +9,8 @@ from typing import Any, TextIO
 from draco_cli.errors import InputError
 from draco_cli.ingest.episode import Episode, Message, ToolCall
 
+Item = tuple[str, Episode | InputError]  # an entry's place in its file, and what it made
+
 
 class EntryContext:
     """Where we are, so every error names file, entry and field."""
@@ -147,7 +149,7 @@ def trainer_tokens(raw: dict[str, Any], ctx: EntryContext
 
 
 def json_lines(fp: TextIO, source: str, to_episode: Callable[[Any, EntryContext, int], Episode]
-               ) -> Iterator[tuple[str, Episode | InputError]]:
+               ) -> Iterator[Item]:
     """(where, the episode or the InputError it makes) of each non-blank line of a JSON Lines
     file; ``to_episode(value, context, line number)`` reads a line's JSON value."""
     for lineno, line in enumerate(fp, start=1):

@@ -10,6 +10,7 @@ from dataclasses import dataclass
 from typing import cast
 
 from draco_cli.choices import CODE_BLOCKS, CodeBlocks
+from draco_cli.errors import UsageError
 
 DEFAULT_LANGUAGE = "bash"  # mini-swe-agent's
 
@@ -38,9 +39,9 @@ class CodeRule:
         """From the option texts: a comma-separated list of languages, or 'any'."""
         words = {w.strip().lower() for w in language.split(",") if w.strip()}
         if not words:
-            raise ValueError("--code-language: give a language (e.g. bash, python) or 'any'")
+            raise UsageError("--code-language: give a language (e.g. bash, python) or 'any'")
         if blocks not in CODE_BLOCKS:
-            raise ValueError(f"--code-blocks {blocks!r}: choose one of {', '.join(CODE_BLOCKS)}")
+            raise UsageError(f"--code-blocks {blocks!r}: choose one of {', '.join(CODE_BLOCKS)}")
         return cls(None if "any" in words else frozenset(words), cast(CodeBlocks, blocks))
 
     def describe(self) -> str:

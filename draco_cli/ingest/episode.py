@@ -190,19 +190,14 @@ def _render_observation(msgs: list[Message]) -> str:
     return "\n".join(out)
 
 
-def mask_runs(mask: list[int]) -> list[tuple[int, int]]:
-    """Half-open [start, end) runs of 1s in a response mask: the policy's generated turns."""
-    from draco_cli.inloop.rows import policy_runs
-
-    start, end = policy_runs(mask)
-    return list(zip(start.tolist(), end.tolist()))
-
-
 def _trainer_runs(ep: Episode, policy_idx: list[int], source: str) -> list[tuple[int, int]] | None:
     """The policy messages' token ranges from the trainer's response mask, one run each."""
+    from draco_cli.inloop.rows import policy_runs
+
     if ep.response_mask is None:
         return None
-    runs = mask_runs(ep.response_mask)
+    start, end = policy_runs(ep.response_mask)
+    runs = list(zip(start.tolist(), end.tolist()))
     if len(runs) != len(policy_idx):
         raise InputError(
             f"response_mask has {len(runs)} runs of policy tokens but the episode has "

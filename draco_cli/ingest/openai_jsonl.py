@@ -8,14 +8,12 @@ from collections.abc import Iterator
 from pathlib import Path
 from typing import Any, TextIO
 
-from draco_cli.errors import InputError
-from draco_cli.ingest.chat import (EntryContext, first_user_text, json_lines, parse_messages,
-                                   trainer_tokens)
+from draco_cli.ingest.chat import (EntryContext, Item, first_user_text, json_lines,
+                                   parse_messages, trainer_tokens)
 from draco_cli.ingest.episode import Episode
 from draco_cli.schemas import Termination
 
 TERMINATIONS = Termination.__args__  # type: ignore[attr-defined]
-Item = tuple[str, "Episode | InputError"]
 
 
 def iter_episodes(fp: TextIO, source: str) -> Iterator[Item]:

@@ -18,8 +18,6 @@ from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, instruction_of, layout_of
 from draco_cli.trainers.rllm.records import episode_files, read_episodes
 
-__all__ = ["ingest"]
-
 # rLLM's TerminationReason values (rllm/workflows/workflow.py) → draco's terminations.
 TERMINATIONS = {"env_done": "submitted", "max_turns_exceeded": "max_turns",
                 "max_response_length_exceeded": "max_length",

@@ -16,8 +16,6 @@ from draco_cli.errors import InputError, UsageError
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.skyrl_rows import outcome_of, read_records, trajectory
 
-__all__ = ["ingest", "read_records", "record_rollouts"]
-
 
 
 def record_rollouts(rec: dict[str, Any], decode: Callable[[list[int]], str],

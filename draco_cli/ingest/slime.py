@@ -13,8 +13,6 @@ from typing import Any
 from draco_cli.errors import InputError, UsageError
 from draco_cli.ingest import IngestResult, publish_records
 
-__all__ = ["ingest", "tokenizer_decode"]
-
 
 def tokenizer_decode(spec: str | None) -> Any:
     """``decode(ids) -> str`` of a tokenizer.json (a file or the folder holding it)."""

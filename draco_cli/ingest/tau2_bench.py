@@ -9,11 +9,10 @@ from collections.abc import Iterator
 from typing import Any, TextIO
 
 from draco_cli.errors import InputError
-from draco_cli.ingest.chat import EntryContext, as_object, parse_messages
+from draco_cli.ingest.chat import EntryContext, Item, as_object, parse_messages
 from draco_cli.ingest.episode import Episode
 from draco_cli.ingest.jsonstream import iter_object_with_array
 
-Item = tuple[str, "Episode | InputError"]
 
 TERMINATION = {
     "user_stop": "submitted",

@@ -111,6 +111,3 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
     if skipped:
         result.warnings.append(f"{skipped} traces without a sampled token were left out")
     return result
-
-
-__all__ = ["ingest"]

@@ -18,7 +18,6 @@ from draco_cli.io.outputs import (
     OutputSet,
     TableWriter,
     folder_lock,
-    recover_folder,
 )
 from draco_cli.io.tables import (
     as_frame,
@@ -47,7 +46,6 @@ __all__ = [
     "read_arrow",
     "read_stdin_table",
     "read_table",
-    "recover_folder",
     "require_finite",
     "write_table",
     "write_text_atomic",

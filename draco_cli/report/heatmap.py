@@ -20,17 +20,6 @@ MAX_ROLLOUTS = 200  # rollouts offered in the picker and drawn in the heatmap
 OBSERVATION_CHARS = 1500
 
 
-def _pick_rollouts(rw: pl.DataFrame, wanted: str | None) -> list[str]:
-    order = rw.sort(pl.col("advantage").abs(), descending=True, nulls_last=True)
-    ids = order["rollout_id"].head(MAX_ROLLOUTS).to_list()
-    if wanted is not None and wanted not in ids:
-        ids = [wanted] + ids[:MAX_ROLLOUTS - 1]
-    elif wanted is not None:
-        ids.remove(wanted)
-        ids.insert(0, wanted)
-    return ids
-
-
 def _credit(run: Run, con: DuckDBPyConnection, counts: str | None,
             wanted: str | None, redact: Redact) -> str:
     import plotly.graph_objects as go
@@ -51,7 +40,11 @@ def _credit(run: Run, con: DuckDBPyConnection, counts: str | None,
                                        "LIMIT 3")["rollout_id"].to_list())
         raise InputError(f"--rollout {wanted!r}: no such rollout in this run (e.g. {sample})",
                          file=str(run.dir))
-    ids = _pick_rollouts(rw, wanted)
+    # the query's rollouts by |A_i| (the one asked for first), at most MAX_ROLLOUTS
+    by_push = rw.sort(pl.col("advantage").abs(), descending=True, nulls_last=True)
+    ids = ([] if wanted is None else [wanted]) + [
+        x for x in by_push["rollout_id"].to_list() if x != wanted]
+    del ids[MAX_ROLLOUTS:]
     sel = _q_list(ids)
     sc = _frame(con, f"""
         SELECT sc.rollout_id, sc.step, sc.n_tokens, sc.advantage, sc.total, sc.p, sc.f,

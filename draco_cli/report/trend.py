@@ -73,10 +73,7 @@ def health_section(h: JudgeHealth | None, why_not: str | None, redact: Redact) -
         pl.when(pl.col("scope") == "spot_check").then(pl.lit("(gold judge agreement)"))
         .otherwise(pl.col("title").fill_null("(all criteria)"))
         .map_elements(redact, return_dtype=pl.String).alias("title"),
-        pl.col("reason").map_elements(redact, return_dtype=pl.String)).select(
-        "scope", "title", "n_steps", "pass_rate_first", "pass_rate_last", "pass_slope",
-        "pass_p", "pass_p_holm", "outcome_slope", "outcome_p", "agreement_slope",
-        "agreement_p", "flagged", "reason")
+        pl.col("reason").map_elements(redact, return_dtype=pl.String)).drop("criterion", "pass_t")
     rest = crit.height - min(crit.height, MAX_TREND_ROWS)
     note = (f"<p class='note'>Each train step is one observation: <b>pass_slope</b> is the "
             "weighted least-squares slope of the per-step pass rate (passes / (passes + "

@@ -3,7 +3,7 @@
 Unlike a read, which stops at the first broken rule, validation collects every problem it can
 find, each naming file, row and field, so a user fixes a log in one pass."""
 
-from draco_cli.validate.folder import validate_paths, validate_targets
+from draco_cli.validate.folder import validate_targets
 from draco_cli.validate.issues import raise_first
 from draco_cli.validate.tokens import (
     FlatSpans,
@@ -18,6 +18,5 @@ __all__ = [
     "policy_span_issues",
     "raise_first",
     "token_advantage_issues",
-    "validate_paths",
     "validate_targets",
 ]

@@ -276,10 +276,7 @@ def check_output_sets(loaded: list[tuple[Path, Loaded]]) -> list[str]:
 
 
 def check_llm_calls(source: str, df: pl.DataFrame) -> list[str]:
-    problems: list[str] = []
-    rows, n = _rows(df, pl.col("status").is_null())
-    _report(problems, source, "status", "must not be null", rows, n)
-    return problems
+    return _report(source, "status", "must not be null", *_rows(df, pl.col("status").is_null()))
 
 
 def check_rollouts(source: str, df: pl.DataFrame) -> list[str]:
@@ -298,21 +295,19 @@ def check_rollouts(source: str, df: pl.DataFrame) -> list[str]:
     if "policy_spans" in df.columns:
         resp = df["response_len"] if "response_len" in df.columns else None
         for rows, n, what in policy_span_issues(df["policy_spans"].to_arrow(), resp):
-            _report(problems, source, "policy_spans", what, rows, n)
+            problems += _report(source, "policy_spans", what, rows, n)
     return problems
 
 
 def check_steps(source: str, df: pl.DataFrame) -> list[str]:
-    problems: list[str] = []
     ranked = df.with_row_index("__row").with_columns(
         pl.col("step").rank("ordinal").over("rollout_id").cast(pl.Int32).alias("__rank")
     )
     # Report each broken rollout once, at its first step out of place.
     broken = ranked.filter(pl.col("step") != pl.col("__rank")).unique("rollout_id", keep="first",
                                                                       maintain_order=True)
-    _report(problems, source, "step", "steps of a rollout must run 1, 2, 3, ... without gaps "
-            "or repeats", broken["__row"].head(MAX_PER_RULE).to_list(), broken.height)
-    return problems
+    return _report(source, "step", "steps of a rollout must run 1, 2, 3, ... without gaps "
+                   "or repeats", broken["__row"].head(MAX_PER_RULE).to_list(), broken.height)
 
 
 def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame],
@@ -325,15 +320,15 @@ def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame],
         (pl.col("token_start") + pl.col("n_tokens")).alias("__end")
     )
     rows, n = _rows(pos, pl.col("response_len").is_not_null() & (pl.col("__end") > pl.col("response_len")))
-    _report(problems, ssrc, "token_start", "step tokens end past the rollout's response_len",
+    problems += _report(ssrc, "token_start", "step tokens end past the rollout's response_len",
             [int(pos["__row"][i]) for i in rows], n)
     ordered = pos.sort("rollout_id", "token_start").with_columns(
         pl.col("__end").shift(1).over("rollout_id").alias("__prev_end")
     )
     rows, n = _rows(ordered, pl.col("__prev_end").is_not_null()
                     & (pl.col("token_start") < pl.col("__prev_end")))
-    _report(problems, ssrc, "token_start", "step token ranges overlap",
-            [int(ordered["__row"][i]) for i in rows], n)
+    problems += _report(ssrc, "token_start", "step token ranges overlap",
+                        [int(ordered["__row"][i]) for i in rows], n)
     # Steps are policy tokens: each must lie inside one of its rollout's policy spans.
     spanned = pos.filter(pl.col("policy_spans").is_not_null()).with_columns(
         pl.struct("token_start", "__end", "policy_spans").map_elements(
@@ -344,8 +339,8 @@ def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame],
     ) if pos.height and pos["policy_spans"].null_count() < pos.height else None
     if spanned is not None:
         rows, n = _rows(spanned, ~pl.col("__inside"))
-        _report(problems, ssrc, "token_start", "step tokens outside the rollout's policy_spans",
-                [int(spanned["__row"][i]) for i in rows], n)
+        problems += _report(ssrc, "token_start", "step tokens outside the rollout's "
+                            "policy_spans", [int(spanned["__row"][i]) for i in rows], n)
     return problems
 
 
@@ -354,10 +349,8 @@ def check_known_rollouts(table: tuple[str, pl.DataFrame],
     (src, df), (rsrc, r) = table, rollouts
     df = df.with_row_index("__row")
     orphan = df.join(r.select("rollout_id"), on="rollout_id", how="anti")
-    problems: list[str] = []
-    _report(problems, src, "rollout_id", f"no such rollout in {rsrc}",
-            orphan["__row"].head(MAX_PER_RULE).to_list(), orphan.height)
-    return problems
+    return _report(src, "rollout_id", f"no such rollout in {rsrc}",
+                   orphan["__row"].head(MAX_PER_RULE).to_list(), orphan.height)
 
 
 def check_citations(table: tuple[str, pl.DataFrame],
@@ -369,12 +362,11 @@ def check_citations(table: tuple[str, pl.DataFrame],
              .explode("cited_steps").filter(pl.col("cited_steps").is_not_null())
              .join(last, on="rollout_id", how="left").with_columns(pl.col("__M").fill_null(0)))
     bad = cited.filter((pl.col("cited_steps") < 1) | (pl.col("cited_steps") > pl.col("__M")))
-    problems: list[str] = []
-    if bad.height:
-        first = bad.row(0, named=True)
-        rows = sorted(set(bad["__row"].to_list()))
-        _report(problems, src, "cited_steps",
-                f"cites steps that do not exist in {ssrc} (e.g. step {first['cited_steps']} of "
-                f"rollout {first['rollout_id']!r}, which has {first['__M']})",
-                rows[:MAX_PER_RULE], len(rows))
-    return problems
+    if not bad.height:
+        return []
+    first = bad.row(0, named=True)
+    rows = sorted(set(bad["__row"].to_list()))
+    return _report(src, "cited_steps",
+                   f"cites steps that do not exist in {ssrc} (e.g. step {first['cited_steps']} of "
+                   f"rollout {first['rollout_id']!r}, which has {first['__M']})",
+                   rows[:MAX_PER_RULE], len(rows))

@@ -29,11 +29,11 @@ def _rows(df: pl.DataFrame, mask: pl.Expr) -> tuple[list[int], int]:
     return idx.head(MAX_PER_RULE).to_list(), idx.len()
 
 
-def _report(problems: list[str], source: str, field: str, what: str, rows: list[int],
-            n: int) -> None:
-    if n:
-        listed = ", ".join(str(r) for r in rows) + (f" and {n - len(rows)} more" if n > len(rows) else "")
-        problems.append(f"{source}: row {listed}: field '{field}': {what}")
+def _report(source: str, field: str, what: str, rows: list[int], n: int) -> list[str]:
+    if not n:
+        return []
+    listed = ", ".join(str(r) for r in rows) + (f" and {n - len(rows)} more" if n > len(rows) else "")
+    return [f"{source}: row {listed}: field '{field}': {what}"]
 
 
 Issue = tuple[list[int], int, str]

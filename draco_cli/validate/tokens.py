@@ -113,7 +113,5 @@ def token_advantage_issues(df: pl.DataFrame) -> list[tuple[str, Issue]]:
 
 
 def check_token_advantages(source: str, df: pl.DataFrame) -> list[str]:
-    problems: list[str] = []
-    for field, (rows, n, what) in token_advantage_issues(df):
-        _report(problems, source, field, what, rows, n)
-    return problems
+    return [p for field, (rows, n, what) in token_advantage_issues(df)
+            for p in _report(source, field, what, rows, n)]

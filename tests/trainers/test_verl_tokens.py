@@ -15,9 +15,14 @@ import polars as pl
 import pytest
 
 from draco_cli.ingest import ingest
-from draco_cli.ingest.episode import mask_runs
+from draco_cli.inloop.rows import policy_runs
 from draco_cli.trainers.loader import fingerprint
 from tests.trainers.chatml import chatml_tokenizer
+
+
+def mask_runs(mask):
+    start, end = policy_runs(mask)
+    return list(zip(start.tolist(), end.tolist()))
 
 pytestmark = pytest.mark.trainers
 pytest.importorskip("verl", reason="needs the trainers extra (verl 0.9.1)")
