@@ -247,6 +247,28 @@ def test_show_prompt_calls_nothing(server, tau):
     assert server.hits["chat"] == 0
 
 
+def test_judge_show_prompt_is_the_first_request_a_run_would_send(server, tau, tmp_path):
+    r, s = str(tau / "rollouts.parquet"), str(tau / "steps.parquet")
+    assert run_draco("rubric", "static", "--rollouts", r, "-o",
+                     str(tmp_path / "rb")).returncode == 0
+    rubrics = tmp_path / "rb" / "rubrics.parquet"
+    res = run_draco("judge", "score", "--rollouts", r, "--steps", s, "--rubrics", str(rubrics),
+                    "-o", "unused", "--show-prompt", *llm_args(server))
+    assert res.returncode == 0, res.stderr
+    first = pl.read_parquet(r).row(0, named=True)
+    ids = pl.read_parquet(rubrics).filter(pl.col("group_id") == first["group_id"])["criterion_id"]
+    assert b"===== system =====" in res.stdout and ids.len() > 0
+    assert all(c.encode() in res.stdout for c in ids)
+    # a group without criteria is never judged: there is no prompt to show for it
+    pl.read_parquet(rubrics).filter(pl.col("group_id") != first["group_id"]).write_parquet(
+        tmp_path / "other.parquet")
+    res = run_draco("judge", "score", "--rollouts", r, "--steps", s, "--rubrics",
+                    str(tmp_path / "other.parquet"), "-o", "unused", "--show-prompt",
+                    *llm_args(server))
+    assert res.returncode == 1 and b"no criteria" in res.stderr
+    assert server.hits["chat"] == 0
+
+
 def test_long_observations_are_shortened_visibly():
     from draco_cli.prompts.render import RenderOptions, render_rollout
 

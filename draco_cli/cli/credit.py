@@ -81,9 +81,6 @@ def compute(
         credit=credit or ("uniform" if outcome else "step"),
         estimator=estimator, std=std, drop=drop, tokens=tokens, reward=reward, judge=judge,
         rubric_dropout=rubric_dropout, dropout_seed=dropout_seed, train_step=train_step)
-    if verdicts is None and not outcome:
-        raise typer.BadParameter("--verdicts is required unless --reward outcome",
-                                 param_hint="--verdicts")
     with err_console.status("computing credit…"):
         stats = credit_compute(rollouts, steps, verdicts, out, options=options, force=force)
     if outcome and credit is None:

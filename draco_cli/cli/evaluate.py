@@ -118,11 +118,8 @@ def evaluate(
         emit(Report([(f"A = {compare[0]}   B = {compare[1]}", res)],
                      document=res.to_dicts()), shape)
         return
-    if not rollouts:
-        raise typer.BadParameter("give --rollouts (or --compare A --compare B)",
-                                 param_hint="--rollouts")
     by = list(by or [])
-    result = evaluate_runs(rollouts, ks, by=by, missing=missing, out=out, force=force)
+    result = evaluate_runs(rollouts or [], ks, by=by, missing=missing, out=out, force=force)
     if out is not None:
         note(f"wrote {out / 'metrics.parquet'}")
     warnings = list(result.warnings)
@@ -141,7 +138,7 @@ def evaluate(
                   if scope != "overall"},
            "warnings": warnings}
     shown = result.metrics
-    if len(rollouts) == 1 and "train_step" not in by:
+    if len(rollouts or []) == 1 and "train_step" not in by:
         # one training step: its column would repeat overall
         shown = shown.filter(~pl.col("scope").str.starts_with("train_step="))
     emit(Report([(f"{s['n_rollouts']} rollouts, {s['n_tasks']} tasks",

@@ -16,7 +16,7 @@ from draco_cli.credit.inputs import StepArrays, index_steps
 from draco_cli.credit.tables import (CREDIT_ROLLOUT_COLUMNS, CREDIT_STEP_COLUMNS,
                                      CREDIT_VERDICT_COLUMNS, no_verdicts, rollouts_frame,
                                      steps_frame, verdicts_frame, with_step_ids)
-from draco_cli.credit.tokens import (LAYOUT_KEY, dense_to_spans, form_of, layout_label,
+from draco_cli.credit.tokens import (LAYOUT_KEY, SPAN_COLUMNS, dense_to_spans, layout_label,
                                      spans_to_dense, token_form, token_spans)
 from draco_cli.errors import DracoError, InputError, OutputError, UsageError
 from draco_cli.io import OutputSet, check_writable, read_arrow, read_table
@@ -144,7 +144,8 @@ def credit_expand(token_advantages: str | Path, out: str | Path, *,
         if missing.height:
             raise InputError(f"no token advantages for rollout {missing['rollout_id'][0]!r}",
                              file=source_name(token_advantages), field="rollout_id")
-    form = form_of(ta)
+    dense, spans = "advantages" in present, set(SPAN_COLUMNS) <= set(present)
+    form = ("both" if spans else "dense") if dense else "spans"
     target = to or ("dense" if form == "spans" else "spans")
     if target == "dense":
         res = ta if form in ("dense", "both") else spans_to_dense(ta)

@@ -34,7 +34,6 @@ def check_dropout(p: float) -> bool:
 def dropped_criteria(pairs: pl.DataFrame, p: float, seed: int) -> pl.DataFrame:
     """The (group_id, criterion_id) pairs left out, from the distinct retained pairs of
     ``pairs`` (columns group_id, criterion_id); one row each, with ``p`` and ``seed``."""
-    check_dropout(p)
     empty = pl.DataFrame(schema=DROPOUT_SCHEMA)
     if p == 0 or not pairs.height:
         return empty

@@ -11,7 +11,7 @@ import pyarrow as pa
 
 from draco_cli.credit.inputs import clean_strings
 from draco_cli.io import as_frame, conform
-from draco_cli.schemas import Rollout, Step, VerdictAggregated
+from draco_cli.schemas import Rollout, Step, VerdictAggregated, polars_schema
 
 if TYPE_CHECKING:
     from draco_cli.validate import FlatSpans
@@ -61,9 +61,7 @@ def steps_frame(arrow: pa.Table, source: str) -> tuple[pl.DataFrame, pa.ChunkedA
 
 
 def no_verdicts() -> pl.DataFrame:
-    return pl.DataFrame(schema={"rollout_id": pl.String, "criterion_id": pl.String,
-                                "judge": pl.String, "verdict": pl.String,
-                                "cited_steps": pl.List(pl.Int32), "retained": pl.Boolean})
+    return pl.DataFrame(schema=polars_schema(VerdictAggregated))
 
 
 def verdicts_frame(arrow: pa.Table, source: str) -> pl.DataFrame:

@@ -289,19 +289,6 @@ def dense_to_spans(df: pl.DataFrame) -> pl.DataFrame:
     )
 
 
-def form_of(df: pl.DataFrame) -> str:
-    has_dense = "advantages" in df.columns and df["advantages"].null_count() < df.height
-    has_spans = all(c in df.columns for c in SPAN_COLUMNS) and \
-        df["span_start"].null_count() < df.height
-    if has_dense and has_spans:
-        return "both"
-    if has_dense:
-        return "dense"
-    if has_spans:
-        return "spans"
-    return "dense" if "advantages" in df.columns else "spans"
-
-
 def _require(df: pl.DataFrame, cols: tuple[str, ...], form: str) -> None:
     for c in cols:
         if c not in df.columns:

@@ -42,11 +42,6 @@ def bern(p: float, x: int) -> float:
     return p if x else 1 - p
 
 
-def J(th: float = THETA) -> float:
-    return sum(bern(p1(th), a1) * bern(RHO[a1], o1) * bern(p2(o1, th), a2) * Q[a1, o1, a2]
-               for a1, o1, a2 in itertools.product((0, 1), repeat=3))
-
-
 def analytic_gradient(th: float = THETA) -> float:
     """∂J/∂θ by the score-function identity over the enumerated trajectories (exact)."""
     g = 0.0
@@ -152,15 +147,14 @@ def oracle_allocation(trajs: list[list[Position]], pred: Predictor, M: int, budg
     return lambda pos: table[id(pos)]
 
 
-def exact_check(M: int = 2, p_min: float = 0.05, budget_share: float = 0.5
-                ) -> list[dict[str, Any]]:
+def exact_check(M: int = 2, p_min: float = 0.05) -> list[dict[str, Any]]:
     """Rows per predictor × estimator: expectation, |error| against ∂J/∂θ, exact variance and
     expected replay cost per original trajectory (uniform and oracle at the same cost; the
     no-correction control buys the oracle plan's labels and ignores them)."""
     trajs = trajectories(M)
     truth = analytic_gradient()
     full_cost = sum(pos.prob * pos.cost for traj in trajs for pos in traj)
-    budget = budget_share * full_cost
+    budget = 0.5 * full_cost
     rows = []
     for name, pred in PREDICTORS.items():
         oracle = oracle_allocation(trajs, pred, M, budget, p_min)
@@ -189,15 +183,13 @@ def _row(name: str, mean: float, var: float, cost: float, truth: float) -> dict[
             "expected_cost": cost, "expectation": mean, "gradient": truth}
 
 
-def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05,
-                  budget: float | None = None, predictor: str = "zero") -> list[dict[str, Any]]:
+def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05) -> list[dict[str, Any]]:
     """Replays per side M under one fixed expected budget (environment actions per original
     trajectory; default half of full replay at M = 2): more replays per position buy less
     coverage. Exact variance of the corrected estimator with oracle allocation per M."""
-    pred = PREDICTORS[predictor]
+    pred = PREDICTORS["zero"]
     truth = analytic_gradient()
-    if budget is None:
-        budget = 0.5 * sum(pos.prob * pos.cost for traj in trajectories(2) for pos in traj)
+    budget = 0.5 * sum(pos.prob * pos.cost for traj in trajectories(2) for pos in traj)
     rows = []
     for M in Ms:
         trajs = trajectories(M)
@@ -205,6 +197,6 @@ def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05,
         b = min(budget, full)
         oracle = oracle_allocation(trajs, pred, M, b, p_min)
         m, v, c = estimator_moments(trajs, pred, oracle, M, correct=True)
-        rows.append({**_row(f"corrected, oracle square-root, M={M}, {predictor} predictor",
+        rows.append({**_row(f"corrected, oracle square-root, M={M}, zero predictor",
                             m, v, c, truth), "M": M})
     return rows

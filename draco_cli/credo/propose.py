@@ -19,10 +19,11 @@ from pydantic import BaseModel, Field
 from draco_cli.credo.evolve import objective
 from draco_cli.credo.heads import draco_features, fit_heads, task_split, training_rows
 from draco_cli.errors import InputError, UsageError
+from draco_cli.schemas import EvolveScore, polars_schema
 
 if TYPE_CHECKING:
-    from draco_cli.llm.drive import Client
-    from draco_cli.llm.types import Answer, LLMRequest, Progress
+    from draco_cli.llm.client import LLMClient
+    from draco_cli.llm.types import LLMRequest, Progress
 
 PROMPT_VERSION = "evolve.v1"
 PHASE = "evolve"
@@ -47,21 +48,6 @@ class EvolveResult:
     verdicts: pl.DataFrame        # verdicts under the accepted rubric
     accepted: str | None          # the accepted edit's label
     notes: list[str]
-
-
-class _AsPhase:
-    """Runs a client's requests under another phase label (cost accounting only: the phase is
-    not part of a request's cache key)."""
-
-    def __init__(self, client: Client, phase: str):
-        self.client, self.phase = client, phase
-
-    def run(self, requests: list[LLMRequest],
-            progress: Callable[[Progress], None] | None = None, batch: bool | None = False
-            ) -> list[list[Answer]]:
-        for r in requests:
-            r.phase = self.phase
-        return self.client.run(requests, progress=progress, batch=batch)
 
 
 def rubric_keys(rubrics: pl.DataFrame) -> pl.DataFrame:
@@ -193,7 +179,7 @@ def _evidence(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFram
 
 def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataFrame,
                  steps: pl.DataFrame, rubrics: pl.DataFrame, verdicts: pl.DataFrame,
-                 client: Client, *, max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
+                 client: LLMClient, *, max_edits: int = 3, evidence: int = 8, ridge: float = 1.0,
                  holdout: float = 0.2, judge_label: str = "judge",
                  progress: Callable[[Progress], None] | None = None) -> EvolveResult:
     from draco_cli.judge.core import score_stage
@@ -207,10 +193,8 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
         raise UsageError("the split by task left one side empty: change --holdout")
     F0, rw0 = _features_of(rollouts, steps, verdicts)
     obj0, mse0 = _score(plan_df, labels, rollouts, F0, train, held, ridge)
-    rows = [{"candidate": "current rubric", "op": None, "title": None, "reason": None,
-             "held_out_objective": obj0, "held_out_mse": mse0,
-             "outcome_auc": outcome_auc(rw0, rollouts), "criteria": keyed["key"].n_unique(),
-             "error": None}]
+    rows = [{"candidate": "current rubric", "held_out_objective": obj0, "held_out_mse": mse0,
+             "outcome_auc": outcome_auc(rw0, rollouts), "criteria": keyed["key"].n_unique()}]
     lines = [json.dumps({"key": k, "title": t, "requirement": r}, ensure_ascii=False)
              for k, t, r in keyed.unique("key", maintain_order=True)
              .select("key", "title", "requirement").iter_rows()]
@@ -226,12 +210,10 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
         # the request's answer_model: the client parsed the answer into it
         edits = list(cast(EditsAnswer, answer.value).edits)[:max_edits]
     candidates: dict[str, tuple[pl.DataFrame, pl.DataFrame]] = {}
-    judge = _AsPhase(client, PHASE)
     for n, edit in enumerate(edits, start=1):
         label = f"edit {n}: {edit.op} {' '.join(edit.keys)}".strip()
         row = {"candidate": label, "op": edit.op, "title": edit.title or None,
-               "reason": edit.reason or None, "held_out_objective": None, "held_out_mse": None,
-               "outcome_auc": None, "criteria": None, "error": None}
+               "reason": edit.reason or None}
         try:
             rb, removed, new = apply_edit(rubrics, keyed, edit)
         except ValueError as exc:
@@ -240,8 +222,8 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
         v = verdicts.filter(~pl.col("criterion_id").is_in(removed))
         if new is not None:
             fresh = rb.filter(pl.col("source") == "evolve")
-            scored = drive(score_stage(rollouts, steps, fresh, judge=judge_label), judge,
-                           progress=progress)
+            scored = drive(score_stage(rollouts, steps, fresh, judge=judge_label, phase=PHASE),
+                           client, progress=progress)
             v = pl.concat([v.drop("retained", strict=False),
                            scored.verdicts.select(v.drop("retained", strict=False).columns)])
         F, rw = _features_of(rollouts, steps, v)
@@ -250,10 +232,7 @@ def evolve_round(plan_df: pl.DataFrame, labels: pl.DataFrame, rollouts: pl.DataF
                      "outcome_auc": outcome_auc(rw, rollouts),
                      "criteria": rb.select("title", "requirement").unique().height})
         candidates[label] = (rb, v)
-    scores = pl.DataFrame(rows, schema={
-        "candidate": pl.String, "op": pl.String, "title": pl.String, "reason": pl.String,
-        "held_out_objective": pl.Float64, "held_out_mse": pl.Float64,
-        "outcome_auc": pl.Float64, "criteria": pl.Int64, "error": pl.String})
+    scores = pl.DataFrame(rows, schema=polars_schema(EvolveScore))  # absent keys: null
     edited = scores.filter(pl.col("held_out_objective").is_not_null()
                            & (pl.col("candidate") != "current rubric"))
     accepted = None

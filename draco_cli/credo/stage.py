@@ -18,11 +18,12 @@ from draco_cli.credo import (Heads, correct, cross_fit, draco_features, evolve, 
                              fit_with_holdout, plan, rollout_lengths)
 from draco_cli.credo.protocol import LOG_NAME, RunResult, run_replays
 from draco_cli.errors import UsageError, naming
+from draco_cli.publish import publish_tables
 from draco_cli.io import (OutputSet, check_writable, conform, folder_lock, prepare_out_dir,
                           as_frame, read_arrow, require_finite, write_table, write_text_atomic)
 from draco_cli.schemas import (AllocatorCalibration, EvolveScore, HeadPrediction, ReplayCost,
                                ReplayCredit, ReplayLabel, ReplayPlan, Rollout, Rubric, Step,
-                               Table, TokenAdvantages, VerdictAggregated)
+                               TokenAdvantages, VerdictAggregated)
 
 if TYPE_CHECKING:
     from draco_cli.llm.settings import LLMSettings
@@ -119,11 +120,8 @@ def run_replay(plan_path: PathLike, env: str, out: PathLike, *, workers: int = 2
                           replays=replays, replace_other=force, timeout=timeout,
                           progress=progress)
         if res.labels is not None:
-            with OutputSet(folder, list(RUN_TABLES), force=True) as output:
-                output.write_table(conform(res.labels, ReplayLabel, str(folder / RUN_TABLES[0])),
-                                   RUN_TABLES[0], ReplayLabel)
-                output.write_table(conform(res.costs, ReplayCost, str(folder / RUN_TABLES[1])),
-                                   RUN_TABLES[1], ReplayCost)
+            publish_tables(folder, {"labels": (res.labels, ReplayLabel),
+                                    "replay_cost": (res.costs, ReplayCost)}, force=True)
     return res
 
 
@@ -263,11 +261,9 @@ def propose_replay(plan_path: PathLike, labels: PathLike, rollouts: PathLike, st
                                read(rubrics), read(verdicts), client, max_edits=max_edits,
                                evidence=evidence, ridge=ridge, holdout=holdout,
                                progress=progress)
-        models: tuple[type[Table], ...] = (EvolveScore, Rubric, VerdictAggregated)
-        with OutputSet(folder, list(PROPOSE_TABLES), force=True) as output:
-            for df, name, model in zip((res.scores, res.rubrics, res.verdicts), PROPOSE_TABLES,
-                                       models):
-                output.write_table(conform(df, model, str(folder / name)), name, model)
+        publish_tables(folder, {"evolve": (res.scores, EvolveScore),
+                                "rubrics": (res.rubrics, Rubric),
+                                "verdicts": (res.verdicts, VerdictAggregated)}, force=True)
     return ProposeResult(res.scores, res.accepted, res.notes, dict(client.stats))
 
 
@@ -322,14 +318,8 @@ def exact_check_rows(replays: int = 2, p_min: float = 0.05,
     from draco_cli.credo.exact_check import exact_check, sweep_replays
 
     rows = exact_check(M=replays, p_min=p_min)
-    if sweep:
-        if min(sweep) < 1:
+    if sweep is not None:
+        if not sweep or min(sweep) < 1:
             raise UsageError("--sweep-replays takes positive integers, e.g. 1,2,4")
         rows += sweep_replays(sweep, p_min)
     return rows
-
-
-def biased(rows: list[dict[str, Any]], tol: float = 1e-9) -> list[dict[str, Any]]:
-    """The corrected estimators whose expectation misses the analytic gradient."""
-    return [r for r in rows if r["estimator"].startswith("corrected")
-            and r["max_abs_error"] > tol]

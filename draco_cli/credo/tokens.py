@@ -15,10 +15,7 @@ from draco_cli.credit.tokens import _canonical, _list_array, _policy_pairs, toke
 
 def credo_token_advantages(rollouts: pl.DataFrame, steps: pl.DataFrame, credit: pl.DataFrame,
                            beta: float = 0.0) -> pl.DataFrame:
-    if "token_start" not in steps.columns:  # optional in the contract: steps laid end to end
-        steps = steps.with_columns(pl.lit(None, pl.Int32).alias("token_start"))
-    sa = index_steps(steps.select("rollout_id", "step", "n_tokens", "token_start"), rollouts,
-                     "steps")
+    sa = index_steps(steps, rollouts, "steps")
     a_t = sa.order().join(credit.select("rollout_id", pl.col("step").cast(pl.Int32),
                                         "advantage"), on=["rollout_id", "step"], how="left",
                           maintain_order="left")["advantage"].fill_null(0.0).to_numpy()

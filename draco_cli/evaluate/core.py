@@ -188,8 +188,6 @@ def evaluate(rollouts: pl.DataFrame, ks: Sequence[int] = (1, 2, 3), by: Sequence
     ks = sorted(set(int(k) for k in ks))
     if not ks or ks[0] < 1:
         raise UsageError("--k takes positive integers, e.g. 1,2,3")
-    if missing not in MISSING_MODES:
-        raise UsageError(f"--missing takes fail or drop, not {missing!r}")
     warnings: list[str] = []
     nulls = rollouts["outcome"].null_count()
     if nulls:

@@ -10,7 +10,7 @@ from pathlib import Path
 import polars as pl
 
 from draco_cli.errors import InputError, UsageError
-from draco_cli.evaluate.core import EvalResult
+from draco_cli.evaluate.core import EvalResult, compare, evaluate
 from draco_cli.io import check_writable, read_table
 from draco_cli.publish import publish_tables
 from draco_cli.run.folder import RunFolder
@@ -44,8 +44,6 @@ def evaluate_runs(rollouts: list[Path], ks: list[int], *, by: list[str] | None =
                   ) -> EvalResult:
     """The figures of one or several rollouts tables (one per training step: figures per
     train_step too), published to ``out/metrics.parquet`` when ``out`` is given."""
-    from draco_cli.evaluate.core import evaluate
-
     if not rollouts:
         raise UsageError("--rollouts: give --rollouts (or --compare A --compare B)")
     if out is not None:
@@ -75,8 +73,6 @@ def evaluate_runs(rollouts: list[Path], ks: list[int], *, by: list[str] | None =
 
 def compare_runs(a: Path, b: Path, ks: list[int], *, missing: str = "fail") -> pl.DataFrame:
     """Run B against run A task by task: both figures, B − A and a paired bootstrap 95% CI."""
-    from draco_cli.evaluate.core import compare
-
     ra, rb = read_rollouts(a), read_rollouts(b)
     shared = set(ra["task_id"].drop_nulls()) & set(rb["task_id"].drop_nulls())
     if not shared:

@@ -14,7 +14,7 @@ import polars as pl
 from pydantic import BaseModel
 
 from draco_cli.choices import Aggregate
-from draco_cli.llm.types import Answer, LLMRequest, Sampling
+from draco_cli.llm.types import Answer, LLMRequest, RequestStream, Sampling
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, render_steps,
                                      rollout_budget, rollout_prefix, stage_messages,
@@ -87,20 +87,10 @@ def criteria_listing(criteria: pl.DataFrame) -> str:
                       for c in criteria.iter_rows(named=True))
 
 
-def score_request(rollout_id: str, instruction: str, steps: pl.DataFrame, criteria: pl.DataFrame,
-                  samples: int, sampling: Sampling, render: RenderOptions,
-                  task_context: str | None = None) -> LLMRequest:
-    return _score_request(rollout_id, instruction, steps["step"].to_list(),
-                          steps["action"].to_list(), steps["observation"].to_list(),
-                          criteria["criterion_id"].to_list(), criteria_listing(criteria),
-                          samples, sampling, render, load_prompt("score"),
-                          context=ContextBlocks(render.redactor)(task_context))
-
-
 def _score_request(rollout_id: str, instruction: str, numbers: list[int], actions: list[str],
                    observations: list[str], ids: list[str], listing: str, samples: int,
                    sampling: Sampling, render: RenderOptions,
-                   prompt: tuple[str, str], context: str = "") -> LLMRequest:
+                   prompt: tuple[str, str], context: str = "", phase: str = "score") -> LLMRequest:
     """``context``: the rendered task-context block (``ContextBlocks``), or ""."""
     template, version = prompt
     task, traj = render_steps(instruction, numbers, actions, observations, render,
@@ -113,7 +103,7 @@ def _score_request(rollout_id: str, instruction: str, numbers: list[int], action
         rollout_prefix(context, task, traj, m),
         f"{template}\nCriteria (one JSON object per line):\n{fenced('criteria', listing)}")
     return LLMRequest(
-        phase="score", key=rollout_id, answer_model=ScoreAnswer, samples=samples,
+        phase=phase, key=rollout_id, answer_model=ScoreAnswer, samples=samples,
         sampling=sampling, template_version=version, schema_name="verdicts",
         json_schema=score_schema(ids, m),
         check=verdict_check(ids), messages=messages, cache_marks=shared)
@@ -236,10 +226,8 @@ class ScoreResult:
 def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFrame, *,
                 samples: int = 1, aggregate: Aggregate = "all", judge: str = "judge",
                 sampling: Sampling | None = None, render: RenderOptions | None = None,
-                ) -> Stage[ScoreResult]:
+                phase: str = "score") -> Stage[ScoreResult]:
     """The judge stage as a generator of request lists (``draco_cli.llm.drive``)."""
-    from draco_cli.llm.types import RequestStream
-
     render = render or RenderOptions()
     sampling = sampling or Sampling()
     # Per group once: its criterion ids and their listing (shared by the group's prompts).
@@ -270,7 +258,7 @@ def score_stage(rollouts: pl.DataFrame, steps: pl.DataFrame, rubrics: pl.DataFra
             jobs.append((rid, ids, b - a))
             yield _score_request(rid, instructions[i], numbers[a:b], actions[a:b],
                                  observations[a:b], ids, listing, samples, sampling, render,
-                                 prompt, context_of(contexts.get(groups[i])))
+                                 prompt, context_of(contexts.get(groups[i])), phase)
 
     # Built while the first calls are in flight (``RequestStream``).
     answers = (yield RequestStream(produce(), len(wanted) * samples)) \

@@ -12,6 +12,7 @@ import polars as pl
 
 from draco_cli.errors import InputError
 from draco_cli.io import check_writable, read_table
+from draco_cli.judge.core import ScoreResult, ScoreStats, score_stage
 from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.publish import publish_file, source_name
@@ -22,7 +23,6 @@ from draco_cli.prompts.render import RenderOptions
 from draco_cli.schemas import Rollout, Rubric, VerdictAggregated, VerdictRaw
 
 if TYPE_CHECKING:
-    from draco_cli.judge.core import ScoreResult
     from draco_cli.llm.drive import Stage
 
 
@@ -36,8 +36,6 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
 
     Rollouts are scored in chunks of ``chunk_rollouts`` in file order (``llmstage``): memory
     follows the chunk, not the input; the tables are the same as from one pass over all."""
-    from draco_cli.judge.core import score_stage
-
     out = Path(out)
     targets = [out / "verdicts_raw.parquet", out / "verdicts.parquet"]
     for t in targets:
@@ -46,10 +44,6 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
     rb = read_table(rubrics, Rubric)
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
     summary = _Summary()
-
-    def whole() -> Stage[ScoreResult]:
-        return score_stage(r, s, rb, samples=samples, aggregate=aggregate, judge=judge_label,
-                           sampling=sampling, render=render)
 
     def chunks() -> tuple[Iterator[Stage[ScoreResult]], int]:
         size = max(1, chunk_rollouts)
@@ -66,8 +60,10 @@ def judge_score(rollouts: str | Path, steps: str | Path, rubrics: str | Path, ou
         return {targets[0].name: res.raw, targets[1].name: res.verdicts}
 
     report = run_llm_stage(out, {targets[0].name: VerdictRaw, targets[1].name: VerdictAggregated},
-                           settings, call_log, whole=whole, chunks=chunks, tables_of=tables,
-                           force=force, progress=progress)
+                           settings, call_log, chunks=chunks, tables_of=tables, force=force,
+                           progress=progress,
+                           whole=score_stage(r, s, rb, samples=samples, aggregate=aggregate,
+                                             judge=judge_label, sampling=sampling, render=render))
     if report.budget_reached:
         return report
     n = summary.verdicts
@@ -102,8 +98,6 @@ class _Summary:
     """What the report says about the verdict tables, added up over the chunks."""
 
     def __init__(self) -> None:
-        from draco_cli.judge.core import ScoreStats
-
         self.verdicts = self.unanswered = self.raw = self.without_rubric = 0
         self.repeated = self.split = 0   # verdicts answered by ≥ 2 samples; those that differ
         self.stats = ScoreStats()
@@ -127,18 +121,15 @@ class _Summary:
 def judge_prompt(rollouts: str | Path, steps: str | Path, rubrics: str | Path, *,
                  render: RenderOptions, samples: int = 1) -> str:
     """The rendered judge prompt of the first rollout, without calling anything."""
-    from draco_cli.judge.core import score_request
-
     r, s = read_inputs(rollouts, steps)
     if r.height == 0:
         raise InputError("no rollouts, so no prompt to show", file=str(rollouts))
-    rb = read_table(rubrics, Rubric)
-    first = r.row(0, named=True)
-    crit = rb.filter(pl.col("group_id") == first["group_id"])
-    req = score_request(first["rollout_id"], first["instruction"],
-                        s.filter(pl.col("rollout_id") == first["rollout_id"]).sort("step"),
-                        crit, samples, Sampling(), render, first.get("task_context"))
-    return render_messages(req.messages)
+    first = next(score_stage(r.head(1), s.filter(pl.col("rollout_id") == r["rollout_id"][0]),
+                             read_table(rubrics, Rubric), samples=samples, render=render), None)
+    if first is None:
+        raise InputError("the first rollout's group has no criteria, so no prompt to show",
+                         file=str(rubrics))
+    return render_messages(next(iter(first)).messages)
 
 
 def judge_filter(rollouts: str | Path, verdicts: str | Path, out: str | Path, *,

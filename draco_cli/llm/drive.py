@@ -17,14 +17,6 @@ T = TypeVar("T")
 Stage = Generator["list[LLMRequest] | RequestStream", list[list[Answer]], T]
 
 
-class Client(Protocol):
-    """What ``drive`` answers a stage with: ``LLMClient``, or a wrapper of one."""
-
-    def run(self, requests: list[LLMRequest],
-            progress: Callable[[Progress], None] | None = None,
-            batch: bool | None = False) -> list[list[Answer]]: ...
-
-
 class AsyncClient(Protocol):
     """What ``adrive`` answers a stage with: ``LLMClient``, or a wrapper of one."""
 
@@ -32,14 +24,12 @@ class AsyncClient(Protocol):
                    progress: Callable[[Progress], None] | None = None) -> list[list[Answer]]: ...
 
 
-def drive(stage: Stage[T], client: Client, *,
+def drive(stage: Stage[T], client: LLMClient, *,
           progress: Callable[[Progress], None] | None = None, batch: bool | None = False) -> T:
     try:
         requests = next(stage)
         while True:
-            answers = client.run(requests, progress=progress, batch=batch) \
-                if isinstance(client, LLMClient) \
-                else client.run(list(requests), progress=progress, batch=batch)
+            answers = client.run(requests, progress=progress, batch=batch)
             requests = stage.send(answers)
     except StopIteration as stop:
         result: T = stop.value   # the generator's return value (StopIteration types it Any)

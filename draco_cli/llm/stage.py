@@ -225,7 +225,7 @@ async def _drive_chunk(stage: Stage[R], client: LLMClient, progress: _ChunkProgr
 
 
 def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettings,
-                  call_log: Path | None, *, whole: Callable[[], Stage[R]],
+                  call_log: Path | None, *, whole: Stage[R],
                   chunks: Callable[[], tuple[Iterable[Stage[R]], int]],
                   tables_of: Callable[[R], dict[str, pl.DataFrame]], force: bool,
                   progress: Callable[[Any], None] | None) -> StageReport:
@@ -239,7 +239,7 @@ def run_llm_stage(out: Path, models: dict[str, type[Table]], settings: LLMSettin
     with folder_lock(prepare_out_dir(out)), CallLog(log_path) as log:
         client = settings.client(log)
         if batching(settings):
-            res = drive(whole(), client, progress=progress, batch=settings.batch)
+            res = drive(whole, client, progress=progress, batch=settings.batch)
             finish(client, log_path, out, report)
             if not report.budget_reached:
                 with OutputSet(out, list(models), force=force) as output:

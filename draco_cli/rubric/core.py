@@ -18,7 +18,7 @@ from pydantic import BaseModel, Field
 
 from draco_cli.errors import InputError
 from draco_cli.schemas import Rubric, RubricCandidate, polars_schema
-from draco_cli.llm.types import Answer, LLMRequest, Sampling
+from draco_cli.llm.types import Answer, LLMRequest, Sampling, strict_schema
 from draco_cli.prompts import load_prompt
 from draco_cli.prompts.render import (ContextBlocks, RenderOptions, fenced, group_prefix,
                                      render_rollout, rollout_block, rollout_budget,
@@ -43,8 +43,6 @@ class CriteriaAnswer(BaseModel):
 def criteria_schema(max_items: int) -> dict[str, Any]:
     """The answer schema sent: at least one criterion and at most ``max_items`` (a model that
     loops on one criterion stops at the bound instead of at the token limit)."""
-    from draco_cli.llm.types import strict_schema
-
     schema = strict_schema(CriteriaAnswer.model_json_schema())
     schema["properties"]["criteria"].update(minItems=1, maxItems=max(1, max_items))
     return schema

@@ -15,11 +15,12 @@ from draco_cli.llm.settings import LLMSettings
 from draco_cli.llm.types import Sampling
 from draco_cli.llm.stage import (CHUNK_ROLLOUTS, run_llm_stage, ROLLOUT_COLUMNS, StageReport, chunk_frames, read_inputs, render_messages)
 from draco_cli.prompts.render import RenderOptions
+from draco_cli.rubric.core import (RubricResult, load_static_rubric, rubric_stage, stage_requests,
+                                   static_rubrics)
 from draco_cli.schemas import Rollout, Rubric, RubricCandidate
 
 if TYPE_CHECKING:
     from draco_cli.llm.drive import Stage
-    from draco_cli.rubric.core import RubricResult
 
 
 def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings: LLMSettings,
@@ -32,8 +33,6 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
 
     Groups are written in chunks of about ``chunk_rollouts`` rollouts (``llmstage``): memory
     follows the chunk, not the input; the tables are the same as from one pass over all."""
-    from draco_cli.rubric.core import rubric_stage
-
     out = Path(out)
     targets = [out / "rubric_candidates.parquet", out / "rubrics.parquet"]
     for t in targets:
@@ -42,10 +41,6 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
     pool = None if candidates is None else _candidate_pool(Path(candidates), r)
     sampling = Sampling(max_tokens=max_tokens, thinking=settings.thinking)
     summary = _Summary()
-
-    def whole() -> Stage[RubricResult]:
-        return rubric_stage(r, s, stages=stages, max_criteria=max_criteria, render=render,
-                            sampling=sampling, pool=pool, warm=False)
 
     def chunks() -> tuple[Iterator[Stage[RubricResult]], int]:
         groups = r.group_by("group_id", maintain_order=True).agg(pl.len().alias("n"))
@@ -64,8 +59,11 @@ def rubric_generate(rollouts: str | Path, steps: str | Path, out: Path, settings
         return {targets[0].name: res.candidates, targets[1].name: res.rubrics}
 
     report = run_llm_stage(out, {targets[0].name: RubricCandidate, targets[1].name: Rubric},
-                           settings, call_log, whole=whole, chunks=chunks, tables_of=tables,
-                           force=force, progress=progress)
+                           settings, call_log, chunks=chunks, tables_of=tables, force=force,
+                           progress=progress,
+                           whole=rubric_stage(r, s, stages=stages, max_criteria=max_criteria,
+                                              render=render, sampling=sampling, pool=pool,
+                                              warm=False))
     if report.budget_reached:
         return report
     if summary.missing:
@@ -126,8 +124,6 @@ def rubric_static(rollouts: str | Path, rubric_file: Path | None, out: Path,
                   force: bool = False) -> tuple[int, int, Path]:
     """One fixed rubric for every group → ``out/rubrics.parquet``; returns (criteria, groups,
     the table written)."""
-    from draco_cli.rubric.core import load_static_rubric, static_rubrics
-
     out = Path(out)
     target = out / "rubrics.parquet"
     check_writable(target, force)
@@ -143,8 +139,6 @@ def rubric_prompt(rollouts: str | Path, steps: str | Path, stage: str, *, max_cr
                   render: RenderOptions) -> str:
     """The rendered ``stage`` prompt (generate or union) of the first group, without calling
     anything (``--show-prompt``)."""
-    from draco_cli.rubric.core import stage_requests
-
     r, s = read_inputs(rollouts, steps)
     if r.height == 0:
         raise InputError("no rollouts, so no prompt to show", file=str(rollouts))
