@@ -109,12 +109,14 @@ def describe_os_error(exc: OSError, path: str | os.PathLike[str] | None = None) 
 
 
 @contextmanager
-def naming(file: str | os.PathLike[str] | None) -> Iterator[None]:
+def naming(file: str | os.PathLike[str] | None, row: int | str | None = None
+           ) -> Iterator[None]:
     """An InputError raised inside without a file gets ``file`` (code that checks a frame does
-    not know which file it was read from)."""
+    not know which file it was read from), and ``row`` if given."""
     try:
         yield
     except InputError as exc:
         if exc.file is not None or file is None:
             raise
-        raise InputError(exc.detail, file=str(file), row=exc.row, field=exc.field) from None
+        raise InputError(exc.detail, file=str(file), row=exc.row if row is None else row,
+                         field=exc.field) from None

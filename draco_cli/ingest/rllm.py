@@ -12,7 +12,7 @@ from typing import Any
 
 import polars as pl
 
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import InputError, UsageError, naming
 from draco_cli.ingest import (IngestResult, _group_warnings, publish_records)
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.rllm.layout import TrajectoryLayout, instruction_of, layout_of
@@ -89,10 +89,8 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
         raw = ep.get("termination_reason")
         for t, traj in enumerate(ep["trajectories"]):
             row = f"{where} trajectory {t}"
-            try:
+            with naming(str(path), row):
                 layout = layout_of(traj)
-            except InputError as exc:
-                raise InputError(exc.detail, file=str(path), row=row, field=exc.field) from None
             rid = layout.rollout_id
             if rid in seen:
                 raise InputError(f"duplicate trajectory uid {rid!r} (first at {seen[rid]})",
@@ -119,10 +117,8 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None = None,
             terminations[extra[rid]["termination"]] += 1
     if not rollouts:
         raise InputError("no trajectories in these records", file=", ".join(map(str, paths)))
-    try:
+    with naming(", ".join(map(str, paths))):
         r_df, s_df = trainer_rows(rollouts, decode or (lambda ids: ""))
-    except InputError as exc:
-        raise InputError(exc.detail, file=", ".join(map(str, paths)), field=exc.field) from None
     if decode is None:
         s_df = _own_texts(s_df, layouts, texts)
     r_df = r_df.with_columns(

@@ -12,7 +12,7 @@ from typing import Any
 
 import polars as pl
 
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import InputError, UsageError, naming
 from draco_cli.inloop.rows import TrainerRollout, trainer_rows
 from draco_cli.trainers.skyrl_rows import outcome_of, read_records, trajectory
 
@@ -23,10 +23,8 @@ def record_rollouts(rec: dict[str, Any], decode: Callable[[list[int]], str],
     step = train_step if train_step is not None else rec.get("global_step")
     out = []
     for i in range(len(rec["response_ids"])):
-        try:
+        with naming(source, i):
             rid, uid = trajectory(rec["trajectory_ids"][i])
-        except InputError as exc:
-            raise InputError(exc.detail, file=source, row=i, field="trajectory_ids") from None
         out.append(TrainerRollout(rid, uid, decode(list(rec["prompt_token_ids"][i])),
                                   rec["response_ids"][i], rec["loss_masks"][i],
                                   outcome=outcome_of(rec["rewards"][i]), task_id=uid,
@@ -65,10 +63,8 @@ def ingest(paths: list[Path], out: Path, *, tokenizer: str | None, train_step: i
             raise InputError(f"trajectory {r.rollout_id!r} appears twice (row ids must be "
                              "unique across the files)", field="trajectory_ids")
         seen.add(r.rollout_id)
-    try:
+    with naming(", ".join(map(str, paths))):
         rows, steps = trainer_rows(rollouts, decode)
-    except InputError as exc:
-        raise InputError(exc.detail, file=", ".join(map(str, paths)), field=exc.field) from None
     rows = rows.with_columns(pl.Series("termination", ends, dtype=pl.String))
     return publish_records("skyrl", paths, out, rows, steps, head={
         "step_unit": "policy-run", "token_counts": ["response_ids"], "tokenizer": tok_name,

@@ -10,8 +10,6 @@ from draco_cli.llm.answered import Answered
 from draco_cli.options import RunOptions
 from draco_cli.run.folder import Health, StageHealth, StageRecord
 
-__all__ = ["run_health", "signal_check", "stage_figure"]
-
 
 def stage_figure(health: Mapping[str, Any] | None) -> Answered | None:
     """The answered figure of a stage's health record (``calls`` in manifests before the

@@ -17,8 +17,7 @@ from typing import TYPE_CHECKING, Any
 from draco_cli import __version__
 from draco_cli.errors import InputError, UsageError
 from draco_cli.llm.settings import LLMSettings
-from draco_cli.options import (SETTINGS, CreditOptions, JudgeOptions, PromptOptions,
-                               RubricOptions, RunOptions)
+from draco_cli.options import RunOptions
 from draco_cli.prompts import CURRENT as PROMPT_VERSIONS
 from draco_cli.llm.answered import Answered
 from draco_cli.run import spot
@@ -30,8 +29,7 @@ from draco_cli.run.inputs import check_model, check_train_step, row_count, run_d
 if TYPE_CHECKING:
     from draco_cli.llm.stage import StageReport
 
-__all__ = ["SETTINGS", "RunOptions", "RubricOptions", "PromptOptions", "JudgeOptions",
-           "CreditOptions", "RunResult", "StageEvent", "run_step", "run_dir_for"]
+__all__ = ["RunOptions", "RunResult", "StageEvent", "run_step", "run_dir_for"]
 
 LLM_PHASES = {"rubric": ["generate", "union", "merge"], "judge": ["score"]}
 

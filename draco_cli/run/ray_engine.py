@@ -22,7 +22,6 @@ from draco_cli.errors import DracoError, UsageError
 
 if TYPE_CHECKING:
     from draco_cli.llm.stage import StageReport
-    from draco_cli.schemas import Table
 
 PART = "__draco_partition"
 
@@ -221,18 +220,6 @@ def merge_reports(parts: list[tuple[int, StageReport]]) -> StageReport:
     return out
 
 
-def union_tables(parts: list[tuple[int, StageReport]], names: list[str]
-                 ) -> dict[str, pl.DataFrame | None]:
-    """The partitions' tables of one stage, concatenated in partition order (None: no
-    partition wrote it)."""
-    out: dict[str, pl.DataFrame | None] = {}
-    for name in names:
-        frames = [pl.read_parquet(p) for p in
-                  (rep.outputs[0].parent / name for _, rep in parts) if p.exists()]
-        out[name] = pl.concat(frames, how="vertical_relaxed") if frames else None
-    return out
-
-
 def merge_call_logs(run_dir: Path, main_log: Path) -> None:
     """Copy the partitions' call-log rows the run's log does not hold yet into it (a
     partition's rows are copied once: the highest id copied is remembered per partition)."""
@@ -279,20 +266,16 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     merged StageReport (``outputs`` in the run folder)."""
     from draco_cli.io import OutputSet, read_arrow
     from draco_cli.llm.export import export_parquet
-    from draco_cli.schemas import Rubric, RubricCandidate, VerdictAggregated, VerdictRaw
+    from draco_cli.schemas import TABLES
 
     parts = run_partitions(stage, rollouts, steps, run_dir, work, partitions=partitions,
                            address=address, main_log=main_log)
     merge_call_logs(run_dir, main_log)
     report = merge_reports(parts)
     out = Path(run_dir) / stage
-    names: dict[str, type[Table]]
-    if stage == "rubric":
-        names = {"rubric_candidates.parquet": RubricCandidate, "rubrics.parquet": Rubric}
-        key = "group_id"
-    else:
-        names = {"verdicts_raw.parquet": VerdictRaw, "verdicts.parquet": VerdictAggregated}
-        key = "rollout_id"
+    names = {"rubric": ["rubric_candidates.parquet", "rubrics.parquet"],
+             "judge": ["verdicts_raw.parquet", "verdicts.parquet"]}[stage]
+    key = "group_id" if stage == "rubric" else "rollout_id"
     order = list(dict.fromkeys(cast("list[str]",
                                     read_arrow(rollouts, [key]).column(key).to_pylist())))
     report.outputs = [out / n for n in names]
@@ -301,11 +284,12 @@ def run_stage(stage: str, rollouts: Path, steps: Path, run_dir: Path, main_log: 
     if report.budget_reached:
         report.notes.append("budget reached (--max-cost): tables not written; rerun to resume")
         return report
-    tables = union_tables(parts, list(names))
-    with OutputSet(out, list(names), force=True) as output:
-        for name, model in names.items():
-            table = tables[name]
-            if table is None:
+    with OutputSet(out, names, force=True) as output:
+        for name in names:   # the partitions' tables, concatenated in partition order
+            frames = [pl.read_parquet(p) for p in
+                      (rep.outputs[0].parent / name for _, rep in parts) if p.exists()]
+            if not frames:
                 raise DracoError(f"--engine ray: no partition wrote {stage}/{name}")
-            output.write_table(in_input_order(table, key, order), name, model)
+            output.write_table(in_input_order(pl.concat(frames, how="vertical_relaxed"), key,
+                                              order), name, TABLES[name.removesuffix(".parquet")])
     return report

@@ -13,8 +13,6 @@ import numpy as np
 from draco_cli.errors import InputError
 from draco_cli.trainers import field_of
 
-__all__ = ["REQUIRED", "Deliveries", "outcome_of", "read_records", "trajectory"]
-
 REQUIRED = ("prompt_token_ids", "response_ids", "loss_masks", "rewards", "trajectory_ids")
 
 

@@ -10,8 +10,6 @@ import numpy as np
 if TYPE_CHECKING:
     from draco_cli.inloop import TrainerRollout
 
-__all__ = ["completion_rows", "group_rollouts"]
-
 
 def completion_rows(completion_ids: np.ndarray, completion_mask: np.ndarray,
                     tool_mask: np.ndarray | None, pad_id: int, masked_truncated: bool

@@ -18,8 +18,6 @@ if TYPE_CHECKING:
     from draco_cli.inloop import BlockingStepScorer
     from draco_cli.options import RunOptions
 
-__all__ = ["InStep"]
-
 T = TypeVar("T")
 
 

@@ -10,7 +10,7 @@ from typing import Any
 
 import numpy as np
 
-from draco_cli.errors import InputError, UsageError
+from draco_cli.errors import InputError, UsageError, naming
 from draco_cli.io.files import check_writable, write_text_atomic
 from draco_cli.trainers.export import ExportResult, advantages_file
 from draco_cli.trainers.loader import AlignmentError, load_token_advantages
@@ -24,10 +24,8 @@ def _fill(ep: dict[str, Any], table: Any, file: str, where: str,
     scored = unscored = tokens = 0
     for t, traj in enumerate(ep["trajectories"]):
         row = f"{where} trajectory {t}"
-        try:
+        with naming(file, row):
             layout = layout_of(traj)
-        except InputError as exc:
-            raise InputError(exc.detail, file=file, row=row, field=exc.field) from None
         steps = traj["steps"]
         if layout.rollout_id not in table:
             unscored += 1
