@@ -56,7 +56,7 @@ class OutputExistsError(DracoError):
 
 
 class ValidationFailed(DracoError):
-    """A set of tables broke their contracts; carries every problem found."""
+    """A set of tables broke their contracts; its message lists every problem found."""
 
     def __init__(self, problems: list[str]) -> None:
         head = f"{len(problems)} problem(s) found"

@@ -8,6 +8,7 @@ read-only `draco sql`".
 from __future__ import annotations
 
 import json
+import sqlite3
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -61,16 +62,22 @@ def _manifest(folder: Path) -> dict[str, Any] | None:
 def read_call_log(path: Path) -> pa.Table:
     import polars as pl
 
-    from draco_cli.llm.calllog import read_only
-
-    with read_only(path) as (conn, _):
-        cur = conn.execute("SELECT * FROM calls")
-        names = [d[0] for d in cur.description]
-        # In blocks: Python row tuples of a large log would cost many times its bytes.
-        parts = []
-        while rows := cur.fetchmany(10_000):
-            parts.append(pl.DataFrame(rows, schema=names, orient="row",
-                                      infer_schema_length=None).to_arrow())
+    # Not through llm.calllog.read_only: its advice for a broken log (restore it, or move it
+    # aside) fits a stage about to write one, not a read-only query of any file.
+    try:
+        conn = sqlite3.connect(f"file:{path}?mode=ro", uri=True)
+        try:
+            cur = conn.execute("SELECT * FROM calls")
+            names = [d[0] for d in cur.description]
+            # In blocks: Python row tuples of a large log would cost many times its bytes.
+            parts = []
+            while rows := cur.fetchmany(10_000):
+                parts.append(pl.DataFrame(rows, schema=names, orient="row",
+                                          infer_schema_length=None).to_arrow())
+        finally:
+            conn.close()
+    except sqlite3.DatabaseError as exc:
+        raise InputError(f"not a draco call log ({exc})", file=str(path)) from None
     if not parts:
         return pl.DataFrame(schema=names).to_arrow() if names else pa.table({})
     return pa.concat_tables(parts, promote_options="permissive")

@@ -151,3 +151,23 @@ def test_no_edit_accepted_when_none_helps(server, tmp_path, monkeypatch):
     if not rm["accepted"]:
         assert b"the rubric stays" in res.stderr
         assert pl.read_parquet(d / "ev" / "rubrics.parquet")["title"].to_list()[0] == "Is polite"
+
+
+def test_no_label_in_the_held_out_tasks_is_refused_before_any_call(server, tmp_path):
+    """With no replay label among the held-out tasks no edit can be scored: refused before
+    the proposal is paid for, not when the scores are written."""
+    from draco_cli.credo import task_split
+
+    d = world(tmp_path, n=80, seed=3)
+    _, held = task_split(pl.read_parquet(d / "rollouts.parquet"), 0.2)
+    for name in ("plan", "labels"):   # the held-out tasks' positions were never planned
+        pl.read_parquet(d / f"{name}.parquet").filter(
+            ~pl.col("rollout_id").is_in(list(held))).write_parquet(d / f"{name}.parquet")
+    res = run_draco("replay", "propose", *[x for n in ("plan", "labels", "rollouts", "steps",
+                                                       "rubrics", "verdicts")
+                                           for x in (f"--{n}", str(d / f"{n}.parquet"))],
+                    "--model", "openai/judge-model", "--base-url", server.url + "/v1", "-o",
+                    str(d / "ev"))
+    assert res.returncode == 1, res.stderr.decode()
+    assert b"no selected position has both labels and features" in res.stderr
+    assert server.bodies == [] and not (d / "ev" / "evolve.parquet").exists()

@@ -20,7 +20,7 @@ from draco_cli.credit.inputs import (StepArrays, _check_verdict_keys, _codes, re
                                      index_steps, narrow_judge, rollout_chunks, sum_by_offsets,
                                      verdict_flags, verdict_rows)
 from draco_cli.choices import CreditKind, Drop, Estimator, RewardSource, StdMode
-from draco_cli.credit.dropout import apply_dropout
+from draco_cli.credit.dropout import apply_dropout, check_dropout
 from draco_cli.errors import DracoError, InputError, UsageError
 
 EPS = 1e-6
@@ -321,6 +321,7 @@ def compute_credit(
     ``rubric_dropout`` > 0 leaves a seeded share of each group's retained criteria out
     (``credit.dropout``; the result's ``dropout`` lists them).
     """
+    check_dropout(rubric_dropout)   # before any work (apply_dropout comes last)
     require_groups(rollouts)
     sa = steps if isinstance(steps, StepArrays) else index_steps(steps, rollouts, steps_source)
     if check_verdict_keys and verdicts.height and not bool(

@@ -185,7 +185,7 @@ def _row(name: str, mean: float, var: float, cost: float, truth: float) -> dict[
 
 def sweep_replays(Ms: Sequence[int] = (1, 2, 4), p_min: float = 0.05) -> list[dict[str, Any]]:
     """Replays per side M under one fixed expected budget (environment actions per original
-    trajectory; default half of full replay at M = 2): more replays per position buy less
+    trajectory: half of full replay at M = 2, zero predictor): more replays per position buy less
     coverage. Exact variance of the corrected estimator with oracle allocation per M."""
     pred = PREDICTORS["zero"]
     truth = analytic_gradient()

@@ -317,9 +317,7 @@ def exact_check_rows(replays: int = 2, p_min: float = 0.05,
     """`replay exact-check`: the exact enumeration's rows (and the sweep over M, if asked)."""
     from draco_cli.credo.exact_check import exact_check, sweep_replays
 
+    if sweep is not None and (not sweep or min(sweep) < 1):
+        raise UsageError("--sweep-replays takes positive integers, e.g. 1,2,4")
     rows = exact_check(M=replays, p_min=p_min)
-    if sweep is not None:
-        if not sweep or min(sweep) < 1:
-            raise UsageError("--sweep-replays takes positive integers, e.g. 1,2,4")
-        rows += sweep_replays(sweep, p_min)
-    return rows
+    return rows + sweep_replays(sweep, p_min) if sweep is not None else rows

@@ -215,7 +215,8 @@ class Scorer:
         the gold judge (``judge.spot``); nothing here touches a reward."""
         from draco_cli.judge.spot import sample_verdicts, spot_stage
 
-        assert self.gold is not None   # StepScorer asks only with spot_check_model given
+        if self.gold is None:
+            raise UsageError("Scorer.spot_check: the scorer has no gold judge (spot_check_model)")
         judged = [g for g in groups if g.inputs is not None and g.verdicts.height]
         if not judged:
             return pl.DataFrame()

@@ -289,6 +289,8 @@ class AnsweredCalls:
     answers with its last row."""
 
     def __init__(self, path: Path, by: str) -> None:
+        if by not in ("request_hash", "content_hash"):   # a column name put into SQL
+            raise ValueError(by)
         self.path, self.by = path, by
         self._conn: sqlite3.Connection | None = _connect(path, readonly=True)
         self._lock = threading.Lock()

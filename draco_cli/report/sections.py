@@ -12,7 +12,6 @@ import polars as pl
 
 if TYPE_CHECKING:
     from duckdb import DuckDBPyConnection
-from draco_cli.audit.cost import _dollars
 from draco_cli.report.data import Redact, Run, _frame, _q, _titles, _views
 from draco_cli.report.html import _esc, _fig_html, _int_axis, _table
 
@@ -334,6 +333,8 @@ def _cost(runs: list[Run], con: DuckDBPyConnection) -> str:
              "Calls per training step, by phase (no dollars logged: replayed or free calls)")
     fig.update_layout(barmode="stack", title=title, yaxis_title=unit, yaxis_rangemode="tozero")
     _int_axis(fig, xs)
+    from draco_cli.audit.cost import _dollars   # here: draco_cli.audit loads scipy
+
     table = c.group_by("phase").agg(pl.col("calls").sum(), _dollars()).sort("phase")
     return (_fig_html(fig) + "<p>Calls and dollars per phase, all steps:</p>"
             + _table(table, {"cost_usd": ".4f"}, nulls={"cost_usd": _unpriced("calls")})

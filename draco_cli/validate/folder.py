@@ -321,7 +321,7 @@ def check_rollouts_steps(rollouts: tuple[str, pl.DataFrame],
     )
     rows, n = _rows(pos, pl.col("response_len").is_not_null() & (pl.col("__end") > pl.col("response_len")))
     problems += _report(ssrc, "token_start", "step tokens end past the rollout's response_len",
-            [int(pos["__row"][i]) for i in rows], n)
+                        [int(pos["__row"][i]) for i in rows], n)
     ordered = pos.sort("rollout_id", "token_start").with_columns(
         pl.col("__end").shift(1).over("rollout_id").alias("__prev_end")
     )

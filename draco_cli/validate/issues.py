@@ -32,7 +32,8 @@ def _rows(df: pl.DataFrame, mask: pl.Expr) -> tuple[list[int], int]:
 def _report(source: str, field: str, what: str, rows: list[int], n: int) -> list[str]:
     if not n:
         return []
-    listed = ", ".join(str(r) for r in rows) + (f" and {n - len(rows)} more" if n > len(rows) else "")
+    listed = ", ".join(str(r) for r in rows) + (f" and {n - len(rows)} more" if n > len(rows)
+                                                else "")
     return [f"{source}: row {listed}: field '{field}': {what}"]
 
 

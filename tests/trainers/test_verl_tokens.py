@@ -24,6 +24,7 @@ def mask_runs(mask):
     start, end = policy_runs(mask)
     return list(zip(start.tolist(), end.tolist()))
 
+
 pytestmark = pytest.mark.trainers
 pytest.importorskip("verl", reason="needs the trainers extra (verl 0.9.1)")
 pytest.importorskip("transformers", reason="needs the trainers extra (transformers)")
