@@ -108,12 +108,15 @@ def inloop(urls, rollouts, steps, log: Path, concurrency: int) -> tuple[float, f
 
 def cli(url, tmp: Path, out: Path, concurrency: int) -> tuple[float, float, int]:
     from draco_cli.llm.settings import LLMSettings
+    from draco_cli.options import RunOptions
     from draco_cli.run.pipeline import run_step
 
     llm = LLMSettings(model="openai/bench", base_url=url, concurrency=concurrency,
                       adaptive=False)
+    # the benchmark's judge answers every rollout alike: no signal, which a run refuses
+    opts = RunOptions.for_setting("draco", allow_no_signal=True)
     t0, c0 = time.perf_counter(), time.process_time()
-    res = run_step(tmp / "rollouts.parquet", tmp / "steps.parquet", out, llm)
+    res = run_step(tmp / "rollouts.parquet", tmp / "steps.parquet", out, llm, opts)
     wall, cpu = time.perf_counter() - t0, time.process_time() - c0
     assert res.manifest["status"] == "done", res.manifest["status"]
     return wall, cpu, calls_in(out / "llm_calls.sqlite")
