@@ -92,13 +92,18 @@ def world(tmp_path, n=160, seed=1):
     return tmp_path
 
 
-def test_llm_proposed_edit_accepted_only_when_the_objective_drops(server, tmp_path):
-    d = world(tmp_path)
-    args = ["replay", "propose", *[x for n in ("plan", "labels", "rollouts", "steps", "rubrics",
+def propose_args(d, server):
+    """``draco replay propose`` over the world in ``d``, against ``server``, into ``d/ev``."""
+    return ["replay", "propose", *[x for n in ("plan", "labels", "rollouts", "steps", "rubrics",
                                                "verdicts")
                                    for x in (f"--{n}", str(d / f"{n}.parquet"))],
             "--model", "openai/judge-model", "--base-url", server.url + "/v1", "-o",
             str(d / "ev")]
+
+
+def test_llm_proposed_edit_accepted_only_when_the_objective_drops(server, tmp_path):
+    d = world(tmp_path)
+    args = propose_args(d, server)
     res = run_draco(*args)
     assert res.returncode == 0, res.stderr.decode()
     scores = pl.read_parquet(d / "ev" / "evolve.parquet")
@@ -138,11 +143,7 @@ def test_no_edit_accepted_when_none_helps(server, tmp_path, monkeypatch):
     server.answer = lambda body, i: json.dumps({"edits": [
         {"op": "remove", "keys": ["c1"], "title": "", "requirement": "", "reason": "x"}]}) \
         if "maintain a grading rubric" in body["messages"][0]["content"] else scripted(body, i)
-    res = run_draco("replay", "propose", *[x for n in ("plan", "labels", "rollouts", "steps",
-                                                       "rubrics", "verdicts")
-                                           for x in (f"--{n}", str(d / f"{n}.parquet"))],
-                    "--model", "openai/judge-model", "--base-url", server.url + "/v1", "-o",
-                    str(d / "ev"))
+    res = run_draco(*propose_args(d, server))
     assert res.returncode == 0, res.stderr.decode()
     scores = pl.read_parquet(d / "ev" / "evolve.parquet")
     rm = scores.filter(pl.col("op") == "remove").row(0, named=True)
@@ -163,11 +164,7 @@ def test_no_label_in_the_held_out_tasks_is_refused_before_any_call(server, tmp_p
     for name in ("plan", "labels"):   # the held-out tasks' positions were never planned
         pl.read_parquet(d / f"{name}.parquet").filter(
             ~pl.col("rollout_id").is_in(list(held))).write_parquet(d / f"{name}.parquet")
-    res = run_draco("replay", "propose", *[x for n in ("plan", "labels", "rollouts", "steps",
-                                                       "rubrics", "verdicts")
-                                           for x in (f"--{n}", str(d / f"{n}.parquet"))],
-                    "--model", "openai/judge-model", "--base-url", server.url + "/v1", "-o",
-                    str(d / "ev"))
+    res = run_draco(*propose_args(d, server))
     assert res.returncode == 1, res.stderr.decode()
     assert b"no selected position has both labels and features" in res.stderr
     assert server.bodies == [] and not (d / "ev" / "evolve.parquet").exists()
